@@ -1,0 +1,51 @@
+"""The `forja` command line.
+
+Each subcommand lives next to the code it drives and registers itself through an
+`add_cli(subparsers)` function; this file only wires them together, imports them
+lazily (so `forja --help` is fast) and turns a `ForjaError` into one clear line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from forja.errors import ForjaError
+
+# subcommand -> "module:function" that adds its parser. The function sets `func` on
+# its parser; `func(args)` returns an exit code.
+_COMMANDS = {
+    "tokenizer": "forja.data.cli:add_tokenizer_cli",
+    "prepare": "forja.data.cli:add_prepare_cli",
+    "generate": "forja.generate:add_cli",
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="forja", description="Pre-train large language models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, target in _COMMANDS.items():
+        if only is not None and name != only:
+            # Still list it in --help, without importing its module.
+            sub.add_parser(name, help=f"(see `forja {name} --help`)")
+            continue
+        module_name, func_name = target.split(":")
+        getattr(importlib.import_module(module_name), func_name)(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Import only the module of the command asked for: importing torch for `--help` is slow.
+    only = argv[0] if argv and argv[0] in _COMMANDS else None
+    parser = build_parser(only)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ForjaError as exc:
+        print(f"forja {args.command}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,157 @@
+"""Causal self-attention with grouped-query heads, document masking and a KV cache.
+
+A packed training sequence holds several documents back to back; `document_ids`
+(B, T) says which document each token belongs to, and a token attends only to earlier
+tokens of its own document. The mask is built once per forward pass (`build_mask`)
+and shared by every layer:
+
+- no document ids, or one document per row: SDPA with `is_causal` (no mask tensor);
+- several documents, backend "sdpa": SDPA with an explicit boolean (B, 1, T, T) mask;
+- backend "flex" on CUDA: FlexAttention with a block mask, which skips fully masked
+  tiles. FlexAttention has no CPU backward, so on CPU "flex" falls back to SDPA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forja.models.common.norms import RMSNorm
+from forja.models.common.rope import apply_rope
+
+ATTENTION_BACKENDS = ("sdpa", "flex")
+
+
+@dataclass
+class AttentionMask:
+    """Which keys each query may see in one forward pass."""
+
+    is_causal: bool = False
+    dense: torch.Tensor | None = None  # (B, 1, Tq, Tk) bool, True = may attend
+    block_mask: Any = None  # torch.nn.attention.flex_attention.BlockMask
+
+
+def build_mask(
+    document_ids: torch.Tensor | None, *, q_len: int, kv_len: int, backend: str = "sdpa"
+) -> AttentionMask:
+    """The mask for `q_len` queries that follow `kv_len - q_len` cached positions."""
+    offset = kv_len - q_len
+    if document_ids is None:
+        if offset == 0:
+            return AttentionMask(is_causal=True)
+        if q_len == 1:
+            return AttentionMask()  # one new token sees the whole cache
+        q_pos = torch.arange(offset, kv_len)[:, None]
+        return AttentionMask(dense=(q_pos >= torch.arange(kv_len)[None, :])[None, None])
+    if offset != 0:
+        raise ValueError("document_ids cannot be combined with a KV cache")
+    if backend == "flex" and document_ids.is_cuda:
+        return AttentionMask(block_mask=_document_block_mask(document_ids))
+    if bool((document_ids == document_ids[:, :1]).all()):
+        return AttentionMask(is_causal=True)
+    T = q_len
+    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
+    same_doc = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
+    return AttentionMask(dense=(same_doc & causal)[:, None])
+
+
+def _document_block_mask(document_ids: torch.Tensor) -> Any:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal_same_document(b, h, q, kv):
+        return (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
+
+    B, T = document_ids.shape
+    return create_block_mask(causal_same_document, B, None, T, T, device=document_ids.device)
+
+
+_compiled_flex = None
+
+
+def _flex_attention(q, k, v, block_mask):
+    # FlexAttention is only fast compiled; compile it once per process, lazily.
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """Scaled dot-product attention. q (B, H, Tq, hd); k, v (B, Hkv, Tk, hd) -> (B, H, Tq, hd)."""
+    if mask.block_mask is not None:
+        return _flex_attention(q, k, v, mask.block_mask)
+    attn_mask = mask.dense.to(q.device) if mask.dense is not None else None
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=mask.is_causal, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+class KVCache:
+    """Keys and values of every layer for positions already decoded.
+
+    Buffers are preallocated for `max_len` positions; `length` counts those filled.
+    The model writes each layer's new keys/values through `update` and calls
+    `advance` once per forward pass.
+    """
+
+    def __init__(self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
+                 *, dtype: torch.dtype, device: torch.device | str):
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, Hkv, T, hd) after the cached positions; return all keys and values so far."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; {end} were asked for")
+        self.keys[layer][:, :, self.length:end] = k
+        self.values[layer][:, :, self.length:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with n_kv_heads <= n_heads (grouped-query when fewer).
+
+    Optional per-head RMSNorm of queries and keys (QK-norm) before RoPE. When cos/sin
+    are None (GPT-2), positions come from learned embeddings instead of rotations.
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
+                 bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5):
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: AttentionMask, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 rather than n_heads: under tensor parallelism each rank holds a slice of heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, hd)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, hd)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        out = attend(q, k, v, mask)  # (B, H, T, hd)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))

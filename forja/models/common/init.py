@@ -1,0 +1,74 @@
+"""Deterministic weight initialization that does not depend on how a model is sharded.
+
+Every parameter draws its values from its own generator, seeded by the run seed and
+the parameter's name, and the full tensor is drawn on the CPU in float32. A sharded
+parameter (a DTensor under FSDP or tensor parallelism) then keeps its own slice of
+that full tensor. So the same seed gives bit-identical weights on one CPU, one GPU or
+any parallel layout, and adding or removing a layer does not shift the others.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+# A rule maps a parameter name to ("normal", std), ("trunc_normal", std), ("ones",) or ("zeros",).
+InitRule = Callable[[str], tuple]
+
+# Wrappers that activation checkpointing and torch.compile insert into module names.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name with wrapper modules removed: 'layers.0.attention.wq.weight'."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return gen
+
+
+def full_value(shape: torch.Size, rule: tuple, gen: torch.Generator) -> torch.Tensor:
+    """The full float32 CPU tensor that `rule` gives for a parameter of `shape`."""
+    kind = rule[0]
+    if kind == "ones":
+        return torch.ones(shape)
+    if kind == "zeros":
+        return torch.zeros(shape)
+    out = torch.empty(shape)
+    if kind == "normal":
+        return out.normal_(0.0, rule[1], generator=gen)
+    if kind == "trunc_normal":
+        std = rule[1]
+        return nn.init.trunc_normal_(out, 0.0, std, -3 * std, 3 * std, generator=gen)
+    raise ValueError(f"unknown init rule {rule!r}")
+
+
+def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            # Every rank drew the same full tensor; keep this rank's slice, no communication.
+            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(shard.to_local())
+        else:
+            param.copy_(full)
+
+
+def named_unique_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Parameters once each (tied weights under their first name), names canonical."""
+    for name, param in model.named_parameters():
+        yield canonical_name(name), param
+
+
+def init_parameters(model: nn.Module, seed: int, rule: InitRule) -> None:
+    """Fill every parameter of `model` by `rule`, reproducibly from `seed`."""
+    for name, param in named_unique_parameters(model):
+        full = full_value(param.shape, rule(name), _generator(seed, name))
+        _assign(param, full)

@@ -1,0 +1,32 @@
+"""Feed-forward blocks: SwiGLU (Llama) and GELU (GPT-2)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x) (Shazeer 2020, "GLU Variants Improve Transformer")."""
+
+    def __init__(self, dim: int, hidden_dim: int, *, bias: bool = False):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)  # gate
+        self.w3 = nn.Linear(dim, hidden_dim, bias=bias)  # up
+        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class GeluMLP(nn.Module):
+    """w2(gelu(w1 x)) with GPT-2's tanh approximation of GELU."""
+
+    def __init__(self, dim: int, hidden_dim: int, *, bias: bool = True):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))

@@ -1,0 +1,39 @@
+"""Normalization layers.
+
+RMSNorm computes in float32 whatever the input dtype (as Llama's reference and
+Hugging Face do): the mean of squares of bf16 activations loses too much precision.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, over the last dimension."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` with parameters created empty: `init_weights` fills them."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
+        super().__init__(dim, eps=eps, bias=bias)
+
+    def reset_parameters(self) -> None:
+        # Called by nn.LayerNorm.__init__; initialization belongs to init_weights(seed).
+        pass

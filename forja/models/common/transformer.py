@@ -1,0 +1,181 @@
+"""The decoder-only transformer shared by every family: embed -> blocks -> norm -> output.
+
+A family (llama/, gpt2/) chooses the norm, the MLP, the position scheme and the
+initialization; the forward pass, parameter and FLOP counting live here once.
+Single-device code: parallelism is applied from outside by `parallelize.py`.
+
+Layers sit in an `nn.ModuleDict` keyed "0", "1", ... so that a pipeline stage that
+drops some of them keeps the others' parameter names (checkpoints stay compatible).
+Any of `tok_embeddings`, `norm`, `output` may be set to None by a pipeline split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from forja.errors import ForjaError
+from forja.models.common.attention import ATTENTION_BACKENDS, Attention, KVCache, build_mask
+from forja.models.common.init import InitRule, init_parameters
+
+
+@dataclass(kw_only=True)
+class TransformerArgs:
+    """Sizes and switches common to every family."""
+
+    dim: int
+    """Width of the residual stream."""
+    n_layers: int
+    """Number of transformer blocks."""
+    n_heads: int
+    """Query heads per attention layer."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None means n_heads."""
+    head_dim: int | None = None
+    """Width of one head; None means dim // n_heads."""
+    ffn_dim: int
+    """Hidden width of the feed-forward block."""
+    vocab_size: int
+    """Rows of the embedding and of the output projection."""
+    max_seq_len: int = 2048
+    """Longest sequence the model is built for (learned positions, KV cache size)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the normalization layers."""
+    tie_embeddings: bool = False
+    """Share the input embedding matrix with the output projection."""
+    qk_norm: bool = False
+    """RMS-normalize queries and keys per head before attention."""
+    attention: str = "sdpa"
+    """Attention backend: "sdpa", or "flex" (FlexAttention on CUDA; SDPA elsewhere)."""
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ForjaError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
+                                 "change one of them or set model.head_dim")
+            self.head_dim = self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ForjaError(f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads="
+                             f"{self.n_kv_heads}; grouped-query attention needs whole groups")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ForjaError(f"model.attention={self.attention!r} is not one of {ATTENTION_BACKENDS}")
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, attention: Attention, feed_forward: nn.Module, attention_norm: nn.Module,
+                 ffn_norm: nn.Module):
+        super().__init__()
+        self.attention_norm = attention_norm
+        self.attention = attention
+        self.ffn_norm = ffn_norm
+        self.feed_forward = feed_forward
+
+    def forward(self, x, rope, mask, cache: KVCache | None = None, layer: int = 0):
+        x = x + self.attention(self.attention_norm(x), rope, mask, cache, layer)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Base of every family's model. Subclasses build the modules and define
+    `positions_embedding`, `rope_tables` and `init_rule`."""
+
+    args: TransformerArgs
+
+    def __init__(self, args: TransformerArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Module | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.n_layers)})
+        self.norm: nn.Module | None = self.build_norm()
+        self.output: nn.Module | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection when the args say so.
+
+        Call again after `to_empty`: moving off the meta device gives each module a new
+        Parameter and silently unties them."""
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    # -- what a family defines -------------------------------------------------------------
+    def build_block(self, layer: int) -> TransformerBlock:
+        raise NotImplementedError
+
+    def build_norm(self) -> nn.Module:
+        raise NotImplementedError
+
+    def add_positions(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Learned position embeddings (GPT-2); identity for rotary families."""
+        return h
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos/sin for rotary families; None otherwise."""
+        return None
+
+    def init_rule(self, name: str) -> tuple:
+        raise NotImplementedError
+
+    # -- shared behaviour ------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, *,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab) in the output layer's dtype.
+
+        A pipeline stage past the first receives hidden states (B, T, dim) as `tokens`.
+        """
+        start = cache.length if cache is not None else 0
+        T = tokens.shape[1]
+        positions = torch.arange(start, start + T, device=tokens.device)
+        h = tokens
+        if self.tok_embeddings is not None:
+            h = self.add_positions(self.tok_embeddings(tokens), positions)  # (B, T, dim)
+        rope = self.rope_tables(positions)
+        mask = build_mask(document_ids, q_len=T, kv_len=start + T, backend=self.args.attention)
+        for name, block in self.layers.items():
+            h = block(h, rope, mask, cache, int(name))
+        if cache is not None:
+            cache.advance(T)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Fill all parameters from `seed`, identically for any sharding."""
+        init_parameters(self, seed, self.init_rule)
+
+    def new_kv_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+        a = self.args
+        weight = self.layers["0"].attention.wk.weight
+        return KVCache(a.n_layers, batch, max_len or a.max_seq_len, a.n_kv_heads, a.head_dim,
+                       dtype=weight.dtype, device=weight.device)
+
+    def num_params(self, *, exclude_embeddings: bool = False) -> int:
+        """Parameters, each counted once (tied weights once). With `exclude_embeddings`,
+        leaves out the lookup tables that do no matrix multiply: token embeddings when they
+        are not tied to the output, and learned position embeddings."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= sum(p.numel() for p in self.lookup_tables())
+        return n
+
+    def lookup_tables(self) -> list[nn.Parameter]:
+        tables = [] if self.args.tie_embeddings else [self.tok_embeddings.weight]
+        return tables
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token at `seq_len`.
+
+        6 N for the weight matmuls (2 forward, 4 backward per parameter, Kaplan et al.
+        2020) plus 12 L H hd T for the attention scores and weighted values (PaLM,
+        Chowdhery et al. 2022, appendix B), counted over the full T x T square as the
+        kernels that report MFU conventionally do, not the causal half.
+        """
+        a = self.args
+        n = self.num_params(exclude_embeddings=True)
+        return 6 * n + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len

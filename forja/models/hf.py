@@ -1,0 +1,211 @@
+"""Load and save Hugging Face checkpoints (config.json + safetensors, sharded or not).
+
+Loading streams one tensor at a time from the safetensors files into a model built
+on the meta device and materialized in the target dtype, so a checkpoint needs about
+its own size in memory, not twice that. Every problem is reported before any weight
+is read: an unknown architecture, a missing, extra or misshapen tensor, each named.
+Saving writes to a temporary directory renamed when complete.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from forja.errors import ForjaError
+from forja.models.common.hf_rules import TensorRule
+from forja.models.common.transformer import Transformer
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_INDEX = "model.safetensors.index.json"
+
+
+def _adapter_for_architecture(cfg: dict, where: Path) -> ModuleType:
+    from forja.models import FAMILIES
+
+    archs = cfg.get("architectures") or []
+    for spec in FAMILIES.values():
+        adapter = importlib.import_module(spec.hf_adapter)
+        if any(a in adapter.ARCHITECTURES for a in archs):
+            return adapter
+    known = [a for s in FAMILIES.values() for a in importlib.import_module(s.hf_adapter).ARCHITECTURES]
+    found = ", ".join(archs) or f"none (model_type={cfg.get('model_type')!r})"
+    raise ForjaError(f"{where}: architecture {found} is not supported; forja loads {', '.join(known)}")
+
+
+def read_config(path: Path) -> dict:
+    if not path.is_dir():
+        raise ForjaError(f"{path} is not a directory; give the Hugging Face model directory holding config.json")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ForjaError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    try:
+        return json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ForjaError(f"{cfg_path} is not valid JSON ({exc})") from None
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Name of every stored tensor -> the safetensors file holding it."""
+    index = path / _INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ForjaError(f"{path} holds no .safetensors files; forja reads safetensors only "
+                         "(re-save the model with transformers' save_pretrained)")
+    where: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            where.update({name: file for name in f.keys()})
+    return where
+
+
+def _stored_shape(file: Path, name: str) -> tuple[int, ...]:
+    with safe_open(file, framework="pt") as f:
+        return tuple(f.get_slice(name).get_shape())
+
+
+def _check_names_and_shapes(rules: list[TensorRule], files: dict[str, Path], adapter: ModuleType,
+                            expected: dict[str, torch.Tensor], arch: str, where: Path) -> None:
+    ignored = [re.compile(p) for p in adapter.IGNORED] + [re.compile(r"lm_head\.weight")]
+    wanted = {r.hf for r in rules}
+    for rule in rules:
+        if rule.hf not in files:
+            raise ForjaError(f"{where}: tensor {rule.hf} is missing; a {arch} with this config.json needs it")
+        want = tuple(rule.to_hf(tuple(expected[n] for n in rule.forja)).shape)
+        have = _stored_shape(files[rule.hf], rule.hf)
+        if have != want:
+            raise ForjaError(f"{where}: tensor {rule.hf} has shape {list(have)}; a {arch} with this "
+                             f"config.json expects {list(want)}")
+    extra = sorted(n for n in files if n not in wanted and not any(p.fullmatch(n) for p in ignored))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ForjaError(f"{where}: unexpected tensor {extra[0]}{more}; it has no place in a {arch} "
+                         "with this config.json (does config.json match the weights?)")
+
+
+def _checkpoint_dtype(cfg: dict, files: dict[str, Path]) -> torch.dtype:
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    if name in _DTYPES:
+        return _DTYPES[name]
+    first = next(iter(files))
+    with safe_open(files[first], framework="pt") as f:
+        return f.get_tensor(first).dtype
+
+
+def load_hf_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                       device: str | torch.device = "cpu") -> Transformer:
+    """A forja model with the weights of a Hugging Face checkpoint directory.
+
+    `dtype` defaults to the checkpoint's own (config.json's `torch_dtype`/`dtype`).
+    """
+    from forja.models import build_from_args
+
+    path = Path(path)
+    cfg = read_config(path)
+    adapter = _adapter_for_architecture(cfg, path)
+    args = adapter.args_from_config(cfg)
+    normalize = getattr(adapter, "normalize_name", str)
+    stored = _tensor_files(path)
+    files = {normalize(n): f for n, f in stored.items()}
+    raw_names = {normalize(n): n for n in stored}
+    rules = [x for r in adapter.rules(args) for x in r.expand(args.n_layers)]
+    meta = build_from_args(args, device="meta")
+    expected = meta.state_dict()
+    _check_names_and_shapes(rules, files, adapter, expected, cfg["architectures"][0], path)
+    model = build_from_args(args, device=device, dtype=dtype or _checkpoint_dtype(cfg, files), init=False)
+    params = model.state_dict()
+    with torch.no_grad():
+        for rule in rules:
+            with safe_open(files[rule.hf], framework="pt") as f:
+                tensor = f.get_tensor(raw_names[rule.hf])
+            for name, value in zip(rule.forja, rule.to_forja(tensor)):
+                params[name].copy_(value)
+    return model
+
+
+def _to_hf_tensors(model: Transformer, adapter: ModuleType, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+    out = {}
+    for rule in (x for r in adapter.rules(model.args) for x in r.expand(model.args.n_layers)):
+        t = rule.to_hf(tuple(state[n].detach() for n in rule.forja))
+        out[rule.hf] = t.to(device="cpu", dtype=dtype or t.dtype).contiguous().clone()
+    return out
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for k, shard in enumerate(shards, 1):
+        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / file, metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / _INDEX).write_text(json.dumps(index, indent=2))
+
+
+def save_hf_checkpoint(model: Transformer, out: str | os.PathLike, *, overwrite: bool = False,
+                       dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
+                       extra_files: dict[str, str] | None = None) -> Path:
+    """Write `model` as a Hugging Face checkpoint that `AutoModelForCausalLM` loads.
+
+    Refuses an existing non-empty `out` unless `overwrite`. `extra_files` maps file
+    names to text written beside the weights (a tokenizer, for instance).
+    """
+    from forja.models import family_of
+
+    adapter = importlib.import_module(family_of(model).hf_adapter)
+    cfg = adapter.config_from_args(model.args)  # refuses unexportable models before any write
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ForjaError(f"{out} already exists and is not empty; choose another directory or pass overwrite=True")
+    tensors = _to_hf_tensors(model, adapter, dtype)
+    cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        _write_shards(tensors, tmp, max_shard_bytes)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Move `new` to `out`; an old `out` is removed only after the new one is in place."""
+    if not out.exists():
+        new.rename(out)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    out.rename(old)
+    new.rename(out)
+    shutil.rmtree(old) if old.is_dir() else old.unlink()

@@ -1,0 +1,45 @@
+"""Published sizes: built on the meta device, parameter counts equal the released models'."""
+
+import pytest
+
+from forja.errors import ForjaError
+from forja.models import build_model
+
+# Counts of the released checkpoints (tied weights once).
+PUBLISHED = {
+    ("llama", "3.2-1b"): 1_235_814_400,
+    ("llama", "3.2-3b"): 3_212_749_824,
+    ("llama", "3.1-8b"): 8_030_261_248,
+    ("llama", "3.1-70b"): 70_553_706_496,
+    ("llama", "3.1-405b"): 405_853_388_800,
+    ("gpt2", "124m"): 124_439_808,
+    ("gpt2", "350m"): 354_823_168,
+    ("gpt2", "774m"): 774_030_080,
+    ("gpt2", "1.5b"): 1_557_611_200,
+}
+
+
+@pytest.mark.parametrize(("family", "flavor"), list(PUBLISHED))
+def test_published_parameter_counts(family, flavor):
+    model = build_model(family, flavor, device="meta")
+    assert model.num_params() == PUBLISHED[(family, flavor)]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_small_flavors_are_the_advertised_size(family):
+    assert 0.8e6 < build_model(family, "debug", device="meta").num_params() < 1.3e6
+    assert 8e6 < build_model(family, "tiny", device="meta").num_params() < 12e6
+
+
+def test_overrides_and_bad_names():
+    model = build_model("llama", "debug", device="meta", n_layers=2, vocab_size=100, qk_norm=True)
+    assert len(model.layers) == 2 and model.args.vocab_size == 100
+    assert model.layers["0"].attention.q_norm is not None
+    with pytest.raises(ForjaError, match="unknown model family 'mistral'"):
+        build_model("mistral", "debug")
+    with pytest.raises(ForjaError, match="unknown llama flavor '3-8b'; known flavors: debug, tiny"):
+        build_model("llama", "3-8b")
+    with pytest.raises(ForjaError, match="llama has no model field 'n_layer'"):
+        build_model("llama", "debug", n_layer=3)
+    with pytest.raises(ForjaError, match="model.n_heads=4 is not a multiple of model.n_kv_heads=3"):
+        build_model("llama", "debug", n_kv_heads=3)
