@@ -106,7 +106,8 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, cfg: SamplingConfig, 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a model",
                        description="Continue a prompt with a model from a Hugging Face directory.")
-    p.add_argument("source", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("source", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json), "
+                                  "a forja run directory, or one of its checkpoints")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -117,16 +118,23 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_cli)
 
 
-def _run_cli(args: argparse.Namespace) -> int:
+def _load(source: Path, device: str):
+    """(model, tokenizer) of a forja run/checkpoint or a Hugging Face directory."""
+    from forja.checkpoint.export import is_forja_source, load_checkpoint_model
     from forja.data.tokenizer import load_tokenizer
     from forja.models import load_hf_checkpoint
 
-    source = Path(args.source).expanduser()
+    if is_forja_source(source):
+        model, run_dir = load_checkpoint_model(source, device=device)
+        return model, load_tokenizer(run_dir / "tokenizer.json")
     if source.is_dir() and not (source / "tokenizer.json").is_file():
         raise ForjaError(f"{source} has no tokenizer.json, so the prompt cannot be turned into tokens; "
                          "put the model's tokenizer.json in that directory")
-    model = load_hf_checkpoint(source, device=args.device)
-    tok = load_tokenizer(source)
+    return load_hf_checkpoint(source, device=device), load_tokenizer(source)
+
+
+def _run_cli(args: argparse.Namespace) -> int:
+    model, tok = _load(Path(args.source).expanduser(), args.device)
     ids = tok.encode(args.prompt)
     if tok.bos_id is not None and tok.bos_id != tok.eos_id:
         ids = [tok.bos_id] + ids

@@ -30,11 +30,14 @@ class ModelSpec:
     args_cls: type[TransformerArgs]
     flavors: dict[str, dict]
     hf_adapter: str  # module holding the Hugging Face adapter, imported on use
+    parallelize: str  # "module:function" applying TP/AC/compile/FSDP, imported on use
 
 
 FAMILIES: dict[str, ModelSpec] = {
-    "llama": ModelSpec("llama", Llama, LlamaArgs, LLAMA_FLAVORS, "forja.models.llama.hf"),
-    "gpt2": ModelSpec("gpt2", GPT2, GPT2Args, GPT2_FLAVORS, "forja.models.gpt2.hf"),
+    "llama": ModelSpec("llama", Llama, LlamaArgs, LLAMA_FLAVORS, "forja.models.llama.hf",
+                       "forja.models.llama.parallelize:parallelize_llama"),
+    "gpt2": ModelSpec("gpt2", GPT2, GPT2Args, GPT2_FLAVORS, "forja.models.gpt2.hf",
+                      "forja.models.gpt2.parallelize:parallelize_gpt2"),
 }
 
 

@@ -169,16 +169,17 @@ def _write_shards(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: 
 
 def save_hf_checkpoint(model: Transformer, out: str | os.PathLike, *, overwrite: bool = False,
                        dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
-                       extra_files: dict[str, str] | None = None) -> Path:
+                       extra_files: dict[str, str] | None = None, config_updates: dict | None = None) -> Path:
     """Write `model` as a Hugging Face checkpoint that `AutoModelForCausalLM` loads.
 
     Refuses an existing non-empty `out` unless `overwrite`. `extra_files` maps file
-    names to text written beside the weights (a tokenizer, for instance).
+    names to text written beside the weights (a tokenizer, for instance);
+    `config_updates` adds entries to config.json (special-token ids, for instance).
     """
     from forja.models import family_of
 
     adapter = importlib.import_module(family_of(model).hf_adapter)
-    cfg = adapter.config_from_args(model.args)  # refuses unexportable models before any write
+    cfg = {**adapter.config_from_args(model.args), **(config_updates or {})}  # refuses unexportable models
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ForjaError(f"{out} already exists and is not empty; choose another directory or pass overwrite=True")

@@ -1,0 +1,92 @@
+"""From a forja run or checkpoint to a model in memory, or to a Hugging Face directory.
+
+    forja export runs/default --hf out/          # latest checkpoint of the run
+    forja export runs/default/checkpoints/step-00000200 --hf out/
+
+A checkpoint's forja.json records the model's exact arguments, and the run directory
+holds the tokenizer, so a checkpoint is loaded without the data or the original config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from forja.checkpoint.manager import complete_checkpoints, read_meta
+from forja.checkpoint.states import ModelState
+from forja.errors import ForjaError
+from forja.models import build_from_args, get_family, save_hf_checkpoint
+from forja.models.common.transformer import Transformer
+
+
+def resolve_checkpoint(src: str | os.PathLike) -> tuple[Path, Path]:
+    """(run directory, checkpoint directory) of a run dir (its latest checkpoint) or a checkpoint."""
+    path = Path(src).expanduser()
+    if (path / "forja.json").is_file():
+        return path.parent.parent, path
+    if (path / "config.toml").is_file():
+        found = complete_checkpoints(path / "checkpoints")
+        if not found:
+            raise ForjaError(f"run {path} has no complete checkpoint yet; train it first (forja train)")
+        return path, found[-1][1]
+    raise ForjaError(f"{path} is neither a forja run directory (with config.toml) nor a checkpoint "
+                     "(with forja.json); give runs/NAME or runs/NAME/checkpoints/step-XXXXXXXX")
+
+
+def is_forja_source(src: str | os.PathLike) -> bool:
+    path = Path(src).expanduser()
+    return (path / "forja.json").is_file() or (path / "config.toml").is_file()
+
+
+def load_checkpoint_model(src: str | os.PathLike, *, device: str | torch.device = "cpu") -> tuple[Transformer, Path]:
+    """The model of a checkpoint (unsharded, on one device) and its run directory."""
+    run_dir, ckpt = resolve_checkpoint(src)
+    identity = read_meta(ckpt)["model"]
+    spec = get_family(identity["family"])
+    model = build_from_args(spec.args_cls(**identity["args"]), device=device, init=False)
+    dcp.load({"model": ModelState(model)}, checkpoint_id=str(ckpt))
+    return model, run_dir
+
+
+def hf_tokenizer_files(run_dir: Path, max_len: int) -> tuple[dict[str, str], dict[str, int]]:
+    """tokenizer.json and a tokenizer_config.json that `AutoTokenizer` understands, plus the
+    special-token ids for config.json."""
+    from forja.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(run_dir / "tokenizer.json")
+    roles = tok.roles
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+              "clean_up_tokenization_spaces": False, **{f"{r}_token": t for r, t in roles.items()}}
+    ids = {f"{r}_token_id": i for r, i in (("bos", tok.bos_id), ("eos", tok.eos_id), ("pad", tok.pad_id))
+           if i is not None}
+    return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=2)}, ids
+
+
+def export_hf(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
+              dtype: torch.dtype | None = None) -> Path:
+    model, run_dir = load_checkpoint_model(src)
+    files, token_ids = hf_tokenizer_files(run_dir, model.args.max_seq_len)
+    return save_hf_checkpoint(model, out, overwrite=overwrite, dtype=dtype, extra_files=files,
+                              config_updates=token_ids)
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory")
+    p.add_argument("source", help="a run directory (its latest checkpoint) or a checkpoint directory")
+    p.add_argument("--hf", required=True, metavar="OUT_DIR", help="the Hugging Face directory to write")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="cast the weights (default: as trained, float32)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it holds files")
+    p.set_defaults(func=_run_cli)
+
+
+def _run_cli(args: argparse.Namespace) -> int:
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    out = export_hf(args.source, args.hf, overwrite=args.overwrite, dtype=dtype)
+    print(f"forja: wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+    return 0

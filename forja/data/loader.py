@@ -1,0 +1,310 @@
+"""The training data loader: deterministic, resumable at any data-parallel world size.
+
+Samples are fixed windows of `seq_len + 1` tokens of a split's token stream (documents packed
+back to back): sample i covers tokens [i*seq_len, i*seq_len + seq_len], so consecutive
+samples share one token and every token but the first is a label exactly once per epoch.
+
+The global order is a function of the seed alone. Global position p (0, 1, 2, ...) picks a
+dataset of the mixture (`order.Interleave`, by weight) and that dataset's own position q;
+epoch e = q // n of that dataset draws sample `Permutation(n, key(seed, dataset, e))(q % n)`.
+So within an epoch no sample repeats, and every epoch is reshuffled.
+
+Global step s is positions [s*G, (s+1)*G), G = global_batch_size. Rank r of w takes the
+contiguous block [s*G + r*G/w, s*G + (r+1)*G/w), cut in order into micro-batches of m. A
+single process with G/m accumulation steps therefore sees exactly the union of all ranks.
+
+The state is one number, the global position consumed, not a per-rank cursor: a run saved
+at step k with w ranks resumes at step k with any w' and sees what an uninterrupted run
+would have seen (for the same seed, seq_len, data and global batch size).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from forja.data.mixture import Mixture
+from forja.data.order import Interleave, Permutation, derive_key
+from forja.data.prepare import open_dataset
+from forja.data.shards import PreparedDataset
+from forja.errors import ForjaError
+
+
+@dataclass
+class Batch:
+    """One micro-batch: (m, T) int64 tensors."""
+
+    input_ids: torch.Tensor
+    """Token ids, (m, T)."""
+    labels: torch.Tensor
+    """The next token of each position, (m, T)."""
+    document_ids: torch.Tensor
+    """Per-token document index, (m, T): equal ids are one document (attention stays within)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(*(t.to(device, non_blocking=non_blocking)
+                       for t in (self.input_ids, self.labels, self.document_ids)))
+
+
+DataArg = PreparedDataset | Mixture | str | os.PathLike[str] | Sequence[tuple[Any, float]]
+
+
+def as_mixture(data: DataArg, tokenizer: Any = None) -> Mixture:
+    """A Mixture from a dataset, a Mixture, a path or source spec, or (data, weight) pairs."""
+    if isinstance(data, (str, os.PathLike)):
+        mixture = Mixture.of(open_dataset(data, tokenizer))
+    elif isinstance(data, (PreparedDataset, Mixture)):
+        mixture = Mixture.of(data)
+    else:
+        mixture = Mixture.of([(_single(d, tokenizer), w) for d, w in data])
+    if tokenizer is not None:
+        mixture.check_tokenizer(tokenizer)
+    return mixture
+
+
+def _single(data: Any, tokenizer: Any) -> PreparedDataset:
+    if isinstance(data, PreparedDataset):
+        return data
+    datasets = as_mixture(data, tokenizer).datasets
+    if len(datasets) != 1:
+        raise ForjaError(f"a part of a mixture cannot itself be a mixture ({data}); list its parts instead")
+    return datasets[0]
+
+
+class Samples:
+    """Global positions of one split of a mixture -> micro-batches."""
+
+    def __init__(self, mixture: Mixture, split: str, seq_len: int):
+        if seq_len < 1:
+            raise ForjaError(f"seq_len {seq_len} must be a positive number of tokens")
+        self.seq_len = seq_len
+        self.streams = [d.split(split) for d in mixture.datasets]
+        self.counts = [(s.num_tokens - 1) // seq_len for s in self.streams]
+        for dataset, stream, count in zip(mixture.datasets, self.streams, self.counts, strict=True):
+            if count < 1:
+                raise ForjaError(f"the {split} split of {dataset.path} has {stream.num_tokens} tokens, too few "
+                                 f"for one sample of seq_len + 1 = {seq_len + 1}; lower seq_len or add data")
+        # Document ids are made unique across the datasets of a mixture.
+        self.doc_base = np.cumsum([0] + [s.num_documents for s in self.streams])
+        self.interleave = Interleave(mixture.weights)
+        self._perms: dict[tuple[int, int], Permutation] = {}
+        self._seed: int | None = None
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return sum(self.counts)
+
+    def locate(self, positions: np.ndarray, seed: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """Global positions -> (dataset, sample index); seed None means unshuffled."""
+        dataset, local = self.interleave.locate(positions)
+        counts = np.asarray(self.counts, dtype=np.int64)[dataset]
+        epoch, index = np.divmod(local, counts)
+        if seed is None:
+            return dataset, index
+        for d, e in sorted(set(zip(dataset.tolist(), epoch.tolist(), strict=True))):
+            where = (dataset == d) & (epoch == e)
+            index[where] = self._permutation(seed, d, e)(index[where])
+        return dataset, index
+
+    def _permutation(self, seed: int, dataset: int, epoch: int) -> Permutation:
+        if self._seed != seed or len(self._perms) > 64:
+            self._perms, self._seed = {}, seed
+        key = (dataset, epoch)
+        if key not in self._perms:
+            self._perms[key] = Permutation(self.counts[dataset], derive_key("forja", seed, dataset, epoch))
+        return self._perms[key]
+
+    def batch(self, positions: np.ndarray, seed: int | None) -> Batch:
+        datasets, indices = self.locate(positions, seed)
+        T = self.seq_len
+        tokens = np.empty((len(positions), T + 1), dtype=np.int64)
+        docs = np.empty((len(positions), T), dtype=np.int64)
+        for row, (d, i) in enumerate(zip(datasets.tolist(), indices.tolist(), strict=True)):
+            stream = self.streams[d]
+            tokens[row] = stream.read(i * T, T + 1)
+            docs[row] = stream.document_ids(i * T, T) + self.doc_base[d]
+        t = torch.from_numpy(tokens)
+        # Contiguous copies: losses call .view(-1) on labels, which a strided slice refuses.
+        return Batch(t[:, :-1].contiguous(), t[:, 1:].contiguous(), torch.from_numpy(docs))  # (m, T) each
+
+
+def check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_world_size: int) -> int:
+    """Micro-batches per rank per step; stops with the config keys to change if it does not divide."""
+    if global_batch_size < 1 or micro_batch_size < 1:
+        raise ForjaError(f"train.global_batch_size ({global_batch_size}) and train.micro_batch_size "
+                         f"({micro_batch_size}) must be positive numbers of samples")
+    per_step = micro_batch_size * dp_world_size
+    if global_batch_size % per_step:
+        raise ForjaError(f"train.global_batch_size ({global_batch_size}) must be a multiple of "
+                         f"train.micro_batch_size ({micro_batch_size}) x data-parallel size ({dp_world_size}) "
+                         f"= {per_step}; change train.global_batch_size or train.micro_batch_size")
+    return global_batch_size // per_step
+
+
+class DataLoader:
+    """Micro-batches for one data-parallel rank, one optimizer step at a time.
+
+    `next_step()` returns the list of `accumulation_steps` micro-batches of the next step;
+    iterating the loader yields the same lists forever. Batches are built by a background
+    thread `prefetch` steps ahead; `data_wait_s` is the time the caller spent blocked.
+    """
+
+    def __init__(self, data: DataArg, *, seq_len: int, global_batch_size: int, micro_batch_size: int,
+                 dp_rank: int = 0, dp_world_size: int = 1, seed: int = 0, split: str = "train",
+                 prefetch: int = 2, tokenizer: Any = None, pin_memory: bool = False):
+        if not 0 <= dp_rank < dp_world_size:
+            raise ForjaError(f"data-parallel rank {dp_rank} is outside world size {dp_world_size}")
+        self.accumulation_steps = check_batch_sizes(global_batch_size, micro_batch_size, dp_world_size)
+        self.mixture = as_mixture(data, tokenizer)
+        self.samples = Samples(self.mixture, split, seq_len)
+        self.seq_len, self.split, self.seed = seq_len, split, seed
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.prefetch, self.pin_memory = max(0, prefetch), pin_memory
+        self.position = 0
+        """Global samples consumed by completed steps (what the state records)."""
+        self.data_wait_s = 0.0
+        """Seconds `next_step` spent waiting for data, cumulative."""
+        self._prefetcher: _Prefetcher | None = None
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.samples.samples_per_epoch
+
+    def build_step(self, start: int) -> list[Batch]:
+        """This rank's micro-batches of the global batch at positions [start, start + G)."""
+        per_rank = self.global_batch_size // self.dp_world_size
+        first = start + self.dp_rank * per_rank
+        m = self.micro_batch_size
+        steps = []
+        for j in range(self.accumulation_steps):
+            batch = self.samples.batch(np.arange(first + j * m, first + (j + 1) * m), self.seed)
+            if self.pin_memory and torch.cuda.is_available():
+                batch = Batch(*(t.pin_memory() for t in (batch.input_ids, batch.labels, batch.document_ids)))
+            steps.append(batch)
+        return steps
+
+    def next_step(self) -> list[Batch]:
+        """The micro-batches of the next optimizer step (a list of accumulation_steps)."""
+        started = time.perf_counter()
+        if self.prefetch == 0:
+            batches = self.build_step(self.position)
+        else:
+            if self._prefetcher is None:
+                self._prefetcher = _Prefetcher(self.build_step, self.position, self.global_batch_size,
+                                               self.prefetch)
+            try:
+                start, batches = self._prefetcher.get()
+            except BaseException:
+                self.close()  # its thread has ended: the next call starts afresh or fails the same way
+                raise
+            assert start == self.position, "prefetcher out of step with the loader"
+        self.data_wait_s += time.perf_counter() - started
+        self.position += self.global_batch_size
+        return batches
+
+    def __iter__(self) -> Iterator[list[Batch]]:
+        while True:
+            yield self.next_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global position consumed, and what a resume must match."""
+        return {"position": self.position, "seed": self.seed, "seq_len": self.seq_len, "split": self.split,
+                "data_fingerprint": self.mixture.fingerprint, "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the saved global position; any data-parallel world size works."""
+        for key, mine in (("seed", self.seed), ("seq_len", self.seq_len), ("split", self.split),
+                          ("data_fingerprint", self.mixture.fingerprint)):
+            if state.get(key) != mine:
+                raise ForjaError(f"the checkpoint's data loader state has {key} {state.get(key)!r} but this run "
+                                 f"has {mine!r}; resume with the same data settings or start a new run")
+        self.close()
+        self.position = int(state["position"])
+
+    def close(self) -> None:
+        """Stop the prefetch thread (it restarts at the current position when needed)."""
+        prefetcher = getattr(self, "_prefetcher", None)  # None too if __init__ failed early
+        if prefetcher is not None:
+            prefetcher.stop()
+            self._prefetcher = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class _Prefetcher:
+    """A thread building steps ahead into a bounded queue, in order."""
+
+    def __init__(self, build: Any, start: int, stride: int, depth: int):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(build, start, stride), daemon=True,
+                                        name="forja-data-prefetch")
+        self._thread.start()
+
+    def _run(self, build: Any, position: int, stride: int) -> None:
+        while not self._stop.is_set():
+            try:
+                item: Any = (position, build(position))
+            except BaseException as exc:  # handed to the consumer, which raises it
+                item = exc
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+            position += stride
+
+    def get(self) -> tuple[int, list[Batch]]:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+class ValidationLoader:
+    """A fixed number of unshuffled micro-batches of a split, sharded by rank; no state.
+
+    Batch b on rank r holds global positions [(b*w + r)*m, (b*w + r + 1)*m) in the split's
+    natural order (positions past the end wrap around), so every pass sees the same samples.
+    """
+
+    def __init__(self, data: DataArg, *, seq_len: int, micro_batch_size: int, num_batches: int,
+                 dp_rank: int = 0, dp_world_size: int = 1, split: str = "val", tokenizer: Any = None):
+        if num_batches < 1 or micro_batch_size < 1:
+            raise ForjaError(f"validation needs num_batches ({num_batches}) and micro_batch_size "
+                             f"({micro_batch_size}) of at least 1")
+        if not 0 <= dp_rank < dp_world_size:
+            raise ForjaError(f"data-parallel rank {dp_rank} is outside world size {dp_world_size}")
+        self.samples = Samples(as_mixture(data, tokenizer), split, seq_len)
+        self.micro_batch_size, self.num_batches = micro_batch_size, num_batches
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        m = self.micro_batch_size
+        for b in range(self.num_batches):
+            first = (b * self.dp_world_size + self.dp_rank) * m
+            yield self.samples.batch(np.arange(first, first + m), seed=None)

@@ -1,0 +1,250 @@
+"""`forja prepare`: tokenize a source into memory-mappable shards, with all cores.
+
+The output is written to a hidden temporary directory beside `out` and renamed into place
+only when complete, so an interrupted run leaves nothing that looks like prepared data. The
+output is a function of the inputs alone (not of the worker count or the time), so running
+again on the same inputs gives byte-identical files.
+
+`open_dataset` is what the trainer calls: a prepared directory opens as it is; a source spec
+is prepared on first use into a cache keyed by (source, tokenizer, options) under
+$FORJA_CACHE (default ~/.cache/forja). Only one process should prepare (rank 0, then a
+barrier): concurrent runs stay correct (the rename is atomic, the loser's copy is dropped)
+but do the work twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import forja
+from forja.data.encoding import EncoderPool, batches, val_threshold
+from forja.data.mixture import Mixture, is_mixture_dir, open_mixture, write_mixture
+from forja.data.progress import PrepareProgress
+from forja.data.shards import (
+    FORMAT,
+    FORMAT_VERSION,
+    META,
+    PreparedDataset,
+    ShardWriter,
+    open_prepared,
+    token_dtype,
+    write_json,
+)
+from forja.data.sources import Source, SourceStats, parse_mixture, parse_source
+from forja.data.tokenizer import Tokenizer, load_tokenizer
+from forja.errors import ForjaError
+
+DEFAULT_VAL_FRACTION = 0.01
+TOKENIZER = "tokenizer.json"
+# 2^27 tokens: 256 MiB per uint16 shard, few files even for very large corpora.
+DEFAULT_SHARD_TOKENS = 1 << 27
+# About 1 MB of text per encode call: big enough to amortize the round trip to a worker,
+# small enough to keep every worker busy on a small corpus.
+DEFAULT_BATCH_CHARS = 1 << 20
+
+SourceArg = str | Sequence[tuple[str, float]]
+
+
+def default_workers() -> int:
+    """Every core this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def prepare(
+    source: SourceArg,
+    tokenizer: Tokenizer | str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    workers: int | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    skip_bad_lines: bool = False,
+    overwrite: bool = False,
+    progress: bool = False,
+    batch_chars: int = DEFAULT_BATCH_CHARS,
+) -> PreparedDataset | Mixture:
+    """Tokenize `source` (a spec or a mixture) into `out`; return the opened result.
+
+    A mixture is written as one subdirectory per part plus mixture.json (see mixture.py).
+    Every input is checked before any work, and nothing appears at `out` unless all succeeds.
+    """
+    tok = load_tokenizer(tokenizer)
+    parts = parse_mixture(source)
+    sources = [parse_source(spec, skip_bad_lines=skip_bad_lines) for spec, _ in parts]
+    _check_options(tok, val_fraction, shard_tokens)
+    out = Path(out).expanduser()
+    if out.exists() and not overwrite:
+        raise ForjaError(f"{out} already exists; choose another --out or pass --overwrite to replace it")
+    options = dict(val_fraction=val_fraction, workers=workers or default_workers(), shard_tokens=shard_tokens,
+                   progress=progress, batch_chars=batch_chars)
+    with _staging(out, overwrite) as tmp:
+        if len(sources) == 1:
+            _prepare_one(sources[0], tok, tmp, **options)
+        else:
+            for i, src in enumerate(sources):
+                _prepare_one(src, tok, tmp / str(i), **options)
+            write_mixture(tmp, [(str(i), spec, w) for i, (spec, w) in enumerate(parts)])
+        tok.save(tmp / TOKENIZER)  # prepared data carries its tokenizer: decodable on its own
+    return open_dataset(out, tok)
+
+
+def _check_options(tok: Tokenizer, val_fraction: float, shard_tokens: int) -> None:
+    if tok.eos_id is None:
+        raise ForjaError("the tokenizer has no end-of-document token (like <|eos|> or <|endoftext|>); "
+                         "name one as eos_token in a tokenizer_config.json beside it, or train one "
+                         "with `forja tokenizer train`")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ForjaError(f"--val-fraction {val_fraction} is out of range; give a number in [0, 1)")
+    if shard_tokens < 1:
+        raise ForjaError(f"--shard-tokens {shard_tokens} must be a positive number of tokens")
+
+
+@contextlib.contextmanager
+def _staging(out: Path, overwrite: bool) -> Iterator[Path]:
+    """A temporary directory beside `out`, renamed to `out` on success and removed on failure."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:  # KeyboardInterrupt too: leave nothing half-written behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists() and overwrite:
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not out.exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process prepared the same inputs first
+
+
+def _remove_stale(out: Path) -> None:
+    """Remove what killed runs (SIGKILL, power loss) left: partial dirs of processes now gone."""
+    for partial in out.parent.glob(f".{glob.escape(out.name)}.partial-*"):
+        pid = partial.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _prepare_one(src: Source, tok: Tokenizer, directory: Path, *, val_fraction: float, workers: int,
+                 shard_tokens: int, progress: bool, batch_chars: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(tok.vocab_size)
+    writers = {s: ShardWriter(directory, s, dtype, shard_tokens) for s in ("train", "val")}
+    stats, digest = SourceStats(), hashlib.sha256()
+    with EncoderPool(tok, dtype, val_threshold(val_fraction), workers) as pool, \
+            PrepareProgress(src.spec, enabled=progress) as bar:
+        for enc in pool.map(batches(src.documents(stats), batch_chars)):
+            token_is_val = np.repeat(enc.is_val, enc.lengths)
+            writers["val"].add(enc.tokens[token_is_val], enc.lengths[enc.is_val])
+            writers["train"].add(enc.tokens[~token_is_val], enc.lengths[~enc.is_val])
+            digest.update(enc.digests)
+            bar.advance(len(enc.lengths), len(enc.tokens))
+    splits = {s: w.close() for s, w in writers.items()}
+    if stats.documents == 0 or stats.characters == 0:
+        raise ForjaError(f"source {src.spec!r} holds no text ({_counts(stats)}); check the source")
+    if splits["train"]["documents"] == 0:
+        raise ForjaError(f"every document of {src.spec!r} went to the validation split; "
+                         f"lower --val-fraction or add documents")
+    write_json(directory / META, {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "forja_version": forja.__version__,
+        "tokenizer": {"fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
+                      "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id},
+        "dtype": dtype.name,
+        "val_fraction": val_fraction,
+        "shard_tokens": shard_tokens,
+        "source": {"spec": src.spec, "fingerprint": digest.hexdigest(), **vars(stats)},
+        "splits": splits,
+    })
+
+
+def _counts(stats: SourceStats) -> str:
+    return (f"{stats.documents} documents, {stats.skipped_binary} binary files skipped, "
+            f"{stats.skipped_bad_lines} bad lines skipped")
+
+
+# --- the cache the trainer uses ----------------------------------------------------------
+
+
+def cache_root() -> Path:
+    """Where prepared data is cached: $FORJA_CACHE, else ~/.cache/forja."""
+    return Path(os.environ.get("FORJA_CACHE") or "~/.cache/forja").expanduser()
+
+
+def cache_key(source: str, tokenizer: Tokenizer, *, val_fraction: float = DEFAULT_VAL_FRACTION,
+              shard_tokens: int = DEFAULT_SHARD_TOKENS, skip_bad_lines: bool = False) -> str:
+    """A stable key for preparing one source spec (no weight) with a tokenizer and options.
+
+    It changes when the source's files change (names, sizes, mtimes), the tokenizer changes,
+    an option changes or the format does.
+    """
+    src = parse_source(source, skip_bad_lines=skip_bad_lines)
+    key = json.dumps([FORMAT_VERSION, src.spec, src.stat_fingerprint(), tokenizer.fingerprint,
+                      val_fraction, shard_tokens, skip_bad_lines])
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def prepare_cached(source: SourceArg, tokenizer: Tokenizer | str | os.PathLike[str], *,
+                   cache: str | os.PathLike[str] | None = None, **options: Any) -> PreparedDataset | Mixture:
+    """Prepare each part of `source` once into the cache and open the result."""
+    tok = load_tokenizer(tokenizer)
+    root = Path(cache).expanduser() if cache is not None else cache_root()
+    keyed = {k: options[k] for k in ("val_fraction", "shard_tokens", "skip_bad_lines") if k in options}
+    opened = []
+    for spec, weight in parse_mixture(source):
+        out = root / "prepared" / cache_key(spec, tok, **keyed)
+        if not (out / META).is_file():
+            prepare(spec, tok, out, **options)
+        opened.append((open_prepared(out, tok), weight))
+    return opened[0][0] if len(opened) == 1 else Mixture.of(opened)
+
+
+def open_dataset(path_or_source: SourceArg | os.PathLike[str], tokenizer: Any = None,
+                 **options: Any) -> PreparedDataset | Mixture:
+    """A prepared directory, a mixture directory, or a source spec prepared on first use.
+
+    With a tokenizer, the data is checked to have been prepared with it.
+    """
+    if not isinstance(path_or_source, (str, os.PathLike)):
+        if tokenizer is None:
+            raise ForjaError("a mixture of sources needs a tokenizer to be prepared")
+        return prepare_cached(path_or_source, tokenizer, **options)
+    path = Path(path_or_source).expanduser()
+    if (path / META).is_file():
+        return open_prepared(path, load_tokenizer(tokenizer) if tokenizer is not None else None)
+    if is_mixture_dir(path):
+        return open_mixture(path, load_tokenizer(tokenizer) if tokenizer is not None else None)
+    if tokenizer is None:
+        raise ForjaError(f"{path_or_source} is not a prepared data directory; run `forja prepare`, "
+                         f"or give a tokenizer so it is prepared on first use")
+    return prepare_cached(str(path_or_source), tokenizer, **options)

@@ -1,0 +1,217 @@
+"""Experiment trackers as sinks: TensorBoard, Weights & Biases and MLflow.
+
+Each imports its library when it is chosen (building the sink fails early, naming the pip
+extra, when the library is missing). Metric names are grouped as in `tracker_key`:
+train/loss, train/tokens_per_sec, val/loss. W&B and MLflow runs are resumable: the run id
+is kept in <run_dir>/tracking.json, so a resumed training run continues the same tracker run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from forja.errors import ForjaError
+from forja.metrics.sinks import Metrics, MetricsConfig, Sink, tracker_key, write_atomic
+
+TRACKING_FILE = "tracking.json"
+
+
+def _require(module: str, sink: str, extra: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ForjaError(f"metrics.sinks includes '{sink}', which needs the {extra} package: "
+                         f"pip install 'forja[{extra}]' (or remove '{sink}' from metrics.sinks)") from exc
+
+
+def load_tracking(run_dir: Path) -> dict[str, str]:
+    """The tracker run ids a run directory remembers ({} when none)."""
+    path = Path(run_dir) / TRACKING_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ForjaError(f"{path} is not valid JSON ({exc}); delete it to start new tracker runs") from exc
+
+
+def save_tracking(run_dir: Path, **ids: str) -> None:
+    """Add `ids` to <run_dir>/tracking.json (written to a temporary file, then renamed)."""
+    data = load_tracking(run_dir) | ids
+    write_atomic(Path(run_dir) / TRACKING_FILE, json.dumps(data, indent=2) + "\n")
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, str]:
+    """{"model": {"dim": 64}} -> {"model.dim": "64"}: the flat string params MLflow wants."""
+    flat = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat |= flatten(value, name + ".")
+        else:
+            flat[name] = value if isinstance(value, str) else json.dumps(value, default=str)
+    return flat
+
+
+def _numbers(metrics: Metrics) -> dict[str, float | int]:
+    return {tracker_key(key): value for key, value in metrics.items() if value is not None}
+
+
+class TensorBoardSink(Sink):
+    """Event files for TensorBoard: scalars under train/ and val/, samples as text.
+
+    A resumed run asks TensorBoard to purge the events a crashed run wrote after the step it
+    resumes from (SummaryWriter's purge_step), so the charts show no doubled stretch."""
+
+    name = "tensorboard"
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+        self._writer = None
+
+    @classmethod
+    def from_config(cls, cfg: MetricsConfig, *, run_dir: Path, run_name: str, config: dict) -> Sink:
+        _require("torch.utils.tensorboard", "tensorboard", "tensorboard")
+        return cls(Path(cfg.tensorboard_dir) if cfg.tensorboard_dir else Path(run_dir) / "tensorboard")
+
+    def start(self, *, total_steps: int, start_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=start_step + 1)
+
+    def log(self, step: int, metrics: Metrics) -> None:
+        for key, value in _numbers(metrics).items():
+            self._writer.add_scalar(key, value, global_step=step)
+        self._writer.flush()  # once per log interval: visible in TensorBoard right away
+
+    def log_text(self, step: int, name: str, text: str) -> None:
+        # TensorBoard renders text as Markdown; a code block keeps the sample's line breaks.
+        self._writer.add_text(f"samples/{name}", f"```\n{text}\n```", global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class WandbSink(Sink):
+    """A Weights & Biases run, offline by default (files under <run_dir>/wandb; upload with
+    `wandb sync`). Metrics are charted against their own "step" key rather than W&B's
+    internal step, which refuses to go back: after a resume from an earlier checkpoint the
+    repeated steps are still recorded."""
+
+    name = "wandb"
+
+    def __init__(self, cfg: MetricsConfig, *, run_dir: Path, run_name: str, config: dict):
+        self.cfg, self.run_dir, self.run_name, self.config = cfg, Path(run_dir), run_name, config
+        self._run = None
+
+    @classmethod
+    def from_config(cls, cfg: MetricsConfig, *, run_dir: Path, run_name: str, config: dict) -> Sink:
+        _require("wandb", "wandb", "wandb")
+        return cls(cfg, run_dir=run_dir, run_name=run_name, config=config)
+
+    def start(self, *, total_steps: int, start_step: int) -> None:
+        import wandb
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        run_id = load_tracking(self.run_dir).get("wandb_run_id") or secrets.token_hex(4)
+        self._run = wandb.init(project=self.cfg.wandb_project, entity=self.cfg.wandb_entity, name=self.run_name,
+                               id=run_id, resume="allow", dir=str(self.run_dir), config=self.config,
+                               mode=self.cfg.wandb_mode)
+        if self.cfg.wandb_mode != "disabled":
+            save_tracking(self.run_dir, wandb_run_id=run_id)
+        self._run.define_metric("step")
+        for group in ("train/*", "val/*", "samples/*"):
+            self._run.define_metric(group, step_metric="step")
+
+    def log(self, step: int, metrics: Metrics) -> None:
+        self._run.log({"step": step, **_numbers(metrics)})
+
+    def log_text(self, step: int, name: str, text: str) -> None:
+        import wandb
+
+        self._run.log({"step": step, f"samples/{name}": wandb.Table(columns=["step", "text"], data=[[step, text]])})
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+# MLflow's limits: characters of a param value, params per log_batch call.
+_MLFLOW_PARAM_CHARS = 6000
+_MLFLOW_BATCH_PARAMS = 100
+
+
+class MLflowSink(Sink):
+    """An MLflow run with the flattened config as params and every metric with its step.
+
+    The default store is a SQLite file in the run directory (MLflow 3 refuses the plain
+    file store unless MLFLOW_ALLOW_FILE_STORE=true), artifacts (samples) beside it in
+    <run_dir>/mlartifacts. MLflow keeps every value it is sent: after a resume from an
+    earlier checkpoint the steps in between appear twice in its history."""
+
+    name = "mlflow"
+
+    def __init__(self, cfg: MetricsConfig, *, run_dir: Path, run_name: str, config: dict):
+        self.cfg, self.run_dir, self.run_name, self.config = cfg, Path(run_dir).resolve(), run_name, config
+        self.tracking_uri = cfg.mlflow_tracking_uri or f"sqlite:///{self.run_dir / 'mlflow.db'}"
+        self._client = self.run_id = None
+
+    @classmethod
+    def from_config(cls, cfg: MetricsConfig, *, run_dir: Path, run_name: str, config: dict) -> Sink:
+        _require("mlflow", "mlflow", "mlflow")
+        return cls(cfg, run_dir=run_dir, run_name=run_name, config=config)
+
+    def _open_run(self) -> str:
+        saved = load_tracking(self.run_dir)
+        if saved.get("mlflow_run_id") and saved.get("mlflow_tracking_uri") == self.tracking_uri:
+            self._client.update_run(saved["mlflow_run_id"], status="RUNNING")
+            return saved["mlflow_run_id"]
+        name = self.cfg.mlflow_experiment
+        experiment = self._client.get_experiment_by_name(name)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:  # a local store keeps its artifacts in the run dir, not in the current directory
+            artifacts = None if self.cfg.mlflow_tracking_uri else (self.run_dir / "mlartifacts").as_uri()
+            experiment_id = self._client.create_experiment(name, artifact_location=artifacts)
+        run = self._client.create_run(experiment_id, run_name=self.run_name,
+                                      tags={"forja.run_dir": str(self.run_dir)})
+        save_tracking(self.run_dir, mlflow_run_id=run.info.run_id, mlflow_tracking_uri=self.tracking_uri)
+        return run.info.run_id
+
+    def start(self, *, total_steps: int, start_step: int) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.run_id = self._open_run()
+        # A resumed run has its params already; MLflow refuses to change a logged param.
+        logged = self._client.get_run(self.run_id).data.params
+        params = [Param(k, v[:_MLFLOW_PARAM_CHARS]) for k, v in flatten(self.config).items() if k not in logged]
+        for i in range(0, len(params), _MLFLOW_BATCH_PARAMS):
+            self._client.log_batch(self.run_id, params=params[i:i + _MLFLOW_BATCH_PARAMS])
+
+    def log(self, step: int, metrics: Metrics) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(key, float(value), now, step) for key, value in _numbers(metrics).items()]
+        if batch:
+            self._client.log_batch(self.run_id, metrics=batch)
+
+    def log_text(self, step: int, name: str, text: str) -> None:
+        self._client.log_text(self.run_id, text, f"samples/{name}/step_{step:08d}.txt")
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.set_terminated(self.run_id, "FINISHED")
+            self._client = None

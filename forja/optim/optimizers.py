@@ -1,0 +1,62 @@
+"""Optimizers, by name (a registry: the seam where new optimizers plug in).
+
+Weight decay goes to matrices only: decaying norm gains and biases toward zero only
+hurts. A parameter is a "matrix" when it has two or more dimensions, embeddings included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from forja.errors import ForjaError
+from forja.optim.config import OptimConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: matrices (decayed) and vectors (not). Tied weights appear once."""
+    decay, no_decay = [], []
+    for param in model.parameters():  # parameters() yields a tied weight once
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _kernel_flags(cfg: OptimConfig, params: Iterable[torch.Tensor]) -> dict:
+    choice = cfg.implementation
+    if choice == "auto":
+        on_gpu = all(p.is_cuda for p in params)
+        choice = "fused" if on_gpu else "foreach"
+    return {"fused": choice == "fused", "foreach": choice == "foreach"} if choice != "for-loop" else \
+        {"foreach": False}
+
+
+def _adamw(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    flags = _kernel_flags(cfg, (p for g in groups for p in g["params"]))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **flags)
+
+
+def _adam(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    flags = _kernel_flags(cfg, (p for g in groups for p in g["params"]))
+    # Adam's weight_decay is L2 in the gradient, not decoupled: keep it off the vectors too.
+    return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **flags)
+
+
+def _sgd(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    flags = _kernel_flags(cfg, (p for g in groups for p in g["params"]))
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.betas[0], **flags)
+
+
+OPTIMIZERS: dict[str, Callable[[list[dict], OptimConfig], torch.optim.Optimizer]] = {
+    "adamw": _adamw,
+    "adam": _adam,
+    "sgd": _sgd,
+}
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    if cfg.name not in OPTIMIZERS:
+        raise ForjaError(f"optim.name = {cfg.name!r} is not known; choose one of {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[cfg.name](param_groups(model, cfg.weight_decay), cfg)

@@ -1,0 +1,45 @@
+"""Parallelism: one build order for every layout, written down once here.
+
+    meta device -> tensor/sequence parallel -> activation checkpointing -> torch.compile
+    per block -> FSDP -> to_empty(device) -> init_weights(seed) (or load weights)
+
+The family's `parallelize` function applies the middle steps in that order; building
+on the meta device first means no rank ever holds the whole unsharded model, and
+initializing last (from per-parameter seeded generators) gives the same weights
+whatever the layout.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+
+from forja.models import build_from_args, get_family, load_hf_checkpoint
+from forja.models.common.transformer import Transformer, TransformerArgs
+from forja.parallel.config import ParallelConfig
+from forja.parallel.dims import ParallelDims
+
+
+def parallelize(model: Transformer, family: str, dims: ParallelDims, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
+    module_name, func = get_family(family).parallelize.split(":")
+    getattr(importlib.import_module(module_name), func)(model, dims, mesh, cfg)
+
+
+def build_parallel_model(args: TransformerArgs, family: str, *, dims: ParallelDims, mesh: DeviceMesh,
+                         cfg: ParallelConfig, device: torch.device, seed: int,
+                         init_from: str | None = None) -> Transformer:
+    """The model of this rank, parallelized and with its initial weights."""
+    model = build_from_args(args, device="meta")
+    parallelize(model, family, dims, mesh, cfg)
+    model.to_empty(device=device)
+    if not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters()):
+        model.tie_weights()  # to_empty unties plain modules; FSDP keeps one sharded parameter
+    if init_from is None:
+        model.init_weights(seed)
+    else:
+        hf_state = load_hf_checkpoint(init_from, dtype=torch.float32).state_dict()
+        set_model_state_dict(model, hf_state, options=StateDictOptions(full_state_dict=True))
+    return model

@@ -1,0 +1,219 @@
+"""`forja report RUN_DIR [RUN_DIR ...] [--out DIR]`: plots and a summary of training runs.
+
+Reads each run's metrics.jsonl (written by the JSONL sink) and writes PNG charts, several
+runs overlaid: loss.png (training loss, and validation loss dashed, on the same axes),
+lr.png, tokens_per_sec.png and grad_norm.png. Then prints one summary row per run. The
+charts go to the run directory for one run, to ./report for several, or to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from forja.errors import ForjaError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the run's name then comes from run.json or its directory
+    tomllib = None
+
+# chart file stem -> (title, metric keys drawn on it: the first solid, the second dashed)
+CHARTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "loss": ("loss (dashed: validation)", ("loss", "val_loss")),
+    "lr": ("learning rate", ("lr",)),
+    "tokens_per_sec": ("tokens/s (all devices)", ("tokens_per_sec",)),
+    "grad_norm": ("gradient norm (before clipping)", ("grad_norm",)),
+}
+
+
+@dataclass
+class Run:
+    """One run's name and its metrics.jsonl records, in file order."""
+
+    name: str
+    path: Path
+    records: list[dict]
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """The (steps, values) at which `key` was logged with a value."""
+        points = [(r["step"], r[key]) for r in self.records if r.get(key) is not None and "step" in r]
+        return [s for s, _ in points], [v for _, v in points]
+
+
+def run_name(run_dir: Path) -> str:
+    """The name in run.json or config.toml if either gives one, else the directory's name."""
+    try:
+        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+        name = meta.get("name") or meta.get("run_name")
+        if isinstance(name, str) and name:
+            return name
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        if tomllib is None:
+            raise OSError("no TOML reader")
+        config = tomllib.loads((run_dir / "config.toml").read_text(encoding="utf-8"))
+        name = config.get("name") or config.get("run", {}).get("name")
+        if isinstance(name, str) and name:
+            return name
+    except (OSError, ValueError, AttributeError):
+        pass
+    return run_dir.resolve().name
+
+
+def load_run(run_dir: str | os.PathLike[str]) -> Run:
+    """Read a run directory's metrics.jsonl; a torn last line (a run that died) is skipped."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ForjaError(f"{path} does not exist; give a run directory that forja train wrote "
+                         "with the jsonl metrics sink (metrics.sinks includes \"jsonl\")")
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                break
+            raise ForjaError(f"{path} line {number} is not JSON ({exc}); fix or remove that line") from exc
+        if isinstance(record, dict):
+            records.append(record)
+    if not any("step" in r for r in records):
+        raise ForjaError(f"{path} holds no metrics yet; report on it once the run has logged a step")
+    return Run(name=run_name(run_dir), path=run_dir, records=records)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def train_seconds(run: Run) -> float | None:
+    """Time spent in training steps: each log's mean step time times the steps it covers.
+    Without step times, the span of the log's timestamps."""
+    total, previous, timed = 0.0, 0, False
+    for r in run.records:
+        if r.get("step_time") is not None:
+            total += r["step_time"] * max(r["step"] - previous, 0)
+            previous, timed = r["step"], True
+    if timed:
+        return total
+    stamps = [r["time"] for r in run.records if isinstance(r.get("time"), (int, float))]
+    return max(stamps) - min(stamps) if len(stamps) > 1 else None
+
+
+def summarize(run: Run) -> dict[str, float | int | None]:
+    """steps, final_loss, best_val_loss, last_val_loss, mean_tokens_per_sec, mean_mfu, train_seconds."""
+    _, loss = run.series("loss")
+    _, val = run.series("val_loss")
+    steps = [r["step"] for r in run.records if "step" in r]
+    return {
+        "steps": max(steps),
+        "final_loss": loss[-1] if loss else None,
+        "best_val_loss": min(val) if val else None,
+        "last_val_loss": val[-1] if val else None,
+        "mean_tokens_per_sec": _mean(run.series("tokens_per_sec")[1]),
+        "mean_mfu": _mean(run.series("mfu")[1]),
+        "train_seconds": train_seconds(run),
+    }
+
+
+def _save(fig, path: Path) -> None:
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+
+
+def plot(runs: list[Run], out_dir: Path) -> list[Path]:
+    """Write the charts of CHARTS that any run has data for; return their paths."""
+    # The object API, not pyplot: draws with Agg and changes no global backend.
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ForjaError("forja report draws with matplotlib: pip install 'forja[report]'") from exc
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for stem, (title, keys) in CHARTS.items():
+        fig = Figure(figsize=(8, 4.5), layout="constrained")
+        ax = fig.add_subplot()
+        drawn = False
+        for i, run in enumerate(runs):
+            color = f"C{i % 10}"
+            for key, style in zip(keys, ("-", "--")):
+                steps, values = run.series(key)
+                if steps:
+                    label = run.name if key == keys[0] else f"{run.name} ({key})"
+                    ax.plot(steps, values, style, color=color, label=label, marker="o" if len(steps) < 3 else None)
+                    drawn = True
+        if not drawn:
+            continue
+        ax.set(title=title, xlabel="step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        path = out_dir / f"{stem}.png"
+        _save(fig, path)
+        written.append(path)
+    return written
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def summary_table(runs: list[Run]) -> Table:
+    table = Table(title="training runs")
+    for column in ("run", "steps", "final loss", "best val loss", "last val loss", "mean tokens/s",
+                   "mean MFU", "train time"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    for run in runs:
+        s = summarize(run)
+        seconds = s["train_seconds"]
+        table.add_row(run.name, str(s["steps"]), _fmt(s["final_loss"], ".4f"), _fmt(s["best_val_loss"], ".4f"),
+                      _fmt(s["last_val_loss"], ".4f"), _fmt(s["mean_tokens_per_sec"], ",.0f"),
+                      "n/a" if s["mean_mfu"] is None else f"{100 * s['mean_mfu']:.1f}%",
+                      "n/a" if seconds is None else str(timedelta(seconds=round(seconds))))
+    return table
+
+
+def report(run_dirs: list[str | os.PathLike[str]], out_dir: str | os.PathLike[str] | None = None,
+           console: Console | None = None) -> list[Path]:
+    """Charts and a summary of `run_dirs`; returns the chart paths. Every run is read (and
+    checked) before anything is written."""
+    if not run_dirs:
+        raise ForjaError("give at least one run directory")
+    runs = [load_run(d) for d in run_dirs]
+    names = [r.name for r in runs]
+    for run in runs:  # two runs of the same name: tell them apart by their path
+        if names.count(run.name) > 1:
+            run.name = str(run.path)
+    out = Path(out_dir) if out_dir is not None else (Path(run_dirs[0]) if len(runs) == 1 else Path("report"))
+    written = plot(runs, out)
+    console = console or Console()
+    console.print(summary_table(runs))
+    for path in written:
+        console.print(f"wrote {path}", highlight=False)
+    return written
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="plot and summarize training runs",
+                       description="Plot loss, validation loss, learning rate, tokens/s and gradient norm of "
+                                   "one or more runs (overlaid), and print a summary of each.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where to write the PNGs (default: the run directory for one run, ./report for several)")
+    p.set_defaults(func=_run_cli)
+
+
+def _run_cli(args: argparse.Namespace) -> int:
+    report(args.run_dirs, args.out)
+    return 0

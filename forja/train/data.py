@@ -1,0 +1,109 @@
+"""The trainer's data: tokenizer and dataset from `[data]`, prepared once, then loaders.
+
+`data.path` is either a directory written by `forja prepare` (or a mixture of them), or
+a source string. A source string is prepared on first use and cached; without
+`data.tokenizer`, a tokenizer is first trained on the source (also cached, keyed by the
+source's files and the vocabulary size). Only rank 0 trains and prepares; the other
+ranks wait at a barrier and then open what it wrote. The run directory keeps a copy of
+the tokenizer, so export and generation need nothing else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from forja.config import Config
+from forja.data import load_tokenizer, open_dataset, train_tokenizer
+from forja.data.mixture import is_mixture_dir
+from forja.data.prepare import cache_root
+from forja.data.shards import META
+from forja.data.sources import parse_mixture, parse_source
+from forja.data.tokenizer import Tokenizer
+from forja.errors import ForjaError
+
+
+def _is_prepared(path: Path) -> bool:
+    return (path / META).is_file() or is_mixture_dir(path)
+
+
+def _cached_tokenizer(source: str, vocab_size: int) -> Path:
+    """Where the tokenizer trained on `source` with `vocab_size` lives in the cache."""
+    parts = [(spec, parse_source(spec).stat_fingerprint()) for spec, _ in parse_mixture(source)]
+    key = hashlib.sha256(json.dumps([parts, vocab_size]).encode()).hexdigest()[:24]
+    return cache_root() / "tokenizers" / key / "tokenizer.json"
+
+
+def _tokenizer_path(cfg: Config, path: Path) -> Path:
+    d = cfg.data
+    if d.tokenizer is not None:
+        return Path(d.tokenizer).expanduser()
+    if _is_prepared(path):
+        if (path / "tokenizer.json").is_file():
+            return path / "tokenizer.json"
+        raise ForjaError(f"data.path {path} is prepared data without a tokenizer.json beside it; "
+                         "set data.tokenizer to the tokenizer it was prepared with")
+    return _cached_tokenizer(d.path, d.vocab_size)
+
+
+def _rank0_prepares(cfg: Config, rank: int) -> None:
+    d = cfg.data
+    path = Path(d.path).expanduser()
+    if _is_prepared(path) or rank != 0:
+        return
+    tok_path = _tokenizer_path(cfg, path)
+    if d.tokenizer is None and not tok_path.is_file():
+        print(f"forja: training a {d.vocab_size}-token tokenizer on {d.path} (cached in {tok_path.parent})",
+              flush=True)
+        train_tokenizer(d.path, vocab_size=d.vocab_size, out=tok_path)
+    open_dataset(d.path, load_tokenizer(tok_path), val_fraction=d.val_fraction,
+                 workers=d.workers or None, progress=True)
+
+
+def data(cfg: Config, *, rank: int, run_dir: Path) -> tuple[Tokenizer, Any]:
+    """(tokenizer, dataset) of the run; the tokenizer is also saved into the run directory."""
+    path = Path(cfg.data.path).expanduser()
+    if not _is_prepared(path) and not cfg.data.path.startswith(("stdlib", "jsonl:", "parquet:", "hf:")) \
+            and not any(c in cfg.data.path for c in "*?[") and not path.exists():
+        raise ForjaError(f"data.path {cfg.data.path!r} does not exist; give a prepared directory, files, "
+                         "or a source such as 'stdlib' or 'jsonl:PATH'")
+    _rank0_prepares(cfg, rank)
+    _barrier()
+    tokenizer = load_tokenizer(_tokenizer_path(cfg, path))
+    dataset = open_dataset(cfg.data.path, tokenizer, val_fraction=cfg.data.val_fraction,
+                           workers=cfg.data.workers or None)
+    _keep_tokenizer(tokenizer, run_dir, rank)
+    return tokenizer, dataset
+
+
+def _keep_tokenizer(tokenizer: Tokenizer, run_dir: Path, rank: int) -> None:
+    saved = run_dir / "tokenizer.json"
+    if saved.is_file() and load_tokenizer(saved).fingerprint != tokenizer.fingerprint:
+        raise ForjaError(f"{saved} differs from the tokenizer of data.path; this run.dir was trained with "
+                         "another tokenizer: use another run.dir or --start-over")
+    if rank == 0 and not saved.is_file():
+        tokenizer.save(saved)
+
+
+def loaders(cfg: Config, dataset: Any, *, dp_rank: int, dp_size: int) -> tuple[Any, Any]:
+    """The training loader (resumable, rank-sharded) and the validation loader (or None)."""
+    from forja.data import DataLoader, ValidationLoader
+
+    t = cfg.train
+    train = DataLoader(dataset, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+                       micro_batch_size=t.micro_batch_size, dp_rank=dp_rank, dp_world_size=dp_size,
+                       seed=t.seed, prefetch=cfg.data.prefetch)
+    val = None
+    if t.val_interval > 0 and t.val_batches > 0:
+        val = ValidationLoader(dataset, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
+                               num_batches=t.val_batches, dp_rank=dp_rank, dp_world_size=dp_size)
+    return train, val
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,157 @@
+"""The run directory: what a run leaves behind, and the guard against mixing runs.
+
+    <run.dir>/config.toml       the resolved config (rerun it with `forja train <run.dir>/config.toml`)
+    <run.dir>/run.json          code revision, library versions, hardware, command of each launch
+    <run.dir>/tokenizer.json    the tokenizer, so the run can be exported or sampled alone
+    <run.dir>/checkpoints/      see forja/checkpoint/manager.py
+    <run.dir>/metrics.jsonl     one line per logged step
+
+Rerunning on a run directory resumes it, if its config is the same apart from keys that
+may change between launches (steps, intervals, logging, parallel layout). Anything else
+(another model, data, optimizer...) is refused unless `run.start_over` is set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import forja
+from forja.config import Config, config_from_dict, dump_toml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from forja.errors import ForjaError
+
+# Keys that may differ between launches of one run ("section." means the whole section).
+RESUMABLE = ("run.", "checkpoint.", "metrics.", "parallel.", "train.steps", "train.val_interval",
+             "train.val_batches", "train.micro_batch_size", "train.sample_tokens", "train.sample_prompt",
+             "train.on_nonfinite", "train.gc_interval", "train.profile_at", "train.device",
+             "data.workers", "data.prefetch")
+
+
+def _flat(cfg: Config) -> dict[str, object]:
+    return {f"{s}.{k}": v for s, values in cfg.to_dict().items() for k, v in values.items()}
+
+
+def config_differences(old: Config, new: Config) -> list[str]:
+    """Keys whose change makes `new` another run than `old`, as 'key: old -> new'."""
+    a, b = _flat(old), _flat(new)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and not k.startswith(RESUMABLE) and k not in RESUMABLE]
+
+
+class RunDir:
+    def __init__(self, cfg: Config, *, rank: int = 0):
+        self.cfg = cfg
+        self.rank = rank
+        self.path = Path(cfg.run.dir).expanduser()
+
+    def prepare(self) -> None:
+        """Check the directory against the config, then (rank 0) record this launch."""
+        self._check_writable()
+        saved = self.path / "config.toml"
+        if saved.is_file():
+            old = config_from_dict(tomllib.loads(saved.read_text()), f"in {saved}")
+            changed = config_differences(old, self.cfg)
+            if changed and not self.cfg.run.start_over:
+                more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+                raise ForjaError(f"run.dir {self.path} holds another run: {changed[0]}{more}. Choose another "
+                                 "run.dir, or pass --start-over to delete that run and begin afresh")
+            if self.cfg.run.start_over:
+                self._wipe()
+        _barrier()
+        if self.rank == 0:
+            self.path.mkdir(parents=True, exist_ok=True)
+            # start_over applies to this launch only: the next one must resume, not wipe again.
+            kept = dataclasses.replace(self.cfg, run=dataclasses.replace(self.cfg.run, start_over=False))
+            write_atomic(saved, dump_toml(kept))
+            self._record_launch()
+        _barrier()
+
+    def _check_writable(self) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / f".write-test-{self.rank}"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as exc:
+            raise ForjaError(f"run.dir {self.path} cannot be written ({exc.strerror or exc}); "
+                             "choose a writable directory") from None
+
+    def _wipe(self) -> None:
+        _barrier()
+        if self.rank == 0:
+            for child in self.path.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+    def _record_launch(self) -> None:
+        info_path = self.path / "run.json"
+        info = json.loads(info_path.read_text()) if info_path.is_file() else {"launches": []}
+        info["launches"].append(environment())
+        write_atomic(info_path, json.dumps(info, indent=2) + "\n")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _git_revision() -> dict[str, object] | None:
+    root = Path(forja.__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5).stdout.strip() != ""
+        return {"commit": rev.stdout.strip(), "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "torch": torch.__version__, "forja": forja.__version__}
+    for name in ("numpy", "tokenizers", "safetensors", "transformers", "triton"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _hardware() -> dict[str, object]:
+    hw: dict[str, object] = {"host": socket.gethostname(), "platform": platform.platform(),
+                             "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+    if torch.cuda.is_available():
+        hw["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        hw["cuda"] = torch.version.cuda
+    return hw
+
+
+def environment() -> dict[str, object]:
+    """What it takes to reproduce a figure: code, libraries, hardware, command, world size."""
+    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": sys.argv, "git": _git_revision(),
+            "versions": _versions(), "hardware": _hardware(),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

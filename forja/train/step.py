@@ -1,0 +1,93 @@
+"""One optimizer step's forward and backward: accumulation, loss, clipping.
+
+The loss of a step is the mean next-token cross-entropy over every token of the
+global batch. Each micro-batch has the same number of tokens (packed sequences, no
+padding), so each contributes its mean divided by the number of micro-batches, and
+data-parallel gradient averaging (FSDP/DDP) turns the per-rank means into the global
+mean: any layout computes the same loss and gradients as one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class StepOutput:
+    loss: float
+    """Mean loss over the global batch."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    tokens: int
+    """Tokens processed by all ranks this step."""
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits (B, T, V) against labels (B, T), computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _all_reduce_mean(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
+        values /= dist.get_world_size(group)
+    return values
+
+
+def forward_backward(model: nn.Module, batches: Sequence, *, device: torch.device,
+                     compute_dtype: torch.dtype | None, document_mask: bool) -> torch.Tensor:
+    """Accumulate gradients over `batches`; returns this rank's mean loss (0-dim tensor)."""
+    total = torch.zeros((), device=device)
+    for batch in batches:
+        tokens = batch.input_ids.to(device, non_blocking=True)
+        labels = batch.labels.to(device, non_blocking=True)
+        doc_ids = batch.document_ids.to(device, non_blocking=True) if document_mask else None
+        with autocast(device, compute_dtype):
+            logits = model(tokens, doc_ids)  # (m, T, V)
+        loss = next_token_loss(logits, labels) / len(batches)
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip to `max_norm` (0: no clipping) and return the norm before clipping."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
+    if isinstance(norm, torch.distributed.tensor.DTensor):
+        norm = norm.full_tensor()  # sharded parameters give a partial norm; this reduces it
+    return norm
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence, *,
+               device: torch.device, compute_dtype: torch.dtype | None, grad_clip: float,
+               document_mask: bool, dp_group: dist.ProcessGroup | None, dp_size: int) -> StepOutput:
+    """Forward, backward and clipping of one step. The optimizer step is the caller's,
+    so a non-finite loss can be refused before it changes the weights."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = forward_backward(model, batches, device=device, compute_dtype=compute_dtype,
+                            document_mask=document_mask)
+    norm = clip_gradients(model, grad_clip)
+    loss = _all_reduce_mean(loss, dp_group)  # the norm is already global
+    tokens = sum(b.input_ids.numel() for b in batches) * dp_size
+    # The one host sync of the step: the loop needs the loss to decide on NaNs.
+    loss_value, norm_value = torch.stack([loss, norm.to(loss.device, loss.dtype)]).tolist()
+    return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=tokens)

@@ -1,0 +1,219 @@
+"""The training loop. It reads like the algorithm:
+
+    for each step: take a global batch -> forward/backward with accumulation -> clip ->
+    optimizer step -> schedule step; validate and checkpoint at their intervals.
+
+Setup follows one order on every layout: process group and mesh, run directory, data,
+model (forja/parallel's build order), optimizer and schedule, loaders, then resume
+from the run's latest complete checkpoint. Logging, sampling, GC, profiling and
+preemption are callbacks (callbacks.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from forja.checkpoint.manager import CheckpointManager
+from forja.checkpoint.states import ModelState, OptimizerState, RNGState, TrainerCounters
+from forja.config import Config
+from forja.errors import ForjaError
+from forja.generate import SamplingConfig, generate
+from forja.models import model_args
+from forja.optim import build_optimizer, build_scheduler
+from forja.parallel import build_parallel_model
+from forja.parallel.dims import ParallelDims, dp_rank
+from forja.parallel.process_group import init_distributed, shutdown_distributed
+from forja.train import setup as build
+from forja.train.callbacks import Callback, StepRecord
+from forja.train.run_dir import RunDir
+from forja.train.step import autocast, next_token_loss, train_step
+
+
+class Trainer:
+    def __init__(self, cfg: Config, *, callbacks: Sequence[Callback] = ()):
+        self.cfg = cfg
+        self.extra_callbacks = list(callbacks)
+        self.stop_reason: str | None = None
+        self.counters = TrainerCounters()
+
+    # -- setup ------------------------------------------------------------------------------
+    def setup(self) -> None:
+        c = self.cfg
+        info = init_distributed(c.train.device, c.parallel.timeout_s)
+        self.rank, self.device = info.rank, info.device
+        self.dims = ParallelDims.from_config(c.parallel, info.world_size)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.dp_rank = dp_rank(self.mesh)
+        self.run = RunDir(c, rank=self.rank)
+        self.run_dir: Path = self.run.path
+        self.run.prepare()
+        self.compute_dtype = build.compute_dtype(c.train.precision, self.device)
+        self.tokenizer, dataset = build.data(c, rank=self.rank, run_dir=self.run_dir)
+        args = model_args(c.model.family, c.model.flavor, attention=c.model.attention,
+                          **{"vocab_size": self.tokenizer.vocab_size, **c.model.overrides})
+        build.check_vocab(args.vocab_size, self.tokenizer)
+        self.model = build_parallel_model(args, c.model.family, dims=self.dims, mesh=self.mesh, cfg=c.parallel,
+                                          device=self.device, seed=c.train.seed, init_from=c.model.init_from)
+        self.optimizer = build_optimizer(self.model, c.optim)
+        self.scheduler = build_scheduler(self.optimizer, c.schedule, c.train.steps)
+        self.loader, self.val_loader = build.loaders(c, dataset, dp_rank=self.dp_rank, dp_size=self.dims.dp)
+        self.checkpoints = CheckpointManager(c.checkpoint, self.run_dir / "checkpoints", rank=self.rank,
+                                             meta=build.model_identity(c, args))
+        self.callbacks = build.default_callbacks(self) + self.extra_callbacks
+        self._resume()
+
+    def checkpoint_state(self) -> dict:
+        return {"model": ModelState(self.model), "optim": OptimizerState(self.model, self.optimizer),
+                "scheduler": self.scheduler, "dataloader": self.loader, "trainer": self.counters,
+                f"rng.rank{self.rank}": RNGState()}
+
+    def _resume(self) -> None:
+        if self.cfg.checkpoint.enabled:
+            self.checkpoints.check_writable()
+            self.checkpoints.clean_partial()
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return
+        state = build.loadable_state(self.checkpoint_state(), latest)
+        self.checkpoints.load(latest, state, check=self.checkpoints_match)
+        if self.rank == 0:
+            print(f"forja: resumed from {latest} (step {self.counters.step})", flush=True)
+
+    def checkpoints_match(self, meta: dict) -> None:
+        build.check_model_identity(meta, self.checkpoints.meta)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def fit(self) -> None:
+        cfg = self.cfg
+        self._call("on_train_start")
+        last_saved = self.counters.step if self.checkpoints.latest() else -1
+        while self.counters.step < cfg.train.steps and not self._should_stop():
+            self.train_one_step()
+            step = self.counters.step
+            if cfg.train.val_interval and (step % cfg.train.val_interval == 0 or step == cfg.train.steps):
+                self.validate()
+            if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+                self.save_checkpoint()
+                last_saved = step
+        if self.counters.step != last_saved:
+            self.save_checkpoint()
+        self.checkpoints.wait()
+        if self.stop_reason is None:
+            self._call("on_train_end")
+        elif self.rank == 0:
+            print(f"forja: stopped by {self.stop_reason} at step {self.counters.step}; checkpoint saved, "
+                  "rerun the same command to resume", flush=True)
+
+    def train_one_step(self) -> None:
+        start = time.perf_counter()
+        waited = self.loader.data_wait_s
+        batches = self.loader.next_step()  # accumulation_steps micro-batches of this rank
+        data_wait = self.loader.data_wait_s - waited
+        out = train_step(self.model, self.optimizer, batches, device=self.device, compute_dtype=self.compute_dtype,
+                         grad_clip=self.cfg.train.grad_clip, document_mask=self.cfg.model.document_mask,
+                         dp_group=self.dp_group, dp_size=self.dims.dp)
+        lr = self.scheduler.get_last_lr()[0]
+        skipped = not out.finite
+        if skipped:
+            self._on_nonfinite(out.loss)
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.counters.step += 1
+        self.counters.tokens_seen += out.tokens
+        record = StepRecord(step=self.counters.step, loss=out.loss, grad_norm=out.grad_norm, lr=lr,
+                            tokens=out.tokens, step_time=time.perf_counter() - start, data_wait=data_wait,
+                            skipped=skipped)
+        self._call("on_step_end", record)
+
+    def _on_nonfinite(self, loss: float) -> None:
+        step = self.counters.step + 1
+        if self.cfg.train.on_nonfinite == "skip":
+            self.counters.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        latest = self.checkpoints.latest()
+        kept = f"the last checkpoint, {latest}, is intact" if latest else "no checkpoint was written yet"
+        raise ForjaError(f"the loss is {loss} at step {step}: training stopped and {kept}. Lower optim.lr, "
+                         "raise schedule.warmup_steps, or set train.on_nonfinite = 'skip' to skip such steps")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return None if self.dims.dp == self.dims.world_size else build.dp_group(self.mesh)
+
+    @torch.no_grad()
+    def validate(self) -> float | None:
+        if self.val_loader is None:
+            return None
+        self.model.eval()
+        total, count = torch.zeros((), device=self.device), 0
+        for batch in self.val_loader:
+            doc_ids = batch.document_ids.to(self.device) if self.cfg.model.document_mask else None
+            with autocast(self.device, self.compute_dtype):
+                logits = self.model(batch.input_ids.to(self.device), doc_ids)
+            total += next_token_loss(logits, batch.labels.to(self.device))
+            count += 1
+        self.model.train()
+        stats = torch.stack([total, torch.tensor(float(count), device=self.device)])
+        if dist.get_world_size() > 1:
+            dist.all_reduce(stats, group=self.dp_group)
+        val_loss = (stats[0] / stats[1]).item()
+        self._call("on_validation_end", self.counters.step, val_loss)
+        return val_loss
+
+    def save_checkpoint(self) -> None:
+        if not self.cfg.checkpoint.enabled:
+            return
+        path = self.checkpoints.save(self.counters.step, self.checkpoint_state(),
+                                     {"tokens_seen": self.counters.tokens_seen})
+        self._call("on_checkpoint", self.counters.step, path)
+
+    def sample(self, prompt: str, max_new_tokens: int) -> str:
+        ids = self.tokenizer.encode(prompt)
+        tokens = torch.tensor([ids], device=self.device)
+        max_new_tokens = min(max_new_tokens, self.model.args.max_seq_len - len(ids))
+        with autocast(self.device, self.compute_dtype):
+            out = generate(self.model, tokens, SamplingConfig(max_new_tokens=max_new_tokens,
+                                                              stop_token=self.tokenizer.eos_id))
+        new = [t for t in out[0, len(ids):].tolist() if t != self.tokenizer.eos_id]
+        return prompt + self.tokenizer.decode(new)
+
+    # -- stopping ---------------------------------------------------------------------------
+    def request_stop(self, reason: str) -> None:
+        self.stop_reason = reason
+
+    def _should_stop(self) -> bool:
+        """Whether any rank was asked to stop; all ranks agree, so they stop at the same step."""
+        if dist.get_world_size() == 1:
+            return self.stop_reason is not None
+        flag = torch.tensor([self.stop_reason is not None], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=build.cpu_group())
+        if flag.item() and self.stop_reason is None:
+            self.stop_reason = "another rank's signal"
+        return bool(flag.item())
+
+    def _call(self, hook: str, *args) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, *args)
+
+    # -- running ----------------------------------------------------------------------------
+    def run(self) -> None:
+        """setup + fit, always releasing the callbacks, loaders and process group."""
+        try:
+            self.setup()
+            self.fit()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for cb in getattr(self, "callbacks", []):
+            cb.close()
+        for loader in (getattr(self, "loader", None),):
+            if loader is not None and hasattr(loader, "close"):
+                loader.close()
+        shutdown_distributed()
