@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from forja.checkpoint.manager import complete_checkpoints, read_meta
@@ -49,7 +51,9 @@ def load_checkpoint_model(src: str | os.PathLike, *, device: str | torch.device 
     identity = read_meta(ckpt)["model"]
     spec = get_family(identity["family"])
     model = build_from_args(spec.args_cls(**identity["args"]), device=device, init=False)
-    dcp.load({"model": ModelState(model)}, checkpoint_id=str(ckpt))
+    with warnings.catch_warnings():  # DCP warns that one process loads alone: that is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": ModelState(model)}, checkpoint_id=str(ckpt), no_dist=not dist.is_initialized())
     return model, run_dir
 
 

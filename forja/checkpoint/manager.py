@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from forja.checkpoint.config import CheckpointConfig
 from forja.errors import ForjaError
@@ -107,7 +108,7 @@ class CheckpointManager:
                 self._pending = (dcp.async_save(state, checkpoint_id=str(partial)), partial, meta)
                 return final
             dcp.save(state, checkpoint_id=str(partial))
-        except OSError as exc:
+        except (OSError, CheckpointException) as exc:
             self._abandon(partial, exc)
         self._finalize(partial, meta)
         return final
@@ -120,17 +121,17 @@ class CheckpointManager:
         self._pending = None
         try:
             future.result()
-        except OSError as exc:
+        except (OSError, CheckpointException) as exc:
             self._abandon(partial, exc)
         self._finalize(partial, meta)
 
-    def _abandon(self, partial: Path, exc: OSError) -> None:
+    def _abandon(self, partial: Path, exc: Exception) -> None:
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         previous = self.latest()
         kept = f"{previous.name} is intact" if previous else "no earlier checkpoint exists"
         raise ForjaError(f"could not write checkpoint {partial.name.removesuffix('.partial')} to {self.folder} "
-                         f"({exc.strerror or exc}); {kept}. Free space or choose another run.dir") from None
+                         f"({_reason(exc)}); {kept}. Free space or choose another run.dir") from None
 
     def _finalize(self, partial: Path, meta: dict) -> None:
         _barrier()  # every rank's shards are on disk
@@ -160,6 +161,15 @@ class CheckpointManager:
             check(meta)
         dcp.load(state, checkpoint_id=str(path))
         return meta
+
+
+def _reason(exc: Exception) -> str:
+    """The first underlying error of a failed write, in one line."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        failure = next(iter(exc.failures.values()))  # a WrappedException: (exception, traceback)
+        exc = failure[0] if isinstance(failure, tuple) else failure
+    text = getattr(exc, "strerror", None) or str(exc)
+    return text.strip().splitlines()[-1] if text.strip() else type(exc).__name__
 
 
 def _barrier() -> None:

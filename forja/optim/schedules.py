@@ -10,6 +10,7 @@ over the last `decay_fraction` of the steps, so a run can be extended before dec
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -28,21 +29,33 @@ def lr_multiplier(cfg: ScheduleConfig, total_steps: int) -> Callable[[int], floa
             return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
         return 1 - (1 - floor) * progress  # linear and wsd's decay
 
+    last = total_steps - 1  # the last step trains at the floor, the first after warmup at the peak
+
     def multiplier(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)  # never exactly 0: the first step must move
         if cfg.name == "constant":
             return 1.0
         if cfg.name == "wsd":
-            decay_start = total_steps - max(1, round(cfg.decay_fraction * total_steps))
-            decay_start = max(decay_start, warmup)
+            decay_start = max(total_steps - max(1, round(cfg.decay_fraction * total_steps)), warmup)
             if step < decay_start:
                 return 1.0
-            return decay((step - decay_start + 1) / max(1, total_steps - decay_start))
-        return decay((step - warmup + 1) / max(1, total_steps - warmup))
+            return decay((step - decay_start) / max(1, last - decay_start))
+        return decay((step - warmup) / max(1, last - warmup))
 
     return multiplier
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, lr_multiplier(cfg, total_steps))
+
+
+def reapply(scheduler: LambdaLR) -> None:
+    """Set the optimizer's learning rates from the schedule at the scheduler's current step.
+
+    Needed after a resume: the optimizer's saved state carries the learning rate of the old
+    schedule, which differs when `train.steps` changed between launches."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "step() before optimizer.step()": intended here
+        scheduler.last_epoch -= 1
+        scheduler.step()

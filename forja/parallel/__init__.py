@@ -12,12 +12,12 @@ whatever the layout.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
-from forja.models import build_from_args, get_family, load_hf_checkpoint
+from forja.models import build_from_args, get_family
 from forja.models.common.transformer import Transformer, TransformerArgs
 from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
@@ -30,16 +30,15 @@ def parallelize(model: Transformer, family: str, dims: ParallelDims, mesh: Devic
 
 def build_parallel_model(args: TransformerArgs, family: str, *, dims: ParallelDims, mesh: DeviceMesh,
                          cfg: ParallelConfig, device: torch.device, seed: int,
-                         init_from: str | None = None) -> Transformer:
-    """The model of this rank, parallelized and with its initial weights."""
+                         load_weights: Callable[[Transformer], None] | None = None) -> Transformer:
+    """The model of this rank, parallelized, with weights from `seed` or from `load_weights`."""
     model = build_from_args(args, device="meta")
     parallelize(model, family, dims, mesh, cfg)
     model.to_empty(device=device)
     if not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters()):
         model.tie_weights()  # to_empty unties plain modules; FSDP keeps one sharded parameter
-    if init_from is None:
+    if load_weights is None:
         model.init_weights(seed)
     else:
-        hf_state = load_hf_checkpoint(init_from, dtype=torch.float32).state_dict()
-        set_model_state_dict(model, hf_state, options=StateDictOptions(full_state_dict=True))
+        load_weights(model)
     return model

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
-from forja.checkpoint.manager import checkpoint_keys
+from forja.checkpoint.manager import checkpoint_keys, read_meta
+from forja.checkpoint.states import ModelState
 from forja.config import Config
 from forja.errors import ForjaError
 from forja.metrics.sinks import build_sinks
@@ -54,15 +59,40 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def check_model_identity(saved: dict, current: dict) -> None:
+def check_model_identity(saved: dict, current: dict, *, loose: bool = False) -> None:
+    """Refuse weights of another model. `loose` compares the arguments only (an HF model has
+    no flavor), leaving out the attention kernel, which does not change the weights."""
     old, new = saved.get("model", {}), current["model"]
-    if old == new:
-        return
+    ignore = {"attention"} if loose else set()
     diffs = [f"{k}: {old.get('args', {}).get(k)!r} vs {v!r}" for k, v in new["args"].items()
-             if old.get("args", {}).get(k) != v]
+             if old.get("args", {}).get(k) != v and k not in ignore]
+    if not diffs and (loose or old == new):
+        return
     raise ForjaError(f"the checkpoint holds a {old.get('family')} {old.get('flavor')!r} model, this run builds a "
                      f"{new['family']} {new['flavor']!r} model ({'; '.join(diffs[:3]) or 'different'}); "
                      "use the same model.* settings, another run.dir, or --start-over")
+
+
+def initial_weights(cfg: Config, identity: dict) -> Callable[[nn.Module], None] | None:
+    """A loader of `model.init_from` into a (possibly sharded) model, or None for random weights."""
+    source = cfg.model.init_from
+    if source is None:
+        return None
+    from forja.checkpoint.export import is_forja_source, resolve_checkpoint
+    from forja.models import load_hf_checkpoint
+
+    def load(model: nn.Module) -> None:
+        if is_forja_source(source):
+            _, ckpt = resolve_checkpoint(source)
+            check_model_identity(read_meta(ckpt), identity)
+            dcp.load({"model": ModelState(model)}, checkpoint_id=str(ckpt))
+            return
+        hf = load_hf_checkpoint(source, dtype=torch.float32)
+        check_model_identity({"model": {"family": cfg.model.family, "flavor": f"from {source}",
+                                        "args": _plain(hf.args)}}, identity, loose=True)
+        set_model_state_dict(model, hf.state_dict(), options=StateDictOptions(full_state_dict=True))
+
+    return load
 
 
 def loadable_state(state: dict[str, Any], path: Path) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from forja.errors import ForjaError
 from forja.generate import SamplingConfig, generate
 from forja.models import model_args
 from forja.optim import build_optimizer, build_scheduler
+from forja.optim.schedules import reapply
 from forja.parallel import build_parallel_model
 from forja.parallel.dims import ParallelDims, dp_rank
 from forja.parallel.process_group import init_distributed, shutdown_distributed
@@ -57,13 +58,15 @@ class Trainer:
         args = model_args(c.model.family, c.model.flavor, attention=c.model.attention,
                           **{"vocab_size": self.tokenizer.vocab_size, **c.model.overrides})
         build.check_vocab(args.vocab_size, self.tokenizer)
+        identity = build.model_identity(c, args)
         self.model = build_parallel_model(args, c.model.family, dims=self.dims, mesh=self.mesh, cfg=c.parallel,
-                                          device=self.device, seed=c.train.seed, init_from=c.model.init_from)
+                                          device=self.device, seed=c.train.seed,
+                                          load_weights=build.initial_weights(c, identity))
         self.optimizer = build_optimizer(self.model, c.optim)
         self.scheduler = build_scheduler(self.optimizer, c.schedule, c.train.steps)
         self.loader, self.val_loader = build.loaders(c, dataset, dp_rank=self.dp_rank, dp_size=self.dims.dp)
         self.checkpoints = CheckpointManager(c.checkpoint, self.run_dir / "checkpoints", rank=self.rank,
-                                             meta=build.model_identity(c, args))
+                                             meta=identity)
         self.callbacks = build.default_callbacks(self) + self.extra_callbacks
         self._resume()
 
@@ -81,6 +84,7 @@ class Trainer:
             return
         state = build.loadable_state(self.checkpoint_state(), latest)
         self.checkpoints.load(latest, state, check=self.checkpoints_match)
+        reapply(self.scheduler)  # train.steps may have changed, and with it the schedule
         if self.rank == 0:
             print(f"forja: resumed from {latest} (step {self.counters.step})", flush=True)
 

@@ -1,13 +1,12 @@
 """TensorBoard, W&B (offline) and MLflow sinks, each read back with its own library."""
 
 import json
-import struct
-import time
 
 import pytest
 
 from forja.metrics.sinks import MetricsConfig, build_sinks
 from forja.metrics.trackers import MLflowSink, TensorBoardSink, WandbSink, flatten, load_tracking
+from tests.trackers import read_tensorboard, run_record, wandb_history
 
 CONFIG = {"model": {"family": "llama", "dim": 64}, "optim": {"lr": 3e-4}, "tags": ["a", "b"]}
 
@@ -18,14 +17,6 @@ def test_flatten():
 
 
 # -- TensorBoard ------------------------------------------------------------------------------
-
-def read_tensorboard(log_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return acc
-
 
 def test_tensorboard_scalars_and_resume(tmp_path):
     sink = TensorBoardSink(tmp_path / "tb")
@@ -62,55 +53,6 @@ def test_tensorboard_dir_from_config(tmp_path):
 
 
 # -- W&B --------------------------------------------------------------------------------------
-
-def wandb_records(path):
-    """The records of a .wandb file: W&B's 7-byte header, then the LevelDB log format (32 KiB
-    blocks of chunks, each with a 7-byte header: crc32, length, type), each record a protobuf."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    block, pos, pending = 32768, 7, b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # too little room for a chunk header: the block is padded
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if pos + 7 + length > len(data):  # still being written
-            return
-        pending += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # a FULL chunk, or the LAST of a FIRST, MIDDLE..., LAST series
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            yield record
-
-
-def finished_records(path, timeout_s=10.0):
-    """The records of a session's file once W&B has written its last ("exit") record: the
-    wandb-core process may still be writing the file for a moment after run.finish()."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        records = list(wandb_records(path))
-        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
-            return records
-        time.sleep(0.05)
-
-
-def run_record(path):
-    [run] = [r.run for r in finished_records(path) if r.WhichOneof("record_type") == "run"]
-    return run
-
-
-def wandb_history(path):
-    rows = []
-    for record in finished_records(path):
-        if record.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
-    return rows
-
 
 def test_wandb_offline_run_resumes_the_same_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")

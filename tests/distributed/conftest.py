@@ -1,0 +1,1 @@
+from tests.integration.conftest import train_data  # noqa: F401  (the shared prepared corpus)

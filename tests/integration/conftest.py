@@ -1,0 +1,66 @@
+"""A small prepared corpus (stdlib's json package, a 512-token tokenizer) and helpers to
+run `forja train` on it, in this process or in a child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forja.data import prepare, train_tokenizer
+
+
+@pytest.fixture(scope="session")
+def train_data(tmp_path_factory) -> Path:
+    """A prepared directory (with its tokenizer.json inside) of real Python code."""
+    root = tmp_path_factory.mktemp("train-data")
+    tok = train_tokenizer("stdlib:json", vocab_size=512, out=root / "tokenizer.json")
+    prepare("stdlib:json", tok, root / "prepared", val_fraction=0.2, workers=1)
+    return root / "prepared"
+
+
+def base_overrides(run_dir: Path, data: Path, **changes) -> list[str]:
+    """--set values for a seconds-long debug run; `changes` maps 'section.key' to TOML text."""
+    values = {
+        "run.dir": json.dumps(str(run_dir)),
+        "data.path": json.dumps(str(data)),
+        "model.flavor": '"debug"',
+        "train.steps": "12",
+        "train.seq_len": "64",
+        "train.global_batch_size": "8",
+        "train.micro_batch_size": "4",
+        "train.val_interval": "6",
+        "train.val_batches": "2",
+        "train.sample_tokens": "8",
+        "checkpoint.interval": "4",
+        "metrics.interval": "1",
+        "metrics.sinks": '["jsonl"]',
+        "schedule.warmup_steps": "2",
+    }
+    values.update(changes)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def train_args(run_dir: Path, data: Path, **changes) -> list[str]:
+    args = ["train", "debug"]
+    for item in base_overrides(run_dir, data, **changes):
+        args += ["--set", item]
+    return args
+
+
+def forja_process(args: list[str], **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "forja", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, **kwargs)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}

@@ -1,0 +1,80 @@
+"""`forja train` end to end: the loss falls, runs resume exactly, signals save."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from forja.cli import main
+
+from .conftest import forja_process, losses, read_metrics, train_args
+
+
+def test_short_run_learns_and_leaves_a_readable_run_dir(tmp_path, train_data):
+    run = tmp_path / "run"
+    assert main(train_args(run, train_data, **{"train.steps": "30", "train.val_interval": "10"})) == 0
+    records = read_metrics(run)
+    train = [r for r in records if "loss" in r]
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 31))
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0  # 512-token vocabulary: starts near ln 512 = 6.2
+    assert len(val) == 3 and val[-1] < val[0]
+    for key in ("lr", "grad_norm", "tokens_per_sec", "tflops", "step_time", "data_wait", "mem_peak_gb"):
+        assert train[-1][key] is not None and train[-1][key] >= 0, key
+    assert train[-1]["mfu"] is None  # no peak is known for a CPU: never a guess
+    assert {"config.toml", "run.json", "tokenizer.json", "samples.txt"} <= {p.name for p in run.iterdir()}
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000024", "step-00000028",
+                                                                      "step-00000030"]
+    launch = json.loads((run / "run.json").read_text())["launches"][0]
+    assert launch["versions"]["torch"] and launch["hardware"]["cpu_count"] >= 1
+
+
+def _wait_for(predicate, proc, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_kill_9_then_resume_gives_bit_identical_losses(tmp_path, train_data):
+    steps = {"train.steps": "40", "checkpoint.interval": "8"}
+    reference = tmp_path / "uninterrupted"
+    assert main(train_args(reference, train_data, **steps)) == 0
+
+    run = tmp_path / "killed"
+    proc = forja_process(train_args(run, train_data, **steps))
+    _wait_for(lambda: (run / "checkpoints" / "step-00000008").is_dir(), proc)
+    proc.kill()  # SIGKILL: no handler runs, whatever was being written is left as it is
+    proc.wait()
+    assert not (run / "checkpoints" / "step-00000040").exists(), "the run finished before it was killed"
+
+    resumed = forja_process(train_args(run, train_data, **steps))
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out
+    assert "resumed from" in out
+    assert losses(run) == losses(reference)  # every step, bit for bit (floats compare exactly)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, train_data):
+    run = tmp_path / "run"
+    proc = forja_process(train_args(run, train_data, **{"train.steps": "100000", "checkpoint.interval": "0"}))
+    _wait_for(lambda: (run / "metrics.jsonl").is_file() and len(read_metrics(run)) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "stopped by SIGTERM" in out
+    saved = sorted((run / "checkpoints").iterdir())
+    assert len(saved) == 1 and int(saved[0].name.split("-")[1]) == max(losses(run))
+
+
+def test_resume_with_more_steps_continues(tmp_path, train_data, capsys):
+    run = tmp_path / "run"
+    assert main(train_args(run, train_data, **{"train.steps": "8"})) == 0
+    assert main(train_args(run, train_data, **{"train.steps": "14"})) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert sorted(losses(run)) == list(range(1, 15))
+    assert (run / "checkpoints" / "step-00000014").is_dir()

@@ -1,0 +1,42 @@
+"""Every tracker of a real training run, read back with its own library."""
+
+from __future__ import annotations
+
+import pytest
+
+from forja.cli import main
+from forja.metrics.trackers import load_tracking
+from tests.trackers import read_tensorboard, run_record, wandb_history
+
+from .conftest import losses, train_args
+
+
+def test_all_sinks_record_the_run(tmp_path, train_data, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    run = tmp_path / "run"
+    sinks = '["console", "jsonl", "tensorboard", "wandb", "mlflow"]'
+    assert main(train_args(run, train_data, **{"train.steps": "6", "metrics.sinks": sinks,
+                                               "metrics.interval": "2", "train.val_interval": "3"})) == 0
+    expected = losses(run)
+    assert sorted(expected) == [2, 4, 6]
+
+    tb = read_tensorboard(run / "tensorboard")
+    assert [(e.step, e.value) for e in tb.Scalars("train/loss")] == [(s, pytest.approx(v)) for s, v in
+                                                                      expected.items()]
+    assert [e.step for e in tb.Scalars("val/loss")] == [3, 6]
+
+    run_id = load_tracking(run)["wandb_run_id"]
+    [session] = list((run / "wandb").glob(f"offline-run-*/run-{run_id}.wandb"))
+    assert run_record(session).project == "kode-pretraining"
+    history = [(r["step"], r["train/loss"]) for r in wandb_history(session) if "train/loss" in r]
+    assert history == [(s, pytest.approx(v)) for s, v in expected.items()]
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run.resolve() / 'mlflow.db'}")
+    mlflow_id = load_tracking(run)["mlflow_run_id"]
+    assert [(m.step, m.value) for m in client.get_metric_history(mlflow_id, "train/loss")] == \
+        [(s, pytest.approx(v)) for s, v in expected.items()]
+    assert client.get_run(mlflow_id).data.params["model.flavor"] == "debug"
