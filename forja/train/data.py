@@ -67,10 +67,12 @@ def _rank0_prepares(cfg: Config, rank: int) -> None:
 def data(cfg: Config, *, rank: int, run_dir: Path) -> tuple[Tokenizer, Any]:
     """(tokenizer, dataset) of the run; the tokenizer is also saved into the run directory."""
     path = Path(cfg.data.path).expanduser()
-    if not _is_prepared(path) and not cfg.data.path.startswith(("stdlib", "jsonl:", "parquet:", "hf:")) \
-            and not any(c in cfg.data.path for c in "*?[") and not path.exists():
-        raise ForjaError(f"data.path {cfg.data.path!r} does not exist; give a prepared directory, files, "
-                         "or a source such as 'stdlib' or 'jsonl:PATH'")
+    if not _is_prepared(path):
+        for spec, _ in parse_mixture(cfg.data.path):
+            try:  # every rank checks, before rank 0 starts any work
+                parse_source(spec)
+            except ForjaError as exc:
+                raise ForjaError(f"data.path: {exc}; or give a directory written by `forja prepare`") from None
     _rank0_prepares(cfg, rank)
     _barrier()
     tokenizer = load_tokenizer(_tokenizer_path(cfg, path))

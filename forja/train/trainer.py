@@ -50,6 +50,8 @@ class Trainer:
         self.dims = ParallelDims.from_config(c.parallel, info.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank = dp_rank(self.mesh)
+        # Losses are averaged over the data-parallel ranks (None: that is every rank).
+        self.dp_group = None if self.dims.dp == self.dims.world_size else build.dp_group(self.mesh)
         self.run = RunDir(c, rank=self.rank)
         self.run_dir: Path = self.run.path
         self.run.prepare()
@@ -146,10 +148,6 @@ class Trainer:
         raise ForjaError(f"the loss is {loss} at step {step}: training stopped and {kept}. Lower optim.lr, "
                          "raise schedule.warmup_steps, or set train.on_nonfinite = 'skip' to skip such steps")
 
-    @property
-    def dp_group(self) -> dist.ProcessGroup | None:
-        return None if self.dims.dp == self.dims.world_size else build.dp_group(self.mesh)
-
     @torch.no_grad()
     def validate(self) -> float | None:
         if self.val_loader is None:
@@ -217,7 +215,6 @@ class Trainer:
     def close(self) -> None:
         for cb in getattr(self, "callbacks", []):
             cb.close()
-        for loader in (getattr(self, "loader", None),):
-            if loader is not None and hasattr(loader, "close"):
-                loader.close()
+        if getattr(self, "loader", None) is not None:
+            self.loader.close()  # stops its prefetch thread
         shutdown_distributed()

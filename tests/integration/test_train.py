@@ -78,3 +78,10 @@ def test_resume_with_more_steps_continues(tmp_path, train_data, capsys):
     assert "resumed from" in capsys.readouterr().out
     assert sorted(losses(run)) == list(range(1, 15))
     assert (run / "checkpoints" / "step-00000014").is_dir()
+
+
+def test_profiler_callback_writes_a_trace(tmp_path, train_data):
+    run = tmp_path / "run"
+    assert main(train_args(run, train_data, **{"train.steps": "6", "train.profile_at": "2"})) == 0
+    traces = list((run / "profile").glob("rank0*.json*"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 1000

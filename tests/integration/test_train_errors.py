@@ -45,7 +45,7 @@ def test_wrong_type_and_bad_choice(tmp_path, train_data, capsys):
 
 def test_missing_data_path(tmp_path, capsys):
     assert main(train_args(tmp_path / "r", tmp_path / "nowhere")) == 2
-    assert "does not exist; give a prepared directory" in _error(capsys)
+    assert "data.path: source path" in (err := _error(capsys)) and "does not exist" in err
 
 
 def test_run_dir_with_another_config_is_refused_unless_starting_over(tmp_path, train_data, capsys):
