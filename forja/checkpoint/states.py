@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -23,26 +24,48 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 
+def _parts(model: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 class ModelState(Stateful):
-    def __init__(self, model: nn.Module):
-        self.model = model
+    """The weights of one model, or of the parts (pipeline stages) this rank holds.
+
+    Parameters keep their names in the whole model ("layers.7.attention.wq.weight"), so a
+    checkpoint loads whatever the stages are cut like on the next launch."""
+
+    def __init__(self, model: nn.Module | list[nn.Module]):
+        self.parts = _parts(model)
 
     def state_dict(self) -> dict:
-        return get_model_state_dict(self.model)
+        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
 
     def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.model, state)
+        # Each part takes its own keys out of the merged state.
+        strict = len(self.parts) == 1
+        for part in self.parts:
+            set_model_state_dict(part, state, options=StateDictOptions(strict=strict))
+
+
+# Flattened keys ("state.layers.0.attention.wq.weight.exp_avg") name every entry by the
+# parameter it belongs to, so the states of several parts merge into one dict.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class OptimizerState(Stateful):
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: nn.Module | list[nn.Module], optimizers: torch.optim.Optimizer | list):
+        self.parts = _parts(model)
+        self.optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
 
     def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        merged: dict = {}
+        for part, opt in zip(self.parts, self.optimizers):
+            merged.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+        return merged
 
     def load_state_dict(self, state: dict) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+        for part, opt in zip(self.parts, self.optimizers):
+            set_optimizer_state_dict(part, opt, state, options=_FLAT)
 
 
 class RNGState(Stateful):

@@ -60,3 +60,24 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     if cfg.name not in OPTIMIZERS:
         raise ForjaError(f"optim.name = {cfg.name!r} is not known; choose one of {', '.join(OPTIMIZERS)}")
     return OPTIMIZERS[cfg.name](param_groups(model, cfg.weight_decay), cfg)
+
+
+class OptimizerGroup:
+    """One optimizer per model part, stepped together.
+
+    A rank holds several parts when it runs several pipeline stages; a checkpoint must
+    name each parameter by its place in the whole model, which
+    `torch.distributed.checkpoint.state_dict` can do only one module at a time.
+    """
+
+    def __init__(self, parts: list[nn.Module], cfg: OptimConfig):
+        self.parts = parts
+        self.optimizers = [build_optimizer(part, cfg) for part in parts]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)

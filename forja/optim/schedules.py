@@ -59,3 +59,28 @@ def reapply(scheduler: LambdaLR) -> None:
         warnings.simplefilter("ignore")  # "step() before optimizer.step()": intended here
         scheduler.last_epoch -= 1
         scheduler.step()
+
+
+class SchedulerGroup:
+    """The same schedule on every optimizer of an `OptimizerGroup`; one state for all."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], cfg: ScheduleConfig, total_steps: int):
+        self.schedulers = [build_scheduler(opt, cfg, total_steps) for opt in optimizers]
+
+    def step(self) -> None:
+        for s in self.schedulers:
+            s.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedulers[0].get_last_lr()
+
+    def reapply(self) -> None:
+        for s in self.schedulers:
+            reapply(s)
+
+    def state_dict(self) -> dict:
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        for s in self.schedulers:
+            s.load_state_dict(dict(state))

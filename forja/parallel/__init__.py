@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,22 +25,48 @@ from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
 
 
+@dataclass
+class ParallelModel:
+    """What one rank holds of the model."""
+
+    parts: list[Transformer]
+    """This rank's model parts: the whole model, or its pipeline stages (several for
+    interleaved and V-shaped schedules). Parameter names are those of the whole model."""
+    pipeline: Any = None
+    """The pipeline schedule that runs the parts (forja/parallel/pp.py), when pp > 1."""
+
+
 def parallelize(model: Transformer, family: str, dims: ParallelDims, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
     module_name, func = get_family(family).parallelize.split(":")
     getattr(importlib.import_module(module_name), func)(model, dims, mesh, cfg)
 
 
+def _materialize(part: Transformer, device: torch.device, seed: int,
+                 load_weights: Callable[[Transformer], None] | None) -> None:
+    part.to_empty(device=device)
+    if not any(isinstance(p, torch.distributed.tensor.DTensor) for p in part.parameters()):
+        part.tie_weights()  # to_empty unties plain modules; FSDP keeps one sharded parameter
+    if load_weights is None:
+        part.init_weights(seed)
+    else:
+        load_weights(part)
+
+
 def build_parallel_model(args: TransformerArgs, family: str, *, dims: ParallelDims, mesh: DeviceMesh,
                          cfg: ParallelConfig, device: torch.device, seed: int,
-                         load_weights: Callable[[Transformer], None] | None = None) -> Transformer:
-    """The model of this rank, parallelized, with weights from `seed` or from `load_weights`."""
+                         load_weights: Callable[[Transformer], None] | None = None,
+                         microbatch_size: int = 1, seq_len: int = 0) -> ParallelModel:
+    """This rank's model, parallelized, with weights from `seed` or from `load_weights`."""
     model = build_from_args(args, device="meta")
-    parallelize(model, family, dims, mesh, cfg)
-    model.to_empty(device=device)
-    if not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters()):
-        model.tie_weights()  # to_empty unties plain modules; FSDP keeps one sharded parameter
-    if load_weights is None:
-        model.init_weights(seed)
-    else:
-        load_weights(model)
-    return model
+    if dims.pp == 1:
+        parallelize(model, family, dims, mesh, cfg)
+        _materialize(model, device, seed, load_weights)
+        return ParallelModel([model])
+    from forja.parallel.pp import build_pipeline
+
+    def prepare(part: Transformer) -> None:
+        parallelize(part, family, dims, mesh, cfg)
+        _materialize(part, device, seed, load_weights)
+
+    return build_pipeline(model, dims=dims, mesh=mesh, cfg=cfg, device=device, prepare=prepare,
+                          microbatch_size=microbatch_size, seq_len=seq_len)

@@ -86,7 +86,7 @@ class SampleCallback(Callback):
         if cfg.sample_tokens <= 0:
             return
         text = trainer.sample(cfg.sample_prompt, cfg.sample_tokens)
-        if trainer.rank == 0:
+        if text is not None and trainer.rank == 0:
             with open(trainer.run_dir / "samples.txt", "a", encoding="utf-8") as f:
                 f.write(f"--- step {trainer.counters.step}, prompt {cfg.sample_prompt!r}, greedy ---\n{text}\n\n")
             for cb in trainer.callbacks:

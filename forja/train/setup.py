@@ -117,7 +117,7 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
     c = trainer.cfg
     sinks = build_sinks(c.metrics, run_dir=trainer.run_dir, run_name=c.run.name or trainer.run_dir.name,
                         config=c.to_dict(), rank=trainer.rank)
-    metrics = MetricsCallback(sinks, flops_per_token=trainer.model.flops_per_token(c.train.seq_len),
+    metrics = MetricsCallback(sinks, flops_per_token=trainer.flops_per_token,
                               num_devices=trainer.dims.world_size, device=trainer.device,
                               compute_dtype=trainer.compute_dtype or torch.float32, interval=c.metrics.interval,
                               peak_tflops=c.metrics.peak_tflops)

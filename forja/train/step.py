@@ -68,24 +68,37 @@ def forward_backward(model: nn.Module, batches: Sequence, *, device: torch.devic
     return total
 
 
-def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip to `max_norm` (0: no clipping) and return the norm before clipping."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
+def clip_gradients(parts: Sequence[nn.Module], max_norm: float,
+                   pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Clip the norm of all gradients of all parts, over all ranks, to `max_norm` (0: no
+    clipping); returns the norm before clipping."""
+    params = [p for part in parts for p in part.parameters() if p.grad is not None]
+    norm = nn.utils.get_total_norm([p.grad for p in params], foreach=True)
     if isinstance(norm, torch.distributed.tensor.DTensor):
-        norm = norm.full_tensor()  # sharded parameters give a partial norm; this reduces it
+        norm = norm.full_tensor()  # sharded gradients give a partial norm; this reduces it
+    if pp_group is not None:  # each pipeline rank holds other layers: add up their squares
+        norm = norm**2
+        dist.all_reduce(norm, group=pp_group)
+        norm = norm.sqrt()
+    if max_norm > 0:
+        nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence, *,
-               device: torch.device, compute_dtype: torch.dtype | None, grad_clip: float,
-               document_mask: bool, dp_group: dist.ProcessGroup | None, dp_size: int) -> StepOutput:
+def train_step(parts: Sequence[nn.Module], optimizers, batches: Sequence, *, device: torch.device,
+               compute_dtype: torch.dtype | None, grad_clip: float, document_mask: bool,
+               dp_group: dist.ProcessGroup | None, dp_size: int, pipeline=None,
+               pp_group: dist.ProcessGroup | None = None) -> StepOutput:
     """Forward, backward and clipping of one step. The optimizer step is the caller's,
     so a non-finite loss can be refused before it changes the weights."""
-    optimizer.zero_grad(set_to_none=True)
-    loss = forward_backward(model, batches, device=device, compute_dtype=compute_dtype,
-                            document_mask=document_mask)
-    norm = clip_gradients(model, grad_clip)
+    optimizers.zero_grad(set_to_none=True)
+    if pipeline is None:
+        loss = forward_backward(parts[0], batches, device=device, compute_dtype=compute_dtype,
+                                document_mask=document_mask)
+    else:
+        loss = pipeline.forward_backward(batches, device=device, compute_dtype=compute_dtype,
+                                         document_mask=document_mask)
+    norm = clip_gradients(parts, grad_clip, pp_group)
     loss = _all_reduce_mean(loss, dp_group)  # the norm is already global
     tokens = sum(b.input_ids.numel() for b in batches) * dp_size
     # The one host sync of the step: the loop needs the loss to decide on NaNs.

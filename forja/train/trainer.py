@@ -23,9 +23,8 @@ from forja.checkpoint.states import ModelState, OptimizerState, RNGState, Traine
 from forja.config import Config
 from forja.errors import ForjaError
 from forja.generate import SamplingConfig, generate
-from forja.models import model_args
-from forja.optim import build_optimizer, build_scheduler
-from forja.optim.schedules import reapply
+from forja.models import build_from_args, model_args
+from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import build_parallel_model
 from forja.parallel.dims import ParallelDims, dp_rank
 from forja.parallel.process_group import init_distributed, shutdown_distributed
@@ -61,19 +60,28 @@ class Trainer:
                           **{"vocab_size": self.tokenizer.vocab_size, **c.model.overrides})
         build.check_vocab(args.vocab_size, self.tokenizer)
         identity = build.model_identity(c, args)
-        self.model = build_parallel_model(args, c.model.family, dims=self.dims, mesh=self.mesh, cfg=c.parallel,
-                                          device=self.device, seed=c.train.seed,
-                                          load_weights=build.initial_weights(c, identity))
-        self.optimizer = build_optimizer(self.model, c.optim)
-        self.scheduler = build_scheduler(self.optimizer, c.schedule, c.train.steps)
+        self.flops_per_token = build_from_args(args, device="meta").flops_per_token(c.train.seq_len)
+        built = build_parallel_model(args, c.model.family, dims=self.dims, mesh=self.mesh, cfg=c.parallel,
+                                     device=self.device, seed=c.train.seed,
+                                     load_weights=build.initial_weights(c, identity),
+                                     microbatch_size=c.train.micro_batch_size, seq_len=c.train.seq_len)
+        self.parts, self.pipeline = built.parts, built.pipeline
+        self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        self.optimizers = OptimizerGroup(self.parts, c.optim)
+        self.scheduler = SchedulerGroup(self.optimizers.optimizers, c.schedule, c.train.steps)
         self.loader, self.val_loader = build.loaders(c, dataset, dp_rank=self.dp_rank, dp_size=self.dims.dp)
         self.checkpoints = CheckpointManager(c.checkpoint, self.run_dir / "checkpoints", rank=self.rank,
                                              meta=identity)
         self.callbacks = build.default_callbacks(self) + self.extra_callbacks
         self._resume()
 
+    @property
+    def model(self):
+        """The whole model, when this rank holds it (no pipeline parallelism); else None."""
+        return self.parts[0] if self.pipeline is None else None
+
     def checkpoint_state(self) -> dict:
-        return {"model": ModelState(self.model), "optim": OptimizerState(self.model, self.optimizer),
+        return {"model": ModelState(self.parts), "optim": OptimizerState(self.parts, self.optimizers.optimizers),
                 "scheduler": self.scheduler, "dataloader": self.loader, "trainer": self.counters,
                 f"rng.rank{self.rank}": RNGState()}
 
@@ -86,7 +94,7 @@ class Trainer:
             return
         state = build.loadable_state(self.checkpoint_state(), latest)
         self.checkpoints.load(latest, state, check=self.checkpoints_match)
-        reapply(self.scheduler)  # train.steps may have changed, and with it the schedule
+        self.scheduler.reapply()  # train.steps may have changed, and with it the schedule
         if self.rank == 0:
             print(f"forja: resumed from {latest} (step {self.counters.step})", flush=True)
 
@@ -120,15 +128,16 @@ class Trainer:
         waited = self.loader.data_wait_s
         batches = self.loader.next_step()  # accumulation_steps micro-batches of this rank
         data_wait = self.loader.data_wait_s - waited
-        out = train_step(self.model, self.optimizer, batches, device=self.device, compute_dtype=self.compute_dtype,
+        out = train_step(self.parts, self.optimizers, batches, device=self.device, compute_dtype=self.compute_dtype,
                          grad_clip=self.cfg.train.grad_clip, document_mask=self.cfg.model.document_mask,
-                         dp_group=self.dp_group, dp_size=self.dims.dp)
+                         dp_group=self.dp_group, dp_size=self.dims.dp, pipeline=self.pipeline,
+                         pp_group=self.pp_group)
         lr = self.scheduler.get_last_lr()[0]
         skipped = not out.finite
         if skipped:
             self._on_nonfinite(out.loss)
         else:
-            self.optimizer.step()
+            self.optimizers.step()
         self.scheduler.step()
         self.counters.step += 1
         self.counters.tokens_seen += out.tokens
@@ -141,7 +150,7 @@ class Trainer:
         step = self.counters.step + 1
         if self.cfg.train.on_nonfinite == "skip":
             self.counters.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizers.zero_grad(set_to_none=True)
             return
         latest = self.checkpoints.latest()
         kept = f"the last checkpoint, {latest}, is intact" if latest else "no checkpoint was written yet"
@@ -152,21 +161,29 @@ class Trainer:
     def validate(self) -> float | None:
         if self.val_loader is None:
             return None
-        self.model.eval()
+        for part in self.parts:
+            part.eval()
         total, count = torch.zeros((), device=self.device), 0
         for batch in self.val_loader:
-            doc_ids = batch.document_ids.to(self.device) if self.cfg.model.document_mask else None
-            with autocast(self.device, self.compute_dtype):
-                logits = self.model(batch.input_ids.to(self.device), doc_ids)
-            total += next_token_loss(logits, batch.labels.to(self.device))
+            total += self._eval_loss(batch)
             count += 1
-        self.model.train()
+        for part in self.parts:
+            part.train()
         stats = torch.stack([total, torch.tensor(float(count), device=self.device)])
         if dist.get_world_size() > 1:
             dist.all_reduce(stats, group=self.dp_group)
         val_loss = (stats[0] / stats[1]).item()
         self._call("on_validation_end", self.counters.step, val_loss)
         return val_loss
+
+    def _eval_loss(self, batch) -> torch.Tensor:
+        doc_ids = batch.document_ids.to(self.device) if self.cfg.model.document_mask else None
+        if self.pipeline is not None:
+            return self.pipeline.eval_loss(batch, device=self.device, compute_dtype=self.compute_dtype,
+                                           document_mask=self.cfg.model.document_mask)
+        with autocast(self.device, self.compute_dtype):
+            logits = self.model(batch.input_ids.to(self.device), doc_ids)
+        return next_token_loss(logits, batch.labels.to(self.device))
 
     def save_checkpoint(self) -> None:
         if not self.cfg.checkpoint.enabled:
@@ -175,7 +192,11 @@ class Trainer:
                                      {"tokens_seen": self.counters.tokens_seen})
         self._call("on_checkpoint", self.counters.step, path)
 
-    def sample(self, prompt: str, max_new_tokens: int) -> str:
+    def sample(self, prompt: str, max_new_tokens: int) -> str | None:
+        """Greedy continuation of `prompt`; None under pipeline parallelism (no rank holds the
+        whole model: export the checkpoint and use `forja generate`)."""
+        if self.model is None:
+            return None
         ids = self.tokenizer.encode(prompt)
         tokens = torch.tensor([ids], device=self.device)
         max_new_tokens = min(max_new_tokens, self.model.args.max_seq_len - len(ids))

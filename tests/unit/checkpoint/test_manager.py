@@ -40,8 +40,8 @@ def test_save_then_load_restores_everything(tmp_path, process_group, async_save)
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
         assert torch.equal(a, b), name
     assert other_state["trainer"].step == 1
-    exp_avg = other_state["optim"].optimizer.state_dict()["state"][0]["exp_avg"]
-    assert torch.equal(exp_avg, state["optim"].optimizer.state_dict()["state"][0]["exp_avg"])
+    exp_avg = other_state["optim"].optimizers[0].state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(exp_avg, state["optim"].optimizers[0].state_dict()["state"][0]["exp_avg"])
 
 
 def test_keeps_the_last_n_and_ignores_partial(tmp_path, process_group):
