@@ -5,15 +5,22 @@
 in each, and returns the list of their return values, ordered by rank. A process group
 timeout turns a hang into a failure within seconds, and any rank's exception fails the
 call with that rank's traceback.
+
+`stop_launchers` and `child_launchers` stop torchrun launchers a test started, workers
+included, when the test fails or times out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -66,3 +73,42 @@ def run_distributed(fn: Callable, world_size: int = 2, *args: Any, backend: str 
         if missing:
             raise RuntimeError(f"ranks {missing} exited without a result (crashed or hung)")
         return [results[r][1] for r in range(world_size)]
+
+
+
+def stop_launchers(pids: list[int], grace_s: float = 45.0) -> None:
+    """Stop launchers (`torchrun`, `forja train --nproc`) that are children of this process,
+    with their workers. torchrun starts each worker in a session of its own, so killing the
+    launcher would orphan them, still running: SIGTERM lets it stop them first (it waits
+    30 s for them, then kills them); SIGKILL only after `grace_s`."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    running, deadline = set(pids), time.monotonic() + grace_s
+    while running and time.monotonic() < deadline:
+        for pid in list(running):
+            try:
+                exited = os.waitpid(pid, os.WNOHANG)[0] == pid
+            except ChildProcessError:  # already reaped (by its Popen)
+                exited = True
+            if exited:
+                running.discard(pid)
+        time.sleep(0.1)
+    for pid in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def child_launchers() -> list[int]:
+    """Pids of this process's children that are launchers still running (Linux /proc)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        state, ppid = fields[0], int(fields[1])
+        if ppid == os.getpid() and state != "Z" and (b"torch.distributed.run" in cmdline or b"-m forja" in cmdline):
+            pids.append(int(stat.parent.name))
+    return pids

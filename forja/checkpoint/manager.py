@@ -84,7 +84,7 @@ class CheckpointManager:
 
     def check_writable(self) -> None:
         """Fail before training, not at the first save, when the folder cannot be written."""
-        probe = self.folder / ".write-test"
+        probe = self.folder / f".write-test-{self.rank}"  # one per rank: another's unlink must not race ours
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             probe.write_text("ok")

@@ -2,25 +2,51 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from forja.errors import ForjaError
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev")
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    """Degrees of each kind of parallelism; their product is the world size."""
+    """Degrees of each kind of parallelism (their product is the world size) and how each
+    is applied."""
 
     dp_replicate: int = 1
-    """Data-parallel replicas (DDP-like, or the outer dimension of HSDP)."""
+    """Data-parallel replicas: DDP-like replication, or the outer dimension of HSDP."""
     dp_shard: int = -1
     """FSDP sharding degree; -1 takes whatever the other degrees leave of the world size."""
+    reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after forward (ZeRO-3) or keep them for backward (ZeRO-2)."""
+    cpu_offload: bool = False
+    """FSDP: keep parameters, gradients and optimizer state in CPU memory (GPU training)."""
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    """FSDP: bf16 parameters in compute with fp32 gradient reduction, or all fp32."""
     tp: int = 1
-    """Tensor-parallel degree."""
+    """Tensor-parallel degree (heads and FFN columns split over ranks)."""
+    sequence_parallel: bool = True
+    """With tp > 1: norms and residuals split along the sequence, activations never replicated."""
+    async_tp: bool = False
+    """With tp > 1 on CUDA: overlap TP communication with matmuls (needs parallel.compile)."""
     pp: int = 1
-    """Pipeline-parallel degree."""
+    """Pipeline-parallel degree (layers split into stages over ranks)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev"] = "1f1b"
+    """Pipeline schedule; interleaved-1f1b, zero-bubble (ZBV) and dualpipev hold 2 stages per rank."""
+    pp_microbatches: int = 0
+    """Microbatches per pipeline step; 0 means local batch / train.micro_batch_size."""
+    pp_layers: list[int] = field(default_factory=list)
+    """Transformer blocks in each stage, e.g. [3, 5]; empty balances them by cost."""
     cp: int = 1
-    """Context-parallel degree (CUDA only)."""
+    """Context-parallel degree (ring attention over the sequence; CUDA only)."""
+    ac: Literal["none", "full", "selective"] = "none"
+    """Activation checkpointing: none, every block (full), or selective (see ac_every)."""
+    ac_every: int = 0
+    """selective: checkpoint every k-th block; 0 means op-level (keep matmul outputs, recompute the rest)."""
+    compile: bool = False
+    """torch.compile each transformer block."""
     timeout_s: float = 600.0
     """Collective timeout: a hung rank fails the run after this many seconds."""
 
@@ -30,3 +56,7 @@ class ParallelConfig:
                 raise ForjaError(f"parallel.{key} = {getattr(self, key)} must be at least 1")
         if self.dp_shard < 1 and self.dp_shard != -1:
             raise ForjaError(f"parallel.dp_shard = {self.dp_shard} must be at least 1, or -1 for the rest")
+        if self.pp_microbatches < 0 or self.ac_every < 0:
+            raise ForjaError("parallel.pp_microbatches and parallel.ac_every must be >= 0")
+        if self.timeout_s <= 0:
+            raise ForjaError(f"parallel.timeout_s = {self.timeout_s} must be > 0")

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from forja.errors import ForjaError
 from forja.parallel.config import ParallelConfig
+from forja.parallel.process_group import apply_timeout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -53,7 +54,9 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        apply_timeout(mesh)  # torch gives a mesh's sub-groups its default timeout, not parallel.timeout_s
+        return mesh
 
 
 def dp_rank(mesh: DeviceMesh) -> int:

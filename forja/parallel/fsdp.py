@@ -1,23 +1,46 @@
 """Fully sharded data parallelism (FSDP2, `torch.distributed.fsdp.fully_shard`).
 
-Each transformer block is one FSDP unit (its parameters gathered just before it runs
-and freed after), and the root holds the rest: embeddings, final norm, output. With
-`dp_replicate > 1` as well, the mesh is 2-D and FSDP shards within a group and
-replicates across groups (HSDP).
+Each transformer block is one FSDP unit (its parameters gathered just before it runs and
+freed after), and the root holds the rest: embeddings, final norm, output. With
+`dp_replicate > 1` the mesh is 2-D: parameters are sharded within a group and replicated
+across groups (HSDP; with dp_shard = 1 that is plain replication, as DDP does).
+
+ZeRO stages: optimizer state and gradients are always sharded (ZeRO-2);
+`reshard_after_forward` also frees the gathered parameters between forward and backward
+(ZeRO-3), trading a second all-gather for memory.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from forja.parallel.config import ParallelConfig
+from forja.parallel.cp import shard_mesh
 from forja.parallel.dims import ParallelDims
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, *, reshard_after_forward: bool = True) -> None:
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    # The root's parameters are needed again at once by backward: keep them gathered.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+def wants_fsdp(dims: ParallelDims, cfg: ParallelConfig) -> bool:
+    """FSDP also serves one rank: it is how bf16 parameters and CPU offload are applied."""
+    return dims.dp * dims.cp > 1 or cfg.mixed_precision == "bf16" or cfg.cpu_offload
+
+
+def dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    return shard_mesh(mesh, dims.dp_replicate > 1, dims.cp)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: ParallelConfig) -> None:
+    kwargs = {"mesh": dp_mesh(mesh, dims)}
+    if cfg.mixed_precision == "bf16":
+        # Compute in bf16, but reduce gradients in fp32: summing many bf16 gradients loses bits.
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cfg.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them.
+        reshard = cfg.reshard_after_forward and i < len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)

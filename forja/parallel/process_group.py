@@ -4,18 +4,31 @@ forja always runs inside a process group, even as one process, so the trainer ha
 code path: under `torchrun` the group comes from its environment (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR/PORT); alone, a group of one is made over an in-memory store.
 NCCL carries CUDA tensors and Gloo CPU ones (checkpoint metadata, loader state).
+
+Every group forja uses gets the run's collective timeout (`parallel.timeout_s`), so a rank
+that hangs makes the others fail within that time. torch does not do this by itself:
+`dist.new_group` and `init_device_mesh` give new groups torch's own default (30 minutes
+for Gloo, 10 for NCCL), whatever timeout the world group was made with; hence
+`new_group` and `apply_timeout` here.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import re
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from forja.errors import ForjaError
+
+# parallel.timeout_s of the run in this process, set by init_distributed: process-wide,
+# like torch's own process-group state, so every group made later can be given it.
+_timeout = datetime.timedelta(seconds=600.0)
 
 
 @dataclass(frozen=True)
@@ -41,10 +54,11 @@ def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0) -> D
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(device_choice, local_rank)
-    if dist.is_initialized():
+    global _timeout
+    _timeout = timeout = datetime.timedelta(seconds=timeout_s)
+    if dist.is_initialized():  # the host program's world group keeps the timeout it chose
         return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ and world_size > 1:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
@@ -56,3 +70,44 @@ def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0) -> D
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def new_group(ranks: list[int] | None = None, *, backend: str | None = None) -> dist.ProcessGroup:
+    """`dist.new_group` with the run's collective timeout rather than torch's default."""
+    return dist.new_group(ranks, timeout=_timeout, backend=backend)
+
+
+def set_group_timeout(group: dist.ProcessGroup) -> None:
+    """Give an existing group (one torch made: a mesh dimension, a flattened mesh) the run's
+    collective timeout."""
+    if not hasattr(group, "set_timeout"):  # in torch 2.11 and 2.13; not in every older one
+        warnings.warn(f"torch {torch.__version__} cannot change a process group's timeout: collectives "
+                      "within sub-groups (tensor/pipeline/replica dimensions) wait torch's default "
+                      "(30 min Gloo, 10 min NCCL) rather than parallel.timeout_s", stacklevel=2)
+        return
+    group.set_timeout(_timeout)
+
+
+def apply_timeout(mesh: DeviceMesh) -> None:
+    """Give every group of `mesh` the run's timeout. A dimension that spans all ranks
+    reuses the world group, which already has it (or the one its host program chose)."""
+    world = dist.group.WORLD
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        if group is not world:
+            set_group_timeout(group)
+
+
+def timeout_error(exc: BaseException, timeout_s: float) -> ForjaError | None:
+    """A sentence for a collective that timed out, or None if `exc` is something else.
+    Backends raise a plain RuntimeError (Gloo: "Timed out waiting 5000ms for recv ..."),
+    so the message is all there is to recognize it by."""
+    text = str(exc)
+    if not isinstance(exc, RuntimeError) or "timed out" not in text.lower():
+        return None
+    rank = os.environ.get("RANK", "0")
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0])  # drop gloo's "[file.cc:78]"
+    return ForjaError(f"rank {rank} waited more than parallel.timeout_s = {timeout_s:g} s for the other ranks "
+                      "in a collective operation: one of them has stopped (hung, crashed or killed; its log "
+                      "says which). If a step can legitimately take longer (a first compile, a large "
+                      f"checkpoint), raise parallel.timeout_s. [{detail}]")

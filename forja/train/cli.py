@@ -1,11 +1,21 @@
-"""`forja train`: train from a recipe, resuming the run directory's latest checkpoint."""
+"""`forja train`: train from a recipe, resuming the run directory's latest checkpoint.
+
+With `--nproc` or `--nnodes` the command re-executes itself under torchrun
+(`python -m torch.distributed.run`): on one machine with `--standalone`, on several with
+torchrun's c10d rendezvous, where every machine runs the same command and they meet at
+`--rdzv-endpoint` (see docs/parallelism.md, "Launching").
+"""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import signal
 import subprocess
 import sys
+
+from forja.errors import ForjaError
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -19,25 +29,72 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--start-over", action="store_true",
                    help="delete what run.dir holds and begin afresh instead of refusing a different config")
     p.add_argument("--nproc", type=int, default=None,
-                   help="launch this many processes on this machine through torchrun")
+                   help="processes on this machine (one per GPU), launched through torchrun")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="machines taking part; run the same command on each of them (needs --rdzv-endpoint)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="where the machines meet (torchrun's c10d rendezvous): a host every machine can "
+                        "reach, usually the first one, and a free port on it")
+    p.add_argument("--rdzv-id", default=None, metavar="ID",
+                   help="the job's name at the rendezvous, the same on every machine "
+                        "(default: derived from run.dir; under SLURM, $SLURM_JOB_ID)")
     p.set_defaults(func=run)
 
 
-def _torchrun(args: argparse.Namespace) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "forja", "train", args.config]
+def launch_needed(args: argparse.Namespace) -> bool:
+    """Whether this process should start torchrun rather than train: it was asked for
+    several processes or machines, and it is not already a torchrun worker."""
+    return "LOCAL_RANK" not in os.environ and (
+        (args.nproc or 1) > 1 or args.nnodes > 1 or args.rdzv_endpoint is not None)
+
+
+def torchrun_command(args: argparse.Namespace, run_dir: str) -> list[str]:
+    """The torchrun command line that runs this same `forja train` in every process."""
+    if args.nproc is not None and args.nproc < 1:
+        raise ForjaError(f"--nproc {args.nproc}: give at least 1 process per machine")
+    if args.nnodes < 1:
+        raise ForjaError(f"--nnodes {args.nnodes}: give at least 1 machine")
+    if args.nnodes > 1 and args.rdzv_endpoint is None:
+        raise ForjaError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, an address every machine "
+                         "can reach (usually the first machine's hostname) and a free port on it")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc or 1}"]
+    if args.rdzv_endpoint is None:
+        cmd.append("--standalone")  # one machine: torchrun picks a free port itself
+    else:
+        # Every machine runs the same command, so the default id must come from what they
+        # share: the run directory. Two runs meeting at one endpoint then stay apart.
+        rdzv_id = args.rdzv_id or "forja-" + hashlib.sha1(run_dir.encode()).hexdigest()[:12]
+        cmd += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
+                f"--rdzv-id={rdzv_id}"]
+    cmd += ["-m", "forja", "train", args.config]
     cmd += [a for o in args.overrides for a in ("--set", o)]
     cmd += ["--start-over"] if args.start_over else []
-    return subprocess.call(cmd)
+    return cmd
+
+
+def launch(cmd: list[str]) -> int:
+    """Run torchrun and wait for it. Its workers run in sessions of their own, so only
+    torchrun can stop them (after they save a checkpoint): a SIGTERM to this process is
+    passed on rather than killing torchrun and orphaning them. Ctrl-C reaches torchrun
+    from the terminal directly, so here it is ignored rather than sent twice."""
+    proc = subprocess.Popen(cmd)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, _: proc.send_signal(signum)),
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run(args: argparse.Namespace) -> int:
     from forja.config import load_config
-    from forja.train.trainer import Trainer
 
     overrides = list(args.overrides) + (["run.start_over=true"] if args.start_over else [])
     cfg = load_config(args.config, overrides)  # errors surface before any process starts
-    if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return _torchrun(args)
+    if launch_needed(args):
+        return launch(torchrun_command(args, str(cfg.run.dir)))
+    from forja.train.trainer import Trainer
+
     Trainer(cfg).run()
     return 0

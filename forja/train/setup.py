@@ -21,6 +21,7 @@ from forja.config import Config
 from forja.errors import ForjaError
 from forja.metrics.sinks import build_sinks
 from forja.models.common.transformer import TransformerArgs
+from forja.parallel.process_group import new_group, set_group_timeout
 from forja.train.callbacks import Callback, GCCallback, MetricsCallback, PreemptionCallback, ProfilerCallback, \
     SampleCallback
 from forja.train.data import data, loaders  # noqa: F401  (re-exported: the trainer's data steps)
@@ -102,15 +103,19 @@ def loadable_state(state: dict[str, Any], path: Path) -> dict[str, Any]:
 
 
 def dp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    if mesh["dp_replicate"].size() == 1:
-        return mesh["dp_shard"].get_group()
-    return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+    """The ranks that see different data (or, with cp, different parts of it)."""
+    names = [n for n in ("dp_replicate", "dp_shard", "cp") if mesh[n].size() > 1]
+    if len(names) <= 1:
+        return mesh[names[0] if names else "dp_shard"].get_group()
+    group = mesh[tuple(names)]._flatten("dp_cp").get_group()
+    set_group_timeout(group)  # a new group: torch's default timeout, not parallel.timeout_s
+    return group
 
 
 @functools.cache
 def cpu_group() -> dist.ProcessGroup:
     """A Gloo group over all ranks, for small CPU-side agreements (stop flags)."""
-    return dist.new_group(backend="gloo")
+    return new_group(backend="gloo")
 
 
 def default_callbacks(trainer: Trainer) -> list[Callback]:

@@ -26,12 +26,14 @@ from forja.generate import SamplingConfig, generate
 from forja.models import build_from_args, model_args
 from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import build_parallel_model
+from forja.parallel.checks import check_layout
 from forja.parallel.dims import ParallelDims, dp_rank
-from forja.parallel.process_group import init_distributed, shutdown_distributed
+from forja.parallel.process_group import init_distributed, shutdown_distributed, timeout_error
+from forja.parallel.tp import loss_context
 from forja.train import setup as build
 from forja.train.callbacks import Callback, StepRecord
 from forja.train.run_dir import RunDir
-from forja.train.step import autocast, next_token_loss, train_step
+from forja.train.step import autocast, local_value, next_token_loss, train_step
 
 
 class Trainer:
@@ -49,8 +51,8 @@ class Trainer:
         self.dims = ParallelDims.from_config(c.parallel, info.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank = dp_rank(self.mesh)
-        # Losses are averaged over the data-parallel ranks (None: that is every rank).
-        self.dp_group = None if self.dims.dp == self.dims.world_size else build.dp_group(self.mesh)
+        # Losses are averaged over the data- and context-parallel ranks (None: every rank).
+        self.dp_group = None if self.dims.dp * self.dims.cp == self.dims.world_size else build.dp_group(self.mesh)
         self.run = RunDir(c, rank=self.rank)
         self.run_dir: Path = self.run.path
         self.run.prepare()
@@ -59,6 +61,9 @@ class Trainer:
         args = model_args(c.model.family, c.model.flavor, attention=c.model.attention,
                           **{"vocab_size": self.tokenizer.vocab_size, **c.model.overrides})
         build.check_vocab(args.vocab_size, self.tokenizer)
+        check_layout(args, self.dims, c.parallel, seq_len=c.train.seq_len, device=self.device,
+                     global_batch_size=c.train.global_batch_size, micro_batch_size=c.train.micro_batch_size,
+                     document_mask=c.model.document_mask)
         identity = build.model_identity(c, args)
         self.flops_per_token = build_from_args(args, device="meta").flops_per_token(c.train.seq_len)
         built = build_parallel_model(args, c.model.family, dims=self.dims, mesh=self.mesh, cfg=c.parallel,
@@ -131,7 +136,8 @@ class Trainer:
         out = train_step(self.parts, self.optimizers, batches, device=self.device, compute_dtype=self.compute_dtype,
                          grad_clip=self.cfg.train.grad_clip, document_mask=self.cfg.model.document_mask,
                          dp_group=self.dp_group, dp_size=self.dims.dp, pipeline=self.pipeline,
-                         pp_group=self.pp_group)
+                         pp_group=self.pp_group, loss_ctx=lambda: loss_context(self.dims.tp),
+                         cp_mesh=self.mesh["cp"] if self.dims.cp > 1 else None)
         lr = self.scheduler.get_last_lr()[0]
         skipped = not out.finite
         if skipped:
@@ -183,7 +189,8 @@ class Trainer:
                                            document_mask=self.cfg.model.document_mask)
         with autocast(self.device, self.compute_dtype):
             logits = self.model(batch.input_ids.to(self.device), doc_ids)
-        return next_token_loss(logits, batch.labels.to(self.device))
+        with loss_context(self.dims.tp):
+            return local_value(next_token_loss(logits, batch.labels.to(self.device)))
 
     def save_checkpoint(self) -> None:
         if not self.cfg.checkpoint.enabled:
@@ -193,9 +200,9 @@ class Trainer:
         self._call("on_checkpoint", self.counters.step, path)
 
     def sample(self, prompt: str, max_new_tokens: int) -> str | None:
-        """Greedy continuation of `prompt`; None under pipeline parallelism (no rank holds the
-        whole model: export the checkpoint and use `forja generate`)."""
-        if self.model is None:
+        """Greedy continuation of `prompt`; None under pipeline or tensor parallelism (no rank
+        holds whole layers: export the checkpoint and use `forja generate`)."""
+        if self.model is None or self.dims.tp > 1:
             return None
         ids = self.tokenizer.encode(prompt)
         tokens = torch.tensor([ids], device=self.device)
@@ -226,10 +233,17 @@ class Trainer:
 
     # -- running ----------------------------------------------------------------------------
     def run(self) -> None:
-        """setup + fit, always releasing the callbacks, loaders and process group."""
+        """setup + fit, always releasing the callbacks, loaders and process group. A
+        collective that timed out (another rank hung or died) stops with a sentence naming
+        parallel.timeout_s instead of a backend traceback."""
         try:
             self.setup()
             self.fit()
+        except RuntimeError as exc:
+            error = timeout_error(exc, self.cfg.parallel.timeout_s)
+            if error is None:
+                raise
+            raise error from exc
         finally:
             self.close()
 

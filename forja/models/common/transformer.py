@@ -124,14 +124,18 @@ class Transformer(nn.Module):
 
     # -- shared behaviour ------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, *,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab) in the output layer's dtype.
 
         A pipeline stage past the first receives hidden states (B, T, dim) as `tokens`.
+        `positions` (T,) are the tokens' places in their sequence, 0..T-1 (after the cache)
+        unless given: a rank holding a slice of the sequence (context parallelism) gives its own.
         """
         start = cache.length if cache is not None else 0
-        T = tokens.shape[1]
-        positions = torch.arange(start, start + T, device=tokens.device)
+        if positions is None:
+            T = document_ids.shape[1] if document_ids is not None else tokens.shape[1]
+            positions = torch.arange(start, start + T, device=tokens.device)
+        T = positions.shape[0]
         h = tokens
         if self.tok_embeddings is not None:
             h = self.add_positions(self.tok_embeddings(tokens), positions)  # (B, T, dim)

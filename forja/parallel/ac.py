@@ -1,0 +1,94 @@
+"""Activation checkpointing: recompute activations in backward instead of keeping them.
+
+- full: every block keeps only its input; everything inside is recomputed.
+- selective, every k-th block (`parallel.ac_every = k`): full checkpointing of blocks
+  0, k, 2k, ...; the others keep everything.
+- selective, op-level (`ac_every = 0`): every block keeps the outputs of its matmuls and
+  attention (expensive to recompute) and recomputes the cheap elementwise ops (norms,
+  activations, RoPE), which hold much of the memory (Korthikanti et al. 2022).
+
+The wrapper module names its child `_checkpoint_wrapped_module` (the name PyTorch's
+checkpoint helpers and forja's init recognize) and leaves that name out of its state dict,
+so checkpoints are the same with or without activation checkpointing.
+"""
+
+from __future__ import annotations
+
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from forja.parallel.config import ParallelConfig
+
+# Ops whose outputs op-level selective checkpointing keeps.
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_level_context():
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+class CheckpointedBlock(nn.Module):
+    """Runs the wrapped block under `torch.utils.checkpoint` (non-reentrant)."""
+
+    def __init__(self, block: nn.Module, *, op_level: bool = False):
+        super().__init__()
+        self._checkpoint_wrapped_module = block
+        self.op_level = op_level
+        self.register_state_dict_post_hook(_drop_wrapper_name)
+        self.register_load_state_dict_pre_hook(_add_wrapper_name)
+
+    def forward(self, *args, **kwargs):
+        extra = {"context_fn": _op_level_context} if self.op_level else {}
+        return checkpoint(self._checkpoint_wrapped_module, *args, use_reentrant=False,
+                          preserve_rng_state=False, **extra, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # attention, feed_forward, ...: reach through to the block
+            return getattr(self._modules["_checkpoint_wrapped_module"], name)
+
+
+_INNER = "_checkpoint_wrapped_module."
+
+
+def _drop_wrapper_name(module, state_dict, prefix, local_metadata) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix + _INNER)]:
+        state_dict[prefix + key[len(prefix + _INNER):]] = state_dict.pop(key)
+
+
+def _add_wrapper_name(module, state_dict, prefix, *_args) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + _INNER)]:
+        state_dict[prefix + _INNER + key[len(prefix):]] = state_dict.pop(key)
+
+
+def apply_ac(model: nn.Module, cfg: ParallelConfig) -> None:
+    """Wrap the blocks of `model.layers` as `parallel.ac` says."""
+    if cfg.ac == "none":
+        return
+    for index, (name, block) in enumerate(list(model.layers.items())):
+        if cfg.ac == "full":
+            wrapped = CheckpointedBlock(block)
+        elif cfg.ac_every > 0:
+            if index % cfg.ac_every:
+                continue
+            wrapped = CheckpointedBlock(block)
+        else:
+            wrapped = CheckpointedBlock(block, op_level=True)
+        model.layers[name] = wrapped
+
+
+__all__ = ["CheckpointedBlock", "apply_ac"]

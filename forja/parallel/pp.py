@@ -1,0 +1,273 @@
+"""Pipeline parallelism: the layers split into stages over the "pp" ranks, run by a
+`torch.distributed.pipelining` schedule.
+
+    build_pipeline: split the meta model (pp_split.py) -> keep this rank's stages ->
+    prepare each (TP/AC/compile/FSDP, to_empty, init) -> one PipelineStage per part
+
+Each `PipelineStage` wraps the part itself, not a wrapper module: the library recognizes
+an FSDP-sharded part and only reduce-scatters its gradients after the last microbatch,
+and the checkpoint sees the part's own parameter names.
+
+Document ids. Every stage masks attention by document, so every stage needs the
+microbatch's document ids. They are not sent between stages: the pp ranks of one
+data-parallel position load the same batches (the loader is split over dp ranks only),
+so each rank passes its own copy to the schedule as a keyword argument, which the
+library splits into microbatches and gives to every stage's forward. Only the hidden
+states travel, so no integer tensor enters the library's backward pass.
+
+Loss scaling. A microbatch's loss is its mean next-token cross-entropy divided by the
+number of microbatches, and the schedule sums gradients without scaling them
+(`scale_grads=False`): exactly what the single-process path does with gradient
+accumulation, so the gradients are those of the mean loss over the local batch, and
+data-parallel averaging makes it the global mean.
+
+Validation runs forward only, one micro-batch at a time, through the stages in order
+with plain point-to-point sends (`eval_loss`), so it does not depend on the training
+schedule's microbatch shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from forja.errors import ForjaError
+from forja.models.common.transformer import Transformer, TransformerArgs
+from forja.parallel import ParallelModel
+from forja.parallel.config import ParallelConfig
+from forja.parallel.dims import ParallelDims
+from forja.parallel.pp_split import (
+    V_SCHEDULES,
+    check_layers,
+    check_untied,
+    layers_per_stage,
+    rank_stages,
+    stage_owners,
+    stage_part,
+    stages_per_rank,
+)
+from forja.parallel.tp import loss_context
+from forja.train.step import autocast, local_value, next_token_loss
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+
+
+def microbatch_error(schedule: str, pp: int, n: int, local_batch: int, source: str) -> str | None:
+    """Why `n` microbatches of a local batch of `local_batch` sequences do not suit
+    `schedule` over `pp` ranks (None when they do). `source` says where n came from."""
+    fix = ("set parallel.pp_microbatches, or change train.global_batch_size / train.micro_batch_size "
+           "(parallel.pp_microbatches = 0 means local batch / train.micro_batch_size)")
+    if n < 1 or local_batch % n:
+        return (f"the local batch of {local_batch} sequences (train.global_batch_size / data-parallel degree) "
+                f"does not split into {n} equal microbatches ({source}); {fix}")
+    need = {"1f1b": pp, "dualpipev": 2 * pp}.get(schedule, 1)
+    if n < need:
+        return (f"parallel.pp_schedule = '{schedule}' needs at least {need} microbatches per step over "
+                f"parallel.pp = {pp} ranks, but gets {n} ({source}); {fix}")
+    if schedule == "interleaved-1f1b" and n % max(1, n // pp):  # it runs rounds of pp microbatches
+        return (f"parallel.pp_schedule = 'interleaved-1f1b' runs the microbatches in rounds, so their number n "
+                f"must be divisible by n // parallel.pp (any multiple of {pp} is), but gets {n} ({source}); {fix}")
+    return None
+
+
+def microbatches(cfg: ParallelConfig, local_batch: int, micro_batch_size: int) -> tuple[int, str]:
+    """(microbatches per step, where that number comes from, for messages)."""
+    if cfg.pp_microbatches:
+        return cfg.pp_microbatches, f"parallel.pp_microbatches = {cfg.pp_microbatches}"
+    n = local_batch // micro_batch_size
+    return n, f"local batch / train.micro_batch_size = {local_batch} / {micro_batch_size}"
+
+
+def check_microbatches(cfg: ParallelConfig, dims: ParallelDims, *, global_batch_size: int,
+                       micro_batch_size: int) -> None:
+    """The schedule's needs of the batch, checked before anything starts (the pipeline checks
+    them again on its first step, from the batches themselves)."""
+    if dims.pp == 1:
+        return
+    local = global_batch_size // max(1, dims.dp)
+    n, source = microbatches(cfg, local, micro_batch_size)
+    error = microbatch_error(cfg.pp_schedule, dims.pp, n, local, source)
+    if error:
+        raise ForjaError(error)
+
+
+def check_pipeline(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfig, *, device: torch.device,
+                   global_batch_size: int, micro_batch_size: int) -> None:
+    """Every check of a pipeline layout that needs no model built, for before anything starts
+    (build_pipeline repeats those of the model, and the pipeline those of the batch)."""
+    if dims.pp == 1:
+        return
+    check_untied(args)
+    check_schedule(cfg, device)
+    check_layers(args.n_layers, pp=dims.pp, schedule=cfg.pp_schedule, pp_layers=cfg.pp_layers)
+    check_microbatches(cfg, dims, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
+
+
+def check_schedule(cfg: ParallelConfig, device: torch.device) -> None:
+    if cfg.pp_schedule in V_SCHEDULES and device.type == "cpu" and torch.__version__ < "2.12":
+        # Before 2.12 the schedule's start-up handshake sends from a rank to itself (the bottom
+        # of the V), which NCCL allows and Gloo does not.
+        raise ForjaError(f"parallel.pp_schedule = '{cfg.pp_schedule}' on CPU (Gloo) needs PyTorch >= 2.12, "
+                         f"this is {torch.__version__}; upgrade torch, or choose 1f1b, gpipe or interleaved-1f1b")
+    if cfg.pp_schedule not in V_SCHEDULES:
+        return
+    split = f"parallel.pp_schedule = '{cfg.pp_schedule}' splits each backward into an input and a weight pass"
+    if cfg.compile:
+        raise ForjaError(f"{split}, which PyTorch's pipelining does not support with torch.compile'd blocks; set "
+                         "parallel.compile = false, or choose the 1f1b or interleaved-1f1b schedule")
+    if cfg.ac == "selective" and cfg.ac_every == 0:
+        raise ForjaError(f"{split}, which op-level selective activation checkpointing does not allow (it backs "
+                         "through a region once); use parallel.ac = 'full' or parallel.ac_every = k, or the 1f1b "
+                         "or interleaved-1f1b schedule")
+
+
+class Pipeline:
+    """Runs this rank's stages: training steps through the schedule, validation forward."""
+
+    def __init__(self, parts: list[Transformer], stage_ids: list[int], *, cfg: ParallelConfig,
+                 pp_mesh: DeviceMesh, device: torch.device, tp: int):
+        self.parts, self.stage_ids, self.cfg, self.tp = parts, stage_ids, cfg, tp
+        self.n_stages = cfg.pp * stages_per_rank(cfg.pp_schedule)
+        self.owners = stage_owners(cfg.pp, cfg.pp_schedule)
+        self.group = pp_mesh.get_group()
+        self.pp_rank = pp_mesh.get_local_rank()
+        self.stages = [PipelineStage(part, s, self.n_stages, device, group=self.group)
+                       for part, s in zip(parts, stage_ids)]
+        self.has_first = 0 in stage_ids
+        self.has_last = self.n_stages - 1 in stage_ids
+        self._schedule = None
+        self._shape: tuple[int, int] | None = None  # (local batch, microbatches) the schedule runs
+
+    # -- training ----------------------------------------------------------------------------
+    def _schedule_for(self, local_batch: int, n_batches: int):
+        """The schedule, built on the first step, when the batch's shape is known."""
+        n, source = microbatches(self.cfg, local_batch, local_batch // n_batches)
+        if self._schedule is None:
+            error = microbatch_error(self.cfg.pp_schedule, self.cfg.pp, n, local_batch, source)
+            if error:
+                raise ForjaError(error)
+            cls = SCHEDULES[self.cfg.pp_schedule]
+            stages = self.stages if len(self.stages) > 1 else self.stages[0]
+            self._schedule = cls(stages, n_microbatches=n, loss_fn=self._microbatch_loss(n), scale_grads=False)
+            self._shape = (local_batch, n)
+        elif self._shape != (local_batch, n):
+            raise ForjaError(f"the pipeline was set up for {self._shape[1]} microbatches of a local batch of "
+                             f"{self._shape[0]} sequences, and cannot change within a run; got {n} of {local_batch}")
+        return self._schedule
+
+    @staticmethod
+    def _microbatch_loss(n: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return next_token_loss(logits, labels) / n  # summed over n microbatches: the mean
+
+        return loss_fn
+
+    def forward_backward(self, batches: Sequence, *, device: torch.device, compute_dtype: torch.dtype | None,
+                         document_mask: bool) -> torch.Tensor:
+        """Run the schedule over this rank's micro-batches of one step, accumulating gradients
+        in the parts; returns the step's mean loss over the local batch on every pp rank."""
+        tokens = torch.cat([b.input_ids for b in batches]).to(device)  # (local batch, T)
+        schedule = self._schedule_for(tokens.shape[0], len(batches))
+        kwargs = {}
+        if document_mask:  # every stage's forward gets its microbatch's slice
+            kwargs["document_ids"] = torch.cat([b.document_ids for b in batches]).to(device)
+        args = (tokens,) if self.has_first else ()
+        target = torch.cat([b.labels for b in batches]).to(device) if self.has_last else None
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        # The schedule interleaves forwards and backwards, so backwards run inside autocast too;
+        # autograd gives each backward op its forward op's dtype either way.
+        with autocast(device, compute_dtype), loss_context(self.tp):
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        total = torch.zeros((), device=device)
+        for loss in losses or []:
+            total += local_value(loss.detach())
+        return self._from_last_stage(total)
+
+    def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        # Only the last stage's rank holds it; the others add zeros.
+        dist.all_reduce(value, group=self.group)
+        return value
+
+    # -- validation --------------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_loss(self, batch, *, device: torch.device, compute_dtype: torch.dtype | None,
+                  document_mask: bool) -> torch.Tensor:
+        """Mean loss of one micro-batch, forward only, the same on every pp rank."""
+        doc_ids = batch.document_ids.to(device) if document_mask else None
+        loss = torch.zeros((), device=device)
+        h = None
+        with autocast(device, compute_dtype), loss_context(self.tp):
+            for part, s in zip(self.parts, self.stage_ids):
+                if s == 0:
+                    x = batch.input_ids.to(device)  # (m, T)
+                elif self.owners[s - 1] != self.pp_rank:
+                    x = self._recv(self.owners[s - 1], device)  # (m, T, dim): hidden states
+                else:
+                    x = h  # the previous stage ran here (the bottom of a V)
+                h = part(x, document_ids=doc_ids)
+                if s == self.n_stages - 1:
+                    loss += local_value(next_token_loss(h, batch.labels.to(device)))
+                elif self.owners[s + 1] != self.pp_rank:
+                    self._send(h, self.owners[s + 1])
+        return self._from_last_stage(loss)
+
+    # A header (dtype code, ndim, shape...) goes before each hidden state: its shape
+    # depends on the layout (sequence parallelism splits T) and its dtype on autocast.
+    _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    _HEADER = 6
+
+    def _peer(self, pp_rank: int) -> int:
+        return dist.get_global_rank(self.group, pp_rank)
+
+    def _send(self, h: torch.Tensor, pp_rank: int) -> None:
+        h = h.contiguous()
+        header = [self._DTYPES.index(h.dtype), h.dim(), *h.shape]
+        header += [0] * (self._HEADER - len(header))
+        dist.send(torch.tensor(header, dtype=torch.int64, device=h.device), self._peer(pp_rank), group=self.group)
+        dist.send(h, self._peer(pp_rank), group=self.group)
+
+    def _recv(self, pp_rank: int, device: torch.device) -> torch.Tensor:
+        header = torch.zeros(self._HEADER, dtype=torch.int64, device=device)
+        dist.recv(header, self._peer(pp_rank), group=self.group)
+        code, ndim, *shape = header.tolist()
+        h = torch.empty(shape[:ndim], dtype=self._DTYPES[code], device=device)
+        dist.recv(h, self._peer(pp_rank), group=self.group)
+        return h
+
+
+def build_pipeline(model: Transformer, *, dims: ParallelDims, mesh: DeviceMesh, cfg: ParallelConfig,
+                   device: torch.device, prepare: Callable[[Transformer], None], microbatch_size: int = 1,
+                   seq_len: int = 0) -> ParallelModel:
+    """This rank's stages of `model` (whole, on the meta device), prepared, and the
+    `Pipeline` that runs them. `microbatch_size` is unused: shapes are taken from the
+    first step's real microbatches (they depend on TP's sequence split and on autocast)."""
+    check_untied(model.args)
+    check_schedule(cfg, device)
+    counts = layers_per_stage(model, pp=dims.pp, schedule=cfg.pp_schedule, pp_layers=cfg.pp_layers,
+                              seq_len=seq_len)
+    pp_mesh = mesh["pp"]
+    stage_ids = rank_stages(pp_mesh.get_local_rank(), dims.pp, cfg.pp_schedule)
+    parts = []
+    for s in stage_ids:
+        part = stage_part(model, s, counts)
+        prepare(part)
+        parts.append(part)
+    pipeline = Pipeline(parts, stage_ids, cfg=cfg, pp_mesh=pp_mesh, device=device, tp=dims.tp)
+    return ParallelModel(parts=parts, pipeline=pipeline)

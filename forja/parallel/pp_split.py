@@ -1,0 +1,162 @@
+"""Cutting a model into pipeline stages, and which rank runs which stage.
+
+A stage is a copy of the whole model (still on the meta device) with the blocks of
+other stages deleted from `layers` and the modules it does not run set to None, so every
+parameter it keeps has its name in the whole model ("layers.5.attention.wq.weight") and
+checkpoints load across layouts. The embeddings (every direct child besides `layers`,
+`norm` and `output`: token and, for GPT-2, position embeddings) belong to the first stage;
+the final norm and the output projection to the last.
+
+Stages per rank: one for gpipe and 1f1b; two for interleaved-1f1b (rank r runs stages r
+and r + pp, a loop) and for the V-shaped zero-bubble (ZBV) and dualpipev (rank r runs
+stages r and 2 pp - 1 - r, so rank 0 holds both ends).
+
+Without `parallel.pp_layers`, blocks are balanced by cost, in training FLOPs per token as
+`Transformer.flops_per_token` counts them: a block costs 6 x its parameters plus its
+attention scores; the last stage also pays 6 x the output projection's parameters (the
+loss's softmax adds ~1/dim of that and is left out); the embedding is a lookup, with no
+matmul, and adds nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from forja.errors import ForjaError
+from forja.models.common.transformer import Transformer, TransformerArgs
+
+MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "dualpipev")
+V_SCHEDULES = ("zero-bubble", "dualpipev")
+# The model's own modules that are not input-side: the rest feeds the first block.
+_OUTPUT_SIDE = ("norm", "output")
+
+
+def stages_per_rank(schedule: str) -> int:
+    return 2 if schedule in MULTI_STAGE_SCHEDULES else 1
+
+
+def rank_stages(pp_rank: int, pp: int, schedule: str) -> list[int]:
+    """The stage indices `pp_rank` runs, in increasing order."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(stages_per_rank(schedule))]
+
+
+def stage_owners(pp: int, schedule: str) -> list[int]:
+    """owner[s] = the pp rank that runs stage s."""
+    owners = [0] * (pp * stages_per_rank(schedule))
+    for rank in range(pp):
+        for s in rank_stages(rank, pp, schedule):
+            owners[s] = rank
+    return owners
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Training FLOPs per token of the pieces a stage can hold."""
+
+    block: float
+    first: float = 0.0
+    """What the first stage pays besides its blocks (the embedding)."""
+    last: float = 0.0
+    """What the last stage pays besides its blocks (final norm, output projection, loss)."""
+
+
+def model_costs(model: Transformer, seq_len: int) -> StageCosts:
+    a = model.args
+    block = next(iter(model.layers.values()))
+    attention = 12 * a.n_heads * a.head_dim * seq_len  # scores and weighted values, as flops_per_token
+    per_block = 6 * sum(p.numel() for p in block.parameters()) + attention
+    last = 6 * sum(p.numel() for name in _OUTPUT_SIDE if getattr(model, name, None) is not None
+                   for p in getattr(model, name).parameters())
+    return StageCosts(block=float(per_block), first=0.0, last=float(last))
+
+
+def balanced_layers(n_layers: int, n_stages: int, costs: StageCosts) -> list[int]:
+    """Blocks per stage (each >= 1) that minimize the costliest stage.
+
+    Water filling: start with one block each and give every further block to the stage
+    that is cheapest so far (the earliest on ties). Blocks all cost the same, so this
+    reaches the smallest possible maximum."""
+    counts = [1] * n_stages
+    extra = [0.0] * n_stages
+    extra[0] += costs.first
+    extra[-1] += costs.last
+
+    def cost(s: int) -> float:
+        return counts[s] * costs.block + extra[s]
+
+    for _ in range(n_layers - n_stages):
+        cheapest = min(range(n_stages), key=lambda s: (cost(s), s))
+        counts[cheapest] += 1
+    return counts
+
+
+def _stage_description(pp: int, schedule: str) -> str:
+    n = pp * stages_per_rank(schedule)
+    if stages_per_rank(schedule) == 1:
+        return f"{n} stages (parallel.pp = {pp}, one per rank)"
+    return f"{n} stages (parallel.pp = {pp} x 2 per rank for parallel.pp_schedule = '{schedule}')"
+
+
+def check_explicit_layers(pp_layers: list[int], n_layers: int, pp: int, schedule: str) -> None:
+    n_stages = pp * stages_per_rank(schedule)
+    where = f"parallel.pp_layers = {list(pp_layers)}"
+    if len(pp_layers) != n_stages:
+        raise ForjaError(f"{where} has {len(pp_layers)} entries but the pipeline has "
+                         f"{_stage_description(pp, schedule)}; give one block count per stage, "
+                         "or leave it empty to balance by cost")
+    if sum(pp_layers) != n_layers:
+        raise ForjaError(f"{where} adds up to {sum(pp_layers)} but the model has n_layers = {n_layers}; "
+                         f"make the counts sum to {n_layers}, or leave it empty to balance by cost")
+    for s, count in enumerate(pp_layers):
+        middle = 0 < s < n_stages - 1
+        if count < 0 or (middle and count == 0):
+            raise ForjaError(f"{where}: stage {s} gets {count} blocks; every stage needs at least one "
+                             "(only the first and last may hold none, keeping just the embedding or the output)")
+
+
+def check_layers(n_layers: int, *, pp: int, schedule: str, pp_layers: list[int]) -> None:
+    """`parallel.pp_layers` when given, else enough blocks for one per stage."""
+    if pp_layers:
+        check_explicit_layers(pp_layers, n_layers, pp, schedule)
+    elif n_layers < pp * stages_per_rank(schedule):
+        raise ForjaError(f"the model has n_layers = {n_layers} but the pipeline has "
+                         f"{_stage_description(pp, schedule)} of at least one block each; lower parallel.pp, "
+                         "choose a schedule with one stage per rank (1f1b, gpipe), or use a deeper model")
+
+
+def layers_per_stage(model: Transformer, *, pp: int, schedule: str, pp_layers: list[int],
+                     seq_len: int) -> list[int]:
+    """How many consecutive blocks each stage holds, stage 0 first."""
+    check_layers(len(model.layers), pp=pp, schedule=schedule, pp_layers=pp_layers)
+    if pp_layers:
+        return list(pp_layers)
+    return balanced_layers(len(model.layers), pp * stages_per_rank(schedule), model_costs(model, seq_len))
+
+
+def check_untied(args: TransformerArgs) -> None:
+    if args.tie_embeddings:
+        raise ForjaError("the model ties its output projection to the token embedding (tie_embeddings), but "
+                         "under pipeline parallelism they sit on different stages, each with its own copy; "
+                         "train it untied: --set 'model.overrides={tie_embeddings=false}' "
+                         "(or model.overrides = {tie_embeddings = false} in the recipe)")
+
+
+def stage_part(model: Transformer, stage: int, counts: list[int]) -> Transformer:
+    """Stage `stage` of `model` (on the meta device): a copy holding only its own modules."""
+    start = sum(counts[:stage])
+    keep = {str(i) for i in range(start, start + counts[stage])}
+    part = copy.deepcopy(model)
+    for name in list(part.layers.keys()):
+        if name not in keep:
+            del part.layers[name]
+    if stage > 0:  # the embeddings feed the first block only
+        for name, _ in list(part.named_children()):
+            if name != "layers" and name not in _OUTPUT_SIDE:
+                setattr(part, name, None)
+    if stage < len(counts) - 1:
+        for name in _OUTPUT_SIDE:
+            setattr(part, name, None)
+    return part

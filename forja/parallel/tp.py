@@ -1,0 +1,62 @@
+"""Tensor and sequence parallelism with DTensor (Megatron-LM's scheme, expressed as plans).
+
+A family's `parallelize.py` writes its plan as a dict from module names to parallel
+styles; this file applies it. Column-parallel projections (q, k, v, gate, up) split the
+heads and hidden columns over the tp ranks; row-parallel ones (o, down) bring the partial
+sums back. With sequence parallelism the residual stream, norms and dropout-free adds
+between them are split along the sequence instead of replicated (Korthikanti et al. 2022),
+so activation memory also falls with tp.
+
+The output projection stays vocabulary-sharded and the loss is computed under
+`loss_parallel()`: full (tokens, vocab) logits never exist on one rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, loss_parallel, parallelize_module
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, root_plan: dict[str, ParallelStyle],
+             block_plan: dict[str, ParallelStyle]) -> None:
+    """Apply `root_plan` to the model's own modules and `block_plan` to every block."""
+    present = {k: v for k, v in root_plan.items() if _has(model, k)}
+    parallelize_module(model, tp_mesh, present)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+    model.tie_weights()  # both halves of a tied pair are sharded alike; make them one again
+
+
+def mark_sequence_split_input(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """A later pipeline stage under sequence parallelism receives this rank's (B, T/tp, dim)
+    slice of the hidden states. Seen as a DTensor inside the model's forward, it has the
+    whole sequence's shape, so positions (RoPE) cover all T; the first block takes the
+    local slice again, as blocks do under sequence parallelism."""
+    seq = (Shard(1),)
+    parallelize_module(model, tp_mesh, PrepareModuleInput(input_layouts=seq, desired_input_layouts=seq,
+                                                          use_local_output=False))
+    blocks = list(model.layers.values())
+    if blocks:
+        rest = (None,) * 4  # rope, mask, cache, layer index
+        parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(input_layouts=seq + rest,
+                                                                  desired_input_layouts=seq + rest,
+                                                                  use_local_output=True))
+
+
+def _has(model: nn.Module, dotted: str) -> bool:
+    """Whether `dotted` names a present module (a pipeline stage may lack the embedding)."""
+    node = model
+    for part in dotted.split("."):
+        node = getattr(node, part, None)
+        if node is None:
+            return False
+    return True
+
+
+def loss_context(tp: int) -> contextlib.AbstractContextManager:
+    """Where the loss and its backward run: vocabulary-parallel cross-entropy under TP."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()

@@ -1,0 +1,45 @@
+"""Loss parity of parallel layouts against one process: the harness.
+
+Every layout trains the debug Llama for PARITY_STEPS steps in fp32 on the same data, seed
+and global batch; its losses must match the single-process run's within PARITY_TOL. The
+measured differences are printed (pytest -s) and recorded in docs/parallelism.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forja.cli import main
+from tests.integration.conftest import forja_process, losses, train_args
+
+PARITY_STEPS = 10
+PARITY_TOL = 1e-5
+# Big enough for every layout's divisibility (dp 4 x micro 1, tp 2, 2 stages x 2 per rank).
+COMMON = {"train.steps": str(PARITY_STEPS), "train.global_batch_size": "8", "train.micro_batch_size": "2",
+          "train.val_interval": "0", "train.sample_tokens": "0", "checkpoint.interval": "0",
+          "parallel.timeout_s": "180", "train.seq_len": "64"}
+
+# Pipeline parallelism cannot tie the output projection to the embedding (they sit on
+# different stages), so PP layouts and their reference train the debug model untied.
+UNTIED = {"model.overrides": "{tie_embeddings=false}"}
+# Pipeline layouts and their reference also validate (forward-only through the stages) and
+# keep a checkpoint at step 5 to resume from under another layout.
+PP_COMMON = {**UNTIED, "train.val_interval": "5", "checkpoint.interval": "5", "checkpoint.keep": "0"}
+
+
+def single_process_losses(run: Path, data: Path, **changes: str) -> dict[int, float]:
+    assert main(train_args(run, data, **{**COMMON, **changes})) == 0
+    return losses(run)
+
+
+def layout_losses(run: Path, data: Path, nproc: int, **changes: str) -> dict[int, float]:
+    """Train under torchrun with `nproc` processes and `changes` (e.g. parallel.tp="2")."""
+    proc = forja_process(train_args(run, data, **{**COMMON, **changes}) + ["--nproc", str(nproc)])
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-5000:]
+    return losses(run)
+
+
+def max_difference(reference: dict[int, float], other: dict[int, float]) -> float:
+    assert sorted(other) == sorted(reference) == list(range(1, PARITY_STEPS + 1))
+    return max(abs(reference[s] - other[s]) for s in reference)

@@ -1,0 +1,94 @@
+"""A hang becomes an error: a rank that stops answering makes the others fail within
+about `parallel.timeout_s`, in every process group forja uses, rather than wait torch's
+default of 30 minutes (Gloo) or 10 (NCCL)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from forja.parallel.config import ParallelConfig
+from forja.parallel.dims import ParallelDims
+from forja.parallel.process_group import init_distributed
+from forja.testing import run_distributed, stop_launchers
+from forja.train import setup
+from tests.distributed.parity import COMMON
+from tests.integration.conftest import base_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 5.0
+
+
+def test_a_hung_rank_fails_the_run_within_the_timeout(tmp_path, train_data):
+    """Through the trainer: rank 1 stops after step 1; rank 0 must stop with forja's
+    sentence naming parallel.timeout_s, about TIMEOUT_S seconds later."""
+    changes = {**COMMON, "train.steps": "4", "parallel.timeout_s": str(TIMEOUT_S)}
+    sets = [a for item in base_overrides(tmp_path / "run", train_data, **changes) for a in ("--set", item)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "tests.distributed.hang_worker", *sets]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    hung_at = failed_at = None
+    lines = []
+    try:
+        for line in proc.stdout:  # pytest-timeout ends this test if the run hangs after all
+            lines.append(line)
+            if "stops answering" in line:
+                hung_at = time.monotonic()
+            if "forja train: error:" in line and failed_at is None:
+                failed_at = time.monotonic()
+        proc.wait(timeout=60)
+    finally:
+        stop_launchers([proc.pid])  # killing torchrun would orphan its workers
+    out = "".join(lines)
+    assert hung_at is not None, out[-5000:]
+    assert failed_at is not None, out[-5000:]
+    assert proc.returncode != 0
+    assert f"parallel.timeout_s = {TIMEOUT_S:g} s" in out
+    waited = failed_at - hung_at
+    print(f"rank 0 failed {waited:.1f} s after rank 1 hung (parallel.timeout_s = {TIMEOUT_S:g})")
+    assert waited < 3 * TIMEOUT_S + 10, out[-5000:]
+
+
+def _wait_in_each_group(rank: int, world_size: int, flag: str) -> dict[str, float] | None:
+    """Rank 0 enters a collective alone in each group the trainer may use; the others stay
+    alive without joining (a rank that exits would close the connections, an error that
+    comes at once and would hide a missing timeout). Returns how long each one took to fail."""
+    init_distributed("cpu", timeout_s=2.0)  # as the trainer does, inside run_distributed's group
+    mesh = ParallelDims.from_config(ParallelConfig(dp_replicate=2), world_size).build_mesh("cpu")
+    groups = {"mesh dp_replicate": mesh["dp_replicate"].get_group(), "mesh dp_shard": mesh["dp_shard"].get_group(),
+              "cpu (stop flags)": setup.cpu_group()}
+    if rank != 0:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return None
+    waited = {}
+    try:
+        for name, group in groups.items():
+            start = time.monotonic()
+            try:
+                dist.all_reduce(torch.ones(1), group=group)
+            except RuntimeError as exc:
+                assert "timed out" in str(exc).lower(), f"{name}: {exc}"
+            waited[name] = time.monotonic() - start
+    finally:
+        Path(flag).touch()
+    return waited
+
+
+def test_every_group_gets_the_timeout(tmp_path):
+    """parallel.timeout_s reaches the mesh's sub-groups and forja's own Gloo group, which
+    torch would otherwise create with its 30-minute default. (4 ranks: with 2, every mesh
+    dimension of size 2 is the world group itself.) run_distributed's world group has a
+    long timeout, so only the groups made after init_distributed are under test."""
+    waited = run_distributed(_wait_in_each_group, 4, str(tmp_path / "done"), timeout_s=60)[0]
+    print(", ".join(f"{name}: {s:.1f} s" for name, s in waited.items()))
+    for name, seconds in waited.items():
+        assert 1.5 < seconds < 15, f"{name}: {seconds:.1f} s"

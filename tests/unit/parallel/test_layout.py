@@ -1,0 +1,62 @@
+"""Layouts checked before anything starts; activation checkpointing keeps parameter names."""
+
+import pytest
+import torch
+
+from forja.errors import ForjaError
+from forja.models import build_model, model_args
+from forja.parallel.ac import apply_ac
+from forja.parallel.checks import check_layout
+from forja.parallel.config import ParallelConfig
+from forja.parallel.dims import ParallelDims
+
+CPU = torch.device("cpu")
+
+
+def _check(world: int, seq_len: int = 64, gbs: int = 8, mbs: int = 2, **parallel):
+    cfg = ParallelConfig(**parallel)
+    dims = ParallelDims.from_config(cfg, world)
+    # Untied: pipeline stages cannot share the embedding with the output (forja/parallel/pp_split.py).
+    args = model_args("llama", "debug", tie_embeddings=False)
+    check_layout(args, dims, cfg, seq_len=seq_len, global_batch_size=gbs,
+                 micro_batch_size=mbs, device=CPU)
+
+
+def test_good_layouts_pass():
+    _check(8, tp=2, pp=2)  # dp_shard fills the rest: 2
+    _check(4, dp_replicate=2)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(world=4, tp=4), r"model n_kv_heads = 2 \(parallel.tp = 4\) is not divisible by 4"),
+    (dict(world=2, tp=2, seq_len=63), r"train.seq_len = 63 \(parallel.tp = 2 with sequence parallelism\)"),
+    (dict(world=2, cp=2), r"parallel.cp > 1 needs CUDA"),
+    (dict(world=2, tp=2, async_tp=True), r"parallel.async_tp needs CUDA"),
+    (dict(world=4, gbs=6), r"train.global_batch_size = 6 is not divisible by the data-parallel degree 4"),
+    (dict(world=2, gbs=8, mbs=3), r"= 4 is not divisible by train.micro_batch_size = 3"),
+])
+def test_bad_layouts_name_the_keys(kwargs, message):
+    with pytest.raises(ForjaError, match=message):
+        _check(kwargs.pop("world"), **kwargs)
+
+
+def test_degrees_must_multiply_to_the_world_size():
+    with pytest.raises(ForjaError, match=r"parallel degrees multiply to 8 .* but 4 processes run"):
+        ParallelDims.from_config(ParallelConfig(tp=2, pp=2, dp_shard=2), 4)
+    with pytest.raises(ForjaError, match="world size 6 is not divisible by dp_replicate\\*tp\\*pp\\*cp = 4"):
+        ParallelDims.from_config(ParallelConfig(tp=2, pp=2), 6)
+
+
+@pytest.mark.parametrize("ac", [dict(ac="full"), dict(ac="selective"), dict(ac="selective", ac_every=2)])
+def test_checkpointed_model_has_the_same_state_dict_and_gradients(ac):
+    plain = build_model("llama", "debug", seed=1)
+    wrapped = build_model("llama", "debug", seed=1)
+    apply_ac(wrapped, ParallelConfig(**ac))
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+    wrapped.load_state_dict(plain.state_dict())
+    tokens = torch.randint(0, 2048, (2, 16))
+    docs = torch.tensor([[0] * 6 + [1] * 10] * 2)
+    for model in (plain, wrapped):
+        model(tokens, docs).float().logsumexp(-1).mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
