@@ -15,6 +15,11 @@ from forja.parallel.dims import ParallelDims
 from forja.parallel.pp import check_pipeline
 
 
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def _divides(a: int, b: int, what: str, fix: str) -> None:
     if b % a:
         raise ForjaError(f"{what} is not divisible by {a}; {fix}")
@@ -36,6 +41,18 @@ def check_layout(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfig,
                      "change train.seq_len or set parallel.sequence_parallel = false")
         if cfg.async_tp and device.type != "cuda":
             raise ForjaError("parallel.async_tp needs CUDA (symmetric memory); set it to false on CPU")
+        if cfg.async_tp and not cfg.compile:
+            raise ForjaError("parallel.async_tp works through torch.compile's micro-pipelining; "
+                             "set parallel.compile = true as well")
+        if cfg.compile and _torch_version() >= (2, 13):
+            # Same forja code, same inputs: torch 2.11 matches eager to 1e-9; 2.13 returns
+            # wrong gradients (or fails in backward) for DTensor blocks under AOTAutograd.
+            raise ForjaError(f"parallel.compile with parallel.tp > 1 computes wrong gradients on torch "
+                             f"{torch.__version__} (found by forja's parity tests; torch 2.11 is right); "
+                             "set parallel.compile = false or use torch 2.11")
+    if cfg.cpu_offload and device.type != "cuda":
+        raise ForjaError("parallel.cpu_offload moves GPU memory to the CPU; on a CPU run it has nothing "
+                         "to offload: set it to false")
     if dims.cp > 1:
         if device.type != "cuda":
             raise ForjaError("parallel.cp > 1 needs CUDA: PyTorch's context parallelism runs only on CUDA "

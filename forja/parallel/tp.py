@@ -47,6 +47,19 @@ def mark_sequence_split_input(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                                                                   use_local_output=True))
 
 
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Overlap TP's all-gathers and reduce-scatters with the matmuls that use them (CUDA).
+
+    Compiled blocks get their collective+matmul pairs rewritten into chunked, overlapped
+    kernels over symmetric memory. PyTorch offers this only through these two underscore
+    names (as torchtitan uses them); they exist in torch 2.11 and later."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
 def _has(model: nn.Module, dotted: str) -> bool:
     """Whether `dotted` names a present module (a pipeline stage may lack the embedding)."""
     node = model

@@ -23,7 +23,7 @@ from forja.parallel.compile import apply_compile
 from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
 from forja.parallel.fsdp import apply_fsdp, wants_fsdp
-from forja.parallel.tp import apply_tp, mark_sequence_split_input
+from forja.parallel.tp import apply_tp, enable_async_tp, mark_sequence_split_input
 
 
 def tp_plans(sp: bool) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
@@ -64,6 +64,8 @@ def apply_layout(model: Transformer, dims: ParallelDims, mesh: DeviceMesh, cfg: 
     """The steps every family takes, given its TP plans."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], *plans)
+        if cfg.async_tp:
+            enable_async_tp(mesh["tp"])
         if cfg.sequence_parallel and model.tok_embeddings is None:  # a later pipeline stage
             mark_sequence_split_input(model, mesh["tp"])
     apply_ac(model, cfg)

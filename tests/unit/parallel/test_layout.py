@@ -32,6 +32,7 @@ def test_good_layouts_pass():
     (dict(world=2, tp=2, seq_len=63), r"train.seq_len = 63 \(parallel.tp = 2 with sequence parallelism\)"),
     (dict(world=2, cp=2), r"parallel.cp > 1 needs CUDA"),
     (dict(world=2, tp=2, async_tp=True), r"parallel.async_tp needs CUDA"),
+    (dict(world=2, cpu_offload=True), r"parallel.cpu_offload moves GPU memory to the CPU"),
     (dict(world=4, gbs=6), r"train.global_batch_size = 6 is not divisible by the data-parallel degree 4"),
     (dict(world=2, gbs=8, mbs=3), r"= 4 is not divisible by train.micro_batch_size = 3"),
 ])
@@ -60,3 +61,9 @@ def test_checkpointed_model_has_the_same_state_dict_and_gradients(ac):
         model(tokens, docs).float().logsumexp(-1).mean().backward()
     for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
         torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13), reason="torch < 2.13 is right")
+def test_tp_with_compile_is_refused_where_torch_gets_it_wrong():
+    with pytest.raises(ForjaError, match="parallel.compile with parallel.tp > 1 computes wrong gradients"):
+        _check(2, tp=2, compile=True)
