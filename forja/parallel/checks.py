@@ -9,15 +9,11 @@ from __future__ import annotations
 import torch
 
 from forja.errors import ForjaError
+from forja.versions import torch_version
 from forja.models.common.transformer import TransformerArgs
 from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
 from forja.parallel.pp import check_pipeline
-
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
 
 
 def _divides(a: int, b: int, what: str, fix: str) -> None:
@@ -44,7 +40,7 @@ def check_layout(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfig,
         if cfg.async_tp and not cfg.compile:
             raise ForjaError("parallel.async_tp works through torch.compile's micro-pipelining; "
                              "set parallel.compile = true as well")
-        if cfg.compile and _torch_version() >= (2, 13):
+        if cfg.compile and torch_version() >= (2, 13):
             # Same forja code, same inputs: torch 2.11 matches eager to 1e-9; 2.13 returns
             # wrong gradients (or fails in backward) for DTensor blocks under AOTAutograd.
             raise ForjaError(f"parallel.compile with parallel.tp > 1 computes wrong gradients on torch "

@@ -43,6 +43,7 @@ from torch.distributed.pipelining import (
 )
 
 from forja.errors import ForjaError
+from forja.versions import torch_version
 from forja.models.common.transformer import Transformer, TransformerArgs
 from forja.parallel import ParallelModel
 from forja.parallel.config import ParallelConfig
@@ -121,7 +122,7 @@ def check_pipeline(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfi
 
 
 def check_schedule(cfg: ParallelConfig, device: torch.device) -> None:
-    if cfg.pp_schedule in V_SCHEDULES and device.type == "cpu" and torch.__version__ < "2.12":
+    if cfg.pp_schedule in V_SCHEDULES and device.type == "cpu" and torch_version() < (2, 12):
         # Before 2.12 the schedule's start-up handshake sends from a rank to itself (the bottom
         # of the V), which NCCL allows and Gloo does not.
         raise ForjaError(f"parallel.pp_schedule = '{cfg.pp_schedule}' on CPU (Gloo) needs PyTorch >= 2.12, "

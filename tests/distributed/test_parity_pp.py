@@ -14,13 +14,14 @@ import pytest
 import torch
 
 import forja.parallel
+from forja.versions import torch_version
 from tests.distributed.parity import PARITY_TOL, PP_COMMON, layout_losses, max_difference
 from tests.integration.conftest import losses, read_metrics
 
 PP2 = {**PP_COMMON, "parallel.pp": "2"}
 V_SCHEDULES = ("zero-bubble", "dualpipev")
 # Before 2.12, V schedules start with a send from a rank to itself, which Gloo cannot do.
-OLD_TORCH_V = pytest.mark.skipif(torch.__version__ < "2.12", reason="V schedules on Gloo need torch >= 2.12")
+OLD_TORCH_V = pytest.mark.skipif(torch_version() < (2, 12), reason="V schedules on Gloo need torch >= 2.12")
 TP_LANDED = (Path(forja.parallel.__file__).parent / "tp.py").exists()
 
 

@@ -9,6 +9,7 @@ from forja.parallel.ac import apply_ac
 from forja.parallel.checks import check_layout
 from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
+from forja.versions import torch_version
 
 CPU = torch.device("cpu")
 
@@ -63,7 +64,7 @@ def test_checkpointed_model_has_the_same_state_dict_and_gradients(ac):
         torch.testing.assert_close(b.grad, a.grad, msg=name)
 
 
-@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13), reason="torch < 2.13 is right")
+@pytest.mark.skipif(torch_version() < (2, 13), reason="torch < 2.13 is right")
 def test_tp_with_compile_is_refused_where_torch_gets_it_wrong():
     with pytest.raises(ForjaError, match="parallel.compile with parallel.tp > 1 computes wrong gradients"):
         _check(2, tp=2, compile=True)

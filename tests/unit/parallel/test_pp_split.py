@@ -20,6 +20,7 @@ from forja.parallel.pp_split import (
     stage_owners,
     stage_part,
 )
+from forja.versions import torch_version
 
 
 def _llama(n_layers: int):
@@ -164,7 +165,7 @@ def test_v_schedules_refuse_what_cannot_split_a_backward():
         check_schedule(ParallelConfig(pp=2, pp_schedule="dualpipev", ac="selective"), gpu)
 
 
-@pytest.mark.skipif(torch.__version__ >= "2.12", reason="only torch < 2.12 lacks the V schedules' Gloo start-up")
+@pytest.mark.skipif(torch_version() >= (2, 12), reason="only torch < 2.12 lacks the V schedules' Gloo start-up")
 def test_v_schedules_on_gloo_need_torch_2_12():
     with pytest.raises(ForjaError, match="needs PyTorch >= 2.12"):
         check_schedule(ParallelConfig(pp=2, pp_schedule="zero-bubble"), torch.device("cpu"))
