@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from forja.errors import ForjaError
+from forja.ops.names import FUSED_OPS
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -15,11 +18,25 @@ class ModelConfig:
     flavor: str = "debug"
     """A size from the family's flavors.py (debug, tiny, 3.2-1b, 124m, ...)."""
     attention: Literal["sdpa", "flex"] = "sdpa"
-    """Attention kernel: sdpa, or flex (FlexAttention with a document block mask, CUDA)."""
+    """Attention kernel: sdpa, or flex (FlexAttention block masks for documents and windows, CUDA)."""
     document_mask: bool = True
     """Keep attention within each document of a packed sequence."""
+    fused_ops: bool = False
+    """Run RMSNorm, RoPE, SwiGLU and the output projection + loss through forja.ops: Triton
+    kernels on CUDA (the PyTorch reference elsewhere); the loss never holds full logits."""
+    fused_ops_overrides: dict[str, bool] = field(default_factory=dict)
+    """Per-op exceptions to fused_ops, e.g. {cross_entropy = false} or {rms_norm = true}."""
     overrides: dict[str, Any] = field(default_factory=dict)
-    """Fields of the flavor to change, e.g. {n_layers = 2, qk_norm = true}."""
+    """Fields of the flavor to change, e.g. {n_layers = 2, qk_norm = true, sliding_window = 512}."""
     init_from: str | None = None
     """Start from these weights instead of random ones: a Hugging Face directory, or a forja
     run directory or checkpoint (weights only; the optimizer and data start afresh)."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.fused_ops_overrides) - set(FUSED_OPS))
+        if unknown:
+            raise ForjaError(f"model.fused_ops_overrides has no op {unknown[0]!r}; ops: {', '.join(FUSED_OPS)}")
+
+    def enabled_fused_ops(self) -> tuple[str, ...]:
+        """The ops to fuse: fused_ops for every op, except where fused_ops_overrides says."""
+        return tuple(op for op in FUSED_OPS if self.fused_ops_overrides.get(op, self.fused_ops))

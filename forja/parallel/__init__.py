@@ -1,7 +1,8 @@
 """Parallelism: one build order for every layout, written down once here.
 
-    meta device -> tensor/sequence parallel -> activation checkpointing -> torch.compile
-    per block -> FSDP -> to_empty(device) -> init_weights(seed) (or load weights)
+    meta device -> float8 Linear layers -> tensor/sequence parallel -> activation
+    checkpointing -> torch.compile per block -> FSDP -> to_empty(device) -> init_weights(seed)
+    (or load weights)
 
 The family's `parallelize` function applies the middle steps in that order; building
 on the meta device first means no rank ever holds the whole unsharded model, and
@@ -55,9 +56,14 @@ def _materialize(part: Transformer, device: torch.device, seed: int,
 def build_parallel_model(args: TransformerArgs, family: str, *, dims: ParallelDims, mesh: DeviceMesh,
                          cfg: ParallelConfig, device: torch.device, seed: int,
                          load_weights: Callable[[Transformer], None] | None = None,
-                         microbatch_size: int = 1, seq_len: int = 0) -> ParallelModel:
+                         microbatch_size: int = 1, seq_len: int = 0, float8: str = "none",
+                         float8_min_features: int = 1024) -> ParallelModel:
     """This rank's model, parallelized, with weights from `seed` or from `load_weights`."""
     model = build_from_args(args, device="meta")
+    if float8 != "none":
+        from forja.ops.float8 import apply_float8
+
+        apply_float8(model, float8, device=device, min_features=float8_min_features)
     if dims.pp == 1:
         parallelize(model, family, dims, mesh, cfg)
         _materialize(model, device, seed, load_weights)

@@ -23,7 +23,7 @@ def _divides(a: int, b: int, what: str, fix: str) -> None:
 
 def check_layout(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfig, *, seq_len: int,
                  global_batch_size: int, micro_batch_size: int, device: torch.device,
-                 document_mask: bool = False) -> None:
+                 document_mask: bool = False, float8: str = "none") -> None:
     tp = dims.tp
     if tp > 1:
         fix = f"choose a parallel.tp that divides it, or change the model (model.overrides)"
@@ -46,6 +46,9 @@ def check_layout(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfig,
             raise ForjaError(f"parallel.compile with parallel.tp > 1 computes wrong gradients on torch "
                              f"{torch.__version__} (found by forja's parity tests; torch 2.11 is right); "
                              "set parallel.compile = false or use torch 2.11")
+        if float8 != "none":
+            raise ForjaError("train.float8 with parallel.tp > 1 is not supported yet (float8 needs its own "
+                             "tensor-parallel styles); use FSDP for data parallelism, or train.float8 = 'none'")
     if cfg.cpu_offload and device.type != "cuda":
         raise ForjaError("parallel.cpu_offload moves GPU memory to the CPU; on a CPU run it has nothing "
                          "to offload: set it to false")

@@ -43,8 +43,7 @@ from torch.distributed.pipelining import (
 )
 
 from forja.errors import ForjaError
-from forja.versions import torch_version
-from forja.models.common.transformer import Transformer, TransformerArgs
+from forja.models.common.transformer import Transformer, TransformerArgs, next_token_loss
 from forja.parallel import ParallelModel
 from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
@@ -59,7 +58,8 @@ from forja.parallel.pp_split import (
     stages_per_rank,
 )
 from forja.parallel.tp import loss_context
-from forja.train.step import autocast, local_value, next_token_loss
+from forja.train.step import autocast, local_value
+from forja.versions import torch_version
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,

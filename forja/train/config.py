@@ -44,6 +44,10 @@ class TrainConfig:
     """Steps between validation passes (also at the end); 0 turns validation off."""
     val_batches: int = 8
     """Micro-batches per rank in one validation pass."""
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """float8 matmuls in Linear layers through torchao (emulated on CPU)."""
+    float8_min_features: int = 1024
+    """Linear layers with fewer input or output features stay high precision: too small to gain."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/inf loss: stop (the last checkpoint stays intact) or skip the step and count it."""
     sample_tokens: int = 64

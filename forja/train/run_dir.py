@@ -42,7 +42,8 @@ from forja.errors import ForjaError
 RESUMABLE = ("run.", "checkpoint.", "metrics.", "parallel.", "train.steps", "train.val_interval",
              "train.val_batches", "train.micro_batch_size", "train.sample_tokens", "train.sample_prompt",
              "train.on_nonfinite", "train.gc_interval", "train.profile_at", "train.device",
-             "data.workers", "data.prefetch")
+             "data.workers", "data.prefetch", "model.attention", "model.fused_ops", "model.fused_ops_overrides",
+             "train.float8")
 
 
 def _flat(cfg: Config) -> dict[str, object]:

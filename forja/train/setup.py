@@ -43,13 +43,18 @@ def check_vocab(model_vocab: int, tokenizer: Any) -> None:
                          f"{tokenizer.vocab_size} tokens; remove the override or make it larger")
 
 
+# Args that choose kernels, not weights: a checkpoint loads whatever they are.
+IMPLEMENTATION_ARGS = ("attention", "fused_ops")
+
+
 def model_identity(cfg: Config, args: TransformerArgs) -> dict:
     """What a checkpoint records about its model, to refuse loading it into another."""
     return {"model": {"family": cfg.model.family, "flavor": cfg.model.flavor, "args": _plain(args)}}
 
 
 def _plain(args: TransformerArgs) -> dict:
-    return json_safe(dataclasses.asdict(args))
+    plain = json_safe(dataclasses.asdict(args))
+    return {k: v for k, v in plain.items() if k not in IMPLEMENTATION_ARGS}
 
 
 def json_safe(value: Any) -> Any:
@@ -62,9 +67,9 @@ def json_safe(value: Any) -> Any:
 
 def check_model_identity(saved: dict, current: dict, *, loose: bool = False) -> None:
     """Refuse weights of another model. `loose` compares the arguments only (an HF model has
-    no flavor), leaving out the attention kernel, which does not change the weights."""
+    no flavor). Kernel choices (IMPLEMENTATION_ARGS) never count."""
     old, new = saved.get("model", {}), current["model"]
-    ignore = {"attention"} if loose else set()
+    ignore = set(IMPLEMENTATION_ARGS)
     diffs = [f"{k}: {old.get('args', {}).get(k)!r} vs {v!r}" for k, v in new["args"].items()
              if old.get("args", {}).get(k) != v and k not in ignore]
     if not diffs and (loose or old == new):

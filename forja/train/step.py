@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from forja.parallel.cp import cp_context
@@ -34,11 +33,6 @@ class StepOutput:
     @property
     def finite(self) -> bool:
         return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
-
-
-def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of logits (B, T, V) against labels (B, T), computed in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
@@ -71,12 +65,10 @@ def forward_backward(model: nn.Module, batches: Sequence, *, device: torch.devic
         labels = batch.labels.to(device, non_blocking=True)
         doc_ids = batch.document_ids.to(device, non_blocking=True) if document_mask else None
         positions = torch.arange(tokens.shape[1], device=device)
-        with cp_context(cp_mesh, tokens, labels, positions):
+        with cp_context(cp_mesh, tokens, labels, positions), loss_ctx():
             with autocast(device, compute_dtype):
-                logits = model(tokens, doc_ids, positions=positions)  # (m, T, V), vocab-sharded under TP
-            with loss_ctx():
-                loss = next_token_loss(logits, labels) / len(batches)
-                loss.backward()
+                loss = model(tokens, doc_ids, positions=positions, labels=labels) / len(batches)
+            loss.backward()
         total += local_value(loss.detach())
     return total
 

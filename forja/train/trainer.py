@@ -33,7 +33,7 @@ from forja.parallel.tp import loss_context
 from forja.train import setup as build
 from forja.train.callbacks import Callback, StepRecord
 from forja.train.run_dir import RunDir
-from forja.train.step import autocast, local_value, next_token_loss, train_step
+from forja.train.step import autocast, local_value, train_step
 
 
 class Trainer:
@@ -59,17 +59,19 @@ class Trainer:
         self.compute_dtype = build.compute_dtype(c.train.precision, self.device)
         self.tokenizer, dataset = build.data(c, rank=self.rank, run_dir=self.run_dir)
         args = model_args(c.model.family, c.model.flavor, attention=c.model.attention,
+                          fused_ops=c.model.enabled_fused_ops(),
                           **{"vocab_size": self.tokenizer.vocab_size, **c.model.overrides})
         build.check_vocab(args.vocab_size, self.tokenizer)
         check_layout(args, self.dims, c.parallel, seq_len=c.train.seq_len, device=self.device,
                      global_batch_size=c.train.global_batch_size, micro_batch_size=c.train.micro_batch_size,
-                     document_mask=c.model.document_mask)
+                     document_mask=c.model.document_mask, float8=c.train.float8)
         identity = build.model_identity(c, args)
         self.flops_per_token = build_from_args(args, device="meta").flops_per_token(c.train.seq_len)
         built = build_parallel_model(args, c.model.family, dims=self.dims, mesh=self.mesh, cfg=c.parallel,
                                      device=self.device, seed=c.train.seed,
                                      load_weights=build.initial_weights(c, identity),
-                                     microbatch_size=c.train.micro_batch_size, seq_len=c.train.seq_len)
+                                     microbatch_size=c.train.micro_batch_size, seq_len=c.train.seq_len,
+                                     float8=c.train.float8, float8_min_features=c.train.float8_min_features)
         self.parts, self.pipeline = built.parts, built.pipeline
         self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         self.optimizers = OptimizerGroup(self.parts, c.optim)
@@ -187,10 +189,9 @@ class Trainer:
         if self.pipeline is not None:
             return self.pipeline.eval_loss(batch, device=self.device, compute_dtype=self.compute_dtype,
                                            document_mask=self.cfg.model.document_mask)
-        with autocast(self.device, self.compute_dtype):
-            logits = self.model(batch.input_ids.to(self.device), doc_ids)
-        with loss_context(self.dims.tp):
-            return local_value(next_token_loss(logits, batch.labels.to(self.device)))
+        with autocast(self.device, self.compute_dtype), loss_context(self.dims.tp):
+            loss = self.model(batch.input_ids.to(self.device), doc_ids, labels=batch.labels.to(self.device))
+        return local_value(loss)
 
     def save_checkpoint(self) -> None:
         if not self.cfg.checkpoint.enabled:

@@ -1,18 +1,23 @@
-"""FlexAttention's document block mask equals SDPA's dense mask, forward and backward (CUDA)."""
+"""FlexAttention's block masks equal SDPA's dense masks, forward and backward (CUDA)."""
 
+import pytest
 import torch
 
 from forja.models import build_model
 
 
-def test_flex_document_mask_matches_sdpa_dense_mask():
+@pytest.mark.parametrize("window", [None, 48])
+@pytest.mark.parametrize("documents", [True, False])
+def test_flex_masks_match_sdpa(window, documents):
+    if not documents and window is None:
+        pytest.skip("plain causal runs SDPA with is_causal on both backends")
     torch.manual_seed(0)
     doc_ids = torch.tensor([[0] * 100 + [1] * 156, [0] * 40 + [1] * 60 + [2] * 156], device="cuda")
     tokens = torch.randint(0, 2048, (2, 256), device="cuda")
     grads, logits = [], []
     for backend in ("sdpa", "flex"):
-        model = build_model("llama", "debug", seed=0, device="cuda", attention=backend)
-        out = model(tokens, doc_ids)
+        model = build_model("llama", "debug", seed=0, device="cuda", attention=backend, sliding_window=window)
+        out = model(tokens, doc_ids if documents else None)
         out.float().logsumexp(-1).mean().backward()
         logits.append(out.detach())
         grads.append(model.layers["0"].attention.wq.weight.grad)

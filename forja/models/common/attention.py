@@ -6,7 +6,8 @@ tokens of its own document. The mask is built once per forward pass (`build_mask
 and shared by every layer:
 
 - no document ids, or one document per row: SDPA with `is_causal` (no mask tensor);
-- several documents, backend "sdpa": SDPA with an explicit boolean (B, 1, T, T) mask;
+- several documents (or a sliding window), backend "sdpa": SDPA with an explicit boolean
+  (B, 1, T, T) mask;
 - backend "flex" on CUDA: FlexAttention with a block mask, which skips fully masked
   tiles. FlexAttention has no CPU backward, so on CPU "flex" falls back to SDPA.
 """
@@ -36,37 +37,51 @@ class AttentionMask:
 
 
 def build_mask(
-    document_ids: torch.Tensor | None, *, q_len: int, kv_len: int, backend: str = "sdpa"
+    document_ids: torch.Tensor | None, *, q_len: int, kv_len: int, backend: str = "sdpa",
+    window: int | None = None, device: torch.device | None = None,
 ) -> AttentionMask:
-    """The mask for `q_len` queries that follow `kv_len - q_len` cached positions."""
+    """The mask for `q_len` queries that follow `kv_len - q_len` cached positions.
+
+    `window`: a query sees at most the `window` latest positions, itself included
+    (sliding-window attention)."""
     offset = kv_len - q_len
-    if document_ids is None:
+    if document_ids is not None:
+        if offset != 0:
+            raise ValueError("document_ids cannot be combined with a KV cache")
+        device = document_ids.device
+    device = device or torch.device("cpu")
+    if backend == "flex" and device.type == "cuda" and offset == 0 and (document_ids is not None or window):
+        return AttentionMask(block_mask=_flex_block_mask(document_ids, q_len, window, device))
+    one_document = document_ids is None or bool((document_ids == document_ids[:, :1]).all())
+    if one_document and window is None:
         if offset == 0:
             return AttentionMask(is_causal=True)
         if q_len == 1:
             return AttentionMask()  # one new token sees the whole cache
-        q_pos = torch.arange(offset, kv_len)[:, None]
-        return AttentionMask(dense=(q_pos >= torch.arange(kv_len)[None, :])[None, None])
-    if offset != 0:
-        raise ValueError("document_ids cannot be combined with a KV cache")
-    if backend == "flex" and document_ids.is_cuda:
-        return AttentionMask(block_mask=_document_block_mask(document_ids))
-    if bool((document_ids == document_ids[:, :1]).all()):
-        return AttentionMask(is_causal=True)
-    T = q_len
-    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
-    same_doc = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
-    return AttentionMask(dense=(same_doc & causal)[:, None])
+    q_pos = torch.arange(offset, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    allowed = q_pos >= k_pos  # (Tq, Tk)
+    if window is not None:
+        allowed = allowed & (q_pos - k_pos < window)
+    allowed = allowed[None, None]  # (1, 1, Tq, Tk)
+    if not one_document:
+        allowed = allowed & (document_ids[:, :, None] == document_ids[:, None, :])[:, None]  # (B, 1, T, T)
+    return AttentionMask(dense=allowed)
 
 
-def _document_block_mask(document_ids: torch.Tensor) -> Any:
+def _flex_block_mask(document_ids: torch.Tensor | None, T: int, window: int | None, device: torch.device) -> Any:
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def causal_same_document(b, h, q, kv):
-        return (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
+    def mask_mod(b, h, q, kv):
+        allowed = q >= kv
+        if window is not None:
+            allowed = allowed & (q - kv < window)
+        if document_ids is not None:
+            allowed = allowed & (document_ids[b, q] == document_ids[b, kv])
+        return allowed
 
-    B, T = document_ids.shape
-    return create_block_mask(causal_same_document, B, None, T, T, device=document_ids.device)
+    B = document_ids.shape[0] if document_ids is not None else None
+    return create_block_mask(mask_mod, B, None, T, T, device=device)
 
 
 _compiled_flex = None
@@ -129,9 +144,10 @@ class Attention(nn.Module):
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
-                 bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5):
+                 bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5, fused_rope: bool = False):
         super().__init__()
         self.head_dim = head_dim
+        self.fused_rope = fused_rope
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
@@ -148,7 +164,11 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
+        if rope is not None and self.fused_rope:
+            from forja.ops import rope as fused_rope
+
+            q, k = fused_rope(q, k, *rope)
+        elif rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
         if cache is not None:

@@ -8,15 +8,22 @@ from torch import nn
 
 
 class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x) (Shazeer 2020, "GLU Variants Improve Transformer")."""
+    """w2(silu(w1 x) * w3 x) (Shazeer 2020, "GLU Variants Improve Transformer").
 
-    def __init__(self, dim: int, hidden_dim: int, *, bias: bool = False):
+    `fused`: silu(gate) * up through forja.ops.swiglu (one kernel, no saved activation)."""
+
+    def __init__(self, dim: int, hidden_dim: int, *, bias: bool = False, fused: bool = False):
         super().__init__()
+        self.fused = fused
         self.w1 = nn.Linear(dim, hidden_dim, bias=bias)  # gate
         self.w3 = nn.Linear(dim, hidden_dim, bias=bias)  # up
         self.w2 = nn.Linear(hidden_dim, dim, bias=bias)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from forja.ops import swiglu
+
+            return self.w2(swiglu(self.w1(x), self.w3(x)))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 

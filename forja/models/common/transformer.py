@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from forja.errors import ForjaError
@@ -49,6 +50,11 @@ class TransformerArgs:
     """RMS-normalize queries and keys per head before attention."""
     attention: str = "sdpa"
     """Attention backend: "sdpa", or "flex" (FlexAttention on CUDA; SDPA elsewhere)."""
+    sliding_window: int | None = None
+    """Each token attends to at most this many latest positions (itself included); None: all."""
+    fused_ops: tuple[str, ...] = ()
+    """Ops run through forja.ops (Triton on CUDA, the PyTorch reference elsewhere): any of
+    rms_norm, rope, swiglu, cross_entropy. An implementation choice: weights are the same."""
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -63,6 +69,14 @@ class TransformerArgs:
                              f"{self.n_kv_heads}; grouped-query attention needs whole groups")
         if self.attention not in ATTENTION_BACKENDS:
             raise ForjaError(f"model.attention={self.attention!r} is not one of {ATTENTION_BACKENDS}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ForjaError(f"model sliding_window={self.sliding_window} must be at least 1 (or None for all)")
+        self.fused_ops = tuple(self.fused_ops)
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits (B, T, V) against labels (B, T), computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
 class TransformerBlock(nn.Module):
@@ -124,8 +138,11 @@ class Transformer(nn.Module):
 
     # -- shared behaviour ------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, *,
-                cache: KVCache | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T) int64 -> logits (B, T, vocab) in the output layer's dtype.
+                cache: KVCache | None = None, positions: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab) in the output layer's dtype, or with
+        `labels` (B, T) the mean next-token loss (0-dim), which with fused cross-entropy
+        never materializes the logits.
 
         A pipeline stage past the first receives hidden states (B, T, dim) as `tokens`.
         `positions` (T,) are the tokens' places in their sequence, 0..T-1 (after the cache)
@@ -140,14 +157,25 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             h = self.add_positions(self.tok_embeddings(tokens), positions)  # (B, T, dim)
         rope = self.rope_tables(positions)
-        mask = build_mask(document_ids, q_len=T, kv_len=start + T, backend=self.args.attention)
+        mask = build_mask(document_ids, q_len=T, kv_len=start + T, backend=self.args.attention,
+                          window=self.args.sliding_window, device=tokens.device)
         for name, block in self.layers.items():
             h = block(h, rope, mask, cache, int(name))
         if cache is not None:
             cache.advance(T)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if labels is None else self.loss(h, labels)
+
+    def loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of final hidden states h (B, T, dim) against labels."""
+        if "cross_entropy" in self.args.fused_ops:
+            from forja.ops import fused_linear_cross_entropy
+
+            return fused_linear_cross_entropy(h.flatten(0, 1), self.output.weight, labels.flatten())
+        return next_token_loss(self.output(h), labels)
 
     def init_weights(self, seed: int = 0) -> None:
         """Fill all parameters from `seed`, identically for any sharding."""

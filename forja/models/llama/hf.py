@@ -57,9 +57,9 @@ def args_from_config(cfg: dict) -> LlamaArgs:
 
 
 def config_from_args(a: LlamaArgs) -> dict:
-    if a.qk_norm:
-        raise ForjaError("a Llama with qk_norm has no LlamaForCausalLM equivalent in transformers; "
-                         "export a model trained with model.qk_norm=false")
+    if a.qk_norm or a.sliding_window is not None:
+        raise ForjaError("a Llama with qk_norm or sliding_window has no LlamaForCausalLM equivalent in "
+                         "transformers; export a model trained without them")
     cfg = {
         "architectures": list(ARCHITECTURES),
         "model_type": "llama",

@@ -46,12 +46,13 @@ class Llama(Transformer):
 
     def build_block(self, layer: int) -> TransformerBlock:
         a = self.args
-        attention = Attention(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, qk_norm=a.qk_norm, norm_eps=a.norm_eps)
-        return TransformerBlock(attention, SwiGLU(a.dim, a.ffn_dim), RMSNorm(a.dim, a.norm_eps),
-                                RMSNorm(a.dim, a.norm_eps))
+        attention = Attention(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, qk_norm=a.qk_norm, norm_eps=a.norm_eps,
+                              fused_rope="rope" in a.fused_ops)
+        return TransformerBlock(attention, SwiGLU(a.dim, a.ffn_dim, fused="swiglu" in a.fused_ops),
+                                self.build_norm(), self.build_norm())
 
     def build_norm(self) -> RMSNorm:
-        return RMSNorm(self.args.dim, self.args.norm_eps)
+        return RMSNorm(self.args.dim, self.args.norm_eps, fused="rms_norm" in self.args.fused_ops)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         device = positions.device

@@ -72,3 +72,33 @@ def test_grouped_query_attention_equals_repeated_heads():
     mha.load_state_dict(state)
     tokens = torch.randint(0, 2048, (2, 16))
     torch.testing.assert_close(mha(tokens), gqa(tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_mask():
+    m = build_mask(None, q_len=6, kv_len=6, window=3)
+    assert m.dense[0, 0, 5].tolist() == [False, False, False, True, True, True]
+    docs = torch.tensor([[0, 0, 0, 0, 1, 1]])
+    m = build_mask(docs, q_len=6, kv_len=6, window=3)
+    assert m.dense[0, 0, 3].tolist() == [False, True, True, True, False, False]
+    assert m.dense[0, 0, 5].tolist() == [False, False, False, False, True, True]  # window and document
+
+
+@torch.no_grad()
+def test_sliding_window_model_with_cache_matches_full_forward():
+    model = _model("llama", sliding_window=5)
+    tokens = torch.randint(0, 2048, (2, 14))
+    full = model(tokens)
+    cache = model.new_kv_cache(2, 14)
+    parts = [model(tokens[:, :6], cache=cache)] + [model(tokens[:, t:t + 1], cache=cache) for t in range(6, 14)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+    # A window as long as the sequence changes nothing; a short one does.
+    torch.testing.assert_close(_model("llama", sliding_window=14)(tokens), _model("llama")(tokens))
+    assert (full - _model("llama")(tokens)).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_loss_from_labels_equals_cross_entropy_of_logits():
+    model = _model("gpt2")
+    tokens, labels = torch.randint(0, 2048, (2, 12)), torch.randint(0, 2048, (2, 12))
+    expected = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
+    torch.testing.assert_close(model(tokens, labels=labels), expected)

@@ -1,0 +1,48 @@
+"""float8 training through torchao: Linear layers compute their matmuls in float8.
+
+`tensorwise` scales each tensor by one number (fastest); `rowwise` scales each row of the
+inputs and each column of the weights (more accurate, for large models). Weights, their
+gradients and the optimizer stay in high precision; torchao casts on the fly.
+
+Small layers do not gain: their matmuls are too short for float8's speed to pay for the
+casts (torchtitan measures the crossover around 1-2k features on H100), so layers with
+fewer input or output features than `min_features` stay as they are, as does the output
+projection (precision matters most at the logits). On CPU, torchao emulates float8,
+which is how it is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from forja.errors import ForjaError
+
+
+def float8_filter(min_features: int):
+    def keep(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear) or fqn.split(".")[-1] == "output":
+            return False
+        # float8 matmuls need dimensions divisible by 16.
+        dims = (module.in_features, module.out_features)
+        return all(d % 16 == 0 for d in dims) and min(dims) >= min_features
+
+    return keep
+
+
+def apply_float8(model: nn.Module, recipe: str, *, device: torch.device, min_features: int) -> int:
+    """Swap eligible Linear layers of `model` for torchao's Float8Linear; returns how many.
+    Parameter names do not change, so checkpoints load with or without float8."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise ForjaError("train.float8 needs torchao: pip install 'forja[float8]' (or set train.float8 = 'none')") \
+            from None
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if device.type != "cuda":
+        config = dataclasses.replace(config, emulate=True)
+    before = sum(isinstance(m, nn.Linear) for m in model.modules())
+    convert_to_float8_training(model, config=config, module_filter_fn=float8_filter(min_features))
+    return before - sum(type(m) is nn.Linear for m in model.modules())
