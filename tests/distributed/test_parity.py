@@ -29,6 +29,8 @@ LAYOUTS = {
     "FSDP 2 x TP 2 + SP + selective AC": (4, {"parallel.tp": "2", "parallel.dp_shard": "2",
                                              "parallel.ac": '"selective"'}),
     "FSDP 2 + full AC + compile": (2, {**FSDP2, "parallel.ac": '"full"', "parallel.compile": "true"}),
+    # Fused ops (their PyTorch references on CPU) with the vocabulary-parallel fused loss.
+    "TP 2 + SP + fused ops": (2, {"parallel.tp": "2", "parallel.dp_shard": "1", "model.fused_ops": "true"}),
 }
 
 

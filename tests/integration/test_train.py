@@ -95,3 +95,13 @@ def test_float8_training_runs_close_to_fp32(tmp_path, train_data):
                                                         "train.float8_min_features": "0"})) == 0
     a, b = losses(fp32), losses(fp8)
     assert max(abs(a[s] - b[s]) for s in a) < 5e-2 and a != b  # emulated float8: close, not equal
+
+
+def test_fused_ops_train_like_the_plain_model(tmp_path, train_data):
+    """On CPU the fused ops run their PyTorch references (Triton is for CUDA): the run must
+    match the unfused one, the chunked cross-entropy included."""
+    plain, fused = tmp_path / "plain", tmp_path / "fused"
+    assert main(train_args(plain, train_data, **{"train.steps": "4"})) == 0
+    assert main(train_args(fused, train_data, **{"train.steps": "4", "model.fused_ops": "true"})) == 0
+    a, b = losses(plain), losses(fused)
+    assert max(abs(a[s] - b[s]) for s in a) < 1e-5
