@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/profiling.py
 
 from forja.models import model_args  # noqa: E402
 from forja.optim import OptimizerGroup  # noqa: E402
@@ -45,7 +46,8 @@ from forja.parallel import build_parallel_model  # noqa: E402
 from forja.parallel.config import ParallelConfig  # noqa: E402
 from forja.parallel.dims import ParallelDims  # noqa: E402
 from forja.testing import run_distributed  # noqa: E402
-from forja.train.step import next_token_loss  # noqa: E402
+from forja.models.common.transformer import next_token_loss  # noqa: E402
+from profiling import allocator_peak  # noqa: E402
 
 MB = 1e6
 
@@ -65,17 +67,6 @@ def storage_bytes(tensors) -> int:
 def optimizer_tensors(group: OptimizerGroup) -> list[torch.Tensor]:
     return [v for opt in group.optimizers for state in opt.state.values() for v in state.values()
             if isinstance(v, torch.Tensor)]
-
-
-def peak_of(prof: profile) -> int:
-    """The highest point of the running sum of the allocations and frees recorded."""
-    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]")
-    running = peak = 0
-    for _, nbytes in records:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
 
 
 def measure(rank: int, world_size: int, flavor: str, reshard: bool, batch: int, seq_len: int) -> dict:
@@ -104,7 +95,7 @@ def measure(rank: int, world_size: int, flavor: str, reshard: bool, batch: int, 
         loss = forward()
         gathered = storage_bytes(p for p in model.parameters() if not isinstance(p, DTensor))
         loss.backward()
-    return {**state, "gathered": gathered, "peak": start + peak_of(prof)}
+    return {**state, "gathered": gathered, "peak": start + allocator_peak(prof)}
 
 
 def run_layout(degree: int, reshard: bool, ns: argparse.Namespace) -> dict:

@@ -43,6 +43,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/profiling.py
+from profiling import allocator_peak  # noqa: E402
 
 GB = 1e9
 
@@ -68,17 +70,6 @@ def rss_peak_bytes() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def allocator_peak(prof) -> int:
-    """The highest point of the running sum of the allocations and frees recorded."""
-    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]")
-    running = peak = 0
-    for _, nbytes in records:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
 
 
 def loss_fn(variant: str, chunk_size: int | None):
