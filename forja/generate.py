@@ -52,9 +52,9 @@ def _filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        probs = sorted_logits.softmax(-1)
         # Drop a token when the ones before it already reach p; the first always stays.
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

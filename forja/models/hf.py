@@ -9,6 +9,7 @@ Saving writes to a temporary directory renamed when complete.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -16,6 +17,7 @@ import re
 import shutil
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -26,6 +28,7 @@ from forja.models.common.hf_rules import TensorRule
 from forja.models.common.transformer import Transformer
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # safetensors' names
 _INDEX = "model.safetensors.index.json"
 
 
@@ -54,54 +57,54 @@ def read_config(path: Path) -> dict:
         raise ForjaError(f"{cfg_path} is not valid JSON ({exc})") from None
 
 
-def _tensor_files(path: Path) -> dict[str, Path]:
-    """Name of every stored tensor -> the safetensors file holding it."""
+# A stored tensor: the open safetensors file holding it, and its name there.
+Stored = tuple[Any, str]
+
+
+def _open_tensors(path: Path, normalize, stack: contextlib.ExitStack) -> dict[str, Stored]:
+    """Every stored tensor by (normalized) name; each safetensors file is opened once,
+    memory-mapped, for the whole load."""
     index = path / _INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
-    files = sorted(path.glob("*.safetensors"))
+        files = sorted({path / file for file in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ForjaError(f"{path} holds no .safetensors files; forja reads safetensors only "
                          "(re-save the model with transformers' save_pretrained)")
-    where: dict[str, Path] = {}
+    stored: dict[str, Stored] = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            where.update({name: file for name in f.keys()})
-    return where
+        handle = stack.enter_context(safe_open(file, framework="pt"))
+        stored.update({normalize(name): (handle, name) for name in handle.keys()})
+    return stored
 
 
-def _stored_shape(file: Path, name: str) -> tuple[int, ...]:
-    with safe_open(file, framework="pt") as f:
-        return tuple(f.get_slice(name).get_shape())
-
-
-def _check_names_and_shapes(rules: list[TensorRule], files: dict[str, Path], adapter: ModuleType,
+def _check_names_and_shapes(rules: list[TensorRule], stored: dict[str, Stored], adapter: ModuleType,
                             expected: dict[str, torch.Tensor], arch: str, where: Path) -> None:
     ignored = [re.compile(p) for p in adapter.IGNORED] + [re.compile(r"lm_head\.weight")]
     wanted = {r.hf for r in rules}
     for rule in rules:
-        if rule.hf not in files:
+        if rule.hf not in stored:
             raise ForjaError(f"{where}: tensor {rule.hf} is missing; a {arch} with this config.json needs it")
         want = tuple(rule.to_hf(tuple(expected[n] for n in rule.forja)).shape)
-        have = _stored_shape(files[rule.hf], rule.hf)
+        handle, name = stored[rule.hf]
+        have = tuple(handle.get_slice(name).get_shape())  # from the header: no data read
         if have != want:
             raise ForjaError(f"{where}: tensor {rule.hf} has shape {list(have)}; a {arch} with this "
                              f"config.json expects {list(want)}")
-    extra = sorted(n for n in files if n not in wanted and not any(p.fullmatch(n) for p in ignored))
+    extra = sorted(n for n in stored if n not in wanted and not any(p.fullmatch(n) for p in ignored))
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise ForjaError(f"{where}: unexpected tensor {extra[0]}{more}; it has no place in a {arch} "
                          "with this config.json (does config.json match the weights?)")
 
 
-def _checkpoint_dtype(cfg: dict, files: dict[str, Path]) -> torch.dtype:
+def _checkpoint_dtype(cfg: dict, stored: dict[str, Stored]) -> torch.dtype:
     name = cfg.get("dtype") or cfg.get("torch_dtype")
     if name in _DTYPES:
         return _DTYPES[name]
-    first = next(iter(files))
-    with safe_open(files[first], framework="pt") as f:
-        return f.get_tensor(first).dtype
+    handle, first = next(iter(stored.values()))
+    return _STORED_DTYPES.get(handle.get_slice(first).get_dtype(), torch.float32)
 
 
 def load_hf_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
@@ -116,22 +119,18 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = N
     cfg = read_config(path)
     adapter = _adapter_for_architecture(cfg, path)
     args = adapter.args_from_config(cfg)
-    normalize = getattr(adapter, "normalize_name", str)
-    stored = _tensor_files(path)
-    files = {normalize(n): f for n, f in stored.items()}
-    raw_names = {normalize(n): n for n in stored}
     rules = [x for r in adapter.rules(args) for x in r.expand(args.n_layers)]
-    meta = build_from_args(args, device="meta")
-    expected = meta.state_dict()
-    _check_names_and_shapes(rules, files, adapter, expected, cfg["architectures"][0], path)
-    model = build_from_args(args, device=device, dtype=dtype or _checkpoint_dtype(cfg, files), init=False)
-    params = model.state_dict()
-    with torch.no_grad():
-        for rule in rules:
-            with safe_open(files[rule.hf], framework="pt") as f:
-                tensor = f.get_tensor(raw_names[rule.hf])
-            for name, value in zip(rule.forja, rule.to_forja(tensor)):
-                params[name].copy_(value)
+    expected = build_from_args(args, device="meta").state_dict()
+    with contextlib.ExitStack() as stack:
+        stored = _open_tensors(path, getattr(adapter, "normalize_name", str), stack)
+        _check_names_and_shapes(rules, stored, adapter, expected, cfg["architectures"][0], path)
+        model = build_from_args(args, device=device, dtype=dtype or _checkpoint_dtype(cfg, stored), init=False)
+        params = model.state_dict()
+        with torch.no_grad():
+            for rule in rules:
+                handle, name = stored[rule.hf]
+                for target, value in zip(rule.forja, rule.to_forja(handle.get_tensor(name))):
+                    params[target].copy_(value)
     return model
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from forja.errors import ForjaError
+from forja.models.common.rope import apply_rope
 from forja.ops.dispatch import jit, next_power_of_2, use_triton
 
 try:
@@ -106,18 +107,10 @@ class _RopeFunction(torch.autograd.Function):
         return dq, dk, None, None
 
 
-def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The PyTorch definition (that of forja's `apply_rope`, operation for operation)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    cos = cos.to(x.dtype)[None, :, None, :]  # (1, T, 1, hd)
-    sin = sin.to(x.dtype)[None, :, None, :]
-    return x * cos + rotated * sin
-
-
 def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
+    """The PyTorch definition: the model's own `apply_rope` on q and k."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ def check_layout(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfig,
                  document_mask: bool = False, float8: str = "none") -> None:
     tp = dims.tp
     if tp > 1:
-        fix = f"choose a parallel.tp that divides it, or change the model (model.overrides)"
+        fix = "choose a parallel.tp that divides it, or change the model (model.overrides)"
         _divides(tp, args.n_heads, f"model n_heads = {args.n_heads} (parallel.tp = {tp})", fix)
         _divides(tp, args.n_kv_heads, f"model n_kv_heads = {args.n_kv_heads} (parallel.tp = {tp})", fix)
         _divides(tp, args.ffn_dim, f"model ffn_dim = {args.ffn_dim} (parallel.tp = {tp})", fix)

@@ -50,34 +50,43 @@ def _tokenizer_path(cfg: Config, path: Path) -> Path:
     return _cached_tokenizer(d.path, d.vocab_size)
 
 
-def _rank0_prepares(cfg: Config, rank: int) -> None:
+def _train_and_prepare(cfg: Config, tok_path: Path) -> tuple[Tokenizer, Any]:
+    """Rank 0's first-use work for a source string: the tokenizer (trained unless cached or
+    given), then the prepared data (cached)."""
     d = cfg.data
-    path = Path(d.path).expanduser()
-    if _is_prepared(path) or rank != 0:
-        return
-    tok_path = _tokenizer_path(cfg, path)
     if d.tokenizer is None and not tok_path.is_file():
         print(f"forja: training a {d.vocab_size}-token tokenizer on {d.path} (cached in {tok_path.parent})",
               flush=True)
-        train_tokenizer(d.path, vocab_size=d.vocab_size, out=tok_path)
-    open_dataset(d.path, load_tokenizer(tok_path), val_fraction=d.val_fraction,
-                 workers=d.workers or None, progress=True)
+        tokenizer = train_tokenizer(d.path, vocab_size=d.vocab_size, out=tok_path)
+    else:
+        tokenizer = load_tokenizer(tok_path)
+    return tokenizer, open_dataset(d.path, tokenizer, val_fraction=d.val_fraction, workers=d.workers or None,
+                                   progress=True)
+
+
+def _check_sources(spec: str) -> None:
+    """Every rank checks a source string before rank 0 starts any work on it."""
+    for part, _ in parse_mixture(spec):
+        try:
+            parse_source(part)
+        except ForjaError as exc:
+            raise ForjaError(f"data.path: {exc}; or give a directory written by `forja prepare`") from None
 
 
 def data(cfg: Config, *, rank: int, run_dir: Path) -> tuple[Tokenizer, Any]:
     """(tokenizer, dataset) of the run; the tokenizer is also saved into the run directory."""
     path = Path(cfg.data.path).expanduser()
-    if not _is_prepared(path):
-        for spec, _ in parse_mixture(cfg.data.path):
-            try:  # every rank checks, before rank 0 starts any work
-                parse_source(spec)
-            except ForjaError as exc:
-                raise ForjaError(f"data.path: {exc}; or give a directory written by `forja prepare`") from None
-    _rank0_prepares(cfg, rank)
+    prepared = _is_prepared(path)
+    if not prepared:
+        _check_sources(cfg.data.path)
+    tok_path = _tokenizer_path(cfg, path)
+    if rank == 0 and not prepared:
+        tokenizer, dataset = _train_and_prepare(cfg, tok_path)
     _barrier()
-    tokenizer = load_tokenizer(_tokenizer_path(cfg, path))
-    dataset = open_dataset(cfg.data.path, tokenizer, val_fraction=cfg.data.val_fraction,
-                           workers=cfg.data.workers or None)
+    if rank != 0 or prepared:  # open what rank 0 wrote (or what `forja prepare` did)
+        tokenizer = load_tokenizer(tok_path)
+        dataset = open_dataset(cfg.data.path, tokenizer, val_fraction=cfg.data.val_fraction,
+                               workers=cfg.data.workers or None)
     _keep_tokenizer(tokenizer, run_dir, rank)
     return tokenizer, dataset
 

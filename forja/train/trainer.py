@@ -185,10 +185,10 @@ class Trainer:
         return val_loss
 
     def _eval_loss(self, batch) -> torch.Tensor:
-        doc_ids = batch.document_ids.to(self.device) if self.cfg.model.document_mask else None
         if self.pipeline is not None:
             return self.pipeline.eval_loss(batch, device=self.device, compute_dtype=self.compute_dtype,
                                            document_mask=self.cfg.model.document_mask)
+        doc_ids = batch.document_ids.to(self.device) if self.cfg.model.document_mask else None
         with autocast(self.device, self.compute_dtype), loss_context(self.dims.tp):
             loss = self.model(batch.input_ids.to(self.device), doc_ids, labels=batch.labels.to(self.device))
         return local_value(loss)

@@ -11,7 +11,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 import forja.parallel
 from forja.versions import torch_version

@@ -6,7 +6,6 @@ import json
 import signal
 import time
 
-import pytest
 
 from forja.cli import main
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from forja.errors import ForjaError
 from forja.models.common.attention import ATTENTION_BACKENDS, Attention, KVCache, build_mask
-from forja.models.common.init import InitRule, init_parameters
+from forja.models.common.init import init_parameters
 
 
 @dataclass(kw_only=True)

@@ -52,6 +52,18 @@ def test_tensorboard_dir_from_config(tmp_path):
     assert sink.log_dir == tmp_path / "run" / "tensorboard"
 
 
+def log_then_resume(sink, resumed) -> None:
+    """One session logging steps 10 (train, val, a sample), then a resumed one logging step 20."""
+    sink.start(total_steps=30, start_step=0)
+    sink.log(10, {"loss": 2.5, "mfu": None})
+    sink.log(10, {"val_loss": 2.75})
+    sink.log_text(10, "sample", "hello")
+    sink.close()
+    resumed.start(total_steps=30, start_step=10)
+    resumed.log(20, {"loss": 2.0})
+    resumed.close()
+
+
 # -- W&B --------------------------------------------------------------------------------------
 
 def test_wandb_offline_run_resumes_the_same_run(tmp_path, monkeypatch):
@@ -59,17 +71,8 @@ def test_wandb_offline_run_resumes_the_same_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
     cfg = MetricsConfig(sinks=["wandb"])
-    sink = WandbSink(cfg, run_dir=tmp_path, run_name="tiny", config=CONFIG)
-    sink.start(total_steps=20, start_step=0)
-    sink.log(10, {"loss": 2.5, "mfu": None})
-    sink.log(10, {"val_loss": 2.75})
-    sink.log_text(10, "sample", "hello")
-    sink.close()
-
-    resumed = WandbSink(cfg, run_dir=tmp_path, run_name="tiny", config=CONFIG)
-    resumed.start(total_steps=20, start_step=10)
-    resumed.log(20, {"loss": 2.0})
-    resumed.close()
+    log_then_resume(WandbSink(cfg, run_dir=tmp_path, run_name="tiny", config=CONFIG),
+                    WandbSink(cfg, run_dir=tmp_path, run_name="tiny", config=CONFIG))
 
     run_id = load_tracking(tmp_path)["wandb_run_id"]
     # W&B writes each session of an offline run to its own directory (`wandb sync` joins them).
@@ -97,16 +100,8 @@ def test_mlflow_local_store_params_metrics_and_resume(tmp_path):
 
     cfg = MetricsConfig(sinks=["mlflow"])
     [sink] = build_sinks(cfg, run_dir=tmp_path, run_name="tiny", config=CONFIG, rank=0).sinks
-    sink.start(total_steps=30, start_step=0)
-    sink.log(10, {"loss": 2.5, "mfu": None})
-    sink.log(10, {"val_loss": 2.75})
-    sink.log_text(10, "sample", "hello")
-    sink.close()
-
     resumed = MLflowSink(cfg, run_dir=tmp_path, run_name="tiny", config=CONFIG)
-    resumed.start(total_steps=30, start_step=10)
-    resumed.log(20, {"loss": 2.0})
-    resumed.close()
+    log_then_resume(sink, resumed)
 
     assert resumed.run_id == sink.run_id == load_tracking(tmp_path)["mlflow_run_id"]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}")
