@@ -9,6 +9,7 @@ charts go to the run directory for one run, to ./report for several, or to --out
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from forja.errors import ForjaError
+from forja.files import write_atomic
 
 try:
     import tomllib
@@ -127,9 +129,9 @@ def summarize(run: Run) -> dict[str, float | int | None]:
 
 
 def _save(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
+    write_atomic(path, png.getvalue())
 
 
 def plot(runs: list[Run], out_dir: Path) -> list[Path]:

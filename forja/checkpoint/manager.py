@@ -24,12 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from forja.checkpoint.config import CheckpointConfig
 from forja.errors import ForjaError
+from forja.files import check_writable, fsync_dir, write_atomic
+from forja.parallel.process_group import barrier
 
 _NAME = re.compile(r"step-(\d{8})")
 META_FILE = "forja.json"
@@ -53,6 +54,13 @@ def read_meta(path: Path) -> dict:
     if not meta.is_file():
         raise ForjaError(f"{path} is not a complete forja checkpoint (it has no {META_FILE})")
     return json.loads(meta.read_text())
+
+
+def loadable_state(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """`state` without the per-rank RNG entries the checkpoint at `path` lacks (it was saved
+    by fewer ranks: a run resumed on more processes)."""
+    stored = checkpoint_keys(path)
+    return {k: v for k, v in state.items() if not k.startswith("rng.") or k in stored}
 
 
 def checkpoint_keys(path: Path) -> set[str]:
@@ -84,14 +92,8 @@ class CheckpointManager:
 
     def check_writable(self) -> None:
         """Fail before training, not at the first save, when the folder cannot be written."""
-        probe = self.folder / f".write-test-{self.rank}"  # one per rank: another's unlink must not race ours
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            probe.write_text("ok")
-            probe.unlink()
-        except OSError as exc:
-            raise ForjaError(f"checkpoint folder {self.folder} cannot be written ({exc.strerror or exc}); "
-                             "choose a writable run.dir or free some space") from None
+        check_writable(self.folder, what="checkpoint folder", fix="choose a writable run.dir or free some space",
+                       rank=self.rank)
 
     # -- saving -----------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], extra_meta: dict | None = None) -> Path:
@@ -102,7 +104,7 @@ class CheckpointManager:
         meta = {**self.meta, **(extra_meta or {}), "step": step}
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        _barrier()
+        barrier()
         try:
             if self.cfg.async_save:
                 self._pending = (dcp.async_save(state, checkpoint_id=str(partial)), partial, meta)
@@ -134,15 +136,16 @@ class CheckpointManager:
                          f"({_reason(exc)}); {kept}. Free space or choose another run.dir") from None
 
     def _finalize(self, partial: Path, meta: dict) -> None:
-        _barrier()  # every rank's shards are on disk
+        barrier()  # every rank's shards are on disk
         if self.rank == 0:
             try:
-                (partial / META_FILE).write_text(json.dumps(meta, indent=2))
+                write_atomic(partial / META_FILE, json.dumps(meta, indent=2))
                 partial.rename(partial.with_name(partial.name.removesuffix(".partial")))
+                fsync_dir(self.folder)  # the rename itself survives a power cut
             except OSError as exc:
                 self._abandon(partial, exc)
             self._retain()
-        _barrier()
+        barrier()
 
     def _retain(self) -> None:
         if self.cfg.keep <= 0:
@@ -170,8 +173,3 @@ def _reason(exc: Exception) -> str:
         exc = failure[0] if isinstance(failure, tuple) else failure
     text = getattr(exc, "strerror", None) or str(exc)
     return text.strip().splitlines()[-1] if text.strip() else type(exc).__name__
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

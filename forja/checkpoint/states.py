@@ -4,6 +4,12 @@ DCP calls `state_dict()` when saving and `load_state_dict()` after loading in pl
 so each piece decides how it is represented. Model and optimizer go through
 `torch.distributed.checkpoint.state_dict`, which turns FSDP/TP-sharded parameters into
 DTensors DCP can reshard onto another layout.
+
+A tied embedding is stored once, as "tok_embeddings.weight", whatever the layout: the
+whole model's `output.weight` (the same Parameter) is left out, and a last pipeline
+stage's own copy of it is stored under the embedding's name. Both copies are equal (the
+step engine keeps them so), so when two ranks write that name DCP keeps one, as it does
+for any replicated tensor; on load each copy reads it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,37 @@ def _parts(model: nn.Module | list[nn.Module]) -> list[nn.Module]:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
+def stored_names(part: nn.Module) -> dict[str, str]:
+    """{parameter name: the name it is stored under} for the parameters of `part` that
+    are stored under another name (copies of a tied weight)."""
+    tied = getattr(part, "tied_parameters", dict)()
+    return {name: stored for name, stored in tied.items() if name != stored}
+
+
+def _rename(state: dict, part: nn.Module, *, to_stored: bool) -> dict:
+    """`state` (model or flattened optimizer keys) with `part`'s tied copies renamed to
+    their stored names, or back. Optimizer keys read "state.<param>.<key>"."""
+    out = dict(state)
+    held = getattr(part, "tied_parameters", dict)()
+    for name, stored in stored_names(part).items():
+        src, dst = (name, stored) if to_stored else (stored, name)
+        for key in [k for k in state if _names_param(k, src)]:
+            # Storing, the copy's own key goes; loading, the stored key stays only if the
+            # part also holds that parameter (the whole model does, a last stage does not).
+            value = out.pop(key) if to_stored or stored not in held else out[key]
+            out.setdefault(key.replace(src, dst, 1), value)
+    return out
+
+
+def _names_param(key: str, param: str) -> bool:
+    return key == param or any(key.startswith(f"{p}.{param}.") for p in ("state", "param_groups"))
+
+
+def with_tied_copies(part: nn.Module, state: dict) -> dict:
+    """A whole model's state with `part`'s tied copies filled in from the stored name."""
+    return _rename(state, part, to_stored=False)
+
+
 class ModelState(Stateful):
     """The weights of one model, or of the parts (pipeline stages) this rank holds.
 
@@ -38,13 +75,17 @@ class ModelState(Stateful):
         self.parts = _parts(model)
 
     def state_dict(self) -> dict:
-        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
+        merged: dict = {}
+        for part in self.parts:
+            for key, value in _rename(get_model_state_dict(part), part, to_stored=True).items():
+                merged.setdefault(key, value)  # a rank holding both tied copies stores one
+        return merged
 
     def load_state_dict(self, state: dict) -> None:
         # Each part takes its own keys out of the merged state.
         strict = len(self.parts) == 1
         for part in self.parts:
-            set_model_state_dict(part, state, options=StateDictOptions(strict=strict))
+            set_model_state_dict(part, with_tied_copies(part, state), options=StateDictOptions(strict=strict))
 
 
 # Flattened keys ("state.layers.0.attention.wq.weight.exp_avg") name every entry by the
@@ -60,12 +101,14 @@ class OptimizerState(Stateful):
     def state_dict(self) -> dict:
         merged: dict = {}
         for part, opt in zip(self.parts, self.optimizers):
-            merged.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+            state = get_optimizer_state_dict(part, opt, options=_FLAT)
+            for key, value in _rename(state, part, to_stored=True).items():
+                merged.setdefault(key, value)
         return merged
 
     def load_state_dict(self, state: dict) -> None:
         for part, opt in zip(self.parts, self.optimizers):
-            set_optimizer_state_dict(part, opt, state, options=_FLAT)
+            set_optimizer_state_dict(part, opt, with_tied_copies(part, state), options=_FLAT)
 
 
 class RNGState(Stateful):

@@ -43,6 +43,7 @@ from forja.data.shards import (
 from forja.data.sources import Source, SourceStats, parse_mixture, parse_source
 from forja.data.tokenizer import Tokenizer, load_tokenizer
 from forja.errors import ForjaError
+from forja.files import replace_dir
 
 DEFAULT_VAL_FRACTION = 0.01
 TOKENIZER = "tokenizer.json"
@@ -119,21 +120,12 @@ def _staging(out: Path, overwrite: bool) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        # Without overwrite, an `out` that appeared meanwhile is another process's copy of the
+        # same inputs (the output is a function of them): it wins and ours is dropped.
+        replace_dir(tmp, out, keep_existing=not overwrite)
     except BaseException:  # KeyboardInterrupt too: leave nothing half-written behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists() and overwrite:
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if not out.exists():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # another process prepared the same inputs first
 
 
 def _remove_stale(out: Path) -> None:

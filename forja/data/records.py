@@ -2,6 +2,8 @@
 
 A bad record (a line that is not JSON, a missing or non-text field) stops with its file and
 line, unless the user asked to skip bad lines; skipped records are counted either way.
+sources.py registers these classes under their spec prefixes; this module builds only on
+source_base.py, so the imports run one way.
 """
 
 from __future__ import annotations
@@ -12,15 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from forja.data.sources import (
-    Source,
-    SourceStats,
-    clean_str,
-    decode_utf8,
-    expand_paths,
-    register_source,
-    stat_hash,
-)
+from forja.data.source_base import Source, SourceStats, clean_str, decode_utf8, expand_paths, stat_hash
 from forja.errors import ForjaError
 
 _SKIP_HINT = "fix it, or pass --skip-bad-lines (skip_bad_lines=True) to skip and count such records"
@@ -157,8 +151,3 @@ def _import(module: str, extra: str) -> Any:
         return __import__(module, fromlist=["_"])
     except ImportError as exc:
         raise ForjaError(f"this source needs {module.split('.')[0]}: pip install 'forja[{extra}]'") from exc
-
-
-register_source("jsonl")(JsonlSource)
-register_source("parquet")(ParquetSource)
-register_source("hf")(HfSource)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from forja.errors import ForjaError
+from forja.files import write_atomic
 
 FORMAT = "forja-prepared"
 FORMAT_VERSION = 1
@@ -39,9 +40,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def write_json(path: Path, data: Any) -> None:
     """Write JSON atomically, keys sorted and indented, so equal data gives equal bytes."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 class ShardWriter:

@@ -14,65 +14,39 @@ commas and a trailing `:NUMBER` is always the part's weight (so a JSONL field or
 cannot be a bare number). Weights act in the loader, which interleaves samples by weight.
 
 New kinds of source register here with `@register_source("prefix")` (a real seam: data source).
+The built-in kinds register at the bottom of this file. Imports run one way: this module ->
+records.py (the record formats) -> source_base.py (`Source`, `SourceStats`, shared helpers,
+re-exported here so `from forja.data.sources import SourceStats` keeps working).
 """
 
 from __future__ import annotations
 
-import abc
-import glob
-import hashlib
 import os
 import re
 import sysconfig
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
+from forja.data.records import HfSource, JsonlSource, ParquetSource
+from forja.data.source_base import (
+    Source,
+    SourceStats,
+    clean_str,
+    decode_utf8,
+    expand_paths,
+    stat_hash,
+)
 from forja.errors import ForjaError
+
+__all__ = [
+    "FileSource", "HfSource", "JsonlSource", "ParquetSource", "Source", "SourceFactory", "SourceStats",
+    "clean_str", "decode_utf8", "expand_paths", "parse_mixture", "parse_source", "read_text_file",
+    "register_source", "stat_hash", "stdlib_files", "stdlib_root",
+]
 
 # git's heuristic: a NUL byte in the first 8 KiB marks a file as binary.
 _BINARY_SNIFF_BYTES = 8192
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _WEIGHT = re.compile(r"^(?P<spec>.+):(?P<weight>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")
-
-
-@dataclass
-class SourceStats:
-    """What reading a source counted besides the documents it yielded."""
-
-    documents: int = 0
-    """Documents yielded."""
-    characters: int = 0
-    """Characters in the documents yielded."""
-    skipped_binary: int = 0
-    """Files skipped because they look binary (a NUL byte near the start)."""
-    replaced_utf8: int = 0
-    """Documents whose invalid UTF-8 was replaced by U+FFFD."""
-    skipped_bad_lines: int = 0
-    """Bad records (JSON errors, missing or non-text fields) skipped on request."""
-
-    def count(self, text: str) -> str:
-        self.documents += 1
-        self.characters += len(text)
-        return text
-
-
-class Source(abc.ABC):
-    """A named, ordered stream of documents."""
-
-    spec: str
-
-    @abc.abstractmethod
-    def documents(self, stats: SourceStats) -> Iterator[str]:
-        """Yield every document in a stable order, counting what was skipped in `stats`."""
-
-    @abc.abstractmethod
-    def stat_fingerprint(self) -> str:
-        """A cheap hash that changes when the inputs change (file names, sizes, mtimes).
-
-        It keys the prepared-data cache; the exact content hash is computed while preparing.
-        """
-
 
 SourceFactory = Callable[[str, bool], Source]
 _REGISTRY: dict[str, SourceFactory] = {}
@@ -128,62 +102,6 @@ def read_text_file(path: Path, stats: SourceStats) -> str | None:
     return decode_utf8(data, stats)
 
 
-def decode_utf8(data: bytes, stats: SourceStats) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        stats.replaced_utf8 += 1
-        return data.decode("utf-8", errors="replace")
-
-
-def clean_str(text: str, stats: SourceStats) -> str:
-    """Replace lone surrogates (JSON can encode them) that no tokenizer can take."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        stats.replaced_utf8 += 1
-        return _SURROGATE.sub("\ufffd", text)
-
-
-def stat_hash(spec: str, files: Sequence[Path], extra: str = "") -> str:
-    """Hash of a spec and its files' names, sizes and modification times."""
-    h = hashlib.sha256(f"{spec}\0{extra}".encode())
-    for f in files:
-        st = f.stat()
-        h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()
-
-
-def _is_glob(pattern: str) -> bool:
-    return any(c in pattern for c in "*?[")
-
-
-def expand_paths(pattern: str, *, what: str) -> list[Path]:
-    """A file, a directory (walked, hidden entries skipped) or a glob -> sorted files."""
-    expanded = os.path.expanduser(pattern)
-    if _is_glob(expanded):
-        files = sorted(Path(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
-        if not files:
-            raise ForjaError(f"{what} {pattern!r} matches no file; check the pattern (use ** to recurse)")
-        return files
-    path = Path(expanded)
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        return _walk(path)
-    raise ForjaError(f"{what} {pattern!r} does not exist; check the path")
-
-
-def _walk(root: Path) -> list[Path]:
-    """Every non-hidden file under root, sorted by relative path (stable on every machine)."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        found += [Path(dirpath, f) for f in filenames if not f.startswith(".")]
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
-
-
 class FileSource(Source):
     """Text files named by a path, directory or glob; each file is one document."""
 
@@ -227,5 +145,7 @@ def _stdlib(rest: str, skip_bad_lines: bool) -> Source:
     return source
 
 
-# Record-based formats (jsonl, parquet, hf) register themselves on import.
-from forja.data import records as _records  # noqa: E402,F401  (import for registration)
+# The record formats live in records.py, which knows nothing of this registry.
+register_source("jsonl")(JsonlSource)
+register_source("parquet")(ParquetSource)
+register_source("hf")(HfSource)

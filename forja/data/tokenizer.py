@@ -21,6 +21,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from forja.errors import ForjaError
+from forja.files import write_atomic
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 # Byte-level BPE starts from the 256 byte symbols; forja adds its 3 special tokens.
@@ -96,9 +97,7 @@ class Tokenizer:
         if target.is_dir():
             target = target / "tokenizer.json"
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        tmp.write_text(self.backend.to_str(pretty=True), encoding="utf-8")
-        os.replace(tmp, target)
+        write_atomic(target, self.backend.to_str(pretty=True))
         return target
 
     def __repr__(self) -> str:

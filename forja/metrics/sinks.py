@@ -18,7 +18,6 @@ from __future__ import annotations
 import abc
 import importlib
 import json
-import os
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from forja.errors import ForjaError
+from forja.files import write_atomic
 
 Metrics = Mapping[str, float | int | None]
 
@@ -176,15 +176,6 @@ class SinkGroup(Sink):
         for sink in self._active:
             self._call(sink, "close")
         self._active = []
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def drop_after(path: Path, step: int) -> int:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from forja.errors import ForjaError
-from forja.metrics.sinks import Metrics, MetricsConfig, Sink, tracker_key, write_atomic
+from forja.files import write_atomic
+from forja.metrics.sinks import Metrics, MetricsConfig, Sink, tracker_key
 
 TRACKING_FILE = "tracking.json"
 

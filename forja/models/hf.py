@@ -10,13 +10,11 @@ Saving writes to a temporary directory renamed when complete.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import re
 import shutil
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -24,23 +22,22 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from forja.errors import ForjaError
-from forja.models.common.hf_rules import TensorRule
+from forja.files import replace_dir
+from forja.models.common.hf_rules import HFAdapter, TensorRule
 from forja.models.common.transformer import Transformer
+from forja.models.registry import FAMILIES, build_from_args, family_of
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # safetensors' names
 _INDEX = "model.safetensors.index.json"
 
 
-def _adapter_for_architecture(cfg: dict, where: Path) -> ModuleType:
-    from forja.models import FAMILIES
-
+def _adapter_for_architecture(cfg: dict, where: Path) -> HFAdapter:
     archs = cfg.get("architectures") or []
     for spec in FAMILIES.values():
-        adapter = importlib.import_module(spec.hf_adapter)
-        if any(a in adapter.ARCHITECTURES for a in archs):
-            return adapter
-    known = [a for s in FAMILIES.values() for a in importlib.import_module(s.hf_adapter).ARCHITECTURES]
+        if any(a in spec.hf.architectures for a in archs):
+            return spec.hf
+    known = [a for s in FAMILIES.values() for a in s.hf.architectures]
     found = ", ".join(archs) or f"none (model_type={cfg.get('model_type')!r})"
     raise ForjaError(f"{where}: architecture {found} is not supported; forja loads {', '.join(known)}")
 
@@ -79,9 +76,9 @@ def _open_tensors(path: Path, normalize, stack: contextlib.ExitStack) -> dict[st
     return stored
 
 
-def _check_names_and_shapes(rules: list[TensorRule], stored: dict[str, Stored], adapter: ModuleType,
+def _check_names_and_shapes(rules: list[TensorRule], stored: dict[str, Stored], adapter: HFAdapter,
                             expected: dict[str, torch.Tensor], arch: str, where: Path) -> None:
-    ignored = [re.compile(p) for p in adapter.IGNORED] + [re.compile(r"lm_head\.weight")]
+    ignored = [re.compile(p) for p in adapter.ignored] + [re.compile(r"lm_head\.weight")]
     wanted = {r.hf for r in rules}
     for rule in rules:
         if rule.hf not in stored:
@@ -113,8 +110,6 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = N
 
     `dtype` defaults to the checkpoint's own (config.json's `torch_dtype`/`dtype`).
     """
-    from forja.models import build_from_args
-
     path = Path(path)
     cfg = read_config(path)
     adapter = _adapter_for_architecture(cfg, path)
@@ -122,7 +117,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = N
     rules = [x for r in adapter.rules(args) for x in r.expand(args.n_layers)]
     expected = build_from_args(args, device="meta").state_dict()
     with contextlib.ExitStack() as stack:
-        stored = _open_tensors(path, getattr(adapter, "normalize_name", str), stack)
+        stored = _open_tensors(path, adapter.normalize_name, stack)
         _check_names_and_shapes(rules, stored, adapter, expected, cfg["architectures"][0], path)
         model = build_from_args(args, device=device, dtype=dtype or _checkpoint_dtype(cfg, stored), init=False)
         params = model.state_dict()
@@ -134,7 +129,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = N
     return model
 
 
-def _to_hf_tensors(model: Transformer, adapter: ModuleType, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def _to_hf_tensors(model: Transformer, adapter: HFAdapter, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
     out = {}
     for rule in (x for r in adapter.rules(model.args) for x in r.expand(model.args.n_layers)):
@@ -175,9 +170,7 @@ def save_hf_checkpoint(model: Transformer, out: str | os.PathLike, *, overwrite:
     names to text written beside the weights (a tokenizer, for instance);
     `config_updates` adds entries to config.json (special-token ids, for instance).
     """
-    from forja.models import family_of
-
-    adapter = importlib.import_module(family_of(model).hf_adapter)
+    adapter = family_of(model).hf
     cfg = {**adapter.config_from_args(model.args), **(config_updates or {})}  # refuses unexportable models
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
@@ -193,19 +186,8 @@ def save_hf_checkpoint(model: Transformer, out: str | os.PathLike, *, overwrite:
         _write_shards(tensors, tmp, max_shard_bytes)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _replace_dir(new: Path, out: Path) -> None:
-    """Move `new` to `out`; an old `out` is removed only after the new one is in place."""
-    if not out.exists():
-        new.rename(out)
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    out.rename(old)
-    new.rename(out)
-    shutil.rmtree(old) if old.is_dir() else old.unlink()

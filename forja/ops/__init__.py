@@ -3,7 +3,7 @@ the dispatch between them (`dispatch.py`: Triton on CUDA when triton imports, th
 otherwise, `FORJA_OPS=reference|triton` to force one).
 
     rms_norm(x, weight, eps)            forja.models.common.norms.RMSNorm
-    rope(q, k, cos, sin) -> (q, k)      forja.models.common.rope.apply_rope on q and on k
+    rope(q, k, cos, sin) -> (q, k)      forja.ops.rope.apply_rope on q and on k
     swiglu(gate, up)                    F.silu(gate) * up
     fused_linear_cross_entropy(...)     see forja.ops.cross_entropy
 """

@@ -1,7 +1,8 @@
 """Fused rotary position embedding (RoPE) of queries and keys, "rotate half" layout.
 
-Semantics of `forja.models.common.rope.apply_rope`, for q (B, T, H, hd) and k (B, T, Hkv, hd)
-with tables cos, sin (T, hd): with x = (x1, x2) the two halves of a head,
+Semantics of `apply_rope` (below: the PyTorch reference, which the models also use), for
+q (B, T, H, hd) and k (B, T, Hkv, hd) with tables cos, sin (T, hd): with x = (x1, x2) the
+two halves of a head,
 
     y1 = x1 * cos1 - x2 * sin1        y2 = x2 * cos2 + x1 * sin2
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from forja.errors import ForjaError
-from forja.models.common.rope import apply_rope
 from forja.ops.dispatch import jit, next_power_of_2, use_triton
 
 try:
@@ -107,9 +107,21 @@ class _RopeFunction(torch.autograd.Function):
         return dq, dk, None, None
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, T, H, hd) by the angles of cos/sin (T, hd), in x's dtype: the definition.
+
+    The models call it directly (through forja.models.common.rope) when the fused op is off.
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    cos = cos.to(x.dtype)[None, :, None, :]  # (1, T, 1, hd)
+    sin = sin.to(x.dtype)[None, :, None, :]
+    return x * cos + rotated * sin
+
+
 def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The PyTorch definition: the model's own `apply_rope` on q and k."""
+    """The PyTorch definition: `apply_rope` on q and on k."""
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 

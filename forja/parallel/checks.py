@@ -49,9 +49,6 @@ def check_layout(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfig,
         if float8 != "none":
             raise ForjaError("train.float8 with parallel.tp > 1 is not supported yet (float8 needs its own "
                              "tensor-parallel styles); use FSDP for data parallelism, or train.float8 = 'none'")
-    if cfg.cpu_offload and device.type != "cuda":
-        raise ForjaError("parallel.cpu_offload moves GPU memory to the CPU; on a CPU run it has nothing "
-                         "to offload: set it to false")
     if dims.cp > 1:
         if device.type != "cuda":
             raise ForjaError("parallel.cp > 1 needs CUDA: PyTorch's context parallelism runs only on CUDA "

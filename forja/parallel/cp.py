@@ -7,7 +7,8 @@ ring attention on CUDA kernels only). Tokens, labels and their positions are spl
 same way, so RoPE rotates each token by its true position.
 
 FSDP shards parameters over the data-parallel and context-parallel ranks together, and
-the loss is averaged over both: a cp group sees one batch, in pieces.
+the loss is averaged over both: a cp group sees one batch, in pieces (both groups are
+made by ParallelDims).
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import contextlib
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-
-from forja.parallel.process_group import set_group_timeout
 
 
 def cp_context(cp_mesh: DeviceMesh | None, tokens: torch.Tensor, labels: torch.Tensor,
@@ -29,12 +28,3 @@ def cp_context(cp_mesh: DeviceMesh | None, tokens: torch.Tensor, labels: torch.T
 
     return context_parallel(cp_mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 0],
                             no_restore_buffers={tokens, labels, positions})
-
-
-def shard_mesh(mesh: DeviceMesh, replicate: bool, cp: int) -> DeviceMesh:
-    """The mesh FSDP shards over: dp_shard, joined with cp when the sequence is split."""
-    if cp > 1:
-        shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        set_group_timeout(shard.get_group())  # a new group: torch's default timeout otherwise
-        return mesh["dp_replicate", "dp_shard_cp"] if replicate else shard
-    return mesh["dp_replicate", "dp_shard"] if replicate else mesh["dp_shard"]

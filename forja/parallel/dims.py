@@ -1,31 +1,38 @@
-"""Parallel degrees -> a validated `DeviceMesh`.
+"""Parallel degrees -> a validated `DeviceMesh`, and every group derived from it.
 
 The mesh always has the same five named dimensions, outermost first:
 ("pp", "dp_replicate", "dp_shard", "cp", "tp"); degrees of 1 are kept, so code can
 ask for `mesh["tp"]` whatever the layout. Tensor parallelism is innermost so its
 heavy, latency-bound collectives stay within a node; pipeline stages outermost.
+
+Every other mesh or process group forja uses (FSDP's, the loss average's, the
+pipeline's, the tied embedding's, a CPU group for stop flags) is made here, once, in
+`build_mesh`, in the same order on every rank: creating a group is a collective call, and
+ranks that create them in different orders deadlock. Each gets the run's timeout.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from forja.errors import ForjaError
 from forja.parallel.config import ParallelConfig
-from forja.parallel.process_group import apply_timeout
+from forja.parallel.process_group import apply_timeout, new_group, set_group_timeout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
-@dataclass(frozen=True)
+@dataclass
 class ParallelDims:
     pp: int
     dp_replicate: int
     dp_shard: int
     cp: int
     tp: int
+    _groups: _Groups | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -54,11 +61,117 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The world mesh, and every group derived from it (collective: all ranks call it)."""
         mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
         apply_timeout(mesh)  # torch gives a mesh's sub-groups its default timeout, not parallel.timeout_s
+        self._groups = _Groups.build(self, mesh)
         return mesh
 
+    @property
+    def groups(self) -> _Groups:
+        if self._groups is None:
+            raise RuntimeError("ParallelDims.build_mesh() must run before its groups are used")
+        return self._groups
 
-def dp_rank(mesh: DeviceMesh) -> int:
-    """This rank's index among the data-parallel replicas (replicate-major)."""
-    return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
+    # -- what the rest of forja asks for ---------------------------------------------------
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self.groups.mesh
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """The ranks that split one sequence; None without context parallelism."""
+        return self.mesh["cp"] if self.cp > 1 else None
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        return self.mesh["pp"]
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the stages of one model copy; None without pipeline parallelism."""
+        return self.mesh["pp"].get_group() if self.pp > 1 else None
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards over: dp_shard, joined with cp when the sequence is split
+        (each cp rank holds a shard too); 2-D with dp_replicate for HSDP."""
+        return self.groups.fsdp_mesh
+
+    @property
+    def loss_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose losses are averaged into the step's: those that see different
+        data or different parts of it (dp_replicate x dp_shard x cp). None: every rank."""
+        return self.groups.loss_group
+
+    @property
+    def cpu_group(self) -> dist.ProcessGroup:
+        """A Gloo group over all ranks, for small CPU-side agreements (stop flags)."""
+        return self.groups.cpu_group
+
+    @property
+    def pp_ends_group(self) -> dist.ProcessGroup | None:
+        """This rank and its counterpart at the other end of the pipeline (pp ranks 0 and
+        pp - 1, same data/tensor coordinates): where a tied embedding's two copies live.
+        None without pipeline parallelism."""
+        return self.groups.pp_ends_group
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel replicas (replicate-major)."""
+        mesh = self.mesh
+        return mesh["dp_replicate"].get_local_rank() * self.dp_shard + mesh["dp_shard"].get_local_rank()
+
+
+@dataclass
+class _Groups:
+    mesh: DeviceMesh
+    fsdp_mesh: DeviceMesh
+    loss_group: dist.ProcessGroup | None
+    cpu_group: dist.ProcessGroup
+    pp_ends_group: dist.ProcessGroup | None
+
+    @classmethod
+    def build(cls, dims: ParallelDims, mesh: DeviceMesh) -> _Groups:
+        # The order below is the order of collective group creation on every rank.
+        return cls(mesh=mesh, fsdp_mesh=_fsdp_mesh(dims, mesh), loss_group=_loss_group(dims, mesh),
+                   cpu_group=new_group(backend="gloo"), pp_ends_group=_pp_ends_group(dims, mesh))
+
+
+def _flatten(mesh: DeviceMesh, names: tuple[str, ...], name: str) -> DeviceMesh:
+    flat = mesh[names]._flatten(name)
+    set_group_timeout(flat.get_group())  # a new group: torch's default timeout otherwise
+    return flat
+
+
+def _fsdp_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
+    if dims.cp > 1:
+        shard = _flatten(mesh, ("dp_shard", "cp"), "dp_shard_cp")
+        return mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else shard
+    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def _loss_group(dims: ParallelDims, mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    if dims.dp * dims.cp == dims.world_size:
+        return None
+    names = tuple(n for n in ("dp_replicate", "dp_shard", "cp") if getattr(dims, n) > 1)
+    if len(names) <= 1:
+        return mesh[names[0] if names else "dp_shard"].get_group()
+    return _flatten(mesh, names, "dp_cp").get_group()
+
+
+def _pp_ends_group(dims: ParallelDims, mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    if dims.pp == 1:
+        return None
+    ranks = mesh.mesh.reshape(dims.pp, -1)  # (pp, every other coordinate): global ranks
+    mine = None
+    for column in range(ranks.shape[1]):  # every rank creates every pair, in the same order
+        pair = [int(ranks[0, column]), int(ranks[-1, column])]
+        group = new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine

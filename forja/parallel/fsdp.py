@@ -8,17 +8,21 @@ across groups (HSDP; with dp_shard = 1 that is plain replication, as DDP does).
 ZeRO stages: optimizer state and gradients are always sharded (ZeRO-2);
 `reshard_after_forward` also frees the gathered parameters between forward and backward
 (ZeRO-3), trading a second all-gather for memory.
+
+CPU offload keeps the sharded parameters, their gradients and the optimizer state in
+CPU memory; FSDP copies each unit's shards to the device for its forward and backward.
+FSDP requires the offloaded model to be materialized on the CPU (the build order does
+so), and page-locked (pinned) CPU memory exists only with CUDA, so on a CPU-only machine
+offload runs unpinned: a no-op in memory terms, but the same code path, tested in CI.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from forja.parallel.config import ParallelConfig
-from forja.parallel.cp import shard_mesh
 from forja.parallel.dims import ParallelDims
 
 
@@ -27,17 +31,13 @@ def wants_fsdp(dims: ParallelDims, cfg: ParallelConfig) -> bool:
     return dims.dp * dims.cp > 1 or cfg.mixed_precision == "bf16" or cfg.cpu_offload
 
 
-def dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
-    return shard_mesh(mesh, dims.dp_replicate > 1, dims.cp)
-
-
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: ParallelConfig) -> None:
-    kwargs = {"mesh": dp_mesh(mesh, dims)}
+def apply_fsdp(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, device: torch.device) -> None:
+    kwargs = {"mesh": dims.fsdp_mesh}
     if cfg.mixed_precision == "bf16":
         # Compute in bf16, but reduce gradients in fp32: summing many bf16 gradients loses bits.
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cfg.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them.

@@ -8,31 +8,29 @@ Each `PipelineStage` wraps the part itself, not a wrapper module: the library re
 an FSDP-sharded part and only reduce-scatters its gradients after the last microbatch,
 and the checkpoint sees the part's own parameter names.
 
-Document ids. Every stage masks attention by document, so every stage needs the
-microbatch's document ids. They are not sent between stages: the pp ranks of one
-data-parallel position load the same batches (the loader is split over dp ranks only),
-so each rank passes its own copy to the schedule as a keyword argument, which the
-library splits into microbatches and gives to every stage's forward. Only the hidden
-states travel, so no integer tensor enters the library's backward pass.
+Inputs besides the hidden states. Every stage masks attention by document, and the last
+stage computes the loss inside the model, exactly as an unsplit model does (so the fused
+linear cross-entropy works there too). Neither document ids nor labels travel between
+stages: the pp ranks of one data-parallel position load the same batches (the loader is
+split over dp ranks only), so each rank passes its own copy to the schedule as keyword
+arguments, which the library splits into microbatches and gives to every stage's
+forward. Only hidden states travel, so no integer tensor enters the library's backward.
 
-Loss scaling. A microbatch's loss is its mean next-token cross-entropy divided by the
-number of microbatches, and the schedule sums gradients without scaling them
-(`scale_grads=False`): exactly what the single-process path does with gradient
-accumulation, so the gradients are those of the mean loss over the local batch, and
-data-parallel averaging makes it the global mean.
+What a microbatch's loss counts for in the step (its share of the mean, auxiliary terms)
+is the step engine's business: it hands `step` the function that turns the last stage's
+output into the microbatch's loss. This file only runs stages.
 
 Validation runs forward only, one micro-batch at a time, through the stages in order
-with plain point-to-point sends (`eval_loss`), so it does not depend on the training
+with plain point-to-point sends (`forward`), so it does not depend on the training
 schedule's microbatch shapes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -43,22 +41,18 @@ from torch.distributed.pipelining import (
 )
 
 from forja.errors import ForjaError
-from forja.models.common.transformer import Transformer, TransformerArgs, next_token_loss
-from forja.parallel import ParallelModel
+from forja.models.common.transformer import Transformer, TransformerArgs
 from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
 from forja.parallel.pp_split import (
     V_SCHEDULES,
     check_layers,
-    check_untied,
     layers_per_stage,
     rank_stages,
     stage_owners,
     stage_part,
     stages_per_rank,
 )
-from forja.parallel.tp import loss_context
-from forja.train.step import autocast, local_value
 from forja.versions import torch_version
 
 SCHEDULES = {
@@ -115,7 +109,6 @@ def check_pipeline(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfi
     (build_pipeline repeats those of the model, and the pipeline those of the batch)."""
     if dims.pp == 1:
         return
-    check_untied(args)
     check_schedule(cfg, device)
     check_layers(args.n_layers, pp=dims.pp, schedule=cfg.pp_schedule, pp_layers=cfg.pp_layers)
     check_microbatches(cfg, dims, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
@@ -140,15 +133,15 @@ def check_schedule(cfg: ParallelConfig, device: torch.device) -> None:
 
 
 class Pipeline:
-    """Runs this rank's stages: training steps through the schedule, validation forward."""
+    """This rank's pipeline stages, and the schedule and point-to-point sends that run them."""
 
     def __init__(self, parts: list[Transformer], stage_ids: list[int], *, cfg: ParallelConfig,
-                 pp_mesh: DeviceMesh, device: torch.device, tp: int):
-        self.parts, self.stage_ids, self.cfg, self.tp = parts, stage_ids, cfg, tp
+                 dims: ParallelDims, device: torch.device):
+        self.parts, self.stage_ids, self.cfg, self.device = parts, stage_ids, cfg, device
         self.n_stages = cfg.pp * stages_per_rank(cfg.pp_schedule)
         self.owners = stage_owners(cfg.pp, cfg.pp_schedule)
-        self.group = pp_mesh.get_group()
-        self.pp_rank = pp_mesh.get_local_rank()
+        self.group = dims.pp_group
+        self.pp_rank = dims.pp_mesh.get_local_rank()
         self.stages = [PipelineStage(part, s, self.n_stages, device, group=self.group)
                        for part, s in zip(parts, stage_ids)]
         self.has_first = 0 in stage_ids
@@ -156,8 +149,13 @@ class Pipeline:
         self._schedule = None
         self._shape: tuple[int, int] | None = None  # (local batch, microbatches) the schedule runs
 
+    @property
+    def ends_on_one_rank(self) -> bool:
+        """Whether the first and the last stage run on the same rank (V-shaped schedules)."""
+        return self.owners[0] == self.owners[-1]
+
     # -- training ----------------------------------------------------------------------------
-    def _schedule_for(self, local_batch: int, n_batches: int):
+    def _schedule_for(self, local_batch: int, n_batches: int, loss_fn: Callable[[torch.Tensor, int], torch.Tensor]):
         """The schedule, built on the first step, when the batch's shape is known."""
         n, source = microbatches(self.cfg, local_batch, local_batch // n_batches)
         if self._schedule is None:
@@ -166,68 +164,57 @@ class Pipeline:
                 raise ForjaError(error)
             cls = SCHEDULES[self.cfg.pp_schedule]
             stages = self.stages if len(self.stages) > 1 else self.stages[0]
-            self._schedule = cls(stages, n_microbatches=n, loss_fn=self._microbatch_loss(n), scale_grads=False)
+            # The last stage's forward already returns the microbatch's loss (labels are
+            # among its inputs); the schedule's target is unused.
+            self._schedule = cls(stages, n_microbatches=n, loss_fn=lambda out, _target: loss_fn(out, n),
+                                 scale_grads=False)
             self._shape = (local_batch, n)
         elif self._shape != (local_batch, n):
             raise ForjaError(f"the pipeline was set up for {self._shape[1]} microbatches of a local batch of "
                              f"{self._shape[0]} sequences, and cannot change within a run; got {n} of {local_batch}")
         return self._schedule
 
-    @staticmethod
-    def _microbatch_loss(n: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return next_token_loss(logits, labels) / n  # summed over n microbatches: the mean
-
-        return loss_fn
-
-    def forward_backward(self, batches: Sequence, *, device: torch.device, compute_dtype: torch.dtype | None,
-                         document_mask: bool) -> torch.Tensor:
-        """Run the schedule over this rank's micro-batches of one step, accumulating gradients
-        in the parts; returns the step's mean loss over the local batch on every pp rank."""
-        tokens = torch.cat([b.input_ids for b in batches]).to(device)  # (local batch, T)
-        schedule = self._schedule_for(tokens.shape[0], len(batches))
-        kwargs = {}
-        if document_mask:  # every stage's forward gets its microbatch's slice
-            kwargs["document_ids"] = torch.cat([b.document_ids for b in batches]).to(device)
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None, *,
+             n_batches: int, loss_fn: Callable[[torch.Tensor, int], torch.Tensor]) -> list[torch.Tensor]:
+        """Forwards and backwards of this rank's stages over the local batch, tokens and
+        labels (local batch, T), accumulating gradients in the parts. `loss_fn(out, n)`
+        turns the last stage's output for one of n microbatches into what that microbatch
+        adds to the step's loss. Returns those losses on the last stage's rank, [] elsewhere."""
+        schedule = self._schedule_for(tokens.shape[0], n_batches, loss_fn)
+        kwargs = {"labels": labels}  # every stage's forward gets its microbatch's slice
+        if document_ids is not None:
+            kwargs["document_ids"] = document_ids
         args = (tokens,) if self.has_first else ()
-        target = torch.cat([b.labels for b in batches]).to(device) if self.has_last else None
         losses: list[torch.Tensor] | None = [] if self.has_last else None
-        # The schedule interleaves forwards and backwards, so backwards run inside autocast too;
-        # autograd gives each backward op its forward op's dtype either way.
-        with autocast(device, compute_dtype), loss_context(self.tp):
-            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        total = torch.zeros((), device=device)
-        for loss in losses or []:
-            total += local_value(loss.detach())
-        return self._from_last_stage(total)
+        schedule.step(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False,
+                      **kwargs)
+        return losses or []
 
-    def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
-        # Only the last stage's rank holds it; the others add zeros.
+    def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` as the last stage's rank holds it, on every pp rank (the others pass zeros)."""
         dist.all_reduce(value, group=self.group)
         return value
 
-    # -- validation --------------------------------------------------------------------------
+    # -- forward only ------------------------------------------------------------------------
     @torch.no_grad()
-    def eval_loss(self, batch, *, device: torch.device, compute_dtype: torch.dtype | None,
-                  document_mask: bool) -> torch.Tensor:
-        """Mean loss of one micro-batch, forward only, the same on every pp rank."""
-        doc_ids = batch.document_ids.to(device) if document_mask else None
-        loss = torch.zeros((), device=device)
-        h = None
-        with autocast(device, compute_dtype), loss_context(self.tp):
-            for part, s in zip(self.parts, self.stage_ids):
-                if s == 0:
-                    x = batch.input_ids.to(device)  # (m, T)
-                elif self.owners[s - 1] != self.pp_rank:
-                    x = self._recv(self.owners[s - 1], device)  # (m, T, dim): hidden states
-                else:
-                    x = h  # the previous stage ran here (the bottom of a V)
-                h = part(x, document_ids=doc_ids)
-                if s == self.n_stages - 1:
-                    loss += local_value(next_token_loss(h, batch.labels.to(device)))
-                elif self.owners[s + 1] != self.pp_rank:
-                    self._send(h, self.owners[s + 1])
-        return self._from_last_stage(loss)
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor,
+                document_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """One micro-batch through the stages in order: the loss on the rank holding the last
+        stage, None elsewhere."""
+        out = h = None
+        for part, s in zip(self.parts, self.stage_ids):
+            if s == 0:
+                x = tokens  # (m, T)
+            elif self.owners[s - 1] != self.pp_rank:
+                x = self._recv(self.owners[s - 1])  # (m, T, dim): hidden states
+            else:
+                x = h  # the previous stage ran here (the bottom of a V)
+            h = part(x, document_ids, labels=labels)
+            if s == self.n_stages - 1:
+                out = h
+            elif self.owners[s + 1] != self.pp_rank:
+                self._send(h, self.owners[s + 1])
+        return out
 
     # A header (dtype code, ndim, shape...) goes before each hidden state: its shape
     # depends on the layout (sequence parallelism splits T) and its dtype on autocast.
@@ -244,31 +231,26 @@ class Pipeline:
         dist.send(torch.tensor(header, dtype=torch.int64, device=h.device), self._peer(pp_rank), group=self.group)
         dist.send(h, self._peer(pp_rank), group=self.group)
 
-    def _recv(self, pp_rank: int, device: torch.device) -> torch.Tensor:
-        header = torch.zeros(self._HEADER, dtype=torch.int64, device=device)
+    def _recv(self, pp_rank: int) -> torch.Tensor:
+        header = torch.zeros(self._HEADER, dtype=torch.int64, device=self.device)
         dist.recv(header, self._peer(pp_rank), group=self.group)
         code, ndim, *shape = header.tolist()
-        h = torch.empty(shape[:ndim], dtype=self._DTYPES[code], device=device)
+        h = torch.empty(shape[:ndim], dtype=self._DTYPES[code], device=self.device)
         dist.recv(h, self._peer(pp_rank), group=self.group)
         return h
 
 
-def build_pipeline(model: Transformer, *, dims: ParallelDims, mesh: DeviceMesh, cfg: ParallelConfig,
-                   device: torch.device, prepare: Callable[[Transformer], None], microbatch_size: int = 1,
-                   seq_len: int = 0) -> ParallelModel:
-    """This rank's stages of `model` (whole, on the meta device), prepared, and the
-    `Pipeline` that runs them. `microbatch_size` is unused: shapes are taken from the
-    first step's real microbatches (they depend on TP's sequence split and on autocast)."""
-    check_untied(model.args)
+def build_pipeline(model: Transformer, *, dims: ParallelDims, cfg: ParallelConfig, device: torch.device,
+                   prepare: Callable[[Transformer], None], seq_len: int = 0) -> Pipeline:
+    """This rank's stages of `model` (whole, on the meta device), each prepared by
+    `prepare` (parallelized and materialized), in the `Pipeline` that runs them."""
     check_schedule(cfg, device)
     counts = layers_per_stage(model, pp=dims.pp, schedule=cfg.pp_schedule, pp_layers=cfg.pp_layers,
                               seq_len=seq_len)
-    pp_mesh = mesh["pp"]
-    stage_ids = rank_stages(pp_mesh.get_local_rank(), dims.pp, cfg.pp_schedule)
+    stage_ids = rank_stages(dims.pp_mesh.get_local_rank(), dims.pp, cfg.pp_schedule)
     parts = []
     for s in stage_ids:
         part = stage_part(model, s, counts)
         prepare(part)
         parts.append(part)
-    pipeline = Pipeline(parts, stage_ids, cfg=cfg, pp_mesh=pp_mesh, device=device, tp=dims.tp)
-    return ParallelModel(parts=parts, pipeline=pipeline)
+    return Pipeline(parts, stage_ids, cfg=cfg, dims=dims, device=device)

@@ -5,7 +5,11 @@ other stages deleted from `layers` and the modules it does not run set to None, 
 parameter it keeps has its name in the whole model ("layers.5.attention.wq.weight") and
 checkpoints load across layouts. The embeddings (every direct child besides `layers`,
 `norm` and `output`: token and, for GPT-2, position embeddings) belong to the first stage;
-the final norm and the output projection to the last.
+the final norm and the output projection to the last. A model that ties its output
+projection to the embedding keeps the tie inside a stage that holds both (a V schedule's
+rank 0 holds both ends, but as two parts); otherwise the last stage's `output.weight`
+becomes its own copy of the embedding, which `Transformer.tied_parameters` names so that
+it is initialized, checkpointed and kept equal as the embedding (see train/engine.py).
 
 Stages per rank: one for gpipe and 1f1b; two for interleaved-1f1b (rank r runs stages r
 and r + pp, a loop) and for the V-shaped zero-bubble (ZBV) and dualpipev (rank r runs
@@ -24,7 +28,7 @@ import copy
 from dataclasses import dataclass
 
 from forja.errors import ForjaError
-from forja.models.common.transformer import Transformer, TransformerArgs
+from forja.models.common.transformer import Transformer
 
 MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "dualpipev")
 V_SCHEDULES = ("zero-bubble", "dualpipev")
@@ -134,14 +138,6 @@ def layers_per_stage(model: Transformer, *, pp: int, schedule: str, pp_layers: l
     if pp_layers:
         return list(pp_layers)
     return balanced_layers(len(model.layers), pp * stages_per_rank(schedule), model_costs(model, seq_len))
-
-
-def check_untied(args: TransformerArgs) -> None:
-    if args.tie_embeddings:
-        raise ForjaError("the model ties its output projection to the token embedding (tie_embeddings), but "
-                         "under pipeline parallelism they sit on different stages, each with its own copy; "
-                         "train it untied: --set 'model.overrides={tie_embeddings=false}' "
-                         "(or model.overrides = {tie_embeddings = false} in the recipe)")
 
 
 def stage_part(model: Transformer, stage: int, counts: list[int]) -> Transformer:

@@ -72,6 +72,12 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def barrier() -> None:
+    """Wait for every rank (a no-op alone): before reading what rank 0 wrote, say."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def new_group(ranks: list[int] | None = None, *, backend: str | None = None) -> dist.ProcessGroup:
     """`dist.new_group` with the run's collective timeout rather than torch's default."""
     return dist.new_group(ranks, timeout=_timeout, backend=backend)

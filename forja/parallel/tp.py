@@ -1,13 +1,8 @@
 """Tensor and sequence parallelism with DTensor (Megatron-LM's scheme, expressed as plans).
 
-A family's `parallelize.py` writes its plan as a dict from module names to parallel
-styles; this file applies it. Column-parallel projections (q, k, v, gate, up) split the
-heads and hidden columns over the tp ranks; row-parallel ones (o, down) bring the partial
-sums back. With sequence parallelism the residual stream, norms and dropout-free adds
-between them are split along the sequence instead of replicated (Korthikanti et al. 2022),
-so activation memory also falls with tp.
-
-The output projection stays vocabulary-sharded and the loss is computed under
+A family's plan (models/<family>/parallelize.py, built on models/common/tp_plan.py) maps
+module names to torch's parallel styles; this file applies it to a model or a pipeline
+stage. The output projection stays vocabulary-sharded and the loss is computed under
 `loss_parallel()`: full (tokens, vocab) logits never exist on one rank.
 """
 
@@ -15,20 +10,25 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, loss_parallel, parallelize_module
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInput, loss_parallel, parallelize_module
+
+from forja.models.common.tp_plan import TPPlan
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, root_plan: dict[str, ParallelStyle],
-             block_plan: dict[str, ParallelStyle]) -> None:
-    """Apply `root_plan` to the model's own modules and `block_plan` to every block."""
-    present = {k: v for k, v in root_plan.items() if _has(model, k)}
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
+    """Apply `plan.root` to the model's own modules (those it has: a pipeline stage may
+    lack the embedding) and `plan.block` to every block."""
+    present = {k: v for k, v in plan.root.items() if _has(model, k)}
     parallelize_module(model, tp_mesh, present)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+        parallelize_module(block, tp_mesh, plan.block)
     model.tie_weights()  # both halves of a tied pair are sharded alike; make them one again
+    if plan.sequence_parallel and model.tok_embeddings is None:  # a later pipeline stage
+        mark_sequence_split_input(model, tp_mesh)
 
 
 def mark_sequence_split_input(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -73,3 +73,9 @@ def _has(model: nn.Module, dotted: str) -> bool:
 def loss_context(tp: int) -> contextlib.AbstractContextManager:
     """Where the loss and its backward run: vocabulary-parallel cross-entropy under TP."""
     return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of a (possibly replicated DTensor) value, such as a loss computed
+    under `loss_parallel`."""
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -1,7 +1,9 @@
 """Everything around the loop that is not the algorithm, as callbacks.
 
 A callback overrides the hooks it needs; the trainer calls every callback's hook in
-order. Hooks get the trainer, so they can read its config, model and counters.
+order. Hooks get the trainer (as the `TrainerView` below: what a callback may read and
+call), so they can read its config and counters; they log through `trainer.log`, never
+through each other.
 """
 
 from __future__ import annotations
@@ -11,14 +13,11 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from forja.metrics.throughput import Throughput, memory_stats, peak_flops
-
-if TYPE_CHECKING:
-    from forja.train.trainer import Trainer
 
 
 @dataclass
@@ -35,32 +34,44 @@ class StepRecord:
     skipped: bool = False
 
 
+class TrainerView(Protocol):
+    """The trainer as callbacks see it (forja/train/trainer.py)."""
+
+    cfg: Any  # forja.config.Config
+    rank: int
+    run_dir: Path
+    device: torch.device
+    counters: Any  # forja.checkpoint.states.TrainerCounters
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None: ...
+    def log_text(self, step: int, name: str, text: str) -> None: ...
+    def sample(self, prompt: str, max_new_tokens: int) -> str | None: ...
+    def request_stop(self, reason: str) -> None: ...
+
+
 class Callback:
-    def on_train_start(self, trainer: Trainer) -> None: ...
-    def on_step_end(self, trainer: Trainer, record: StepRecord) -> None: ...
-    def on_validation_end(self, trainer: Trainer, step: int, val_loss: float) -> None: ...
-    def on_checkpoint(self, trainer: Trainer, step: int, path: Path) -> None: ...
-    def on_train_end(self, trainer: Trainer) -> None: ...
+    def on_train_start(self, trainer: TrainerView) -> None: ...
+    def on_step_end(self, trainer: TrainerView, record: StepRecord) -> None: ...
+    def on_validation_end(self, trainer: TrainerView, step: int, val_loss: float) -> None: ...
+    def on_checkpoint(self, trainer: TrainerView, step: int, path: Path) -> None: ...
+    def on_train_end(self, trainer: TrainerView) -> None: ...
     def close(self) -> None: ...
 
 
 class MetricsCallback(Callback):
-    """Feeds the metric sinks: step metrics every `metrics.interval` steps, validation,
-    samples. Throughput is averaged over the steps since the last log."""
+    """Step metrics every `metrics.interval` steps (loss, lr, gradient norm, throughput,
+    MFU, memory) and validation losses, logged through the trainer. Throughput is averaged
+    over the steps since the last log."""
 
-    def __init__(self, sinks, *, flops_per_token: int, num_devices: int, device: torch.device,
+    def __init__(self, *, flops_per_token: int, num_devices: int, device: torch.device,
                  compute_dtype: torch.dtype, interval: int, peak_tflops: float | None = None):
-        self.sinks = sinks
         self.device = device
         self.interval = max(1, interval)
         # A peak given in the config wins over the table (a GPU the table does not know).
         peak = peak_tflops * 1e12 if peak_tflops else peak_flops(device, compute_dtype)
         self.throughput = Throughput(flops_per_token=flops_per_token, num_devices=num_devices, peak_flops=peak)
 
-    def on_train_start(self, trainer: Trainer) -> None:
-        self.sinks.start(total_steps=trainer.cfg.train.steps, start_step=trainer.counters.step)
-
-    def on_step_end(self, trainer: Trainer, record: StepRecord) -> None:
+    def on_step_end(self, trainer: TrainerView, record: StepRecord) -> None:
         self.throughput.update(tokens=record.tokens, step_time=record.step_time, data_wait=record.data_wait)
         if record.step % self.interval and record.step != trainer.cfg.train.steps:
             return
@@ -69,19 +80,16 @@ class MetricsCallback(Callback):
                    **memory_stats(self.device)}
         if trainer.counters.skipped_steps:
             metrics["skipped_steps"] = trainer.counters.skipped_steps
-        self.sinks.log(record.step, metrics)
+        trainer.log(record.step, metrics)
 
-    def on_validation_end(self, trainer: Trainer, step: int, val_loss: float) -> None:
-        self.sinks.log(step, {"val_loss": val_loss})
-
-    def close(self) -> None:
-        self.sinks.close()
+    def on_validation_end(self, trainer: TrainerView, step: int, val_loss: float) -> None:
+        trainer.log(step, {"val_loss": val_loss})
 
 
 class SampleCallback(Callback):
     """Writes a short generated sample to <run.dir>/samples.txt at the end of training."""
 
-    def on_train_end(self, trainer: Trainer) -> None:
+    def on_train_end(self, trainer: TrainerView) -> None:
         cfg = trainer.cfg.train
         if cfg.sample_tokens <= 0:
             return
@@ -89,9 +97,7 @@ class SampleCallback(Callback):
         if text is not None and trainer.rank == 0:
             with open(trainer.run_dir / "samples.txt", "a", encoding="utf-8") as f:
                 f.write(f"--- step {trainer.counters.step}, prompt {cfg.sample_prompt!r}, greedy ---\n{text}\n\n")
-            for cb in trainer.callbacks:
-                if isinstance(cb, MetricsCallback):
-                    cb.sinks.log_text(trainer.counters.step, "sample", text)
+            trainer.log_text(trainer.counters.step, "sample", text)
 
 
 class GCCallback(Callback):
@@ -101,12 +107,12 @@ class GCCallback(Callback):
     def __init__(self, interval: int):
         self.interval = interval
 
-    def on_train_start(self, trainer: Trainer) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         if self.interval > 0:
             gc.disable()
             gc.collect(1)
 
-    def on_step_end(self, trainer: Trainer, record: StepRecord) -> None:
+    def on_step_end(self, trainer: TrainerView, record: StepRecord) -> None:
         if self.interval > 0 and record.step % self.interval == 0:
             gc.collect(1)
 
@@ -121,7 +127,7 @@ class ProfilerCallback(Callback):
         self.start_step, self.steps = start_step, steps
         self.prof = None
 
-    def on_step_end(self, trainer: Trainer, record: StepRecord) -> None:
+    def on_step_end(self, trainer: TrainerView, record: StepRecord) -> None:
         if record.step == self.start_step - 1:
             out = trainer.run_dir / "profile"
             self.prof = torch.profiler.profile(
@@ -146,7 +152,7 @@ class PreemptionCallback(Callback):
         self.previous: dict[int, object] = {}
         self.requested_at: float | None = None
 
-    def on_train_start(self, trainer: Trainer) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         def handler(signum, _frame):
             trainer.request_stop(signal.Signals(signum).name)
             self.requested_at = time.monotonic()
@@ -162,3 +168,15 @@ class PreemptionCallback(Callback):
         for sig, old in self.previous.items():
             signal.signal(sig, old)
         self.previous.clear()
+
+
+def default_callbacks(cfg: Any, *, flops_per_token: int, num_devices: int, device: torch.device,
+                      compute_dtype: torch.dtype | None) -> list[Callback]:
+    """The callbacks every run has, from its config (forja.config.Config)."""
+    metrics = MetricsCallback(flops_per_token=flops_per_token, num_devices=num_devices, device=device,
+                              compute_dtype=compute_dtype or torch.float32, interval=cfg.metrics.interval,
+                              peak_tflops=cfg.metrics.peak_tflops)
+    callbacks: list[Callback] = [metrics, SampleCallback(), GCCallback(cfg.train.gc_interval), PreemptionCallback()]
+    if cfg.train.profile_at > 0:
+        callbacks.append(ProfilerCallback(cfg.train.profile_at))
+    return callbacks

@@ -15,8 +15,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from forja.config import Config
 from forja.data import load_tokenizer, open_dataset, train_tokenizer
 from forja.data.mixture import is_mixture_dir
@@ -25,6 +23,7 @@ from forja.data.shards import META
 from forja.data.sources import parse_mixture, parse_source
 from forja.data.tokenizer import Tokenizer
 from forja.errors import ForjaError
+from forja.parallel.process_group import barrier
 
 
 def _is_prepared(path: Path) -> bool:
@@ -82,7 +81,7 @@ def data(cfg: Config, *, rank: int, run_dir: Path) -> tuple[Tokenizer, Any]:
     tok_path = _tokenizer_path(cfg, path)
     if rank == 0 and not prepared:
         tokenizer, dataset = _train_and_prepare(cfg, tok_path)
-    _barrier()
+    barrier()
     if rank != 0 or prepared:  # open what rank 0 wrote (or what `forja prepare` did)
         tokenizer = load_tokenizer(tok_path)
         dataset = open_dataset(cfg.data.path, tokenizer, val_fraction=cfg.data.val_fraction,
@@ -113,8 +112,3 @@ def loaders(cfg: Config, dataset: Any, *, dp_rank: int, dp_size: int) -> tuple[A
         val = ValidationLoader(dataset, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
                                num_batches=t.val_batches, dp_rank=dp_rank, dp_world_size=dp_size)
     return train, val
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

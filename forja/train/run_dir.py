@@ -37,6 +37,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from forja.errors import ForjaError
+from forja.files import check_writable, write_atomic
+from forja.parallel.process_group import barrier
 
 # Keys that may differ between launches of one run ("section." means the whole section).
 RESUMABLE = ("run.", "checkpoint.", "metrics.", "parallel.", "train.steps", "train.val_interval",
@@ -63,9 +65,10 @@ class RunDir:
         self.rank = rank
         self.path = Path(cfg.run.dir).expanduser()
 
-    def prepare(self) -> None:
-        """Check the directory against the config, then (rank 0) record this launch."""
-        self._check_writable()
+    def prepare(self) -> Path:
+        """Check the directory against the config, then (rank 0) record this launch;
+        returns the directory."""
+        check_writable(self.path, what="run.dir", fix="choose a writable directory", rank=self.rank)
         saved = self.path / "config.toml"
         if saved.is_file():
             old = config_from_dict(tomllib.loads(saved.read_text()), f"in {saved}")
@@ -76,27 +79,18 @@ class RunDir:
                                  "run.dir, or pass --start-over to delete that run and begin afresh")
             if self.cfg.run.start_over:
                 self._wipe()
-        _barrier()
+        barrier()
         if self.rank == 0:
             self.path.mkdir(parents=True, exist_ok=True)
             # start_over applies to this launch only: the next one must resume, not wipe again.
             kept = dataclasses.replace(self.cfg, run=dataclasses.replace(self.cfg.run, start_over=False))
             write_atomic(saved, dump_toml(kept))
             self._record_launch()
-        _barrier()
-
-    def _check_writable(self) -> None:
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            probe = self.path / f".write-test-{self.rank}"
-            probe.write_text("ok")
-            probe.unlink()
-        except OSError as exc:
-            raise ForjaError(f"run.dir {self.path} cannot be written ({exc.strerror or exc}); "
-                             "choose a writable directory") from None
+        barrier()
+        return self.path
 
     def _wipe(self) -> None:
-        _barrier()
+        barrier()
         if self.rank == 0:
             for child in self.path.iterdir():
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
@@ -106,12 +100,6 @@ class RunDir:
         info = json.loads(info_path.read_text()) if info_path.is_file() else {"launches": []}
         info["launches"].append(environment())
         write_atomic(info_path, json.dumps(info, indent=2) + "\n")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _git_revision() -> dict[str, object] | None:
@@ -151,8 +139,3 @@ def environment() -> dict[str, object]:
     return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": sys.argv, "git": _git_revision(),
             "versions": _versions(), "hardware": _hardware(),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

@@ -1,12 +1,14 @@
 """The training loop. It reads like the algorithm:
 
-    for each step: take a global batch -> forward/backward with accumulation -> clip ->
-    optimizer step -> schedule step; validate and checkpoint at their intervals.
+    for each step: take a global batch -> the engine's train_step (forward/backward with
+    accumulation, clip, optimizer and schedule step); validate and checkpoint at their
+    intervals.
 
 Setup follows one order on every layout: process group and mesh, run directory, data,
-model (forja/parallel's build order), optimizer and schedule, loaders, then resume
-from the run's latest complete checkpoint. Logging, sampling, GC, profiling and
-preemption are callbacks (callbacks.py).
+model (forja/train/build.py's build order), optimizer and schedule, the step engine,
+loaders, then resume from the run's latest complete checkpoint. How a step runs (plain or
+pipelined, losses, contexts, groups) is the engine's business (engine.py); logging,
+sampling, GC, profiling and preemption are callbacks (callbacks.py).
 """
 
 from __future__ import annotations
@@ -14,26 +16,28 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from forja.checkpoint.manager import CheckpointManager
+from forja.checkpoint.identity import check_model_identity, initial_weights, model_identity
+from forja.checkpoint.manager import CheckpointManager, loadable_state
 from forja.checkpoint.states import ModelState, OptimizerState, RNGState, TrainerCounters
 from forja.config import Config
 from forja.errors import ForjaError
 from forja.generate import SamplingConfig, generate
-from forja.models import build_from_args, model_args
+from forja.metrics.sinks import build_sinks
+from forja.models import build_from_args
 from forja.optim import OptimizerGroup, SchedulerGroup
-from forja.parallel import build_parallel_model
+from forja.parallel import ParallelDims
 from forja.parallel.checks import check_layout
-from forja.parallel.dims import ParallelDims, dp_rank
 from forja.parallel.process_group import init_distributed, shutdown_distributed, timeout_error
-from forja.parallel.tp import loss_context
-from forja.train import setup as build
-from forja.train.callbacks import Callback, StepRecord
+from forja.train.build import build_model_parts, run_model_args
+from forja.train.callbacks import Callback, StepRecord, default_callbacks
+from forja.train.data import data, loaders
+from forja.train.engine import build_engine
 from forja.train.run_dir import RunDir
-from forja.train.step import autocast, local_value, train_step
 
 
 class Trainer:
@@ -49,43 +53,38 @@ class Trainer:
         info = init_distributed(c.train.device, c.parallel.timeout_s)
         self.rank, self.device = info.rank, info.device
         self.dims = ParallelDims.from_config(c.parallel, info.world_size)
-        self.mesh = self.dims.build_mesh(self.device.type)
-        self.dp_rank = dp_rank(self.mesh)
-        # Losses are averaged over the data- and context-parallel ranks (None: every rank).
-        self.dp_group = None if self.dims.dp * self.dims.cp == self.dims.world_size else build.dp_group(self.mesh)
-        self.run = RunDir(c, rank=self.rank)
-        self.run_dir: Path = self.run.path
-        self.run.prepare()
-        self.compute_dtype = build.compute_dtype(c.train.precision, self.device)
-        self.tokenizer, dataset = build.data(c, rank=self.rank, run_dir=self.run_dir)
-        args = model_args(c.model.family, c.model.flavor, attention=c.model.attention,
-                          fused_ops=c.model.enabled_fused_ops(),
-                          **{"vocab_size": self.tokenizer.vocab_size, **c.model.overrides})
-        build.check_vocab(args.vocab_size, self.tokenizer)
+        self.dims.build_mesh(self.device.type)
+        self.run_dir: Path = RunDir(c, rank=self.rank).prepare()
+        self.tokenizer, dataset = data(c, rank=self.rank, run_dir=self.run_dir)
+        args = run_model_args(c.model, self.tokenizer.vocab_size)
         check_layout(args, self.dims, c.parallel, seq_len=c.train.seq_len, device=self.device,
                      global_batch_size=c.train.global_batch_size, micro_batch_size=c.train.micro_batch_size,
                      document_mask=c.model.document_mask, float8=c.train.float8)
-        identity = build.model_identity(c, args)
+        identity = model_identity(c.model.family, c.model.flavor, args)
         self.flops_per_token = build_from_args(args, device="meta").flops_per_token(c.train.seq_len)
-        built = build_parallel_model(args, c.model.family, dims=self.dims, mesh=self.mesh, cfg=c.parallel,
-                                     device=self.device, seed=c.train.seed,
-                                     load_weights=build.initial_weights(c, identity),
-                                     microbatch_size=c.train.micro_batch_size, seq_len=c.train.seq_len,
-                                     float8=c.train.float8, float8_min_features=c.train.float8_min_features)
-        self.parts, self.pipeline = built.parts, built.pipeline
-        self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        built = build_model_parts(args, self.dims, c.parallel, device=self.device, seed=c.train.seed,
+                                  load_weights=initial_weights(c.model.init_from, identity), seq_len=c.train.seq_len,
+                                  float8=c.train.float8, float8_min_features=c.train.float8_min_features)
+        self.parts = built.parts
         self.optimizers = OptimizerGroup(self.parts, c.optim)
         self.scheduler = SchedulerGroup(self.optimizers.optimizers, c.schedule, c.train.steps)
-        self.loader, self.val_loader = build.loaders(c, dataset, dp_rank=self.dp_rank, dp_size=self.dims.dp)
+        self.engine = build_engine(self.parts, built.pipeline, self.optimizers, self.scheduler, self.dims,
+                                   device=self.device, precision=c.train.precision, grad_clip=c.train.grad_clip,
+                                   document_mask=c.model.document_mask)
+        self.loader, self.val_loader = loaders(c, dataset, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp)
         self.checkpoints = CheckpointManager(c.checkpoint, self.run_dir / "checkpoints", rank=self.rank,
                                              meta=identity)
-        self.callbacks = build.default_callbacks(self) + self.extra_callbacks
+        self.sinks = build_sinks(c.metrics, run_dir=self.run_dir, run_name=c.run.name or self.run_dir.name,
+                                 config=c.to_dict(), rank=self.rank)
+        self.callbacks = default_callbacks(c, flops_per_token=self.flops_per_token, num_devices=self.dims.world_size,
+                                           device=self.device, compute_dtype=self.engine.compute_dtype)
+        self.callbacks += self.extra_callbacks
         self._resume()
 
     @property
     def model(self):
         """The whole model, when this rank holds it (no pipeline parallelism); else None."""
-        return self.parts[0] if self.pipeline is None else None
+        return self.engine.model
 
     def checkpoint_state(self) -> dict:
         return {"model": ModelState(self.parts), "optim": OptimizerState(self.parts, self.optimizers.optimizers),
@@ -99,18 +98,19 @@ class Trainer:
         latest = self.checkpoints.latest()
         if latest is None:
             return
-        state = build.loadable_state(self.checkpoint_state(), latest)
+        state = loadable_state(self.checkpoint_state(), latest)
         self.checkpoints.load(latest, state, check=self.checkpoints_match)
         self.scheduler.reapply()  # train.steps may have changed, and with it the schedule
         if self.rank == 0:
             print(f"forja: resumed from {latest} (step {self.counters.step})", flush=True)
 
     def checkpoints_match(self, meta: dict) -> None:
-        build.check_model_identity(meta, self.checkpoints.meta)
+        check_model_identity(meta, self.checkpoints.meta)
 
     # -- the loop ---------------------------------------------------------------------------
     def fit(self) -> None:
         cfg = self.cfg
+        self.sinks.start(total_steps=cfg.train.steps, start_step=self.counters.step)
         self._call("on_train_start")
         last_saved = self.counters.step if self.checkpoints.latest() else -1
         while self.counters.step < cfg.train.steps and not self._should_stop():
@@ -135,35 +135,26 @@ class Trainer:
         waited = self.loader.data_wait_s
         batches = self.loader.next_step()  # accumulation_steps micro-batches of this rank
         data_wait = self.loader.data_wait_s - waited
-        out = train_step(self.parts, self.optimizers, batches, device=self.device, compute_dtype=self.compute_dtype,
-                         grad_clip=self.cfg.train.grad_clip, document_mask=self.cfg.model.document_mask,
-                         dp_group=self.dp_group, dp_size=self.dims.dp, pipeline=self.pipeline,
-                         pp_group=self.pp_group, loss_ctx=lambda: loss_context(self.dims.tp),
-                         cp_mesh=self.mesh["cp"] if self.dims.cp > 1 else None)
-        lr = self.scheduler.get_last_lr()[0]
-        skipped = not out.finite
-        if skipped:
+        out = self.engine.train_step(batches)
+        if out.skipped:
             self._on_nonfinite(out.loss)
-        else:
-            self.optimizers.step()
-        self.scheduler.step()
         self.counters.step += 1
         self.counters.tokens_seen += out.tokens
-        record = StepRecord(step=self.counters.step, loss=out.loss, grad_norm=out.grad_norm, lr=lr,
+        record = StepRecord(step=self.counters.step, loss=out.loss, grad_norm=out.grad_norm, lr=out.lr,
                             tokens=out.tokens, step_time=time.perf_counter() - start, data_wait=data_wait,
-                            skipped=skipped)
+                            skipped=out.skipped)
         self._call("on_step_end", record)
 
     def _on_nonfinite(self, loss: float) -> None:
-        step = self.counters.step + 1
+        """The engine left the weights unchanged; count the step, or stop."""
         if self.cfg.train.on_nonfinite == "skip":
             self.counters.skipped_steps += 1
-            self.optimizers.zero_grad(set_to_none=True)
             return
         latest = self.checkpoints.latest()
         kept = f"the last checkpoint, {latest}, is intact" if latest else "no checkpoint was written yet"
-        raise ForjaError(f"the loss is {loss} at step {step}: training stopped and {kept}. Lower optim.lr, "
-                         "raise schedule.warmup_steps, or set train.on_nonfinite = 'skip' to skip such steps")
+        raise ForjaError(f"the loss is {loss} at step {self.counters.step + 1}: training stopped and {kept}. "
+                         "Lower optim.lr, raise schedule.warmup_steps, or set train.on_nonfinite = 'skip' to "
+                         "skip such steps")
 
     @torch.no_grad()
     def validate(self) -> float | None:
@@ -173,25 +164,16 @@ class Trainer:
             part.eval()
         total, count = torch.zeros((), device=self.device), 0
         for batch in self.val_loader:
-            total += self._eval_loss(batch)
+            total += self.engine.eval_loss(batch)
             count += 1
         for part in self.parts:
             part.train()
         stats = torch.stack([total, torch.tensor(float(count), device=self.device)])
         if dist.get_world_size() > 1:
-            dist.all_reduce(stats, group=self.dp_group)
+            dist.all_reduce(stats, group=self.dims.loss_group)
         val_loss = (stats[0] / stats[1]).item()
         self._call("on_validation_end", self.counters.step, val_loss)
         return val_loss
-
-    def _eval_loss(self, batch) -> torch.Tensor:
-        if self.pipeline is not None:
-            return self.pipeline.eval_loss(batch, device=self.device, compute_dtype=self.compute_dtype,
-                                           document_mask=self.cfg.model.document_mask)
-        doc_ids = batch.document_ids.to(self.device) if self.cfg.model.document_mask else None
-        with autocast(self.device, self.compute_dtype), loss_context(self.dims.tp):
-            loss = self.model(batch.input_ids.to(self.device), doc_ids, labels=batch.labels.to(self.device))
-        return local_value(loss)
 
     def save_checkpoint(self) -> None:
         if not self.cfg.checkpoint.enabled:
@@ -208,11 +190,18 @@ class Trainer:
         ids = self.tokenizer.encode(prompt)
         tokens = torch.tensor([ids], device=self.device)
         max_new_tokens = min(max_new_tokens, self.model.args.max_seq_len - len(ids))
-        with autocast(self.device, self.compute_dtype):
+        with self.engine.autocast():
             out = generate(self.model, tokens, SamplingConfig(max_new_tokens=max_new_tokens,
                                                               stop_token=self.tokenizer.eos_id))
         new = [t for t in out[0, len(ids):].tolist() if t != self.tokenizer.eos_id]
         return prompt + self.tokenizer.decode(new)
+
+    # -- logging, through the run's metric sinks ---------------------------------------------
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self.sinks.log(step, metrics)
+
+    def log_text(self, step: int, name: str, text: str) -> None:
+        self.sinks.log_text(step, name, text)
 
     # -- stopping ---------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -223,7 +212,7 @@ class Trainer:
         if dist.get_world_size() == 1:
             return self.stop_reason is not None
         flag = torch.tensor([self.stop_reason is not None], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=build.cpu_group())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dims.cpu_group)
         if flag.item() and self.stop_reason is None:
             self.stop_reason = "another rank's signal"
         return bool(flag.item())
@@ -234,7 +223,7 @@ class Trainer:
 
     # -- running ----------------------------------------------------------------------------
     def run(self) -> None:
-        """setup + fit, always releasing the callbacks, loaders and process group. A
+        """setup + fit, always releasing the callbacks, sinks, loaders and process group. A
         collective that timed out (another rank hung or died) stops with a sentence naming
         parallel.timeout_s instead of a backend traceback."""
         try:
@@ -251,6 +240,8 @@ class Trainer:
     def close(self) -> None:
         for cb in getattr(self, "callbacks", []):
             cb.close()
+        if getattr(self, "sinks", None) is not None:
+            self.sinks.close()
         if getattr(self, "loader", None) is not None:
             self.loader.close()  # stops its prefetch thread
         shutdown_distributed()

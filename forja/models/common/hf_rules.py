@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -59,3 +60,21 @@ def join3(ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
     if ts[0].dim() == 1:
         return torch.cat(ts)
     return torch.cat([t.t() for t in ts], dim=1).contiguous()
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """A family's Hugging Face conversion: the functions forja/models/hf.py calls."""
+
+    architectures: tuple[str, ...]
+    """`architectures` entries of config.json this family reads ("LlamaForCausalLM")."""
+    args_from_config: Callable[[dict], Any]
+    """config.json -> the family's typed args; refuses what forja cannot represent."""
+    config_from_args: Callable[[Any], dict]
+    """Typed args -> config.json; refuses models transformers has no equivalent for."""
+    rules: Callable[[Any], list[TensorRule]]
+    """The tensor rules for a model of these args."""
+    ignored: tuple[str, ...] = ()
+    """Patterns of stored tensors forja does not need (old causal-mask buffers)."""
+    normalize_name: Callable[[str], str] = str
+    """A stored tensor's name as the rules spell it (adds a missing prefix, say)."""

@@ -67,8 +67,12 @@ def named_unique_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Paramete
         yield canonical_name(name), param
 
 
-def init_parameters(model: nn.Module, seed: int, rule: InitRule) -> None:
-    """Fill every parameter of `model` by `rule`, reproducibly from `seed`."""
+def init_parameters(model: nn.Module, seed: int, rule: InitRule, aliases: dict[str, str] | None = None) -> None:
+    """Fill every parameter of `model` by `rule`, reproducibly from `seed`. `aliases` maps
+    a parameter's name to the name it is drawn as (a pipeline stage's copy of a tied
+    weight is drawn as the weight it copies, so both copies start equal)."""
+    aliases = aliases or {}
     for name, param in named_unique_parameters(model):
+        name = aliases.get(name, name)
         full = full_value(param.shape, rule(name), _generator(seed, name))
         _assign(param, full)

@@ -15,6 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+# The rotation itself is the fused op's reference implementation; it lives with the op
+# (ops know nothing of models) and is re-exported here for the model code.
+from forja.ops.rope import apply_rope
+
+__all__ = ["RopeScaling", "apply_rope", "rope_cos_sin", "rope_frequencies"]
+
 
 @dataclass(kw_only=True)
 class RopeScaling:
@@ -58,11 +64,3 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     angles = torch.cat((angles, angles), dim=-1)  # (T, hd): both halves of a pair share an angle
     return angles.cos(), angles.sin()
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, T, H, hd) by the angles of cos/sin (T, hd), in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    cos = cos.to(x.dtype)[None, :, None, :]  # (1, T, 1, hd)
-    sin = sin.to(x.dtype)[None, :, None, :]
-    return x * cos + rotated * sin

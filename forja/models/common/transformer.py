@@ -74,6 +74,10 @@ class TransformerArgs:
         self.fused_ops = tuple(self.fused_ops)
 
 
+# The name a tied embedding/output weight is stored and initialized under.
+TIED_WEIGHT = "tok_embeddings.weight"
+
+
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of logits (B, T, V) against labels (B, T), computed in fp32."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
@@ -117,6 +121,19 @@ class Transformer(nn.Module):
         Parameter and silently unties them."""
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
+
+    def tied_parameters(self) -> dict[str, str]:
+        """The parameters holding the tied embedding, by name -> the one name it is known by
+        in checkpoints and initialization ("tok_embeddings.weight"); {} when untied.
+
+        In the whole model both names share one Parameter. A pipeline split puts them on
+        different stages: the last stage then holds its own copy as `output.weight`,
+        initialized like the embedding and kept equal to it by summing the two copies'
+        gradients every step (Megatron-LM's scheme)."""
+        if not self.args.tie_embeddings:
+            return {}
+        held = [name for name in ("tok_embeddings", "output") if getattr(self, name) is not None]
+        return {f"{name}.weight": TIED_WEIGHT for name in held}
 
     # -- what a family defines -------------------------------------------------------------
     def build_block(self, layer: int) -> TransformerBlock:
@@ -178,8 +195,9 @@ class Transformer(nn.Module):
         return next_token_loss(self.output(h), labels)
 
     def init_weights(self, seed: int = 0) -> None:
-        """Fill all parameters from `seed`, identically for any sharding."""
-        init_parameters(self, seed, self.init_rule)
+        """Fill all parameters from `seed`, identically for any sharding or pipeline split
+        (a stage's copy of the tied embedding is drawn as the embedding itself)."""
+        init_parameters(self, seed, self.init_rule, aliases=self.tied_parameters())
 
     def new_kv_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         a = self.args

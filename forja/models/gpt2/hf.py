@@ -8,7 +8,7 @@ split here into forja's wq, wk, wv.
 from __future__ import annotations
 
 from forja.errors import ForjaError
-from forja.models.common.hf_rules import TensorRule, join3, split3, transposed, untransposed
+from forja.models.common.hf_rules import HFAdapter, TensorRule, join3, split3, transposed, untransposed
 from forja.models.gpt2.model import GPT2Args
 
 ARCHITECTURES = ("GPT2LMHeadModel",)
@@ -87,3 +87,6 @@ def rules(a: GPT2Args) -> list[TensorRule]:
     if not a.tie_embeddings:
         out.append(TensorRule("lm_head.weight", ("output.weight",)))
     return out
+
+
+ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, rules, IGNORED, normalize_name=normalize_name)

@@ -1,28 +1,24 @@
-"""How a GPT-2 model is spread over ranks.
+"""How a GPT-2 model is spread over ranks under tensor parallelism: its plan, as data.
 
-Its module names match Llama's, so Llama's plan applies with two changes: the MLP has no
-gate (w3), and learned positions are added to the embedding's output, so with sequence
-parallelism the embedding returns the whole sequence and the first block splits it.
+GPT-2's module names match the dense plan's, with two differences: the MLP has no gate
+(w3), and learned positions are added to the embedding's output. So with sequence
+parallelism the embedding returns the whole sequence, the positions are added to it, and
+the first block takes its own slice of the sequence.
 """
 
 from __future__ import annotations
 
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel
 
-from forja.models.common.transformer import Transformer
-from forja.models.llama.parallelize import apply_layout, tp_plans
-from forja.parallel.config import ParallelConfig
-from forja.parallel.dims import ParallelDims
+from forja.models.common.tp_plan import TPPlan, dense_tp_plan
+from forja.models.gpt2.model import GPT2Args
 
 
-def parallelize_gpt2(model: Transformer, dims: ParallelDims, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
-    sp = cfg.sequence_parallel and dims.tp > 1
-    root, block = tp_plans(sp)
-    del block["feed_forward.w3"]
-    if sp:
-        root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        root["layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                              use_local_output=True)
-    apply_layout(model, dims, mesh, cfg, (root, block))
+def gpt2_tp_plan(args: GPT2Args, sequence_parallel: bool) -> TPPlan:
+    plan = dense_tp_plan(sequence_parallel, gated_mlp=False)
+    if sequence_parallel:
+        plan.root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        plan.root["layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                   use_local_output=True)
+    return plan

@@ -8,7 +8,7 @@ RoPE's rotate-half layout, as forja does, so q/k weights load unpermuted.
 from __future__ import annotations
 
 from forja.errors import ForjaError
-from forja.models.common.hf_rules import TensorRule
+from forja.models.common.hf_rules import HFAdapter, TensorRule
 from forja.models.common.rope import RopeScaling
 from forja.models.llama.model import LlamaArgs
 
@@ -108,3 +108,6 @@ def rules(a: LlamaArgs) -> list[TensorRule]:
     if not a.tie_embeddings:
         out.append(TensorRule("lm_head.weight", ("output.weight",)))
     return out
+
+
+ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, rules, IGNORED)

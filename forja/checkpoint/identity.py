@@ -1,0 +1,83 @@
+"""Which model a checkpoint holds, and the weights a run starts from.
+
+A checkpoint's forja.json records the model's family, flavor and exact arguments; a run
+refuses to resume from (or start from) the weights of another model before reading any
+tensor. Arguments that choose kernels rather than weights (IMPLEMENTATION_ARGS) never
+count: a model trained with fused ops loads into one without.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from forja.checkpoint.manager import read_meta
+from forja.checkpoint.states import ModelState, with_tied_copies
+from forja.errors import ForjaError
+from forja.models.common.transformer import TransformerArgs
+
+# Args that choose kernels, not weights: a checkpoint loads whatever they are.
+IMPLEMENTATION_ARGS = ("attention", "fused_ops")
+
+
+def model_identity(family: str, flavor: str, args: TransformerArgs) -> dict:
+    """What a checkpoint records about its model, to refuse loading it into another."""
+    return {"model": {"family": family, "flavor": flavor, "args": plain_args(args)}}
+
+
+def plain_args(args: TransformerArgs) -> dict:
+    """The args as JSON values, kernel choices left out."""
+    plain = _json_safe(dataclasses.asdict(args))
+    return {k: v for k, v in plain.items() if k not in IMPLEMENTATION_ARGS}
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def check_model_identity(saved: dict, current: dict, *, loose: bool = False) -> None:
+    """Refuse weights of another model. `loose` compares the arguments only (an HF model has
+    no flavor). Kernel choices (IMPLEMENTATION_ARGS) never count."""
+    old, new = saved.get("model", {}), current["model"]
+    diffs = [f"{k}: {old.get('args', {}).get(k)!r} vs {v!r}" for k, v in new["args"].items()
+             if old.get("args", {}).get(k) != v and k not in IMPLEMENTATION_ARGS]
+    if not diffs and (loose or old == new):
+        return
+    raise ForjaError(f"the checkpoint holds a {old.get('family')} {old.get('flavor')!r} model, this run builds a "
+                     f"{new['family']} {new['flavor']!r} model ({'; '.join(diffs[:3]) or 'different'}); "
+                     "use the same model.* settings, another run.dir, or --start-over")
+
+
+def initial_weights(source: str | None, identity: dict) -> Callable[[nn.Module], None] | None:
+    """A loader of `source` (model.init_from: a forja run or checkpoint, or a Hugging Face
+    directory) into a model or pipeline stage, possibly sharded; None for random weights."""
+    if source is None:
+        return None
+    from forja.checkpoint.export import is_forja_source, resolve_checkpoint
+    from forja.models import load_hf_checkpoint
+
+    def load(part: nn.Module) -> None:
+        if is_forja_source(source):
+            _, ckpt = resolve_checkpoint(source)
+            check_model_identity(read_meta(ckpt), identity)
+            dcp.load({"model": ModelState(part)}, checkpoint_id=str(ckpt))
+            return
+        hf = load_hf_checkpoint(source, dtype=torch.float32)
+        family = identity["model"]["family"]
+        check_model_identity({"model": {"family": family, "flavor": f"from {source}", "args": plain_args(hf.args)}},
+                             identity, loose=True)
+        # A pipeline stage takes its own tensors out of the whole model's (strict=False).
+        state = with_tied_copies(part, hf.state_dict())
+        set_model_state_dict(part, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+    return load

@@ -1,0 +1,130 @@
+"""Writing files and directories so that a crash never leaves half of one under its name.
+
+A run killed mid-write (preemption, out of memory, a full disk, a power cut) must leave
+either the old content or the new one under the final name, never a truncated mix that a
+later run would read as valid. So everything is written under a temporary name in the same
+directory (a rename is only atomic within one file system), flushed to disk, and renamed
+into place; the directory is then flushed too, so the rename itself survives a power cut.
+
+    write_atomic(run_dir / "run.json", text)           one file
+    check_writable(run_dir, what="run directory", fix="choose another run.dir")
+    replace_dir(tmp_dir, out)                           a whole directory built beside `out`
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+from forja.errors import ForjaError
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """Write `data` (text as UTF-8) to `path` whole or not at all; nothing else is left behind."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        with open(tmp, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # KeyboardInterrupt too: no stray temporary file
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def check_writable(folder: str | os.PathLike[str], *, what: str, fix: str, rank: int = 0) -> None:
+    """Create `folder` and prove a file can be written there, before any long work starts.
+
+    Raises ForjaError("{what} {folder} cannot be written (reason); {fix}"). Each rank writes
+    its own probe file, so one rank's cleanup cannot remove another's probe mid-check.
+    """
+    folder = Path(folder)
+    probe = folder / f".write-test-{rank}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ForjaError(f"{what} {folder} cannot be written ({exc.strerror or exc}); {fix}") from None
+
+
+def replace_dir(new: str | os.PathLike[str], out: str | os.PathLike[str], *,
+                keep_existing: bool = False) -> None:
+    """Move the completed directory `new` to `out`, its files flushed to disk first.
+
+    An existing `out` is removed only once `new` is in its place, so `out` always names a
+    whole directory (the old one or the new one), apart from the instant between two renames.
+    With `keep_existing`, an `out` that appeared meanwhile wins (another process finished the
+    same work first) and `new` is deleted instead.
+    """
+    new, out = Path(new), Path(out)
+    _fsync_tree(new)
+    if keep_existing or not os.path.lexists(out):
+        try:
+            os.rename(new, out)  # also replaces an empty directory, on POSIX
+        except OSError:
+            if not (keep_existing and os.path.lexists(out)):
+                raise
+            shutil.rmtree(new, ignore_errors=True)
+            return
+        fsync_dir(out.parent)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    _remove(old)  # left by a killed process that had our pid
+    os.replace(out, old)
+    try:
+        os.replace(new, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.replace(old, out)  # put the old one back rather than leave nothing
+        raise
+    fsync_dir(out.parent)
+    _remove(old)
+
+
+def fsync_dir(folder: str | os.PathLike[str]) -> None:
+    """Flush a directory's entries (a rename or a new file) to disk.
+
+    Best effort: some systems (Windows, some network file systems) refuse a directory
+    descriptor or its fsync; the data files themselves are already flushed then.
+    """
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and directory under `root`, the deepest first."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            file = os.path.join(dirpath, name)
+            if os.path.islink(file):
+                continue
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or a directory tree, if there; what cannot be deleted stays (harmless)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)

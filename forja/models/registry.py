@@ -1,0 +1,103 @@
+"""The registry of model families: a family's name -> what forja knows about it.
+
+A `ModelSpec` holds the family's model class, its typed args, its sizes (flavors), its
+Hugging Face adapter and its tensor-parallel plan, as objects and callables: importing
+the registry imports every family, so a typo fails at import, not mid-run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from forja.errors import ForjaError
+from forja.models.common.hf_rules import HFAdapter
+from forja.models.common.tp_plan import TPPlan
+from forja.models.common.transformer import Transformer, TransformerArgs
+from forja.models.gpt2 import hf as gpt2_hf
+from forja.models.gpt2.flavors import FLAVORS as GPT2_FLAVORS
+from forja.models.gpt2.model import GPT2, GPT2Args
+from forja.models.gpt2.parallelize import gpt2_tp_plan
+from forja.models.llama import hf as llama_hf
+from forja.models.llama.flavors import FLAVORS as LLAMA_FLAVORS
+from forja.models.llama.model import Llama, LlamaArgs
+from forja.models.llama.parallelize import llama_tp_plan
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What forja knows about one family."""
+
+    name: str
+    model_cls: type[Transformer]
+    args_cls: type[TransformerArgs]
+    flavors: dict[str, dict]
+    """Published and test sizes: flavor name -> args fields."""
+    hf: HFAdapter
+    """Conversion to and from Hugging Face checkpoints."""
+    tp_plan: Callable[[TransformerArgs, bool], TPPlan]
+    """(args, sequence_parallel) -> the family's tensor-parallel plan."""
+
+
+FAMILIES: dict[str, ModelSpec] = {
+    "llama": ModelSpec("llama", Llama, LlamaArgs, LLAMA_FLAVORS, llama_hf.ADAPTER, llama_tp_plan),
+    "gpt2": ModelSpec("gpt2", GPT2, GPT2Args, GPT2_FLAVORS, gpt2_hf.ADAPTER, gpt2_tp_plan),
+}
+
+
+def get_family(family: str) -> ModelSpec:
+    if family not in FAMILIES:
+        raise ForjaError(f"unknown model family {family!r}; known families: {', '.join(FAMILIES)}")
+    return FAMILIES[family]
+
+
+def spec_of(args: TransformerArgs) -> ModelSpec:
+    """The family whose typed args `args` are."""
+    for spec in FAMILIES.values():
+        if type(args) is spec.args_cls:
+            return spec
+    raise ForjaError(f"{type(args).__name__} is not the args of a forja model family")
+
+
+def family_of(model: Transformer) -> ModelSpec:
+    return spec_of(model.args)
+
+
+def model_args(family: str, flavor: str, **overrides) -> TransformerArgs:
+    """The typed arguments of `family`/`flavor`, with fields overridden by keyword."""
+    spec = get_family(family)
+    if flavor not in spec.flavors:
+        raise ForjaError(f"unknown {family} flavor {flavor!r}; known flavors: {', '.join(spec.flavors)}")
+    fields = {f.name for f in dataclasses.fields(spec.args_cls)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ForjaError(f"{family} has no model field {unknown[0]!r}; valid fields: {', '.join(sorted(fields))}")
+    return spec.args_cls(**{**spec.flavors[flavor], **overrides})
+
+
+def build_model(family: str, flavor: str, *, device: str | torch.device = "cpu", seed: int = 0,
+                dtype: torch.dtype = torch.float32, **overrides) -> Transformer:
+    """Build a model with weights initialized from `seed`.
+
+    `device="meta"` returns it uninitialized, for the parallel build order
+    (shard, then `to_empty`, then `init_weights(seed)`).
+    """
+    args = model_args(family, flavor, **overrides)
+    return build_from_args(args, device=device, seed=seed, dtype=dtype)
+
+
+def build_from_args(args: TransformerArgs, *, device: str | torch.device = "cpu", seed: int = 0,
+                    dtype: torch.dtype = torch.float32, init: bool = True) -> Transformer:
+    """Build from typed arguments; `init=False` leaves weights to be loaded."""
+    with torch.device("meta"):
+        model = spec_of(args).model_cls(args).to(dtype)  # cast while on meta: costs no memory
+    if str(device) == "meta":
+        return model
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    if init:
+        model.init_weights(seed)
+    return model

@@ -1,0 +1,247 @@
+"""The step engine: how one optimizer step and one validation forward run on this rank.
+
+Built once from the config (`build_engine`): the model parts, their optimizers and
+schedule, the compute dtype, the loss settings and the process groups of `ParallelDims`.
+The trainer then makes two calls and never asks how the model is laid out:
+
+    engine.train_step(batches) -> StepOutput    forward + backward of the step's micro-batches,
+                                                 tied copies summed, clip, optimizer + schedule step
+    engine.eval_loss(batch)   -> 0-dim tensor    one micro-batch's mean loss, forward only
+
+`StepEngine` runs a whole model per rank (one process, DDP/FSDP/HSDP, TP, CP);
+`PipelineEngine` runs this rank's pipeline stages through the schedule.
+
+The loss of a step is the mean next-token cross-entropy over every token of the global
+batch. Every micro-batch has the same number of tokens (packed sequences, no padding), so
+each contributes its mean divided by the number of micro-batches (`microbatch_loss`, the
+one place a micro-batch's loss is composed: auxiliary terms such as a mixture of experts'
+load-balancing loss enter there), and averaging over the data-parallel ranks (FSDP's
+gradient reduction, and `loss_group` for the reported value) makes it the global mean: any
+layout computes the loss and gradients of one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from forja.models.common.transformer import Transformer
+from forja.optim import OptimizerGroup, SchedulerGroup
+from forja.parallel import ParallelDims, local_value, loss_context
+from forja.parallel.cp import cp_context
+from forja.parallel.pp import Pipeline
+
+
+@dataclass
+class StepOutput:
+    """What one optimizer step did."""
+
+    loss: float
+    """Mean loss over the global batch."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    tokens: int
+    """Tokens processed by all ranks this step."""
+    lr: float
+    """Learning rate the step used."""
+    skipped: bool
+    """The loss or the norm was not finite: the weights were left unchanged."""
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of train.precision on `device`, or None for full fp32."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+class StepEngine:
+    """Steps of a model held whole by every rank (sharded or not)."""
+
+    def __init__(self, parts: list[Transformer], optimizers: OptimizerGroup, scheduler: SchedulerGroup,
+                 dims: ParallelDims, *, device: torch.device, compute_dtype: torch.dtype | None,
+                 grad_clip: float, document_mask: bool):
+        self.parts, self.optimizers, self.scheduler, self.dims = parts, optimizers, scheduler, dims
+        self.device, self.compute_dtype = device, compute_dtype
+        self.grad_clip, self.document_mask = grad_clip, document_mask
+        # Each weight counted once in the gradient norm: a pipeline stage's copy of a tied
+        # embedding is the embedding's second holder, not a second weight.
+        self._norm_params = [p for part in parts for name, p in part.named_parameters()
+                             if part.tied_parameters().get(name, name) == name]
+
+    @property
+    def model(self) -> Transformer | None:
+        """The whole model, when this rank holds it (not under pipeline parallelism)."""
+        return self.parts[0]
+
+    # -- one step ----------------------------------------------------------------------------
+    def train_step(self, batches: Sequence) -> StepOutput:
+        """Forward and backward of `batches` (this rank's micro-batches of one step), then
+        the optimizer step unless the loss or gradient norm is not finite."""
+        self.optimizers.zero_grad(set_to_none=True)
+        loss = self.forward_backward(batches)
+        self.sync_tied_copies()
+        norm = self.clip_gradients()
+        loss = self._mean_over_data(loss)  # the norm is already global
+        # The one host sync of the step: whether to step depends on the values.
+        loss_value, norm_value = torch.stack([loss, norm.to(loss.device, loss.dtype)]).tolist()
+        lr = self.scheduler.get_last_lr()[0]
+        skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
+        if skipped:
+            self.optimizers.zero_grad(set_to_none=True)
+        else:
+            self.optimizers.step()
+        self.scheduler.step()
+        tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
+        return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=tokens, lr=lr, skipped=skipped)
+
+    def microbatch_loss(self, loss: torch.Tensor, n: int) -> torch.Tensor:
+        """What one of a step's `n` micro-batches adds to the step's loss, from its mean
+        next-token cross-entropy `loss`. Auxiliary losses are added here."""
+        return loss / n
+
+    def forward_backward(self, batches: Sequence) -> torch.Tensor:
+        """Accumulate the gradients of `batches`; returns this rank's mean loss (0-dim)."""
+        total = torch.zeros((), device=self.device)
+        for batch in batches:
+            tokens, labels, doc_ids = self._inputs(batch)
+            positions = torch.arange(tokens.shape[1], device=self.device)  # (T,)
+            # Under context parallelism each rank keeps its slice of tokens, labels and positions.
+            with cp_context(self.dims.cp_mesh, tokens, labels, positions), self._loss_context():
+                with self.autocast():
+                    out = self.model(tokens, doc_ids, positions=positions, labels=labels)
+                    loss = self.microbatch_loss(out, len(batches))
+                loss.backward()
+            total += local_value(loss.detach())
+        return total
+
+    @torch.no_grad()
+    def eval_loss(self, batch) -> torch.Tensor:
+        """Mean loss of one micro-batch (0-dim), forward only."""
+        tokens, labels, doc_ids = self._inputs(batch)
+        with self.autocast(), self._loss_context():
+            return local_value(self.model(tokens, doc_ids, labels=labels))
+
+    def sync_tied_copies(self) -> None:
+        """Make the copies of a tied weight on different stages one again (pipeline only)."""
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Clip the norm of all gradients of all parts, over all ranks, to train.grad_clip
+        (0: no clipping); returns the norm before clipping."""
+        counted = [p for p in self._norm_params if p.grad is not None]
+        squares = [local_value(nn.utils.get_total_norm([p.grad for p in group], foreach=True)) ** 2
+                   for group in _by_mesh(counted)]  # a DTensor's norm is reduced over its mesh here
+        total = torch.stack(squares).sum()
+        if self.dims.pp_group is not None:  # each pipeline rank holds other layers: add up their squares
+            dist.all_reduce(total, group=self.dims.pp_group)
+        total = total.sqrt()
+        if self.grad_clip > 0:
+            params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
+            for group in _by_mesh(params):
+                nn.utils.clip_grads_with_norm_(group, self.grad_clip, total, foreach=True)
+        return total
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _inputs(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(tokens, labels, document ids or None), each (m, T), on the device."""
+        tokens = batch.input_ids.to(self.device, non_blocking=True)
+        labels = batch.labels.to(self.device, non_blocking=True)
+        doc_ids = batch.document_ids.to(self.device, non_blocking=True) if self.document_mask else None
+        return tokens, labels, doc_ids
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        """Where the loss and its backward run: vocabulary-parallel cross-entropy under TP."""
+        return loss_context(self.dims.tp)
+
+    def _mean_over_data(self, value: torch.Tensor) -> torch.Tensor:
+        group = self.dims.loss_group
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+            value /= dist.get_world_size(group)
+        return value
+
+
+class PipelineEngine(StepEngine):
+    """Steps of this rank's pipeline stages, run by the schedule."""
+
+    def __init__(self, parts: list[Transformer], optimizers: OptimizerGroup, scheduler: SchedulerGroup,
+                 dims: ParallelDims, *, pipeline: Pipeline, **kwargs):
+        super().__init__(parts, optimizers, scheduler, dims, **kwargs)
+        self.pipeline = pipeline
+        # The distinct Parameters holding a tied embedding here: the first stage's embedding
+        # and the last stage's copy (both, on a V schedule's rank 0).
+        held = {id(p): p for part in parts for name, p in part.named_parameters() if name in part.tied_parameters()}
+        self._tied = list(held.values())
+
+    @property
+    def model(self) -> Transformer | None:
+        return None  # no rank holds every layer
+
+    def forward_backward(self, batches: Sequence) -> torch.Tensor:
+        inputs = [self._inputs(b) for b in batches]
+        tokens = torch.cat([t for t, _, _ in inputs])  # (local batch, T)
+        labels = torch.cat([y for _, y, _ in inputs])
+        doc_ids = torch.cat([d for _, _, d in inputs]) if self.document_mask else None
+        # The schedule interleaves forwards and backwards, so backwards run inside autocast too;
+        # autograd gives each backward op its forward op's dtype either way.
+        with self.autocast(), self._loss_context():
+            losses = self.pipeline.step(tokens, labels, doc_ids, n_batches=len(batches), loss_fn=self.microbatch_loss)
+        total = torch.zeros((), device=self.device)
+        for loss in losses:
+            total += local_value(loss.detach())
+        return self.pipeline.from_last_stage(total)
+
+    @torch.no_grad()
+    def eval_loss(self, batch) -> torch.Tensor:
+        """Mean loss of one micro-batch, forward through the stages, the same on every pp rank."""
+        tokens, labels, doc_ids = self._inputs(batch)
+        with self.autocast(), self._loss_context():
+            loss = self.pipeline.forward(tokens, labels, doc_ids)
+        value = local_value(loss) if loss is not None else torch.zeros((), device=self.device)
+        return self.pipeline.from_last_stage(value.float())
+
+    def sync_tied_copies(self) -> None:
+        """Sum the gradients of a tied embedding's copies (first and last stage), so both
+        copies take the same optimizer step and stay equal: together they get the gradient
+        the one shared weight gets in the whole model."""
+        grads = [p.grad for p in self._tied if p.grad is not None]
+        if not grads:
+            return  # a middle stage, or an untied model
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # equal shards on both ends
+        total = torch.stack(local).sum(0) if len(local) > 1 else local[0].clone()
+        if not self.pipeline.ends_on_one_rank:
+            dist.all_reduce(total, group=self.dims.pp_ends_group)
+        for g in local:
+            g.copy_(total)
+
+
+def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters grouped by device mesh (plain tensors together): foreach kernels and
+    DTensor reductions need a list of one kind. Under TP without FSDP, for instance,
+    norm weights are plain tensors and projections DTensors."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return list(groups.values())
+
+
+def build_engine(parts: list[Transformer], pipeline: Pipeline | None, optimizers: OptimizerGroup,
+                 scheduler: SchedulerGroup, dims: ParallelDims, *, device: torch.device, precision: str,
+                 grad_clip: float, document_mask: bool) -> StepEngine:
+    """The engine for this layout: a pipeline's when the parts are pipeline stages."""
+    kwargs = dict(device=device, compute_dtype=compute_dtype(precision, device), grad_clip=grad_clip,
+                  document_mask=document_mask)
+    if pipeline is None:
+        return StepEngine(parts, optimizers, scheduler, dims, **kwargs)
+    return PipelineEngine(parts, optimizers, scheduler, dims, pipeline=pipeline, **kwargs)
