@@ -34,19 +34,22 @@ def _parts(model: nn.Module | list[nn.Module]) -> list[nn.Module]:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def stored_names(part: nn.Module) -> dict[str, str]:
+def stored_names(part: nn.Module, *, distinct: bool = False) -> dict[str, str]:
     """{parameter name: the name it is stored under} for the parameters of `part` that
-    are stored under another name (copies of a tied weight)."""
+    are stored under another name (copies of a tied weight). With `distinct`, only those
+    that are Parameters of their own (a stage's copy), not a second name of a shared one:
+    an optimizer knows a shared Parameter by its first name only."""
     tied = getattr(part, "tied_parameters", dict)()
-    return {name: stored for name, stored in tied.items() if name != stored}
+    own = {name for name, _ in part.named_parameters()} if distinct else set(tied)
+    return {name: stored for name, stored in tied.items() if name != stored and name in own}
 
 
-def _rename(state: dict, part: nn.Module, *, to_stored: bool) -> dict:
+def _rename(state: dict, part: nn.Module, *, to_stored: bool, optimizer: bool = False) -> dict:
     """`state` (model or flattened optimizer keys) with `part`'s tied copies renamed to
     their stored names, or back. Optimizer keys read "state.<param>.<key>"."""
     out = dict(state)
     held = getattr(part, "tied_parameters", dict)()
-    for name, stored in stored_names(part).items():
+    for name, stored in stored_names(part, distinct=optimizer).items():
         src, dst = (name, stored) if to_stored else (stored, name)
         for key in [k for k in state if _names_param(k, src)]:
             # Storing, the copy's own key goes; loading, the stored key stays only if the
@@ -60,9 +63,9 @@ def _names_param(key: str, param: str) -> bool:
     return key == param or any(key.startswith(f"{p}.{param}.") for p in ("state", "param_groups"))
 
 
-def with_tied_copies(part: nn.Module, state: dict) -> dict:
+def with_tied_copies(part: nn.Module, state: dict, *, optimizer: bool = False) -> dict:
     """A whole model's state with `part`'s tied copies filled in from the stored name."""
-    return _rename(state, part, to_stored=False)
+    return _rename(state, part, to_stored=False, optimizer=optimizer)
 
 
 class ModelState(Stateful):
@@ -102,13 +105,13 @@ class OptimizerState(Stateful):
         merged: dict = {}
         for part, opt in zip(self.parts, self.optimizers):
             state = get_optimizer_state_dict(part, opt, options=_FLAT)
-            for key, value in _rename(state, part, to_stored=True).items():
+            for key, value in _rename(state, part, to_stored=True, optimizer=True).items():
                 merged.setdefault(key, value)
         return merged
 
     def load_state_dict(self, state: dict) -> None:
         for part, opt in zip(self.parts, self.optimizers):
-            set_optimizer_state_dict(part, opt, with_tied_copies(part, state), options=_FLAT)
+            set_optimizer_state_dict(part, opt, with_tied_copies(part, state, optimizer=True), options=_FLAT)
 
 
 class RNGState(Stateful):

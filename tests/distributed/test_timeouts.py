@@ -17,7 +17,6 @@ from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
 from forja.parallel.process_group import init_distributed
 from forja.testing import run_distributed, stop_launchers
-from forja.train import setup
 from tests.distributed.parity import COMMON
 from tests.integration.conftest import base_overrides
 
@@ -61,9 +60,10 @@ def _wait_in_each_group(rank: int, world_size: int, flag: str) -> dict[str, floa
     alive without joining (a rank that exits would close the connections, an error that
     comes at once and would hide a missing timeout). Returns how long each one took to fail."""
     init_distributed("cpu", timeout_s=2.0)  # as the trainer does, inside run_distributed's group
-    mesh = ParallelDims.from_config(ParallelConfig(dp_replicate=2), world_size).build_mesh("cpu")
-    groups = {"mesh dp_replicate": mesh["dp_replicate"].get_group(), "mesh dp_shard": mesh["dp_shard"].get_group(),
-              "cpu (stop flags)": setup.cpu_group()}
+    dims = ParallelDims.from_config(ParallelConfig(pp=2, dp_replicate=2), world_size)
+    mesh = dims.build_mesh("cpu")
+    groups = {"mesh pp": mesh["pp"].get_group(), "mesh dp_replicate": mesh["dp_replicate"].get_group(),
+              "pipeline ends (tied embedding)": dims.pp_ends_group, "cpu (stop flags)": dims.cpu_group}
     if rank != 0:
         deadline = time.monotonic() + 60
         while not os.path.exists(flag) and time.monotonic() < deadline:

@@ -17,8 +17,7 @@ CPU = torch.device("cpu")
 def _check(world: int, seq_len: int = 64, gbs: int = 8, mbs: int = 2, **parallel):
     cfg = ParallelConfig(**parallel)
     dims = ParallelDims.from_config(cfg, world)
-    # Untied: pipeline stages cannot share the embedding with the output (forja/parallel/pp_split.py).
-    args = model_args("llama", "debug", tie_embeddings=False)
+    args = model_args("llama", "debug")
     check_layout(args, dims, cfg, seq_len=seq_len, global_batch_size=gbs,
                  micro_batch_size=mbs, device=CPU)
 
@@ -33,7 +32,6 @@ def test_good_layouts_pass():
     (dict(world=2, tp=2, seq_len=63), r"train.seq_len = 63 \(parallel.tp = 2 with sequence parallelism\)"),
     (dict(world=2, cp=2), r"parallel.cp > 1 needs CUDA"),
     (dict(world=2, tp=2, async_tp=True), r"parallel.async_tp needs CUDA"),
-    (dict(world=2, cpu_offload=True), r"parallel.cpu_offload moves GPU memory to the CPU"),
     (dict(world=4, gbs=6), r"train.global_batch_size = 6 is not divisible by the data-parallel degree 4"),
     (dict(world=2, gbs=8, mbs=3), r"= 4 is not divisible by train.micro_batch_size = 3"),
 ])

@@ -13,7 +13,6 @@ from forja.parallel.pp import check_microbatches, check_pipeline, check_schedule
 from forja.parallel.pp_split import (
     StageCosts,
     balanced_layers,
-    check_untied,
     layers_per_stage,
     model_costs,
     rank_stages,
@@ -85,10 +84,24 @@ def test_too_few_layers_for_the_stages():
     assert "parallel.pp" in str(err.value)
 
 
-def test_tied_embeddings_are_refused_with_the_override_to_set():
-    check_untied(_llama(4).args)
-    with pytest.raises(ForjaError, match=r"model.overrides=\{tie_embeddings=false\}"):
-        check_untied(build_model("llama", "debug", device="meta").args)  # the debug flavor is tied
+def test_a_tied_model_splits_into_a_first_stage_embedding_and_a_last_stage_copy():
+    model = build_model("llama", "debug", device="meta", n_layers=4)  # the debug flavor is tied
+    assert model.args.tie_embeddings and model.output.weight is model.tok_embeddings.weight
+    first, last = (stage_part(model, s, [2, 2]) for s in (0, 1))
+    assert first.output is None and last.tok_embeddings is None
+    assert first.tied_parameters() == {"tok_embeddings.weight": "tok_embeddings.weight"}
+    assert last.tied_parameters() == {"output.weight": "tok_embeddings.weight"}
+    assert model.tied_parameters() == {"tok_embeddings.weight": "tok_embeddings.weight",
+                                       "output.weight": "tok_embeddings.weight"}
+
+
+def test_the_last_stage_copy_starts_equal_to_the_embedding():
+    whole = build_model("llama", "debug", n_layers=4, seed=3)
+    last = stage_part(build_model("llama", "debug", device="meta", n_layers=4), 1, [2, 2])
+    last.to_empty(device="cpu")
+    last.init_weights(3)
+    assert torch.equal(last.output.weight, whole.tok_embeddings.weight)
+    assert torch.equal(last.layers["3"].attention.wq.weight, whole.layers["3"].attention.wq.weight)
 
 
 def test_which_rank_runs_which_stage():
@@ -165,10 +178,18 @@ def test_v_schedules_refuse_what_cannot_split_a_backward():
         check_schedule(ParallelConfig(pp=2, pp_schedule="dualpipev", ac="selective"), gpu)
 
 
-@pytest.mark.skipif(torch_version() >= (2, 12), reason="only torch < 2.12 lacks the V schedules' Gloo start-up")
-def test_v_schedules_on_gloo_need_torch_2_12():
-    with pytest.raises(ForjaError, match="needs PyTorch >= 2.12"):
-        check_schedule(ParallelConfig(pp=2, pp_schedule="zero-bubble"), torch.device("cpu"))
+@pytest.mark.parametrize(("version", "refused"), [((2, 11), True), ((2, 12), False), ((2, 13), False)])
+def test_v_schedules_on_gloo_need_torch_2_12(monkeypatch, version, refused):
+    # The check reads the installed version; give it each side of the boundary.
+    monkeypatch.setattr("forja.parallel.pp.torch_version", lambda: version)
+    cfg, cpu = ParallelConfig(pp=2, pp_schedule="zero-bubble"), torch.device("cpu")
+    if refused:
+        with pytest.raises(ForjaError, match="needs PyTorch >= 2.12"):
+            check_schedule(cfg, cpu)
+    else:
+        check_schedule(cfg, cpu)
+    check_schedule(ParallelConfig(pp=2, pp_schedule="1f1b"), cpu)  # only V schedules need it
+    check_schedule(cfg, torch.device("cuda"))  # NCCL sends to itself
 
 
 def test_whole_layout_checked_before_the_model_is_built():
@@ -177,10 +198,8 @@ def test_whole_layout_checked_before_the_model_is_built():
     untied = _llama(4).args
     sizes = {"device": gpu, "global_batch_size": 8, "micro_batch_size": 2}
     check_pipeline(untied, dims, ParallelConfig(pp=2), **sizes)
-    check_pipeline(build_model("llama", "debug", device="meta").args, ParallelDims(1, 1, 1, 1, 1),
-                   ParallelConfig(), **sizes)  # no pipeline: nothing to check, tied or not
+    check_pipeline(build_model("llama", "debug", device="meta").args, dims, ParallelConfig(pp=2), **sizes)  # tied
     cases = [
-        (build_model("llama", "debug", device="meta").args, ParallelConfig(pp=2), "tie_embeddings"),
         (untied, ParallelConfig(pp=2, pp_layers=[1, 2]), "parallel.pp_layers"),
         (untied, ParallelConfig(pp=2, pp_schedule="interleaved-1f1b", pp_microbatches=5), "divisible"),
         (untied, ParallelConfig(pp=2, pp_schedule="zero-bubble", compile=True), "parallel.compile"),

@@ -1,0 +1,157 @@
+"""Rule 1 of docs/architecture.md: imports run one way.
+
+Each package may import only the layers below it (LAYERS); the graph of forja's modules
+has no cycle (a cycle hidden behind a function-level or TYPE_CHECKING import still
+couples the modules, so those count too). Each rule is its own test case, and the last
+tests show that the checker catches a violation.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import forja
+
+ROOT = Path(forja.__file__).parent
+BASE = {"forja", "forja.errors", "forja.versions", "forja.files"}
+
+# What each part of forja may import besides itself and BASE, lowest layer first.
+LAYERS: dict[str, set[str]] = {
+    "forja.ops": set(),
+    "forja.models": {"forja.ops"},  # single-device code; a family's TP plan is data
+    "forja.data": set(),  # knows nothing of models, parallelism or training
+    "forja.optim": set(),
+    "forja.metrics": set(),
+    "forja.parallel": {"forja.models", "forja.ops"},  # applies plans to models; never imports train
+    "forja.checkpoint": {"forja.models", "forja.ops", "forja.data", "forja.parallel"},
+    "forja.generate": {"forja.models", "forja.ops", "forja.data", "forja.checkpoint", "forja.parallel"},
+    "forja.report": set(),
+    "forja.train": {"forja.models", "forja.ops", "forja.data", "forja.optim", "forja.metrics", "forja.parallel",
+                    "forja.checkpoint", "forja.generate", "forja.config"},
+    "forja.cli": {"*"},
+    "forja.__main__": {"forja.cli"},
+    "forja.testing": set(),
+}
+# forja.config gathers the sections of a run's config, each owned by its component.
+CONFIG_SECTIONS = {"forja.checkpoint.config", "forja.data.config", "forja.metrics.sinks", "forja.models.config",
+                   "forja.optim.config", "forja.parallel.config", "forja.train.config"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def imports(path: Path, known: dict[str, Path] = MODULES) -> set[str]:
+    """The forja modules `path` imports, anywhere in the file; `from pkg import sub`
+    counts as importing the submodule when `sub` is one."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & set(known)
+            found |= subs or {node.module}
+    return {m for m in found if m == "forja" or m.startswith("forja.")}
+
+
+def owner(module: str) -> str:
+    """The part of forja (a key of LAYERS, or a base module) that `module` belongs to."""
+    if module in BASE or module == "forja.config":
+        return module
+    return next(layer for layer in LAYERS if module == layer or module.startswith(layer + "."))
+
+
+def allowed(importer: str, imported: str) -> bool:
+    if imported in BASE:
+        return True
+    if importer == "forja.config":
+        return imported in CONFIG_SECTIONS
+    part, target = owner(importer), owner(imported)
+    return part == target or "*" in LAYERS[part] or target in LAYERS[part]
+
+
+def violations(part: str) -> list[tuple[str, str]]:
+    return sorted((m, i) for m, p in MODULES.items() if owner(m) == part for i in imports(p)
+                  if not allowed(m, i))
+
+
+def test_every_module_belongs_to_a_layer():
+    assert {owner(m) for m in MODULES} <= set(LAYERS) | BASE | {"forja.config"}
+
+
+@pytest.mark.parametrize("part", sorted(set(LAYERS) | {"forja.config"} | BASE))
+def test_imports_run_one_way(part):
+    assert violations(part) == []
+
+
+def test_base_modules_import_no_other_layer():
+    for name in BASE:
+        assert imports(MODULES[name]) <= BASE, name
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles_between_modules():
+    graph = {m: imports(p) & set(MODULES) for m, p in MODULES.items()}
+    assert cycles(graph) == []
+
+
+# -- the checker itself ------------------------------------------------------------------------
+@pytest.mark.parametrize(("importer", "imported"), [
+    ("forja.models.llama.model", "forja.parallel.fsdp"),
+    ("forja.ops.rope", "forja.models.common.rope"),
+    ("forja.parallel.pp", "forja.train.engine"),
+    ("forja.data.loader", "forja.models"),
+    ("forja.checkpoint.manager", "forja.train.trainer"),
+    ("forja.config", "forja.train.trainer"),
+])
+def test_the_checker_refuses_an_upward_import(importer, imported):
+    assert not allowed(importer, imported)
+
+
+def test_the_checker_sees_imports_inside_functions(tmp_path):
+    bad = tmp_path / "model.py"
+    bad.write_text("import torch\n\ndef f():\n    from forja.parallel.fsdp import apply_fsdp\n")
+    assert imports(bad) == {"forja.parallel.fsdp"}
+
+
+def test_the_checker_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
