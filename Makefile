@@ -1,10 +1,11 @@
 # The two commands a new user runs: `make train` and `make test`.
+# `make gpu-check` is for a GPU machine (tests/gpu and bench/gpu.py, one table; see bench/gpu_check.py).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 
-.PHONY: venv train test clean
+.PHONY: venv train test gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +22,13 @@ train: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+# No venv target here: a GPU machine may reach no package registry, so this runs with the
+# venv's python where there is one, else with the machine's own python3 (which holds torch).
+GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
+
+gpu-check:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,6 +1,6 @@
 """Per-rank memory of FSDP (ZeRO-3) and ZeRO-2 against one process, on CPU (Gloo).
 
-The model is built through forja's own path (`build_parallel_model` with a
+The model is built through forja's own path (`build_model_parts` with a
 `ParallelConfig`, `ParallelDims` and the device mesh, then forja's optimizer), so this
 measures what the trainer holds. Each layout takes one AdamW step, then a second step is
 measured:
@@ -42,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/profiling.py
 from forja.models import model_args  # noqa: E402
 from forja.optim import OptimizerGroup  # noqa: E402
 from forja.optim.config import OptimConfig  # noqa: E402
-from forja.parallel import build_parallel_model  # noqa: E402
 from forja.parallel.config import ParallelConfig  # noqa: E402
 from forja.parallel.dims import ParallelDims  # noqa: E402
 from forja.testing import run_distributed  # noqa: E402
+from forja.train.build import build_model_parts  # noqa: E402
 from forja.models.common.transformer import next_token_loss  # noqa: E402
 from profiling import allocator_peak  # noqa: E402
 
@@ -73,10 +73,9 @@ def measure(rank: int, world_size: int, flavor: str, reshard: bool, batch: int, 
     torch.set_num_threads(1)  # several ranks share the cores
     cfg = ParallelConfig(reshard_after_forward=reshard)
     dims = ParallelDims.from_config(cfg, world_size)
-    mesh = dims.build_mesh("cpu")
+    dims.build_mesh("cpu")
     args = model_args("llama", flavor)
-    model = build_parallel_model(args, "llama", dims=dims, mesh=mesh, cfg=cfg, device=torch.device("cpu"),
-                                 seed=0).parts[0]
+    model = build_model_parts(args, dims, cfg, device=torch.device("cpu"), seed=0).parts[0]
     optim = OptimizerGroup([model], OptimConfig())
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=gen)

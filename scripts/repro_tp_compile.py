@@ -76,8 +76,16 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class Double(nn.Module):
+    """No parameters, no DTensor: shows that the input's kind alone decides."""
+
+    def forward(self, x):
+        return 2 * x
+
+
+# part -> (its name in the block plan: "" the whole block, None no style at all; module)
 PARTS = {"block": ("", Block), "attention": ("attention", Attention), "mlp": ("feed_forward", MLP),
-         "norm": ("attention_norm", RMSNorm)}
+         "norm": ("attention_norm", RMSNorm), "double": (None, Double)}
 
 
 def block_plan(sp: bool) -> dict:
@@ -107,6 +115,8 @@ def parallelize(model: nn.Module, part: str, sp: bool, mesh) -> nn.Module:
     prefix = PARTS[part][0]
     plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())}
     for name, style in block_plan(sp).items():
+        if prefix is None:
+            continue
         if not prefix:
             plan["part." + name] = style
         elif name == prefix or name.startswith(prefix + "."):

@@ -209,7 +209,7 @@ class Pipeline:
                 x = self._recv(self.owners[s - 1])  # (m, T, dim): hidden states
             else:
                 x = h  # the previous stage ran here (the bottom of a V)
-            h = part(x, document_ids, labels=labels)
+            h = part(x, document_ids=document_ids, labels=labels)  # hidden states are the only positional input
             if s == self.n_stages - 1:
                 out = h
             elif self.owners[s + 1] != self.pp_rank:

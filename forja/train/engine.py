@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from forja.models.common.transformer import Transformer
 from forja.optim import OptimizerGroup, SchedulerGroup
@@ -215,10 +216,15 @@ class PipelineEngine(StepEngine):
         """Sum the gradients of a tied embedding's copies (first and last stage), so both
         copies take the same optimizer step and stay equal: together they get the gradient
         the one shared weight gets in the whole model."""
-        grads = [p.grad for p in self._tied if p.grad is not None]
-        if not grads:
+        held = [p for p in self._tied if p.grad is not None]
+        if not held:
             return  # a middle stage, or an untied model
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # equal shards on both ends
+        for p in held:
+            # TP leaves the embedding's gradient replicated; lay it out as the weight is, so
+            # both ends hold the same shard (a local slice, no communication).
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in held]
         total = torch.stack(local).sum(0) if len(local) > 1 else local[0].clone()
         if not self.pipeline.ends_on_one_rank:
             dist.all_reduce(total, group=self.dims.pp_ends_group)

@@ -14,10 +14,10 @@ def reference_losses(tmp_path_factory, train_data):  # noqa: F811
 
 
 @pytest.fixture(scope="session")
-def untied_reference_run(tmp_path_factory, train_data):  # noqa: F811
-    """The run directory of the single-process reference of pipeline layouts: the debug
-    model untied, validated every 5 steps, with checkpoints at steps 5 and 10."""
-    run = tmp_path_factory.mktemp("ref-untied") / "run"
+def pp_reference_run(tmp_path_factory, train_data):  # noqa: F811
+    """The run directory of the single-process reference of pipeline layouts: the (tied)
+    debug model, validated every 5 steps, with checkpoints at steps 5 and 10."""
+    run = tmp_path_factory.mktemp("ref-pp") / "run"
     single_process_losses(run, train_data, **PP_COMMON)
     return run
 

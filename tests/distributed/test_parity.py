@@ -25,6 +25,8 @@ LAYOUTS = {
     "FSDP 2 + selective AC (op-level)": (2, {**FSDP2, "parallel.ac": '"selective"'}),
     "FSDP 2 + selective AC (every 2nd block)": (2, {**FSDP2, "parallel.ac": '"selective"', "parallel.ac_every": "2"}),
     "FSDP 2 + compile": (2, {**FSDP2, "parallel.compile": "true"}),
+    # FSDP's CPU offload on a CPU-only machine runs unpinned: the same code path as on GPUs.
+    "FSDP 2 + CPU offload": (2, {**FSDP2, "parallel.cpu_offload": "true"}),
     # The pieces compose: (TP + compile is refused on torch >= 2.13, see forja/parallel/checks.py)
     "FSDP 2 x TP 2 + SP + selective AC": (4, {"parallel.tp": "2", "parallel.dp_shard": "2",
                                              "parallel.ac": '"selective"'}),

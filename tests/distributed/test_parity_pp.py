@@ -1,27 +1,31 @@
 """Pipeline-parallel layouts reproduce the single-process losses and validation losses (CPU,
-Gloo, fp32), and their checkpoints resume under other layouts and the other way round.
+Gloo, fp32), their checkpoints resume under other layouts and the other way round, and a
+tied model trains, checkpoints and exports as one model.
 
-The reference is the untied debug Llama (`untied_reference_run`; see PP_COMMON). The
-measured differences are printed (pytest -s) and recorded in docs/parallelism.md.
+The reference is the debug Llama, which ties its output projection to the embedding
+(`pp_reference_run`; see PP_COMMON): under a pipeline the first and last stages each hold
+a copy. The measured differences are printed (pytest -s) and recorded in docs/parallelism.md.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
-import forja.parallel
+from forja.cli import main
 from forja.versions import torch_version
-from tests.distributed.parity import PARITY_TOL, PP_COMMON, layout_losses, max_difference
+from tests.distributed.parity import PP_COMMON, PP_TOL, UNTIED, layout_losses, max_difference, \
+    single_process_losses
 from tests.integration.conftest import losses, read_metrics
 
 PP2 = {**PP_COMMON, "parallel.pp": "2"}
-V_SCHEDULES = ("zero-bubble", "dualpipev")
 # Before 2.12, V schedules start with a send from a rank to itself, which Gloo cannot do.
 OLD_TORCH_V = pytest.mark.skipif(torch_version() < (2, 12), reason="V schedules on Gloo need torch >= 2.12")
-TP_LANDED = (Path(forja.parallel.__file__).parent / "tp.py").exists()
 
 
 def _schedule(name: str) -> dict[str, str]:
@@ -32,8 +36,8 @@ def _val_losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["val_loss"] for r in read_metrics(run) if "val_loss" in r}
 
 
-def _check(name: str, reference: Path, run: Path, *, validation: bool = True) -> None:
-    """Training losses within PARITY_TOL of the reference's, and validation losses too when
+def _check(name: str, reference: Path, run: Path, *, validation: bool = True, tol: float = PP_TOL) -> None:
+    """Training losses within `tol` of the reference's, and validation losses too when
     `validation` (only without data parallelism: train.val_batches counts per dp rank, so
     dp ranks together validate on more batches than one process)."""
     diff = max_difference(losses(reference), losses(run))
@@ -43,26 +47,52 @@ def _check(name: str, reference: Path, run: Path, *, validation: bool = True) ->
         assert sorted(val) == sorted(ref_val) == [5, 10]
         val_diff = max(abs(ref_val[s] - val[s]) for s in ref_val)
         message += f", max |val loss diff| = {val_diff:.2e}"
-        assert val_diff < PARITY_TOL, message
+        assert val_diff <= tol, message
     print(message)
-    assert diff < PARITY_TOL, message
+    assert diff <= tol, message
+
+
+def _stored_weights(checkpoint: Path) -> set[str]:
+    keys = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    return {k.removeprefix("model.") for k in keys if k.startswith("model.")}
 
 
 @pytest.mark.parametrize("schedule", [
     "1f1b", "gpipe", "interleaved-1f1b",
     pytest.param("zero-bubble", marks=OLD_TORCH_V), pytest.param("dualpipev", marks=OLD_TORCH_V),
 ])
-def test_pp2_schedule_matches_single_process(schedule, tmp_path, train_data, untied_reference_run):
+def test_pp2_schedule_matches_single_process(schedule, tmp_path, train_data, pp_reference_run):
     # 8 sequences in micro-batches of 2: 4 microbatches over 2 (or 4, two per rank) stages.
-    layout_losses(tmp_path / "run", train_data, 2, **PP2, **_schedule(schedule))
-    _check(f"PP 2 ({schedule})", untied_reference_run, tmp_path / "run")
+    # 1f1b, gpipe, interleaved: the tied copies live on two ranks; V schedules: both on rank 0.
+    run = tmp_path / "run"
+    layout_losses(run, train_data, 2, **PP2, **_schedule(schedule))
+    _check(f"PP 2 ({schedule}), tied", pp_reference_run, run)
+    stored = _stored_weights(run / "checkpoints" / "step-00000010")
+    assert "tok_embeddings.weight" in stored and "output.weight" not in stored  # one tensor, as one process
+    assert stored == _stored_weights(pp_reference_run / "checkpoints" / "step-00000010")
 
 
-@pytest.mark.skipif(not TP_LANDED, reason="tensor parallelism (forja/parallel/tp.py) has not landed yet")
-def test_pp2_x_tp2_matches_single_process(tmp_path, train_data, untied_reference_run):
-    # Sequence parallelism (the default) hands later stages a (B, T/tp, dim) slice.
+def test_pp2_untied_matches_single_process(tmp_path, train_data):
+    reference = tmp_path / "reference"
+    single_process_losses(reference, train_data, **PP_COMMON, **UNTIED)
+    layout_losses(tmp_path / "run", train_data, 2, **PP2, **UNTIED)
+    _check("PP 2 (1f1b), untied", reference, tmp_path / "run")
+    assert "output.weight" in _stored_weights(tmp_path / "run" / "checkpoints" / "step-00000010")
+
+
+def test_pp2_computes_the_fused_loss_on_the_last_stage(tmp_path, train_data):
+    fused = {"model.fused_ops_overrides": "{cross_entropy=true}"}
+    reference = tmp_path / "reference"
+    single_process_losses(reference, train_data, **PP_COMMON, **fused)
+    layout_losses(tmp_path / "run", train_data, 2, **PP2, **fused)
+    _check("PP 2 (1f1b) + fused cross-entropy", reference, tmp_path / "run")
+
+
+def test_pp2_x_tp2_matches_single_process(tmp_path, train_data, pp_reference_run):
+    # Sequence parallelism (the default) hands later stages a (B, T/tp, dim) slice, and the
+    # tied copies are split over the vocabulary on both ends.
     layout_losses(tmp_path / "run", train_data, 4, **PP2, **{"parallel.tp": "2"})
-    _check("PP 2 x TP 2 (1f1b, SP)", untied_reference_run, tmp_path / "run")
+    _check("PP 2 x TP 2 (1f1b, SP), tied", pp_reference_run, tmp_path / "run")
 
 
 def _resume_from_step_5(run: Path, data: Path, nproc: int, **changes: str) -> None:
@@ -74,18 +104,38 @@ def _resume_from_step_5(run: Path, data: Path, nproc: int, **changes: str) -> No
     assert relogged[5] == logged[5] and relogged[6] != logged[6]  # it resumed at step 5
 
 
-def test_pp2_x_fsdp2_matches_and_resumes_under_fsdp4(tmp_path, train_data, untied_reference_run):
+def test_pp2_x_fsdp2_matches_resumes_under_fsdp4_and_exports_tied(tmp_path, train_data, pp_reference_run):
     run = tmp_path / "run"
     layout_losses(run, train_data, 4, **PP2)  # pp 2 x dp_shard 2, 1f1b
-    _check("PP 2 x FSDP 2 (1f1b)", untied_reference_run, run, validation=False)
+    _check("PP 2 x FSDP 2 (1f1b), tied", pp_reference_run, run, validation=False)
     _resume_from_step_5(run, train_data, 4, **PP_COMMON)
-    _check("PP 2 x FSDP 2 -> FSDP 4 from step 5", untied_reference_run, run, validation=False)
+    _check("PP 2 x FSDP 2 -> FSDP 4 from step 5", pp_reference_run, run, validation=False)
+    _export_is_tied(run, tmp_path / "hf")
+
+
+def _export_is_tied(run: Path, out: Path) -> None:
+    """The run exports as a tied Hugging Face model: one embedding matrix, no lm_head."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    from forja.checkpoint.export import load_checkpoint_model
+
+    assert main(["export", str(run), "--hf", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ours, _ = load_checkpoint_model(run)
+    tokens = torch.randint(0, ours.args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(tokens).logits - ours(tokens)).abs().max().item() < 1e-6  # measured 0.0
 
 
 @OLD_TORCH_V
-def test_single_process_checkpoint_resumes_under_pp2_zero_bubble(tmp_path, train_data, untied_reference_run):
-    # Two stages per rank: each part takes its own blocks out of the whole model's checkpoint.
+def test_single_process_checkpoint_resumes_under_pp2_zero_bubble(tmp_path, train_data, pp_reference_run):
+    # Two stages per rank: each part takes its own blocks, and the last its copy of the
+    # tied embedding, out of the whole model's checkpoint.
     run = tmp_path / "run"
-    shutil.copytree(untied_reference_run, run)
+    shutil.copytree(pp_reference_run, run)
     _resume_from_step_5(run, train_data, 2, **PP2, **_schedule("zero-bubble"))
-    _check("1 process -> PP 2 (zero-bubble) from step 5", untied_reference_run, run)
+    _check("1 process -> PP 2 (zero-bubble) from step 5, tied", pp_reference_run, run)

@@ -42,7 +42,7 @@ def test_export_then_transformers_loads_model_and_tokenizer(trained_run, tmp_pat
     ids = tok("import json\ndef dump(obj):", return_tensors="pt").input_ids
     ours = load_hf_checkpoint(out)
     with torch.no_grad():
-        assert (hf(ids).logits - ours(ids)).abs().max().item() < 1e-4
+        assert (hf(ids).logits - ours(ids)).abs().max().item() < 1e-6  # measured 0.0 (Llama)
     assert tok.decode(ids[0]) == "import json\ndef dump(obj):"
     assert hf.config.eos_token_id == tok.eos_token_id is not None
     # The exported directory also serves `forja generate`.

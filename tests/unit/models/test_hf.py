@@ -18,7 +18,15 @@ from .conftest import HF_CONFIGS
 
 transformers = pytest.importorskip("transformers")
 
-TOL = 1e-4  # the bound on max |logit difference| in float32
+# Bounds on max |logit difference| in float32, a few times what is measured (transformers
+# 5.24, torch 2.13, CPU): Llama 0.0 (the same ops in the same order as transformers), GPT-2
+# 1.4e-6 at most (its q/k/v come out of one fused projection there, three here).
+LLAMA_TOL = 1e-6
+GPT2_TOL = 5e-6
+
+
+def tol(name: str) -> float:
+    return GPT2_TOL if "gpt2" in name else LLAMA_TOL
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
@@ -28,7 +36,7 @@ def test_load_matches_transformers_logits(hf_checkpoints, name):
     tokens = torch.randint(0, hf.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
     diff = max_logit_diff(hf, model, tokens)
     print(f"{name}: max |logit diff| = {diff:.3e}")
-    assert diff < TOL
+    assert diff < tol(name)
 
 
 def _to_4x_dialect(cfg: dict) -> dict:
@@ -48,7 +56,7 @@ def test_reads_transformers_4x_config_dialect(hf_checkpoints, tmp_path, name):
     assert "rope_parameters" in cfg  # what transformers 5 writes
     (old / "config.json").write_text(json.dumps(_to_4x_dialect(cfg)))
     tokens = torch.randint(0, hf.config.vocab_size, (1, 40))
-    assert max_logit_diff(hf, load_hf_checkpoint(old), tokens) < TOL
+    assert max_logit_diff(hf, load_hf_checkpoint(old), tokens) < tol(name)
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
@@ -58,7 +66,7 @@ def test_save_then_transformers_loads_same_logits(hf_checkpoints, tmp_path, name
     out = save_hf_checkpoint(model, tmp_path / "export")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = torch.randint(0, model.args.vocab_size, (2, 33))
-    assert max_logit_diff(reloaded, model, tokens) < TOL
+    assert max_logit_diff(reloaded, model, tokens) < tol(name)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -68,7 +76,7 @@ def test_forja_model_exports_and_reimports(tmp_path, family):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a").eval()
     back = load_hf_checkpoint(tmp_path / "a")
     tokens = torch.randint(0, model.args.vocab_size, (2, 20))
-    assert max_logit_diff(hf, model, tokens) < TOL
+    assert max_logit_diff(hf, model, tokens) < tol(family)
     for (n, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
         assert torch.equal(a, b), n
 
@@ -80,9 +88,9 @@ def test_sharded_checkpoint_loads(hf_checkpoints, tmp_path):
     files = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
     assert len(files) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     tokens = torch.randint(0, 300, (1, 16))
-    assert max_logit_diff(hf, load_hf_checkpoint(tmp_path / "sharded"), tokens) < TOL
+    assert max_logit_diff(hf, load_hf_checkpoint(tmp_path / "sharded"), tokens) < LLAMA_TOL
     hf_back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sharded").eval()
-    assert max_logit_diff(hf_back, model, tokens) < TOL
+    assert max_logit_diff(hf_back, model, tokens) < LLAMA_TOL
 
 
 def test_bfloat16_checkpoint_keeps_its_dtype(hf_checkpoints, tmp_path):

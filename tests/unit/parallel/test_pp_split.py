@@ -207,3 +207,27 @@ def test_whole_layout_checked_before_the_model_is_built():
     for args, cfg, words in cases:
         with pytest.raises(ForjaError, match=words):
             check_pipeline(args, dims, cfg, **{**sizes, "global_batch_size": 10})
+
+
+def test_the_last_stage_computes_the_fused_loss_without_the_logits(monkeypatch):
+    """A last stage given labels returns the loss, through the fused linear cross-entropy
+    when it is on: no tensor as large as the (tokens, vocab) logits appears."""
+    from tests.unit.ops.test_cross_entropy import _LargestOutput
+
+    monkeypatch.setattr("forja.ops.cross_entropy.LOGITS_BUDGET_BYTES", 4 * 2048 * 16)  # 16-row chunks
+    hidden = torch.randn(4, 128, 128)  # (B, T, dim) from the previous stage
+    labels = torch.randint(0, 2048, (4, 128))
+    logits_size = labels.numel() * 2048
+    largest = {}
+    for fused in ((), ("cross_entropy",)):
+        meta = build_model("llama", "debug", device="meta", n_layers=2, fused_ops=fused)
+        last = stage_part(meta, 1, [1, 1])
+        last.to_empty(device="cpu")
+        last.init_weights(0)
+        with _LargestOutput() as probe:
+            loss = last(hidden, labels=labels)
+            loss.backward()
+        assert loss.dim() == 0
+        largest[fused] = probe.largest
+    assert largest[()] >= logits_size  # the probe sees the plain loss's logits
+    assert largest[("cross_entropy",)] < logits_size

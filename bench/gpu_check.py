@@ -1,0 +1,196 @@
+"""`make gpu-check`: the GPU tests, then the GPU benchmark at a size that fits, as one command
+that ends within 8 minutes on one H200 and prints one table ready for bench/RESULTS.md.
+
+    python bench/gpu_check.py       # from the repository root, the repository on PYTHONPATH
+
+1. Wheels carried in `.whl/` (scripts/gpu_wheels.sh: torchao, liger-kernel) are installed
+   into /tmp/site with pip, offline, for a machine that reaches no package registry.
+2. `pytest tests/gpu` in a child process, stopped after TESTS_TIMEOUT_S.
+3. `bench/gpu.py --size check` in a child process, given what is left of BUDGET_S; it skips
+   what would start too late, and is stopped if it still runs at the end.
+4. One markdown table (date, GPU, versions and git revision above it), also written to
+   $OUT/gpu_check.md when OUT is set, beside the logs of steps 2 and 3.
+
+GPU_CHECK_BUDGET_S changes the 480 s budget (the benchmark gets what the tests leave of it);
+FORJA_GIT_REV names the revision where the copy has no git checkout. Without a CUDA GPU it
+says so in one line and exits 0. It exits 1 when a test failed or errored, or when the tests
+or the benchmark did not finish.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SITE = Path("/tmp/site")  # where carried wheels are installed (outside the repository)
+BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", 480))  # 8 minutes, everything included
+TESTS_TIMEOUT_S = 180
+IN_FLIGHT_S = 100  # the longest single benchmark item: a compiled training variant with its compilation
+MARGIN_S = 20  # starting the children, writing the table
+BENCH_SIZE = "check"  # bench/gpu.py's size made to fit: Llama 3.2-1B, few steps
+PLAN = f"tests/gpu, then bench/gpu.py --size {BENCH_SIZE}"
+
+
+def no_gpu() -> str | None:
+    """Why there is nothing to check here, or None when a CUDA GPU is present."""
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed here, so there is no GPU to check"
+    if not torch.cuda.is_available():
+        return f"no CUDA GPU here (torch {torch.__version__} sees none)"
+    return None
+
+
+def install_wheels(env: dict) -> str:
+    """Install the wheels of `.whl/` into SITE and put SITE first on the import paths."""
+    wheels = sorted(str(p) for p in (REPO / ".whl").glob("*.whl"))
+    if not wheels:
+        return "none (no .whl/ folder; scripts/gpu_wheels.sh makes it)"
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+           "--no-cache-dir", "--upgrade", "--target", str(SITE), *wheels]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        said = (done.stderr.strip().splitlines() or ["nothing"])[-1]
+        return f"NOT installed (pip: {said}); variants that need them are skipped"
+    sys.path.insert(0, str(SITE))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), env.get("PYTHONPATH")]))
+    names = [Path(w).name.split("-")[:2] for w in wheels]
+    return ", ".join(f"{name} {version}" for name, version in names)
+
+
+def run_logged(cmd: list[str], log: Path, timeout: float, env: dict) -> tuple[int | None, float]:
+    """(exit status, or None when stopped at `timeout`; seconds); output goes to `log`."""
+    start = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child and whatever it started (compile workers)
+            proc.wait()
+            rc = None
+    return rc, time.monotonic() - start
+
+
+def row(section: str, what: str, figure: str = "", vs: str = "", note: str = "") -> dict:
+    return dict(section=section, what=what, figure=figure, vs=vs, note=note)
+
+
+def run_tests(env: dict, out_dir: Path) -> tuple[list[dict], bool]:
+    """Rows of the GPU tests (the counts, then each failure), and whether any failed."""
+    log = out_dir / "pytest.log"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu", "-o", "timeout=150"]
+    print(f"gpu-check: pytest tests/gpu (log: {log})", flush=True)
+    rc, seconds = run_logged(cmd, log, TESTS_TIMEOUT_S, env)
+    text = log.read_text(errors="replace")
+    summaries = [line for line in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|errors?)\b", line)]
+    counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)",
+                                                       summaries[-1] if summaries else ""))
+    figure = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no summary line"
+    bad = [line.split(" - ")[0].split(maxsplit=1) for line in text.splitlines()
+           if line.startswith(("FAILED ", "ERROR "))]
+    note = "" if rc == 0 else (f"stopped at the {TESTS_TIMEOUT_S} s limit" if rc is None else f"exit status {rc}")
+    rows = [row("tests", "pytest tests/gpu", f"{figure} in {seconds:.0f} s", note=note)]
+    rows += [row("tests", node, kind, note="see pytest.log") for kind, node in bad]
+    return rows, rc != 0
+
+
+def run_bench(env: dict, out_dir: Path, seconds_left: float) -> tuple[list[dict], bool]:
+    """Rows of bench/gpu.py at BENCH_SIZE, read back as it wrote them, and whether it failed."""
+    jsonl, log = out_dir / "bench.jsonl", out_dir / "bench.log"
+    budget = seconds_left - IN_FLIGHT_S
+    if budget < 30:
+        skipped = row("bench", f"bench/gpu.py --size {BENCH_SIZE}", note=f"skipped: only {seconds_left:.0f} s left")
+        return [skipped], True
+    jsonl.unlink(missing_ok=True)
+    cmd = [sys.executable, "bench/gpu.py", "--size", BENCH_SIZE, "--budget-s", f"{budget:.0f}", "--jsonl", str(jsonl)]
+    print(f"gpu-check: {' '.join(cmd[1:])} (log: {log})", flush=True)
+    rc, seconds = run_logged(cmd, log, seconds_left, env)
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
+    if rc is None:
+        rows.append(row("bench", f"bench/gpu.py --size {BENCH_SIZE}",
+                        note=f"stopped at the {seconds_left:.0f} s limit; rows after this were not measured"))
+    elif rc != 0:  # a crash: its last line (the exception, usually) says why
+        last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:] or ["(empty)"]
+        rows.append(row("bench", f"bench/gpu.py --size {BENCH_SIZE}", note=f"failed: exit status {rc}, rows "
+                        f"after this were not measured; bench.log ends: {last[0][:160]}"))
+    return rows, rc != 0
+
+
+def revision() -> str:
+    """The git revision of the checkout, or FORJA_GIT_REV where there is no git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()
+        return head + (" + uncommitted changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("FORJA_GIT_REV") or "unknown (no git checkout here; set FORJA_GIT_REV)"
+
+
+def header(carried: str, seconds: float) -> str:
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    try:
+        triton = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton = "not installed"
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return "\n".join([
+        "## `make gpu-check` (bench/gpu_check.py)", "",
+        f"- **Date:** {now}",
+        f"- **Machine:** {props.name} ({props.total_memory / 2**30:.0f} GiB), {os.cpu_count()} CPU cores; "
+        f"Python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton}",
+        f"- **Carried wheels:** {carried}",
+        f"- **Revision:** {revision()}",
+        f"- **Command:** `make gpu-check` ({PLAN}); {seconds:.0f} s in all, within a {BUDGET_S:.0f} s budget", ""])
+
+
+def table(rows: list[dict]) -> str:
+    """bench/gpu.py's table, written again here: the check must report even when gpu.py fails to import."""
+    def cell(r: dict, key: str) -> str:
+        text = r[key] or ("—" if key in ("figure", "vs") else "")
+        return text.replace("|", "\\|")  # a pipe inside a cell would split it
+
+    lines = ["| section | what | figure | vs baseline | note |", "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(cell(r, k) for k in ("section", "what", "figure", "vs", "note")) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    start = time.monotonic()
+    why = no_gpu()
+    if why:
+        print(f"gpu-check: {why}; nothing run (on a GPU it runs {PLAN}, and prints one table).")
+        return 0
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "runs" / "gpu-check"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    # One compile cache for the tests and the benchmark: the tests' FlexAttention kernels serve both.
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / "runs" / ".inductor-cache"))
+    carried = install_wheels(env)
+    test_rows, tests_failed = run_tests(env, out_dir)
+    left = BUDGET_S - (time.monotonic() - start) - MARGIN_S
+    bench_rows, bench_failed = run_bench(env, out_dir, left)
+    report = header(carried, time.monotonic() - start) + "\n" + table(test_rows + bench_rows) + "\n"
+    (out_dir / "gpu_check.md").write_text(report)
+    print("\n" + report, flush=True)
+    return 1 if tests_failed or bench_failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
