@@ -1,27 +1,43 @@
 """Does `torch.compile` of a tensor-parallel (DTensor) module give eager's gradients?
 
-    python scripts/repro_tp_compile.py                   # the default grid: 2 ranks, Gloo, CPU
-    python scripts/repro_tp_compile.py --parts mlp --sp 1 --backends aot_eager --inputs async
+    python scripts/repro_tp_compile.py                          # the whole grid: ~12 min on 2 cores
+    python scripts/repro_tp_compile.py --parts block --backends aot_eager        # the bug: ~20 s
+    python scripts/repro_tp_compile.py --parts block --backends aot_eager --inputs plain  # exit 0
 
-forja/parallel/checks.py refuses parallel.compile with parallel.tp > 1 where this script
-finds a wrong gradient. Self-contained on public torch APIs, so it runs in any venv: a
-tiny Llama block (RMSNorm -> attention -> RMSNorm -> SwiGLU, residual adds) behind a
-token embedding, both with forja's TP plan (forja/models/common/tp_plan.py); the same
-weights and tokens run eagerly and with the block (or one part of it) compiled in place,
-as forja's per-block compile does. What goes into the compiled module is one dimension:
-"async" is the embedding's output as RowwiseParallel returns it, an AsyncCollectiveTensor
-(the collective not yet waited on; forja's first block gets exactly that), "plain" is the
-same value materialized outside the compiled module (what every later block gets).
-One line per configuration; exit status 1 when an output or a gradient differs by more
-than --tol (fp32) or the compiled run raised.
+Self-contained on public torch APIs, so it runs in any venv: 2 ranks, Gloo, CPU, fp32. A
+token embedding feeds a tiny Llama block (RMSNorm -> attention -> RMSNorm -> SwiGLU,
+residual adds); both get forja's TP plan for Llama (forja/models/llama/parallelize.py),
+and the same weights and tokens run eagerly and with the block, or one part of it,
+compiled in place as forja compiles each block. One line per configuration; exit status 1
+when an output or a gradient differs by more than --tol, is missing, or the run raised.
+
+What goes into the compiled module decides. "async": the embedding's output as
+RowwiseParallel returns it, an AsyncCollectiveTensor (its all-reduce or reduce-scatter not
+yet waited on): what forja's first block gets. "plain": the same value materialized outside
+the compiled module by a clone(): what every later block gets. On torch 2.13.0 and 2.14.1
+every "async" configuration goes wrong under AOTAutograd (aot_eager, inductor; not
+backend="eager"), with or without sequence parallelism, fullgraph or not, and even for
+`double`, a module with no parameters and no DTensor; every "plain" one is right. AOTAutograd
+waits on such inputs before tracing (torch/_functorch/_aot_autograd/frontend_utils.py,
+process_inputs) and keeps the waited tensor, which does not require grad, so the gradient
+to whatever produced the input is dropped: backward raises, or the embedding's gradient is
+silently missing (wrong, when the embedding is tied to the output projection).
+
+forja therefore clones the embedding's output before the first block whenever TP and
+compile meet (`wait_for_embedding_output` in forja/parallel/tp.py), which is the "plain"
+case; the layout "FSDP 2 x TP 2 + SP + compile" in tests/distributed/test_parity.py checks
+the whole model against one process (without the clone it is 2.5e-3 off after 10 steps).
+Run this script on a new torch to see whether the clone is still needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import os
 import sys
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -60,7 +76,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
-        self.w1, self.w3, self.w2 = nn.Linear(DIM, FFN, bias=False), nn.Linear(DIM, FFN, bias=False), nn.Linear(FFN, DIM, bias=False)
+        self.w1, self.w3 = nn.Linear(DIM, FFN, bias=False), nn.Linear(DIM, FFN, bias=False)
+        self.w2 = nn.Linear(FFN, DIM, bias=False)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -69,7 +86,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
-        self.attention_norm, self.attention, self.ffn_norm, self.feed_forward = RMSNorm(), Attention(), RMSNorm(), MLP()
+        self.attention_norm, self.attention = RMSNorm(), Attention()
+        self.ffn_norm, self.feed_forward = RMSNorm(), MLP()
 
     def forward(self, x):
         x = x + self.attention(self.attention_norm(x))
@@ -89,7 +107,7 @@ PARTS = {"block": ("", Block), "attention": ("attention", Attention), "mlp": ("f
 
 
 def block_plan(sp: bool) -> dict:
-    """forja's plan of one block (forja/models/common/tp_plan.py, dense_tp_plan)."""
+    """forja's plan of one block."""
     seq = Shard(1) if sp else Replicate()
     plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq), "feed_forward.w1": ColwiseParallel(),
@@ -103,10 +121,7 @@ def block_plan(sp: bool) -> dict:
 
 def build(part: str) -> nn.Module:
     """embedding -> `part`, on one device."""
-    model = nn.Sequential()
-    model.add_module("embed", nn.Embedding(VOCAB, DIM))
-    model.add_module("part", PARTS[part][1]())
-    return model
+    return nn.Sequential(OrderedDict(embed=nn.Embedding(VOCAB, DIM), part=PARTS[part][1]()))
 
 
 def parallelize(model: nn.Module, part: str, sp: bool, mesh) -> nn.Module:
@@ -114,9 +129,7 @@ def parallelize(model: nn.Module, part: str, sp: bool, mesh) -> nn.Module:
     "part" (the part's own style, such as the SP gather, is keyed by the bare prefix)."""
     prefix = PARTS[part][0]
     plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())}
-    for name, style in block_plan(sp).items():
-        if prefix is None:
-            continue
+    for name, style in block_plan(sp).items() if prefix is not None else ():
         if not prefix:
             plan["part." + name] = style
         elif name == prefix or name.startswith(prefix + "."):
@@ -162,7 +175,8 @@ def check(rank: int, mesh, part: str, sp: bool, backend: str, fullgraph: bool, p
 
 def worker(rank: int, args: argparse.Namespace, failed) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # A rank that raises where the other does not would leave it waiting: fail in minutes.
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(minutes=5))
     mesh = init_device_mesh("cpu", (2,))
     grid = itertools.product(args.parts, args.sp, args.inputs, args.backends, args.fullgraph)
     for part, sp, inputs, backend, fullgraph in grid:

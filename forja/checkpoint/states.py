@@ -55,6 +55,10 @@ def _rename(state: dict, part: nn.Module, *, to_stored: bool, optimizer: bool = 
             # Storing, the copy's own key goes; loading, the stored key stays only if the
             # part also holds that parameter (the whole model does, a last stage does not).
             value = out.pop(key) if to_stored or stored not in held else out[key]
+            if not to_stored and isinstance(value, torch.Tensor):
+                # A copy of its own: an optimizer adopts the tensors it loads, and two
+                # optimizers sharing one exp_avg (a V schedule's rank 0) would update it twice.
+                value = value.clone()
             out.setdefault(key.replace(src, dst, 1), value)
     return out
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from forja.errors import ForjaError
-from forja.versions import torch_version
 from forja.models.common.transformer import TransformerArgs
 from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
@@ -40,12 +39,6 @@ def check_layout(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfig,
         if cfg.async_tp and not cfg.compile:
             raise ForjaError("parallel.async_tp works through torch.compile's micro-pipelining; "
                              "set parallel.compile = true as well")
-        if cfg.compile and torch_version() >= (2, 13):
-            # Same forja code, same inputs: torch 2.11 matches eager to 1e-9; 2.13 returns
-            # wrong gradients (or fails in backward) for DTensor blocks under AOTAutograd.
-            raise ForjaError(f"parallel.compile with parallel.tp > 1 computes wrong gradients on torch "
-                             f"{torch.__version__} (found by forja's parity tests; torch 2.11 is right); "
-                             "set parallel.compile = false or use torch 2.11")
         if float8 != "none":
             raise ForjaError("train.float8 with parallel.tp > 1 is not supported yet (float8 needs its own "
                              "tensor-parallel styles); use FSDP for data parallelism, or train.float8 = 'none'")

@@ -22,7 +22,7 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (ZeRO-3) or keep them for backward (ZeRO-2)."""
     cpu_offload: bool = False
-    """FSDP: keep parameters, gradients and optimizer state in CPU memory (GPU training)."""
+    """FSDP: keep parameters, gradients and optimizer state in CPU memory (pinned on GPUs; on CPUs, a no-op)."""
     mixed_precision: Literal["fp32", "bf16"] = "fp32"
     """FSDP: bf16 parameters in compute with fp32 gradient reduction, or all fp32."""
     tp: int = 1
@@ -30,7 +30,8 @@ class ParallelConfig:
     sequence_parallel: bool = True
     """With tp > 1: norms and residuals split along the sequence, activations never replicated."""
     async_tp: bool = False
-    """With tp > 1 on CUDA: overlap TP communication with matmuls (needs parallel.compile)."""
+    """With tp > 1 and parallel.compile on CUDA: overlap TP communication with matmuls (not yet run: needs
+    2+ GPUs)."""
     pp: int = 1
     """Pipeline-parallel degree (layers split into stages over ranks)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev"] = "1f1b"

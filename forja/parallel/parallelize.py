@@ -21,7 +21,7 @@ from forja.parallel.compile import apply_compile
 from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
 from forja.parallel.fsdp import apply_fsdp, wants_fsdp
-from forja.parallel.tp import apply_tp, enable_async_tp
+from forja.parallel.tp import apply_tp, enable_async_tp, wait_for_embedding_output
 
 
 def parallelize(model: Transformer, plan: TPPlan, dims: ParallelDims, cfg: ParallelConfig,
@@ -30,6 +30,8 @@ def parallelize(model: Transformer, plan: TPPlan, dims: ParallelDims, cfg: Paral
     rank's share of `dims`, in place."""
     if dims.tp > 1:
         apply_tp(model, dims.tp_mesh, plan)
+        if cfg.compile:
+            wait_for_embedding_output(model)
         if cfg.async_tp:
             enable_async_tp(dims.tp_mesh)
     apply_ac(model, cfg)

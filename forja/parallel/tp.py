@@ -31,6 +31,25 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
         mark_sequence_split_input(model, tp_mesh)
 
 
+def wait_for_embedding_output(model: nn.Module) -> None:
+    """Hand the first (compiled) block an ordinary tensor, not the embedding's pending
+    collective.
+
+    Under TP the embedding's output is an AsyncCollectiveTensor: its all-reduce (or
+    reduce-scatter) not yet waited on. torch 2.13 and 2.14 compile a module whose input is
+    such a tensor with that input's gradient dropped: the embedding gets none, or a wrong
+    one, or backward fails (scripts/repro_tp_compile.py shows it on 2 CPU ranks). Cloning the
+    output outside the compiled region waits for the collective and costs one (B, T, dim)
+    copy per forward. The hook sits on the embedding, not on the block: a compiled block's
+    own hooks run inside its compiled region."""
+    if getattr(model, "tok_embeddings", None) is not None:
+        model.tok_embeddings.register_forward_hook(_materialized)
+
+
+def _materialized(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+    return out.clone()
+
+
 def mark_sequence_split_input(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """A later pipeline stage under sequence parallelism receives this rank's (B, T/tp, dim)
     slice of the hidden states. Seen as a DTensor inside the model's forward, it has the

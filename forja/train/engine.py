@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,7 +99,11 @@ class StepEngine:
             self.optimizers.zero_grad(set_to_none=True)
         else:
             self.optimizers.step()
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # A skipped first step moves the schedule without an optimizer step, as intended;
+            # torch would warn that the schedule's first value is then skipped.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
         tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
         return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=tokens, lr=lr, skipped=skipped)
 

@@ -15,9 +15,10 @@ from tests.integration.conftest import forja_process, losses, train_args
 PARITY_STEPS = 10
 # Bound on max |loss difference| from one process over PARITY_STEPS steps, fp32: a few times
 # what is measured (docs/parallelism.md): 4.8e-7 for the data/tensor-parallel layouts (one
-# unit in the last place of a loss near 7: the gradients are summed in another order),
-# 9.5e-7 with torch.compile.
+# unit in the last place of a loss near 7: the gradients are summed in another order).
 PARITY_TOL = 2e-6
+# torch.compile fuses ops and so rounds differently: measured up to 1.4e-6 (3 units).
+COMPILE_TOL = 4e-6
 # Pipelines run the same ops in the same order as one process; measured 0 for untied models
 # and 4.8e-7 for tied ones (the two copies' gradients are summed in another order).
 PP_TOL = 1e-6

@@ -66,3 +66,45 @@ def test_check_refuses_before_reading(tmp_path, process_group):
 
     with pytest.raises(ForjaError, match="holds a"):
         manager.load(manager.latest(), state, check=refuse)
+
+
+def _tied_stages(seed: int):
+    """Both ends of a tied model's pipeline in one process (a V schedule's rank 0), each with
+    its optimizer, after one step on equal gradients (as the step engine makes them)."""
+    from forja.optim import OptimizerGroup
+    from forja.optim.config import OptimConfig
+    from forja.parallel.pp_split import stage_part
+
+    meta = build_model("llama", "debug", device="meta", n_layers=2)
+    parts = [stage_part(meta, s, [1, 1]) for s in (0, 1)]
+    for part in parts:
+        part.to_empty(device="cpu")
+        part.init_weights(seed)
+    group = OptimizerGroup(parts, OptimConfig(lr=1e-2))
+    for part in parts:
+        for p in part.parameters():
+            p.grad = torch.full_like(p, 0.5)
+    group.step()
+    return parts, group
+
+
+def test_tied_copies_are_stored_once_and_load_as_two(tmp_path, process_group):
+    import torch.distributed.checkpoint as dcp
+
+    parts, group = _tied_stages(1)
+    first, last = parts
+    assert torch.equal(first.tok_embeddings.weight, last.output.weight)
+    manager = CheckpointManager(CheckpointConfig(), tmp_path)
+    manager.save(1, {"model": ModelState(parts), "optim": OptimizerState(parts, group.optimizers)})
+    keys = dcp.FileSystemReader(str(manager.latest())).read_metadata().state_dict_metadata
+    assert "model.tok_embeddings.weight" in keys and not any("output.weight" in k for k in keys)
+
+    loaded, loaded_group = _tied_stages(2)
+    manager.load(manager.latest(), {"model": ModelState(loaded), "optim": OptimizerState(loaded, loaded_group.optimizers)})
+    assert torch.equal(loaded[0].tok_embeddings.weight, first.tok_embeddings.weight)
+    assert torch.equal(loaded[1].output.weight, first.tok_embeddings.weight)
+    states = [opt.state[p] for opt, p in zip(loaded_group.optimizers, (loaded[0].tok_embeddings.weight,
+                                                                       loaded[1].output.weight))]
+    assert torch.equal(states[0]["exp_avg"], states[1]["exp_avg"])
+    # Each optimizer owns its state: one shared tensor would be updated twice per step.
+    assert states[0]["exp_avg"].data_ptr() != states[1]["exp_avg"].data_ptr()
