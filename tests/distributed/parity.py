@@ -13,15 +13,15 @@ from forja.cli import main
 from tests.integration.conftest import forja_process, losses, train_args
 
 PARITY_STEPS = 10
-# Bound on max |loss difference| from one process over PARITY_STEPS steps, fp32: a few times
-# what is measured (docs/parallelism.md): 4.8e-7 for the data/tensor-parallel layouts (one
-# unit in the last place of a loss near 7: the gradients are summed in another order).
-PARITY_TOL = 2e-6
-# torch.compile fuses ops and so rounds differently: measured up to 1.4e-6 (3 units).
+# Bounds on max |loss difference| from one process over PARITY_STEPS steps in fp32, about 3x
+# what is measured (docs/parallelism.md, 2026-12-01): the data/tensor-parallel layouts differ
+# by 4.8e-7 or 9.5e-7, one or two units in the last place of a loss near 7, because they sum
+# gradients in another order; torch.compile, which also fuses ops, by 9.5e-7 to 1.4e-6.
+PARITY_TOL = 3e-6
 COMPILE_TOL = 4e-6
-# Pipelines run the same ops in the same order as one process; measured 0 for untied models
-# and 4.8e-7 for tied ones (the two copies' gradients are summed in another order).
-PP_TOL = 1e-6
+# Pipelines run the same ops as one process: measured 0 alone (tied or not), 4.8e-7 with TP
+# or FSDP, 9.5e-7 with the fused loss.
+PP_TOL = 2e-6
 # Big enough for every layout's divisibility (dp 4 x micro 1, tp 2, 2 stages x 2 per rank).
 COMMON = {"train.steps": str(PARITY_STEPS), "train.global_batch_size": "8", "train.micro_batch_size": "2",
           "train.val_interval": "0", "train.sample_tokens": "0", "checkpoint.interval": "0",
