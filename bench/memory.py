@@ -39,15 +39,16 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/profiling.py
 
+from profiling import allocator_peak  # noqa: E402
+
 from forja.models import model_args  # noqa: E402
+from forja.models.common.transformer import next_token_loss  # noqa: E402
 from forja.optim import OptimizerGroup  # noqa: E402
 from forja.optim.config import OptimConfig  # noqa: E402
 from forja.parallel.config import ParallelConfig  # noqa: E402
 from forja.parallel.dims import ParallelDims  # noqa: E402
 from forja.testing import run_distributed  # noqa: E402
 from forja.train.build import build_model_parts  # noqa: E402
-from forja.models.common.transformer import next_token_loss  # noqa: E402
-from profiling import allocator_peak  # noqa: E402
 
 MB = 1e6
 

@@ -14,7 +14,6 @@ so checkpoints are the same with or without activation checkpointing.
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts

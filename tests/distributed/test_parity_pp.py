@@ -19,8 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from forja.cli import main
 from forja.versions import torch_version
-from tests.distributed.parity import PP_COMMON, PP_TOL, UNTIED, layout_losses, max_difference, \
-    single_process_losses
+from tests.distributed.parity import PP_COMMON, PP_TOL, UNTIED, layout_losses, max_difference, single_process_losses
 from tests.integration.conftest import losses, read_metrics
 
 PP2 = {**PP_COMMON, "parallel.pp": "2"}

@@ -6,7 +6,6 @@ import json
 import signal
 import time
 
-
 from forja.cli import main
 
 from .conftest import forja_process, losses, read_metrics, train_args

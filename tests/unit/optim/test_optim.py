@@ -8,8 +8,8 @@ import torch
 from forja.errors import ForjaError
 from forja.models import build_model
 from forja.optim import build_optimizer, build_scheduler, lr_multiplier, param_groups
-from forja.optim.schedules import reapply
 from forja.optim.config import OptimConfig, ScheduleConfig
+from forja.optim.schedules import reapply
 
 
 def test_weight_decay_only_on_matrices_and_tied_weights_once():

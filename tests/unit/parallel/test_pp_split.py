@@ -19,7 +19,6 @@ from forja.parallel.pp_split import (
     stage_owners,
     stage_part,
 )
-from forja.versions import torch_version
 
 
 def _llama(n_layers: int):
