@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
+from forja.checkpoint.states import TrainerCounters
+from forja.config import Config
 from forja.metrics.throughput import Throughput, memory_stats, peak_flops
 
 
@@ -37,11 +39,11 @@ class StepRecord:
 class TrainerView(Protocol):
     """The trainer as callbacks see it (forja/train/trainer.py)."""
 
-    cfg: Any  # forja.config.Config
+    cfg: Config
     rank: int
     run_dir: Path
     device: torch.device
-    counters: Any  # forja.checkpoint.states.TrainerCounters
+    counters: TrainerCounters
 
     def log(self, step: int, metrics: dict[str, Any]) -> None: ...
     def log_text(self, step: int, name: str, text: str) -> None: ...
@@ -170,9 +172,9 @@ class PreemptionCallback(Callback):
         self.previous.clear()
 
 
-def default_callbacks(cfg: Any, *, flops_per_token: int, num_devices: int, device: torch.device,
+def default_callbacks(cfg: Config, *, flops_per_token: int, num_devices: int, device: torch.device,
                       compute_dtype: torch.dtype | None) -> list[Callback]:
-    """The callbacks every run has, from its config (forja.config.Config)."""
+    """The callbacks every run has, from its config."""
     metrics = MetricsCallback(flops_per_token=flops_per_token, num_devices=num_devices, device=device,
                               compute_dtype=compute_dtype or torch.float32, interval=cfg.metrics.interval,
                               peak_tflops=cfg.metrics.peak_tflops)
