@@ -66,18 +66,21 @@ def initial_weights(source: str | None, identity: dict) -> Callable[[nn.Module],
     from forja.checkpoint.export import is_forja_source, resolve_checkpoint
     from forja.models import load_hf_checkpoint
 
-    def load(part: nn.Module) -> None:
-        if is_forja_source(source):
-            _, ckpt = resolve_checkpoint(source)
-            check_model_identity(read_meta(ckpt), identity)
-            dcp.load({"model": ModelState(part)}, checkpoint_id=str(ckpt))
-            return
-        hf = load_hf_checkpoint(source, dtype=torch.float32)
-        family = identity["model"]["family"]
-        check_model_identity({"model": {"family": family, "flavor": f"from {source}", "args": plain_args(hf.args)}},
-                             identity, loose=True)
+    if is_forja_source(source):
+        _, ckpt = resolve_checkpoint(source)
+        check_model_identity(read_meta(ckpt), identity)
+        return lambda part: dcp.load({"model": ModelState(part)}, checkpoint_id=str(ckpt))
+    hf_state: dict = {}  # read on first use, then shared by this rank's pipeline stages
+
+    def load_hf(part: nn.Module) -> None:
+        if not hf_state:
+            hf = load_hf_checkpoint(source, dtype=torch.float32)
+            family = identity["model"]["family"]
+            check_model_identity({"model": {"family": family, "flavor": f"from {source}",
+                                            "args": plain_args(hf.args)}}, identity, loose=True)
+            hf_state.update(hf.state_dict())
         # A pipeline stage takes its own tensors out of the whole model's (strict=False).
-        state = with_tied_copies(part, hf.state_dict())
+        state = with_tied_copies(part, hf_state)
         set_model_state_dict(part, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
-    return load
+    return load_hf

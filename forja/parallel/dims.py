@@ -8,7 +8,8 @@ heavy, latency-bound collectives stay within a node; pipeline stages outermost.
 Every other mesh or process group forja uses (FSDP's, the loss average's, the
 pipeline's, the tied embedding's, a CPU group for stop flags) is made here, once, in
 `build_mesh`, in the same order on every rank: creating a group is a collective call, and
-ranks that create them in different orders deadlock. Each gets the run's timeout.
+ranks that create them in different orders deadlock. (The tied embedding's pairs are the
+exception: disjoint, each made by its two ranks alone.) Each gets the run's timeout.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class ParallelDims:
     def pp_ends_group(self) -> dist.ProcessGroup | None:
         """This rank and its counterpart at the other end of the pipeline (pp ranks 0 and
         pp - 1, same data/tensor coordinates): where a tied embedding's two copies live.
-        None without pipeline parallelism."""
+        None without pipeline parallelism, and on the middle stages."""
         return self.groups.pp_ends_group
 
     @property
@@ -168,10 +169,10 @@ def _pp_ends_group(dims: ParallelDims, mesh: DeviceMesh) -> dist.ProcessGroup | 
     if dims.pp == 1:
         return None
     ranks = mesh.mesh.reshape(dims.pp, -1)  # (pp, every other coordinate): global ranks
-    mine = None
-    for column in range(ranks.shape[1]):  # every rank creates every pair, in the same order
-        pair = [int(ranks[0, column]), int(ranks[-1, column])]
-        group = new_group(pair)
-        if dist.get_rank() in pair:
-            mine = group
-    return mine
+    column = (ranks == dist.get_rank()).nonzero()[0, 1]
+    pair = [int(ranks[0, column]), int(ranks[-1, column])]
+    if pair[0] != dist.get_rank() and pair[1] != dist.get_rank():
+        return None  # a middle stage: it holds no copy of a tied weight
+    # Only the two ranks of a pair make it: the pairs are disjoint, and the other ranks
+    # would otherwise join one creation barrier per pair (world / pp of them) at start-up.
+    return new_group(pair, members_only=True)

@@ -78,9 +78,13 @@ def barrier() -> None:
         dist.barrier()
 
 
-def new_group(ranks: list[int] | None = None, *, backend: str | None = None) -> dist.ProcessGroup:
-    """`dist.new_group` with the run's collective timeout rather than torch's default."""
-    return dist.new_group(ranks, timeout=_timeout, backend=backend)
+def new_group(ranks: list[int] | None = None, *, backend: str | None = None,
+              members_only: bool = False) -> dist.ProcessGroup:
+    """`dist.new_group` with the run's collective timeout rather than torch's default.
+    `members_only`: only the ranks in `ranks` call it (torch's local synchronization), so a
+    group of a few ranks costs the others nothing; each rank must then create such groups
+    in one global order, and none may overlap another made the same way."""
+    return dist.new_group(ranks, timeout=_timeout, backend=backend, use_local_synchronization=members_only)
 
 
 def set_group_timeout(group: dist.ProcessGroup) -> None:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from forja.checkpoint.states import stored_names
 from forja.models.common.transformer import Transformer
 from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import ParallelDims, local_value, loss_context
@@ -72,10 +73,7 @@ class StepEngine:
         self.parts, self.optimizers, self.scheduler, self.dims = parts, optimizers, scheduler, dims
         self.device, self.compute_dtype = device, compute_dtype
         self.grad_clip, self.document_mask = grad_clip, document_mask
-        # Each weight counted once in the gradient norm: a pipeline stage's copy of a tied
-        # embedding is the embedding's second holder, not a second weight.
-        self._norm_params = [p for part in parts for name, p in part.named_parameters()
-                             if part.tied_parameters().get(name, name) == name]
+        self._norm_params = _each_weight_once(parts)
 
     @property
     def model(self) -> Transformer | None:
@@ -95,15 +93,16 @@ class StepEngine:
         loss_value, norm_value = torch.stack([loss, norm.to(loss.device, loss.dtype)]).tolist()
         lr = self.scheduler.get_last_lr()[0]
         skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
-        if skipped:
-            self.optimizers.zero_grad(set_to_none=True)
-        else:
+        if not skipped:
             self.optimizers.step()
-        with warnings.catch_warnings():
-            # A skipped first step moves the schedule without an optimizer step, as intended;
-            # torch would warn that the schedule's first value is then skipped.
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
+        else:
+            self.optimizers.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                # The schedule moves without an optimizer step, as intended; on a first step
+                # torch would warn that the schedule's first value is then skipped.
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                self.scheduler.step()
         tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
         return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=tokens, lr=lr, skipped=skipped)
 
@@ -230,11 +229,23 @@ class PipelineEngine(StepEngine):
             if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in held]
-        total = torch.stack(local).sum(0) if len(local) > 1 else local[0].clone()
+        total = local[0]  # summed in place: no copy of an embedding-sized gradient per step
+        for g in local[1:]:  # a V schedule's rank 0 holds both copies
+            total.add_(g)
         if not self.pipeline.ends_on_one_rank:
             dist.all_reduce(total, group=self.dims.pp_ends_group)
-        for g in local:
+        for g in local[1:]:
             g.copy_(total)
+
+
+def _each_weight_once(parts: list[Transformer]) -> list[nn.Parameter]:
+    """The parameters the gradient norm counts: a pipeline stage's copy of a tied embedding
+    (stored under the embedding's name) is a second holder of one weight, not a second weight."""
+    params = []
+    for part in parts:
+        copies = stored_names(part, distinct=True)
+        params += [p for name, p in part.named_parameters() if name not in copies]
+    return params
 
 
 def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
