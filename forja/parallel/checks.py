@@ -20,6 +20,15 @@ def _divides(a: int, b: int, what: str, fix: str) -> None:
         raise ForjaError(f"{what} is not divisible by {a}; {fix}")
 
 
+def _check_ep(args: TransformerArgs, dims: ParallelDims) -> None:
+    n_experts = getattr(args, "n_experts", 0)
+    if n_experts == 0:
+        raise ForjaError(f"parallel.ep = {dims.ep} needs a mixture-of-experts model, but this model has no "
+                         "experts; set parallel.ep = 1 or choose an MoE flavor (e.g. qwen3 debug-moe)")
+    _divides(dims.ep, n_experts, f"model n_experts = {n_experts} (parallel.ep = {dims.ep})",
+             "choose a parallel.ep that divides the number of experts")
+
+
 def check_layout(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfig, *, seq_len: int,
                  global_batch_size: int, micro_batch_size: int, device: torch.device,
                  document_mask: bool = False, float8: str = "none") -> None:
@@ -42,6 +51,8 @@ def check_layout(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfig,
         if float8 != "none":
             raise ForjaError("train.float8 with parallel.tp > 1 is not supported yet (float8 needs its own "
                              "tensor-parallel styles); use FSDP for data parallelism, or train.float8 = 'none'")
+    if dims.ep > 1:
+        _check_ep(args, dims)
     if dims.cp > 1:
         if device.type != "cuda":
             raise ForjaError("parallel.cp > 1 needs CUDA: PyTorch's context parallelism runs only on CUDA "

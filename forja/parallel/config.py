@@ -40,6 +40,9 @@ class ParallelConfig:
     """Microbatches per pipeline step; 0 means local batch / train.micro_batch_size."""
     pp_layers: list[int] = field(default_factory=list)
     """Transformer blocks in each stage, e.g. [3, 5]; empty balances them by cost."""
+    ep: int = 1
+    """Expert-parallel degree: a mixture of experts' routed experts split over this many of the
+    dp_shard ranks (it must divide dp_shard and the number of experts)."""
     cp: int = 1
     """Context-parallel degree (ring attention over the sequence; CUDA only)."""
     ac: Literal["none", "full", "selective"] = "none"
@@ -52,7 +55,7 @@ class ParallelConfig:
     """Collective timeout: a hung rank fails the run after this many seconds."""
 
     def __post_init__(self) -> None:
-        for key in ("dp_replicate", "tp", "pp", "cp"):
+        for key in ("dp_replicate", "tp", "pp", "cp", "ep"):
             if getattr(self, key) < 1:
                 raise ForjaError(f"parallel.{key} = {getattr(self, key)} must be at least 1")
         if self.dp_shard < 1 and self.dp_shard != -1:

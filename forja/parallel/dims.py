@@ -10,6 +10,12 @@ pipeline's, the tied embedding's, a CPU group for stop flags) is made here, once
 `build_mesh`, in the same order on every rank: creating a group is a collective call, and
 ranks that create them in different orders deadlock. (The tied embedding's pairs are the
 exception: disjoint, each made by its two ranks alone.) Each gets the run's timeout.
+
+Expert parallelism borrows from data parallelism: with parallel.ep > 1, a second mesh over
+the same ranks, ("pp", "dp_replicate", "efsdp", "ep", "tp"), splits dp_shard into
+efsdp x ep (consecutive dp_shard ranks form an EP group). Routed experts are sharded over
+"ep" and FSDP-sharded over "efsdp" (and replicated over dp_replicate); everything else
+keeps the main mesh.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from forja.parallel.config import ParallelConfig
 from forja.parallel.process_group import apply_timeout, new_group, set_group_timeout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "tp")
 
 
 @dataclass
@@ -33,6 +40,7 @@ class ParallelDims:
     dp_shard: int
     cp: int
     tp: int
+    ep: int = 1
     _groups: _Groups | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
@@ -44,7 +52,12 @@ class ParallelDims:
                 raise ForjaError(f"world size {world_size} is not divisible by dp_replicate*tp*pp*cp = {others}; "
                                  "change the parallel degrees or the number of processes")
             dp_shard = world_size // others
-        dims = cls(cfg.pp, cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp)
+        dims = cls(cfg.pp, cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, ep=cfg.ep)
+        if dims.ep > 1 and dp_shard % dims.ep:
+            raise ForjaError(f"parallel.ep = {dims.ep} does not divide parallel.dp_shard = {dp_shard}: expert "
+                             "parallelism borrows its ranks from dp_shard; choose an ep that divides it")
+        if dims.ep > 1 and dims.cp > 1:
+            raise ForjaError("parallel.ep > 1 with parallel.cp > 1 is not supported; set one of them to 1")
         if dims.world_size != world_size:
             raise ForjaError(f"parallel degrees multiply to {dims.world_size} "
                              f"(pp={dims.pp} x dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x "
@@ -122,6 +135,20 @@ class ParallelDims:
         return self.groups.pp_ends_group
 
     @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """The ranks sharing one MoE layer's experts; None without expert parallelism."""
+        return self.groups.expert_mesh["ep"] if self.ep > 1 else None
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """What FSDP shards routed experts over under EP: the data-parallel ranks holding the
+        same experts (efsdp), 2-D with dp_replicate for HSDP; None without EP."""
+        if self.ep == 1:
+            return None
+        mesh = self.groups.expert_mesh
+        return mesh["dp_replicate", "efsdp"] if self.dp_replicate > 1 else mesh["efsdp"]
+
+    @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel replicas (replicate-major)."""
         mesh = self.mesh
@@ -135,12 +162,14 @@ class _Groups:
     loss_group: dist.ProcessGroup | None
     cpu_group: dist.ProcessGroup
     pp_ends_group: dist.ProcessGroup | None
+    expert_mesh: DeviceMesh | None
 
     @classmethod
     def build(cls, dims: ParallelDims, mesh: DeviceMesh) -> _Groups:
         # The order below is the order of collective group creation on every rank.
         return cls(mesh=mesh, fsdp_mesh=_fsdp_mesh(dims, mesh), loss_group=_loss_group(dims, mesh),
-                   cpu_group=new_group(backend="gloo"), pp_ends_group=_pp_ends_group(dims, mesh))
+                   cpu_group=new_group(backend="gloo"), pp_ends_group=_pp_ends_group(dims, mesh),
+                   expert_mesh=_expert_mesh(dims, mesh))
 
 
 def _flatten(mesh: DeviceMesh, names: tuple[str, ...], name: str) -> DeviceMesh:
@@ -176,3 +205,13 @@ def _pp_ends_group(dims: ParallelDims, mesh: DeviceMesh) -> dist.ProcessGroup | 
     # Only the two ranks of a pair make it: the pairs are disjoint, and the other ranks
     # would otherwise join one creation barrier per pair (world / pp of them) at start-up.
     return new_group(pair, members_only=True)
+
+
+def _expert_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh | None:
+    if dims.ep == 1:
+        return None
+    # Same ranks, dp_shard split as (efsdp, ep) with ep innermost (cp is 1 under EP).
+    ranks = mesh.mesh.reshape(dims.pp, dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep, dims.tp)
+    expert = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
+    apply_timeout(expert)
+    return expert

@@ -14,6 +14,10 @@ CPU memory; FSDP copies each unit's shards to the device for its forward and bac
 FSDP requires the offloaded model to be materialized on the CPU (the build order does
 so), and page-locked (pinned) CPU memory exists only with CUDA, so on a CPU-only machine
 offload runs unpinned: a no-op in memory terms, but the same code path, tested in CI.
+
+Under expert parallelism each MoE layer's routed experts are their own FSDP unit over the
+expert mesh's data-parallel ranks (`dims.expert_fsdp_mesh`): their gradients already sum the
+tokens of the whole EP group, so the reduction divides by the full data-parallel degree.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from forja.models.common.moe import moe_layers
 from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
 
@@ -42,5 +47,19 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, device
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them.
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
+        if dims.ep > 1:
+            _shard_experts(block, dims, reshard, kwargs)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+
+
+def _shard_experts(block: nn.Module, dims: ParallelDims, reshard: bool, kwargs: dict) -> None:
+    """Make a block's routed experts (sharded over "ep" already) an FSDP unit of their own."""
+    for _, moe in moe_layers(block):
+        fully_shard(moe.experts, reshard_after_forward=reshard, **{**kwargs, "mesh": dims.expert_fsdp_mesh})
+        # Each expert's gradient sums every EP rank's tokens: average over all dp ranks.
+        moe.experts.set_gradient_divide_factor(float(dims.dp))
+        if dims.dp_shard // dims.ep > 1:
+            # A custom factor is applied with NCCL's PREMUL_SUM, which Gloo lacks: divide apart.
+            # Not with one shard: torch 2.11-2.13 then divide twice (the copy and the post-divide).
+            moe.experts.set_force_sum_reduction_for_comms(True)

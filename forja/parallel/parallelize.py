@@ -1,7 +1,7 @@
 """Applying a layout to a model (or one pipeline stage), in the order it must happen:
 
-    tensor/sequence parallel (the family's plan) -> activation checkpointing ->
-    torch.compile per block -> FSDP
+    tensor/sequence parallel (the family's plan) -> expert parallel -> activation
+    checkpointing -> torch.compile per block -> FSDP
 
 Each step wraps what the previous one made: checkpointing wraps the TP-converted blocks,
 compile traces the checkpointed blocks, and FSDP's per-block units go around the
@@ -20,6 +20,7 @@ from forja.parallel.ac import apply_ac
 from forja.parallel.compile import apply_compile
 from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
+from forja.parallel.ep import apply_ep
 from forja.parallel.fsdp import apply_fsdp, wants_fsdp
 from forja.parallel.tp import apply_tp, enable_async_tp, wait_for_embedding_output
 
@@ -34,6 +35,8 @@ def parallelize(model: Transformer, plan: TPPlan, dims: ParallelDims, cfg: Paral
             wait_for_embedding_output(model)
         if cfg.async_tp:
             enable_async_tp(dims.tp_mesh)
+    if dims.ep > 1:
+        apply_ep(model, dims.ep_mesh)
     apply_ac(model, cfg)
     if cfg.compile:
         apply_compile(model)

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, loss_parallel, parallelize_module
 
+from forja.models.common.moe import moe_layers
 from forja.models.common.tp_plan import TPPlan
 
 
@@ -25,7 +26,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
     present = {k: v for k, v in plan.root.items() if _has(model, k)}
     parallelize_module(model, tp_mesh, present)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan.block)
+        parallelize_module(block, tp_mesh, plan.block_plan(moe=bool(moe_layers(block))))
     model.tie_weights()  # both halves of a tied pair are sharded alike; make them one again
     if plan.sequence_parallel and model.tok_embeddings is None:  # a later pipeline stage
         mark_sequence_split_input(model, tp_mesh)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,6 +34,8 @@ class StepRecord:
     step_time: float
     data_wait: float
     skipped: bool = False
+    extra: dict[str, float] = field(default_factory=dict)
+    """The step engine's further figures (a mixture of experts' load)."""
 
 
 class TrainerView(Protocol):
@@ -79,7 +81,7 @@ class MetricsCallback(Callback):
             return
         metrics = {"loss": record.loss, "lr": record.lr, "grad_norm": record.grad_norm,
                    "tokens_seen": trainer.counters.tokens_seen, **self.throughput.compute(),
-                   **memory_stats(self.device)}
+                   **memory_stats(self.device), **record.extra}
         if trainer.counters.skipped_steps:
             metrics["skipped_steps"] = trainer.counters.skipped_steps
         trainer.log(record.step, metrics)

@@ -14,8 +14,8 @@ The trainer then makes two calls and never asks how the model is laid out:
 The loss of a step is the mean next-token cross-entropy over every token of the global
 batch. Every micro-batch has the same number of tokens (packed sequences, no padding), so
 each contributes its mean divided by the number of micro-batches (`microbatch_loss`, the
-one place a micro-batch's loss is composed: auxiliary terms such as a mixture of experts'
-load-balancing loss enter there), and averaging over the data-parallel ranks (FSDP's
+one place a micro-batch's loss is composed; a mixture of experts' auxiliary losses enter the
+gradients with the same share, forja/train/experts.py), and averaging over the data-parallel ranks (FSDP's
 gradient reduction, and `loss_group` for the reported value) makes it the global mean: any
 layout computes the loss and gradients of one process.
 """
@@ -26,7 +26,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import ParallelDims, local_value, loss_context
 from forja.parallel.cp import cp_context
 from forja.parallel.pp import Pipeline
+from forja.train.experts import ExpertBalance
 
 
 @dataclass
@@ -55,6 +56,8 @@ class StepOutput:
     """Learning rate the step used."""
     skipped: bool
     """The loss or the norm was not finite: the weights were left unchanged."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Further figures of the step (a mixture of experts' load and auxiliary losses)."""
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
@@ -74,6 +77,7 @@ class StepEngine:
         self.device, self.compute_dtype = device, compute_dtype
         self.grad_clip, self.document_mask = grad_clip, document_mask
         self._norm_params = _each_weight_once(parts)
+        self.experts = ExpertBalance(parts, dims, device)
 
     @property
     def model(self) -> Transformer | None:
@@ -85,6 +89,7 @@ class StepEngine:
         """Forward and backward of `batches` (this rank's micro-batches of one step), then
         the optimizer step unless the loss or gradient norm is not finite."""
         self.optimizers.zero_grad(set_to_none=True)
+        self.experts.begin_step(len(batches))
         loss = self.forward_backward(batches)
         self.sync_tied_copies()
         norm = self.clip_gradients()
@@ -103,12 +108,15 @@ class StepEngine:
                 # torch would warn that the schedule's first value is then skipped.
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
                 self.scheduler.step()
+        metrics = self.experts.end_step(stepped=not skipped)  # after the step: the bias follows it
         tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
-        return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=tokens, lr=lr, skipped=skipped)
+        return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=tokens, lr=lr, skipped=skipped,
+                          metrics=metrics)
 
     def microbatch_loss(self, loss: torch.Tensor, n: int) -> torch.Tensor:
         """What one of a step's `n` micro-batches adds to the step's loss, from its mean
-        next-token cross-entropy `loss`. Auxiliary losses are added here."""
+        next-token cross-entropy `loss`. A mixture of experts' auxiliary losses enter the
+        gradients with this same share, set per layer by `ExpertBalance.begin_step`."""
         return loss / n
 
     def forward_backward(self, batches: Sequence) -> torch.Tensor:

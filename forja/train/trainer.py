@@ -142,7 +142,7 @@ class Trainer:
         self.counters.tokens_seen += out.tokens
         record = StepRecord(step=self.counters.step, loss=out.loss, grad_norm=out.grad_norm, lr=out.lr,
                             tokens=out.tokens, step_time=time.perf_counter() - start, data_wait=data_wait,
-                            skipped=out.skipped)
+                            skipped=out.skipped, extra=out.metrics)
         self._call("on_step_end", record)
 
     def _on_nonfinite(self, loss: float) -> None:

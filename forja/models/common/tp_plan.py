@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -38,6 +39,22 @@ class TPPlan:
     """Every transformer block's modules, by name within the block."""
     sequence_parallel: bool
     """Whether the residual stream between blocks is split along the sequence."""
+
+    def block_plan(self, moe: bool) -> dict[str, ParallelStyle]:
+        """The plan of one block; `moe`: its feed-forward is a mixture of experts.
+
+        An MoE layer is not split over the tensor-parallel ranks: each computes it whole for
+        all tokens (its experts are spread by expert parallelism instead, whose groups lie
+        across data-parallel ranks). Under sequence parallelism it receives the gathered
+        sequence and hands back this rank's slice."""
+        if not moe:
+            return self.block
+        plan = {k: v for k, v in self.block.items() if not k.startswith("feed_forward")}
+        if self.sequence_parallel:
+            plan["feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+        return plan
 
 
 def dense_tp_plan(sequence_parallel: bool, *, gated_mlp: bool = True) -> TPPlan:

@@ -1,0 +1,340 @@
+"""Mixture-of-experts feed-forward layer: a router, routed experts, optional shared experts.
+
+    scores = router(x)                       softmax or sigmoid over E experts, fp32
+    chosen = top-k(scores + bias)            optionally within the best `topk_groups` groups
+    y      = sum_k w_k * expert_k(x) + shared(x)
+
+Each token goes to `top_k` of `n_experts` SwiGLU experts (Shazeer et al. 2017; GShard,
+Lepikhin et al. 2020; Switch, Fedus et al. 2021). Rows are sorted by expert and every
+expert's rows run as one grouped matrix multiply (forja/ops/grouped_mm.py).
+
+Balancing the load, each optional:
+- the Switch/GShard auxiliary loss  E * sum_i f_i * P_i  (f_i: share of the token-slots
+  routed to expert i, P_i: mean routing probability of i; 1 when perfectly balanced),
+- the router z-loss  mean(logsumexp(logits)^2)  (ST-MoE, Zoph et al. 2022),
+- DeepSeek-V3's auxiliary-loss-free bias (Wang et al. 2024, arXiv 2408.15664): a per-expert
+  bias added to the scores only to choose experts, nudged after each optimizer step
+  toward under-loaded experts (`Router.update_bias`, called by the step engine).
+- a capacity factor: an expert takes at most ceil(cf * tokens * top_k / E) token-slots,
+  the ones with the highest weights; the rest are dropped (the residual carries them).
+
+The auxiliary losses do not change the layer's output; they reach the gradients through
+`AddAuxLoss`, which gives them a gradient of `aux_loss_scale` in backward (the step engine
+sets it to the micro-batch's share of the step's loss, so a pipeline stage's layers count
+them like the last stage counts the cross-entropy). Per-step statistics (tokens per expert,
+dropped slots, loss values) accumulate in `MoEStats` for the engine to read and reset.
+
+Single-device code: under expert parallelism forja.parallel.ep shards `experts` and moves
+each expert's rows to the rank holding it around `GroupedExperts.forward`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forja.errors import ForjaError
+from forja.models.common.mlp import SwiGLU
+from forja.ops.grouped_mm import GROUPED_MM_IMPLS, grouped_mm
+
+
+@dataclass(kw_only=True)
+class MoEArgs:
+    """Mixture-of-experts fields, mixed into a family's args."""
+
+    n_experts: int = 0
+    """Routed experts per MoE layer; 0 makes a dense model."""
+    top_k: int = 1
+    """Experts each token is sent to."""
+    moe_ffn_dim: int = 0
+    """Hidden width of one expert."""
+    n_shared_experts: int = 0
+    """Experts every token goes through (DeepSeek), run as one SwiGLU n_shared x moe_ffn_dim wide."""
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over experts (Qwen, Mixtral) or independent sigmoids (DeepSeek-V3)."""
+    norm_topk_prob: bool = True
+    """Rescale the chosen experts' scores to sum to 1."""
+    route_scale: float = 1.0
+    """Factor on the routed experts' weights (DeepSeek's routed_scaling_factor)."""
+    n_expert_groups: int = 1
+    """Group-limited routing: experts fall into this many equal groups..."""
+    topk_groups: int = 1
+    """...and each token chooses among the experts of its best `topk_groups` groups only."""
+    group_score: Literal["top2_sum", "max"] = "top2_sum"
+    """A group's score: the sum of its two best experts' (DeepSeek-V3) or its best one's (V2)."""
+    expert_bias: bool = False
+    """A per-expert bias on the scores used to choose experts (auxiliary-loss-free balancing)."""
+    bias_update_rate: float = 0.0
+    """Step of the bias update after each optimizer step (DeepSeek-V3: 0.001); 0 freezes it."""
+    aux_loss_weight: float = 0.0
+    """Weight of the Switch/GShard load-balancing loss; 0 turns it off."""
+    z_loss_weight: float = 0.0
+    """Weight of the router z-loss; 0 turns it off."""
+    capacity_factor: float = 0.0
+    """Token-slots an expert takes, as a multiple of an even share; 0 is dropless."""
+    moe_impl: Literal["auto", "grouped", "loop"] = "auto"
+    """Expert matmuls: torch._grouped_mm where supported (auto), always, or a per-expert loop."""
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` has a mixture of experts (families refine this)."""
+        return self.n_experts > 0
+
+    def check_moe(self) -> None:
+        """Refuse routing options that contradict each other, naming the field."""
+        if self.n_experts <= 0:
+            return
+        e = self.n_experts
+        rules = [
+            (1 <= self.top_k <= e, f"top_k = {self.top_k} must be between 1 and n_experts = {e}"),
+            (self.moe_ffn_dim > 0, f"moe_ffn_dim = {self.moe_ffn_dim} must be positive"),
+            (self.score_func in ("softmax", "sigmoid"), f"score_func = {self.score_func!r} must be softmax or sigmoid"),
+            (self.n_expert_groups >= 1 and e % self.n_expert_groups == 0,
+             f"n_experts = {e} must split into n_expert_groups = {self.n_expert_groups} equal groups"),
+            (1 <= self.topk_groups <= self.n_expert_groups,
+             f"topk_groups = {self.topk_groups} must be between 1 and n_expert_groups = {self.n_expert_groups}"),
+            (self.top_k <= self.topk_groups * e // self.n_expert_groups,
+             f"top_k = {self.top_k} is more than the experts in topk_groups = {self.topk_groups} groups"),
+            (self.group_score in ("top2_sum", "max"), f"group_score = {self.group_score!r} must be top2_sum or max"),
+            (self.capacity_factor >= 0, f"capacity_factor = {self.capacity_factor} must be >= 0 (0: dropless)"),
+            (min(self.aux_loss_weight, self.z_loss_weight, self.bias_update_rate) >= 0,
+             "aux_loss_weight, z_loss_weight and bias_update_rate must be >= 0"),
+            (self.expert_bias or self.bias_update_rate == 0,
+             f"bias_update_rate = {self.bias_update_rate} needs expert_bias = true"),
+            (self.moe_impl in GROUPED_MM_IMPLS, f"moe_impl = {self.moe_impl!r} must be one of {GROUPED_MM_IMPLS}"),
+        ]
+        for ok, message in rules:
+            if not ok:
+                raise ForjaError(f"model {message}; change it in model.overrides")
+        if self.n_expert_groups > 1 and self.group_score == "top2_sum" and e // self.n_expert_groups < 2:
+            raise ForjaError("model group_score = 'top2_sum' needs at least 2 experts per group; "
+                             "use group_score = 'max' or fewer n_expert_groups")
+
+
+@dataclass
+class Routing:
+    """Where each of N tokens goes."""
+
+    weights: torch.Tensor  # (N, k) fp32: the chosen experts' weights
+    experts: torch.Tensor  # (N, k) int64: the chosen experts
+    logits: torch.Tensor  # (N, E) fp32: router logits
+    probs: torch.Tensor  # (N, E) fp32: per-token distribution over experts (for the aux loss)
+
+
+@dataclass
+class MoEStats:
+    """What one layer saw since the engine last read it (a step's micro-batches). Counts
+    are used as ratios only: activation checkpointing re-runs a forward and counts twice."""
+
+    tokens_per_expert: torch.Tensor | None = None  # (E,) float64: token-slots routed to each expert
+    dropped: float = 0.0  # token-slots dropped by the capacity limit
+    aux_loss: float = 0.0  # sum over forwards of the load-balancing loss (unweighted)
+    z_loss: float = 0.0  # sum over forwards of the z-loss (unweighted)
+    forwards: int = 0
+
+
+class Router(nn.Module):
+    """Scores experts for each token and picks `top_k` of them."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.n_experts, bias=False)
+        if args.expert_bias:
+            # A buffer, not a parameter: moved by the update rule, not by gradients; checkpointed.
+            self.register_buffer("expert_bias", torch.zeros(args.n_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x (N, D) -> Routing. Scores in fp32 whatever the compute dtype: top-k picks are
+        sensitive to rounding, and bf16 logits would reorder near-ties."""
+        a = self.args
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())  # (N, E)
+        scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()  # (N, E)
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        if a.n_expert_groups > 1:
+            choice = self._mask_groups(choice)
+        experts = choice.topk(a.top_k, dim=-1, sorted=False).indices  # (N, k)
+        weights = scores.gather(1, experts)  # (N, k): the bias picks experts, never weighs them
+        if a.norm_topk_prob and a.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights * a.route_scale
+        probs = scores if a.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return Routing(weights=weights, experts=experts, logits=logits, probs=probs)
+
+    def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Keep the scores of each token's best `topk_groups` groups, -inf elsewhere."""
+        a = self.args
+        grouped = choice.view(choice.shape[0], a.n_expert_groups, -1)  # (N, G, E/G)
+        if a.group_score == "top2_sum":
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (N, G)
+        else:
+            group_scores = grouped.amax(-1)
+        best = group_scores.topk(a.topk_groups, dim=-1, sorted=False).indices  # (N, topk_groups)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (N, G)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """One auxiliary-loss-free step: raise the bias of experts below the mean load,
+        lower it above (sign rule of DeepSeek-V3). `tokens_per_expert` (E,) summed over
+        every rank that saw different data, so all ranks move the bias alike."""
+        if self.expert_bias is None or self.args.bias_update_rate == 0:
+            return
+        load = tokens_per_expert.to(self.expert_bias)
+        self.expert_bias.add_(self.args.bias_update_rate * torch.sign(load.mean() - load))
+
+    def init_buffers(self) -> None:
+        """The bias starts at zero (called by the model's init_weights)."""
+        if self.expert_bias is not None:
+            with torch.no_grad():
+                self.expert_bias.zero_()
+
+
+class GroupedExperts(nn.Module):
+    """`n` SwiGLU experts with their weights stacked: w1, w3 (n, H, D), w2 (n, D, H)."""
+
+    def __init__(self, n: int, dim: int, hidden: int, impl: str = "auto"):
+        super().__init__()
+        self.impl = impl
+        self.w1 = nn.Parameter(torch.empty(n, hidden, dim))  # gate
+        self.w3 = nn.Parameter(torch.empty(n, hidden, dim))  # up
+        self.w2 = nn.Parameter(torch.empty(n, dim, hidden))  # down
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (M, D) rows sorted by expert, counts (n,) rows per expert -> (M, D)."""
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        h = F.silu(grouped_mm(x, w1, counts, self.impl)) * grouped_mm(x, w3, counts, self.impl)  # (M, H)
+        return grouped_mm(h, w2, counts, self.impl)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's experts: under expert parallelism the stacked weights are sharded
+    (DTensors) along the expert dimension, and the layer computes with its own slice."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+class AddAuxLoss(torch.autograd.Function):
+    """Returns `out` unchanged; backward gives `aux` (0-dim) the gradient `scale`, as if
+    `scale * aux` had been added to the loss (Megatron-LM's MoEAuxLossAutoScaler idea)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_dtype = aux.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+class MoE(nn.Module):
+    """The feed-forward of an MoE block: (B, T, D) -> (B, T, D)."""
+
+    def __init__(self, dim: int, args: MoEArgs, *, fused_swiglu: bool = False):
+        super().__init__()
+        args.check_moe()
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(args.n_experts, dim, args.moe_ffn_dim, args.moe_impl)
+        shared = args.n_shared_experts * args.moe_ffn_dim
+        self.shared_experts = SwiGLU(dim, shared, fused=fused_swiglu) if shared else None
+        self.aux_loss_scale = 1.0  # set by the step engine: this micro-batch's share of the loss
+        self.stats = MoEStats()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        flat = x.reshape(-1, D)  # (N, D)
+        route = self.router(flat)
+        slots, token_of, weights, counts = self._dispatch_order(route)
+        y = self.experts(flat[token_of], counts)  # (M, D), M kept token-slots sorted by expert
+        y = y * weights[:, None].to(y.dtype)
+        out = torch.zeros_like(flat).index_add_(0, token_of, y.to(flat.dtype))  # (N, D)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        out = self._add_aux_losses(out, route)
+        self._record(route, counts, dropped=route.experts.numel() - slots.numel())
+        return out.view(B, T, D)
+
+    def _dispatch_order(self, route: Routing):
+        """The kept token-slots sorted by expert: (slot ids (M,), their tokens (M,), their
+        weights (M,), rows per expert (E,)). Dropless keeps every slot; with a capacity
+        factor each expert keeps its highest-weighted slots up to its capacity."""
+        k, E = self.args.top_k, self.args.n_experts
+        expert_of = route.experts.flatten()  # (N k,): slot s is token s // k's choice
+        weight_of = route.weights.flatten()
+        if self.args.capacity_factor > 0:
+            by_weight = torch.argsort(weight_of, descending=True, stable=True)
+            order = by_weight[torch.argsort(expert_of[by_weight], stable=True)]  # by expert, then weight
+            counts = torch.bincount(expert_of, minlength=E)  # (E,)
+            starts = torch.cumsum(counts, 0) - counts
+            rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[expert_of[order]]
+            capacity = math.ceil(self.args.capacity_factor * route.experts.shape[0] * k / E)
+            order = order[rank_in_expert < capacity]
+        else:
+            order = torch.argsort(expert_of, stable=True)  # (N k,) slots grouped by expert
+        counts = torch.bincount(expert_of[order], minlength=E)  # (E,) kept slots per expert
+        return order, order // k, weight_of[order], counts
+
+    def _add_aux_losses(self, out: torch.Tensor, route: Routing) -> torch.Tensor:
+        a = self.args
+        if not torch.is_grad_enabled() or (a.aux_loss_weight == 0 and a.z_loss_weight == 0):
+            return out
+        aux = out.new_zeros((), dtype=torch.float32)
+        if a.aux_loss_weight > 0:
+            aux = aux + a.aux_loss_weight * load_balancing_loss(route, a.n_experts)
+        if a.z_loss_weight > 0:
+            aux = aux + a.z_loss_weight * router_z_loss(route.logits)
+        return AddAuxLoss.apply(out, aux, self.aux_loss_scale)
+
+    @torch.no_grad()
+    def _record(self, route: Routing, kept: torch.Tensor, dropped: int) -> None:
+        s = self.stats
+        routed = torch.bincount(route.experts.flatten(), minlength=self.args.n_experts).double()  # (E,)
+        s.tokens_per_expert = routed if s.tokens_per_expert is None else s.tokens_per_expert + routed
+        s.dropped += dropped
+        if self.args.aux_loss_weight > 0:
+            s.aux_loss += float(load_balancing_loss(route, self.args.n_experts))
+        if self.args.z_loss_weight > 0:
+            s.z_loss += float(router_z_loss(route.logits))
+        s.forwards += 1
+
+    def take_stats(self) -> MoEStats:
+        """This layer's statistics since the last call, and a fresh start."""
+        stats, self.stats = self.stats, MoEStats()
+        return stats
+
+    def active_fraction(self) -> float:
+        """Share of the routed experts' weights each token uses."""
+        return self.args.top_k / self.args.n_experts
+
+
+def load_balancing_loss(route: Routing, n_experts: int) -> torch.Tensor:
+    """Switch/GShard loss E * sum_i f_i P_i (0-dim, fp32): f_i the share of token-slots
+    routed to expert i (not differentiable), P_i the mean probability of i. 1 when balanced."""
+    N, k = route.experts.shape
+    f = torch.bincount(route.experts.flatten(), minlength=n_experts).float() / (N * k)  # (E,)
+    P = route.probs.mean(0)  # (E,)
+    return n_experts * (f * P).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's z-loss: mean squared log-partition of the router logits (0-dim, fp32)."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
+    """(block index, MoE) of every MoE layer a model (or pipeline stage) holds."""
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            parts = [p for p in name.split(".") if p.isdigit()]
+            out.append((int(parts[0]) if parts else -1, module))
+    return out

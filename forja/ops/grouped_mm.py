@@ -1,0 +1,84 @@
+"""Grouped matrix multiply: one weight matrix per group of rows, for a mixture of experts.
+
+Rows of `x` arrive sorted by group (expert); `counts[g]` rows belong to group g, whose
+weight is `w[g]` in nn.Linear's (out, in) layout:
+
+    out[rows of g] = x[rows of g] @ w[g].T        x (M, K), w (G, N, K) -> (M, N)
+
+Two implementations with the same result:
+
+- "grouped": `torch._grouped_mm`, one kernel for every group (CUTLASS on Hopper and later
+  GPUs, in bf16 with 16-byte aligned strides; a fallback kernel on CPU in recent torch).
+  It is an underscore API: it is what torchtitan and transformers call, and PyTorch has no
+  public name for it yet.
+- "loop": one `F.linear` per non-empty group, the reference; it runs everywhere.
+
+`impl="auto"` takes "grouped" where the device and dtype support it, else "loop".
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+GROUPED_MM_IMPLS = ("auto", "grouped", "loop")
+
+
+def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Reference: x (M, K) rows sorted by group, w (G, N, K), counts (G,) -> (M, N)."""
+    sizes = counts.tolist()
+    out = [F.linear(rows, w[g]) for g, rows in enumerate(x.split(sizes)) if sizes[g]]
+    if not out:  # no rows at all: still an output in the graph of x and w (zero gradients)
+        return F.linear(x, w[0])
+    return torch.cat(out)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: `_grouped_mm`'s backward
+    rejects the zero-stride gradient that, for instance, `out.sum()` produces."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def grouped_mm_fused(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm` with group ends as int32 offsets."""
+    offsets = torch.cumsum(counts, 0).to(torch.int32)  # (G,) end row of each group
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets))
+
+
+@cache
+def _grouped_supported(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device_type == "cuda":
+        return capability is not None and capability >= (9, 0) and dtype == torch.bfloat16
+    if device_type != "cpu":
+        return False
+    try:  # older torch has no CPU kernel: probe once
+        x, w = torch.ones(2, 4, dtype=dtype), torch.ones(2, 4, 4, dtype=dtype)
+        grouped_mm_fused(x, w, torch.tensor([1, 1]))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def grouped_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs for these tensors (device, dtype, alignment)."""
+    cap = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    aligned = all(s * x.element_size() % 16 == 0 for s in (x.shape[-1], w.shape[-2]))
+    return aligned and _grouped_supported(x.device.type, x.dtype, cap)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """x (M, K) rows sorted by group, w (G, N, K), counts (G,) int -> (M, N)."""
+    if impl == "loop" or (impl == "auto" and not grouped_supported(x, w)):
+        return grouped_mm_loop(x, w, counts)
+    return grouped_mm_fused(x, w.to(x.dtype), counts)

@@ -1,0 +1,112 @@
+"""Expert parallelism: a mixture of experts' routed experts sharded over the "ep" ranks.
+
+EP borrows its ranks from data parallelism (parallel.ep divides parallel.dp_shard): the
+ranks of an EP group see different tokens, each holds n_experts / ep of the experts, and
+every MoE layer moves each routed token-slot to the rank holding its expert and back:
+
+    tokens sorted by expert (M, D), rows per expert (E,)
+      -> all_to_all of the counts         each rank learns how many rows it will receive
+      -> all_to_all of the rows           uneven splits: (rows from rank 0, 1, ...), each by expert
+      -> regroup by local expert, grouped matmuls, ungroup
+      -> all_to_all back                  the results return to the tokens' ranks
+
+`torch.distributed.all_to_all_single` with split sizes runs on NCCL and on Gloo, so EP is
+tested on CPU. The router, the shared experts and attention stay data-parallel.
+
+The experts' stacked weights become DTensors sharded on dim 0 over the expert mesh's "ep"
+dimension; FSDP then shards each rank's experts over the remaining data-parallel ranks
+("efsdp", see dims.py), as its own FSDP unit. An expert's gradient sums the contributions
+of every EP rank's tokens, so FSDP's reduction divides it by the whole data-parallel
+degree, not the FSDP group's size (forja/parallel/fsdp.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from forja.models.common.moe import GroupedExperts, moe_layers
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; backward sends the gradients back the other way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows x[in_splits[r] block] go to rank r; returns the rows received, by source rank."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class ExpertDispatch:
+    """Installs the dispatch around one `GroupedExperts`: a forward pre-hook sends its
+    rows to the experts' ranks, a forward hook brings the results back."""
+
+    def __init__(self, experts: GroupedExperts, group: dist.ProcessGroup, ep: int):
+        self.group, self.ep = group, ep
+        self._pending: list[tuple] = []  # per forward in flight: how to send the results back
+        experts.register_forward_pre_hook(self.dispatch)
+        experts.register_forward_hook(self.combine)
+
+    @torch.compiler.disable  # data-dependent split sizes: run eagerly inside compiled blocks
+    def dispatch(self, module: nn.Module, inputs: tuple) -> tuple:
+        x, counts = inputs  # (M, D) sorted by global expert; (E,) rows per global expert
+        local = counts.numel() // self.ep
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)  # (ep * local,): rows from each source
+        received = received.view(self.ep, local)  # (source rank, local expert)
+        send = counts.view(self.ep, local).sum(1).tolist()
+        recv = received.sum(1).tolist()
+        rows = all_to_all(x, recv, send, self.group)  # (R, D): by source rank, then by expert
+        order = _by_expert(received, sum(recv))  # rows regrouped by local expert, then by source
+        self._pending.append((order, send, recv))
+        return rows[order], received.sum(0)
+
+    @torch.compiler.disable
+    def combine(self, module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+        order, send, recv = self._pending.pop()
+        back = torch.empty_like(out).index_copy(0, order, out)  # undo the regrouping
+        return all_to_all(back, send, recv, self.group)
+
+
+def _by_expert(received: torch.Tensor, total: int) -> torch.Tensor:
+    """Row order that turns blocks (source, expert) into (expert, source).
+
+    received (S, L): rows source s sent for local expert l, laid out source-major;
+    `total` their sum (known on the host: no device sync here)."""
+    flat = received.flatten()
+    starts = (torch.cumsum(flat, 0) - flat).view_as(received)  # (S, L) first row of each block
+    sizes = received.t().flatten()  # (L S,) blocks in the wanted order
+    first = starts.t().flatten()
+    offset_in_block = torch.arange(total, device=received.device) - torch.repeat_interleave(
+        torch.cumsum(sizes, 0) - sizes, sizes, output_size=total)
+    return torch.repeat_interleave(first, sizes, output_size=total) + offset_in_block
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard every MoE layer's routed experts over `ep_mesh` and route tokens to them
+    (the model may be on the meta device)."""
+    ep = ep_mesh.size()
+    for _, moe in moe_layers(model):
+        experts = moe.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            # src_data_rank=None: each rank keeps its slice, no scatter (weights are initialized later).
+            shard = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
+        ExpertDispatch(experts, ep_mesh.get_group(), ep)

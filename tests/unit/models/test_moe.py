@@ -1,0 +1,122 @@
+"""The mixture-of-experts layer against a per-token reference written from its definition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forja.errors import ForjaError
+from forja.models.common.moe import MoE, MoEArgs, load_balancing_loss, router_z_loss
+
+
+def _layer(seed: int = 0, dim: int = 16, **kw) -> MoE:
+    args = MoEArgs(**{"n_experts": 8, "top_k": 2, "moe_ffn_dim": 12, **kw})
+    torch.manual_seed(seed)
+    moe = MoE(dim, args)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+        if moe.router.expert_bias is not None:
+            moe.router.expert_bias.normal_(0, 0.1)
+    return moe
+
+
+def _reference(moe: MoE, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_j w_j * expert_j(x) (+ shared) token by token; `keep` (N, k) masks dropped slots."""
+    flat = x.reshape(-1, x.shape[-1])
+    route = moe.router(flat)
+    e = moe.experts
+    out = torch.zeros_like(flat)
+    for n in range(flat.shape[0]):
+        for j in range(moe.args.top_k):
+            if keep is not None and not keep[n, j]:
+                continue
+            i = int(route.experts[n, j])
+            h = F.silu(flat[n] @ e.w1[i].T) * (flat[n] @ e.w3[i].T)
+            out[n] += route.weights[n, j] * (h @ e.w2[i].T)
+    if moe.shared_experts is not None:
+        out = out + moe.shared_experts(flat)
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),  # softmax, normalized top-k (Qwen3-MoE)
+    dict(norm_topk_prob=False, moe_impl="loop"),
+    dict(score_func="sigmoid", expert_bias=True, n_expert_groups=4, topk_groups=2, route_scale=2.5,
+         n_shared_experts=1),  # DeepSeek-V3
+    dict(score_func="softmax", n_expert_groups=2, topk_groups=1, group_score="max"),  # DeepSeek-V2
+])
+def test_moe_matches_per_token_reference(kw):
+    moe = _layer(**kw)
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(moe(x), _reference(moe, x), atol=1e-5, rtol=1e-5)
+
+
+def test_group_limited_routing_picks_within_best_groups():
+    moe = _layer(score_func="sigmoid", n_expert_groups=4, topk_groups=1)
+    route = moe.router(torch.randn(40, 16))
+    groups = route.experts // 2  # 8 experts in 4 groups of 2
+    assert (groups == groups[:, :1]).all()  # both choices in the one allowed group
+
+
+def test_capacity_drops_the_lowest_weighted_slots():
+    moe = _layer(capacity_factor=0.5, moe_impl="loop")
+    x = torch.randn(1, 16, 16)
+    out = moe(x)
+    route = moe.router(x.reshape(-1, 16))
+    capacity = int(0.5 * 16 * 2 / 8)
+    keep = torch.zeros_like(route.experts, dtype=torch.bool)
+    for i in range(8):
+        slots = (route.experts == i).nonzero()
+        best = route.weights[slots[:, 0], slots[:, 1]].argsort(descending=True, stable=True)[:capacity]
+        keep[slots[best, 0], slots[best, 1]] = True
+    torch.testing.assert_close(out, _reference(moe, x, keep), atol=1e-5, rtol=1e-5)
+    stats = moe.take_stats()
+    assert stats.dropped == int((~keep).sum()) > 0
+    assert stats.tokens_per_expert.sum() == 32
+
+
+def test_aux_losses_reach_the_gradients_as_if_added_to_the_loss():
+    x = torch.randn(2, 6, 16)
+    moe = _layer(aux_loss_weight=0.1, z_loss_weight=0.01)
+    moe.aux_loss_scale = 0.5
+    moe(x).square().sum().backward()
+    attached = moe.router.gate.weight.grad.clone()
+
+    plain = _layer(aux_loss_weight=0.0, z_loss_weight=0.0)
+    out = plain(x)
+    route = plain.router(x.reshape(-1, 16))
+    aux = 0.1 * load_balancing_loss(route, 8) + 0.01 * router_z_loss(route.logits)
+    (out.square().sum() + 0.5 * aux).backward()
+    torch.testing.assert_close(attached, plain.router.gate.weight.grad, atol=1e-5, rtol=1e-5)
+    assert moe.take_stats().aux_loss > 0
+
+
+def test_balanced_routing_gives_an_aux_loss_of_one():
+    from forja.models.common.moe import Routing
+
+    experts = torch.arange(8).view(4, 2)  # every expert once
+    route = Routing(weights=torch.full((4, 2), 0.5), experts=experts, logits=torch.zeros(4, 8),
+                    probs=torch.full((4, 8), 1 / 8))
+    assert float(load_balancing_loss(route, 8)) == pytest.approx(1.0)
+
+
+def test_bias_update_moves_toward_underloaded_experts():
+    moe = _layer(score_func="sigmoid", expert_bias=True, bias_update_rate=0.01)
+    moe.router.init_buffers()
+    moe.router.update_bias(torch.tensor([10.0, 0, 2, 4, 4, 4, 4, 4]))
+    assert moe.router.expert_bias[0] == pytest.approx(-0.01)
+    assert moe.router.expert_bias[1] == pytest.approx(0.01)
+    assert moe.router.expert_bias[3] == 0
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(top_k=9), "top_k"),
+    (dict(n_expert_groups=3), "n_expert_groups"),
+    (dict(bias_update_rate=0.1), "bias_update_rate"),
+    (dict(score_func="relu"), "score_func"),
+])
+def test_bad_routing_options_name_the_field(kw, field):
+    with pytest.raises(ForjaError, match=field):
+        _layer(**kw)
