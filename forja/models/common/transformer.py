@@ -198,6 +198,9 @@ class Transformer(nn.Module):
         """Fill all parameters from `seed`, identically for any sharding or pipeline split
         (a stage's copy of the tied embedding is drawn as the embedding itself)."""
         init_parameters(self, seed, self.init_rule, aliases=self.tied_parameters())
+        for module in self.modules():  # state that is not a parameter (an MoE router's bias)
+            if hasattr(module, "init_buffers"):
+                module.init_buffers()
 
     def new_kv_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         a = self.args
@@ -214,6 +217,16 @@ class Transformer(nn.Module):
             n -= sum(p.numel() for p in self.lookup_tables())
         return n
 
+    def num_active_params(self, *, exclude_embeddings: bool = False) -> int:
+        """Parameters one token uses: a mixture of experts' routed experts count only for
+        the share of them each token is sent to (top_k / n_experts)."""
+        n = self.num_params(exclude_embeddings=exclude_embeddings)
+        for module in self.modules():
+            if hasattr(module, "active_fraction"):
+                routed = sum(p.numel() for p in module.experts.parameters())
+                n -= round(routed * (1 - module.active_fraction()))
+        return n
+
     def lookup_tables(self) -> list[nn.Parameter]:
         tables = [] if self.args.tie_embeddings else [self.tok_embeddings.weight]
         return tables
@@ -222,10 +235,10 @@ class Transformer(nn.Module):
         """Training FLOPs (forward + backward) per token at `seq_len`.
 
         6 N for the weight matmuls (2 forward, 4 backward per parameter, Kaplan et al.
-        2020) plus 12 L H hd T for the attention scores and weighted values (PaLM,
+        2020; N counts the parameters a token uses: a mixture of experts' active ones) plus 12 L H hd T for the attention scores and weighted values (PaLM,
         Chowdhery et al. 2022, appendix B), counted over the full T x T square as the
         kernels that report MFU conventionally do, not the causal half.
         """
         a = self.args
-        n = self.num_params(exclude_embeddings=True)
+        n = self.num_active_params(exclude_embeddings=True)
         return 6 * n + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
