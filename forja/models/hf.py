@@ -2,8 +2,11 @@
 
 Loading streams one tensor at a time from the safetensors files into a model built
 on the meta device and materialized in the target dtype, so a checkpoint needs about
-its own size in memory, not twice that. Every problem is reported before any weight
-is read: an unknown architecture, a missing, extra or misshapen tensor, each named.
+its own size in memory, not twice that (a mixture of experts' per-expert tensors go one
+by one into the slices of forja's stacked tensor). When a family's checkpoints come in
+several layouts (transformers 5 may save experts fused), the loader follows the one whose
+names the checkpoint holds. Every problem is reported before any weight is read: an
+unknown architecture, a missing, extra or misshapen tensor, each named.
 Saving writes to a temporary directory renamed when complete.
 """
 
@@ -83,7 +86,7 @@ def _check_names_and_shapes(rules: list[TensorRule], stored: dict[str, Stored], 
     for rule in rules:
         if rule.hf not in stored:
             raise ForjaError(f"{where}: tensor {rule.hf} is missing; a {arch} with this config.json needs it")
-        want = tuple(rule.to_hf(tuple(expected[n] for n in rule.forja)).shape)
+        want = tuple(rule.to_hf(rule.forja_views(expected)).shape)
         handle, name = stored[rule.hf]
         have = tuple(handle.get_slice(name).get_shape())  # from the header: no data read
         if have != want:
@@ -94,6 +97,15 @@ def _check_names_and_shapes(rules: list[TensorRule], stored: dict[str, Stored], 
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise ForjaError(f"{where}: unexpected tensor {extra[0]}{more}; it has no place in a {arch} "
                          "with this config.json (does config.json match the weights?)")
+
+
+def _layout_of(stored: dict[str, Stored], adapter: HFAdapter, args: Any) -> list[TensorRule]:
+    """The rules, expanded per layer and slice, of the layout the checkpoint is in: of the
+    adapter's layouts, the one naming the most stored tensors (the saved one on a tie), so
+    a damaged checkpoint is reported against the layout it was written in."""
+    layouts = [adapter.rules(args), *adapter.other_layouts(args)]
+    expanded = [[x for r in rules for x in r.expand(args.n_layers)] for rules in layouts]
+    return max(expanded, key=lambda rules: sum(r.hf in stored for r in rules))
 
 
 def _checkpoint_dtype(cfg: dict, stored: dict[str, Stored]) -> torch.dtype:
@@ -114,18 +126,18 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = N
     cfg = read_config(path)
     adapter = _adapter_for_architecture(cfg, path)
     args = adapter.args_from_config(cfg)
-    rules = [x for r in adapter.rules(args) for x in r.expand(args.n_layers)]
     expected = build_from_args(args, device="meta").state_dict()
     with contextlib.ExitStack() as stack:
         stored = _open_tensors(path, adapter.normalize_name, stack)
+        rules = _layout_of(stored, adapter, args)
         _check_names_and_shapes(rules, stored, adapter, expected, cfg["architectures"][0], path)
         model = build_from_args(args, device=device, dtype=dtype or _checkpoint_dtype(cfg, stored), init=False)
         params = model.state_dict()
         with torch.no_grad():
-            for rule in rules:
+            for rule in rules:  # one stored tensor at a time, into its tensor or slice
                 handle, name = stored[rule.hf]
-                for target, value in zip(rule.forja, rule.to_forja(handle.get_tensor(name))):
-                    params[target].copy_(value)
+                for target, value in zip(rule.forja_views(params), rule.to_forja(handle.get_tensor(name))):
+                    target.copy_(value)
     return model
 
 
@@ -133,7 +145,7 @@ def _to_hf_tensors(model: Transformer, adapter: HFAdapter, dtype: torch.dtype | 
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
     out = {}
     for rule in (x for r in adapter.rules(model.args) for x in r.expand(model.args.n_layers)):
-        t = rule.to_hf(tuple(state[n].detach() for n in rule.forja))
+        t = rule.to_hf(tuple(v.detach() for v in rule.forja_views(state)))
         out[rule.hf] = t.to(device="cpu", dtype=dtype or t.dtype).contiguous().clone()
     return out
 

@@ -3,14 +3,18 @@
 A family's adapter lists `TensorRule`s: one Hugging Face tensor <-> one or more forja
 tensors, with the transforms between layouts (GPT-2's Conv1D weights are transposed;
 its fused q/k/v projection is split in three). `{i}` in a name stands for a layer
-index. The generic loader in `forja/models/hf.py` uses these rules both ways and to
+index. A rule may also map many Hugging Face tensors to slices of one forja tensor:
+a mixture of experts holds one (E, H, D) tensor per projection where the published
+checkpoints hold one (H, D) tensor per expert, so `{e}` in the name stands for the
+slice along dim 0 (`stacked=E`), and each expert is streamed into, or cut from, its own
+slice. The generic loader in `forja/models/hf.py` uses these rules both ways and to
 say, for a bad checkpoint, which Hugging Face tensor is missing, extra or misshapen.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,12 +36,31 @@ class TensorRule:
     """forja tensors -> Hugging Face tensor."""
     optional: bool = False
     """May be absent from a checkpoint (a tied lm_head)."""
+    stacked: int = 0
+    """Above 0: the forja tensors stack this many Hugging Face tensors along dim 0, the
+    one `{e}` in `hf` names going to slice e ("mlp.experts.{e}.gate_proj.weight" is
+    slice e of "feed_forward.experts.w1"). `expand` makes one rule per slice."""
+    index: int | None = None
+    """Set by `expand` on a stacked rule: the slice of the forja tensors this rule covers."""
 
     def expand(self, n_layers: int) -> list[TensorRule]:
-        if "{i}" not in self.hf:
-            return [self]
-        return [TensorRule(self.hf.format(i=i), tuple(f.format(i=i) for f in self.forja),
-                           self.to_forja, self.to_hf, self.optional) for i in range(n_layers)]
+        """One rule per layer for `{i}`, then one per slice for `{e}`: rules that each name
+        one Hugging Face tensor."""
+        rules = [self]
+        if "{i}" in self.hf:
+            # "{e}" is formatted as itself here, and replaced below.
+            rules = [replace(self, hf=self.hf.format(i=i, e="{e}"), forja=tuple(f.format(i=i) for f in self.forja))
+                     for i in range(n_layers)]
+        if self.stacked:
+            rules = [replace(r, hf=r.hf.replace("{e}", str(e)), stacked=0, index=e)
+                     for r in rules for e in range(self.stacked)]
+        return rules
+
+    def forja_views(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The forja tensors this (expanded) rule reads and writes, from a state dict by
+        name: whole, or their slice `index` (a view, so copying into it fills the tensor)."""
+        ts = tuple(tensors[n] for n in self.forja)
+        return ts if self.index is None else tuple(t[self.index] for t in ts)
 
 
 def transposed(t: torch.Tensor) -> tuple[torch.Tensor]:
@@ -73,8 +96,12 @@ class HFAdapter:
     config_from_args: Callable[[Any], dict]
     """Typed args -> config.json; refuses models transformers has no equivalent for."""
     rules: Callable[[Any], list[TensorRule]]
-    """The tensor rules for a model of these args."""
+    """The tensor rules for a model of these args: the layout forja saves."""
     ignored: tuple[str, ...] = ()
     """Patterns of stored tensors forja does not need (old causal-mask buffers)."""
     normalize_name: Callable[[str], str] = str
     """A stored tensor's name as the rules spell it (adds a missing prefix, say)."""
+    other_layouts: Callable[[Any], list[list[TensorRule]]] = lambda args: []
+    """Further layouts a checkpoint may hold the same model in, each a full list of rules
+    (transformers 5 can save experts fused into one tensor per layer). Loading follows
+    whichever of `rules` and these names the most stored tensors; saving writes `rules`."""

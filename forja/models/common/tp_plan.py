@@ -57,9 +57,10 @@ class TPPlan:
         return plan
 
 
-def dense_tp_plan(sequence_parallel: bool, *, gated_mlp: bool = True) -> TPPlan:
+def dense_tp_plan(sequence_parallel: bool, *, gated_mlp: bool = True, qk_norm: bool = False) -> TPPlan:
     """The plan of a pre-norm block with attention (wq, wk, wv, wo) and an MLP (w1, w2, and
-    the gate's w3 when `gated_mlp`); norms named attention_norm and ffn_norm."""
+    the gate's w3 when `gated_mlp`); norms named attention_norm and ffn_norm; with `qk_norm`,
+    per-head attention.q_norm and attention.k_norm."""
     seq = Shard(1) if sequence_parallel else Replicate()
     root: dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -76,6 +77,13 @@ def dense_tp_plan(sequence_parallel: bool, *, gated_mlp: bool = True) -> TPPlan:
     }
     if gated_mlp:
         block["feed_forward.w3"] = ColwiseParallel()
+    if qk_norm:
+        # A rank holds whole heads, so the per-head norms compute on its local heads; but their
+        # (head_dim,) weight's gradient sums over all heads. As "sequence parallel" along the
+        # heads dimension of (B, T, heads, hd), the weight is a replicated DTensor whose partial
+        # gradients are summed over the TP group; the output is handed back as a local tensor.
+        for norm in ("attention.q_norm", "attention.k_norm"):
+            block[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if sequence_parallel:
         root["norm"] = SequenceParallel()
         block.update({

@@ -34,3 +34,14 @@ def test_untied_embedding_lookup_is_not_counted():
     table = untied.args.vocab_size * untied.args.dim
     assert untied.num_params() - tied.num_params() == table
     assert untied.flops_per_token(128) == tied.flops_per_token(128)  # the lookup is no matmul
+
+
+def test_mixture_of_experts_counts_the_active_experts_only():
+    # Every token-slot runs exactly one expert, so the counted FLOPs are those of the
+    # parameters a token uses: top_k of n_experts experts (the loop's F.linear is counted).
+    model = build_model("qwen3", "debug-moe", moe_impl="loop")
+    measured = measured_flops_per_token(model, 2, 64)
+    formula = model.flops_per_token(64)
+    print(f"qwen3 debug-moe: formula/measured = {formula / measured:.4f}")
+    assert abs(formula / measured - 1) < 0.05
+    assert model.num_active_params() < 0.7 * model.num_params()

@@ -13,10 +13,10 @@ from forja.parallel.dims import ParallelDims
 CPU = torch.device("cpu")
 
 
-def _check(world: int, seq_len: int = 64, gbs: int = 8, mbs: int = 2, **parallel):
+def _check(world: int, seq_len: int = 64, gbs: int = 8, mbs: int = 2, model=("llama", "debug"), **parallel):
     cfg = ParallelConfig(**parallel)
     dims = ParallelDims.from_config(cfg, world)
-    args = model_args("llama", "debug")
+    args = model_args(*model)
     check_layout(args, dims, cfg, seq_len=seq_len, global_batch_size=gbs,
                  micro_batch_size=mbs, device=CPU)
 
@@ -24,6 +24,7 @@ def _check(world: int, seq_len: int = 64, gbs: int = 8, mbs: int = 2, **parallel
 def test_good_layouts_pass():
     _check(8, tp=2, pp=2)  # dp_shard fills the rest: 2
     _check(4, dp_replicate=2)
+    _check(8, ep=4, tp=2, model=("qwen3", "debug-moe"))  # 8 experts over 4 of the 4 dp_shard ranks
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -33,6 +34,8 @@ def test_good_layouts_pass():
     (dict(world=2, tp=2, async_tp=True), r"parallel.async_tp needs CUDA"),
     (dict(world=4, gbs=6), r"train.global_batch_size = 6 is not divisible by the data-parallel degree 4"),
     (dict(world=2, gbs=8, mbs=3), r"= 4 is not divisible by train.micro_batch_size = 3"),
+    (dict(world=2, ep=2), r"parallel.ep = 2 needs a mixture-of-experts model.*set parallel.ep = 1"),
+    (dict(world=3, ep=3, model=("qwen3", "debug-moe")), r"model n_experts = 8 \(parallel.ep = 3\) is not divisible by 3"),
 ])
 def test_bad_layouts_name_the_keys(kwargs, message):
     with pytest.raises(ForjaError, match=message):
@@ -44,6 +47,8 @@ def test_degrees_must_multiply_to_the_world_size():
         ParallelDims.from_config(ParallelConfig(tp=2, pp=2, dp_shard=2), 4)
     with pytest.raises(ForjaError, match="world size 6 is not divisible by dp_replicate\\*tp\\*pp\\*cp = 4"):
         ParallelDims.from_config(ParallelConfig(tp=2, pp=2), 6)
+    with pytest.raises(ForjaError, match=r"parallel.ep = 4 does not divide parallel.dp_shard = 2"):
+        ParallelDims.from_config(ParallelConfig(tp=2, ep=4), 4)
 
 
 @pytest.mark.parametrize("ac", [dict(ac="full"), dict(ac="selective"), dict(ac="selective", ac_every=2)])
