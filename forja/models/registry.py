@@ -17,6 +17,10 @@ from forja.errors import ForjaError
 from forja.models.common.hf_rules import HFAdapter
 from forja.models.common.tp_plan import TPPlan
 from forja.models.common.transformer import Transformer, TransformerArgs
+from forja.models.deepseek_v3 import hf as deepseek_v3_hf
+from forja.models.deepseek_v3.flavors import FLAVORS as DEEPSEEK_V3_FLAVORS
+from forja.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3Args
+from forja.models.deepseek_v3.parallelize import deepseek_v3_tp_plan
 from forja.models.gpt2 import hf as gpt2_hf
 from forja.models.gpt2.flavors import FLAVORS as GPT2_FLAVORS
 from forja.models.gpt2.model import GPT2, GPT2Args
@@ -25,6 +29,10 @@ from forja.models.llama import hf as llama_hf
 from forja.models.llama.flavors import FLAVORS as LLAMA_FLAVORS
 from forja.models.llama.model import Llama, LlamaArgs
 from forja.models.llama.parallelize import llama_tp_plan
+from forja.models.qwen3 import hf as qwen3_hf
+from forja.models.qwen3.flavors import FLAVORS as QWEN3_FLAVORS
+from forja.models.qwen3.model import Qwen3, Qwen3Args
+from forja.models.qwen3.parallelize import qwen3_tp_plan
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,9 @@ class ModelSpec:
 FAMILIES: dict[str, ModelSpec] = {
     "llama": ModelSpec("llama", Llama, LlamaArgs, LLAMA_FLAVORS, llama_hf.ADAPTER, llama_tp_plan),
     "gpt2": ModelSpec("gpt2", GPT2, GPT2Args, GPT2_FLAVORS, gpt2_hf.ADAPTER, gpt2_tp_plan),
+    "deepseek_v3": ModelSpec("deepseek_v3", DeepSeekV3, DeepSeekV3Args, DEEPSEEK_V3_FLAVORS, deepseek_v3_hf.ADAPTER,
+                             deepseek_v3_tp_plan),
+    "qwen3": ModelSpec("qwen3", Qwen3, Qwen3Args, QWEN3_FLAVORS, qwen3_hf.ADAPTER, qwen3_tp_plan),
 }
 
 

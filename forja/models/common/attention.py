@@ -87,23 +87,26 @@ def _flex_block_mask(document_ids: torch.Tensor | None, T: int, window: int | No
 _compiled_flex = None
 
 
-def _flex_attention(q, k, v, block_mask):
+def _flex_attention(q, k, v, block_mask, scale=None):
     # FlexAttention is only fast compiled; compile it once per process, lazily.
     global _compiled_flex
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-    """Scaled dot-product attention. q (B, H, Tq, hd); k, v (B, Hkv, Tk, hd) -> (B, H, Tq, hd)."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
+           scale: float | None = None) -> torch.Tensor:
+    """Scaled dot-product attention. q (B, H, Tq, hd); k (B, Hkv, Tk, hd); v (B, Hkv, Tk, hv)
+    -> (B, H, Tq, hv). Values may be narrower than keys (latent attention). `scale`
+    multiplies the scores; None means 1/sqrt(hd)."""
     if mask.block_mask is not None:
-        return _flex_attention(q, k, v, mask.block_mask)
+        return _flex_attention(q, k, v, mask.block_mask, scale)
     attn_mask = mask.dense.to(q.device) if mask.dense is not None else None
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, is_causal=mask.is_causal, enable_gqa=q.shape[1] != k.shape[1]
+        q, k, v, attn_mask=attn_mask, is_causal=mask.is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
 
 
@@ -112,14 +115,16 @@ class KVCache:
 
     Buffers are preallocated for `max_len` positions; `length` counts those filled.
     The model writes each layer's new keys/values through `update` and calls
-    `advance` once per forward pass.
+    `advance` once per forward pass. `value_dim` is the values' width when it differs
+    from the keys' `head_dim` (latent attention); None means the same.
     """
 
     def __init__(self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
-                 *, dtype: torch.dtype, device: torch.device | str):
+                 *, dtype: torch.dtype, device: torch.device | str, value_dim: int | None = None):
         shape = (batch, n_kv_heads, max_len, head_dim)
+        value_shape = (batch, n_kv_heads, max_len, value_dim or head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values = [torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.max_len = max_len
         self.length = 0
 

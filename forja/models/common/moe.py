@@ -162,7 +162,7 @@ class Router(nn.Module):
             choice = self._mask_groups(choice)
         experts = choice.topk(a.top_k, dim=-1, sorted=False).indices  # (N, k)
         weights = scores.gather(1, experts)  # (N, k): the bias picks experts, never weighs them
-        if a.norm_topk_prob and a.top_k > 1:
+        if a.norm_topk_prob:  # with top_k 1 too (w / (w + 1e-20)), as Hugging Face does
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * a.route_scale
         probs = scores if a.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
@@ -179,6 +179,14 @@ class Router(nn.Module):
         best = group_scores.topk(a.topk_groups, dim=-1, sorted=False).indices  # (N, topk_groups)
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (N, G)
         return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+
+    def _apply(self, fn, recurse=True):
+        # Keep the bias in fp32 when the model is cast to bf16: steps of 1e-3 on values near 1
+        # would round away in bf16 (Hugging Face keeps it fp32 too).
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor) -> None:
@@ -255,7 +263,7 @@ class MoE(nn.Module):
         route = self.router(flat)
         slots, token_of, weights, counts = self._dispatch_order(route)
         y = self.experts(flat[token_of], counts)  # (M, D), M kept token-slots sorted by expert
-        y = y * weights[:, None].to(y.dtype)
+        y = y * weights[:, None]  # the fp32 weights promote: one rounding to the model's dtype below
         out = torch.zeros_like(flat).index_add_(0, token_of, y.to(flat.dtype))  # (N, D)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

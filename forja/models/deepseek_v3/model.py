@@ -1,0 +1,161 @@
+"""DeepSeek-V3 (DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024, arXiv 2412.19437), single-device.
+
+Also the shapes of DeepSeek-V2 and V2-Lite (arXiv 2405.04434), which share the architecture:
+
+- multi-head latent attention (forja/models/common/mla.py) with decoupled rotary positions
+  over qk_rope_head_dim dimensions, YaRN-scaled for long context;
+- the first `n_dense_layers` blocks have a dense SwiGLU (ffn_dim wide), every later one a
+  DeepSeekMoE layer (forja/models/common/moe.py): fine-grained routed experts plus shared
+  experts every token goes through. V3 routes by sigmoid scores, chooses among the best
+  `topk_groups` of `n_expert_groups` groups (a group's score: the sum of its two best
+  experts'), balances load with a per-expert bias that only picks experts (auxiliary-loss
+  free), renormalizes the chosen k weights and multiplies them by `route_scale`;
+- RMSNorm pre-norm blocks, untied embeddings.
+
+Not implemented: V3's multi-token prediction module (a training objective and speculative
+decoder; its tensors in published checkpoints are skipped).
+
+Parameter names: attention.{wq | wq_a, q_norm, wq_b}, attention.{wkv_a, kv_norm, wkv_b, wo};
+feed_forward.w1/w2/w3 in dense blocks, feed_forward.{router.gate, experts.w1/w2/w3,
+shared_experts.w1/w2/w3} in MoE blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from forja.errors import ForjaError
+from forja.models.common.attention import KVCache
+from forja.models.common.mla import MLA
+from forja.models.common.mlp import SwiGLU
+from forja.models.common.moe import MoE, MoEArgs
+from forja.models.common.norms import RMSNorm
+from forja.models.common.rope import YarnScaling, rope_cos_sin, rope_frequencies
+from forja.models.common.transformer import Transformer, TransformerArgs, TransformerBlock
+
+
+@dataclass(kw_only=True)
+class DeepSeekV3Args(TransformerArgs, MoEArgs):
+    """A DeepSeek-V2/V3 model's shape; `flavors.py` holds the published sizes. `head_dim` is
+    the query/key width qk_nope_head_dim + qk_rope_head_dim; `ffn_dim` the dense blocks' MLP."""
+
+    norm_eps: float = 1e-6
+    """Epsilon of the blocks' and the final RMSNorm (Hugging Face `rms_norm_eps`)."""
+    n_dense_layers: int = 1
+    """The first this-many blocks have a dense MLP, the rest experts (`first_k_dense_replace`)."""
+    q_lora_rank: int = 0
+    """Width of the query latent; 0 projects queries directly (V2-Lite)."""
+    kv_lora_rank: int = 512
+    """Width of the key/value latent c_kv, the part MLA compresses to."""
+    qk_nope_head_dim: int = 128
+    """Per-head query/key dimensions without rotary positions."""
+    qk_rope_head_dim: int = 64
+    """Per-head query dimensions with rotary positions (one key head of them, shared)."""
+    v_head_dim: int = 128
+    """Per-head value width."""
+    rope_theta: float = 10_000.0
+    """Base of the rotary frequencies."""
+    rope_scaling: YarnScaling | None = None
+    """YaRN frequency scaling; None for plain RoPE."""
+    score_func: Literal["softmax", "sigmoid"] = "sigmoid"
+    """Router scores: independent sigmoids (V3) or a softmax over experts (V2)."""
+    expert_bias: bool = True
+    """V3's auxiliary-loss-free balancing bias (Hugging Face `e_score_correction_bias`)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # from TOML or a flavor override
+            self.rope_scaling = YarnScaling(**self.rope_scaling)
+        if self.head_dim is None:
+            self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise ForjaError(f"model.head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = "
+                             f"{self.qk_nope_head_dim + self.qk_rope_head_dim} in DeepSeek-V3; leave it unset")
+        if self.n_kv_heads not in (None, self.n_heads):
+            raise ForjaError(f"model.n_kv_heads={self.n_kv_heads}: latent attention has a key and value per "
+                             f"query head; leave it unset (it is n_heads = {self.n_heads})")
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ForjaError(f"model.{name}={getattr(self, name)} must be at least 1")
+        if self.qk_rope_head_dim % 2 or self.q_lora_rank < 0 or self.n_dense_layers < 0:
+            raise ForjaError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even, q_lora_rank="
+                             f"{self.q_lora_rank} and n_dense_layers={self.n_dense_layers} at least 0")
+        super().__post_init__()
+        self.check_moe()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_experts > 0 and layer >= self.n_dense_layers
+
+    def softmax_scale(self) -> float:
+        """1/sqrt(query/key width), times YaRN's mscale^2 when the scaling has mscale_all_dim."""
+        scale = self.head_dim**-0.5
+        return scale if self.rope_scaling is None else self.rope_scaling.softmax_scale(scale)
+
+
+# Parameters that write into the residual stream, whose init shrinks with depth.
+_RESIDUAL_OUT = ("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared_experts.w2.weight")
+
+
+class DeepSeekV3(Transformer):
+    args: DeepSeekV3Args
+
+    def __init__(self, args: DeepSeekV3Args):
+        super().__init__(args)
+        # Not a buffer: it must stay float32 when the model is cast to bf16, and it is
+        # derived from args, so checkpoints need not carry it. Cached per device.
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def build_block(self, layer: int) -> TransformerBlock:
+        a = self.args
+        attention = MLA(a.dim, a.n_heads, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
+                        qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
+                        v_head_dim=a.v_head_dim, softmax_scale=a.softmax_scale(),
+                        fused_rope="rope" in a.fused_ops, fused_norm="rms_norm" in a.fused_ops)
+        fused_swiglu = "swiglu" in a.fused_ops
+        if a.is_moe_layer(layer):
+            ffn: nn.Module = MoE(a.dim, a, fused_swiglu=fused_swiglu)
+        else:
+            ffn = SwiGLU(a.dim, a.ffn_dim, fused=fused_swiglu)
+        return TransformerBlock(attention, ffn, self.build_norm(), self.build_norm())
+
+    def build_norm(self) -> RMSNorm:
+        return RMSNorm(self.args.dim, self.args.norm_eps, fused="rms_norm" in self.args.fused_ops)
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        device = positions.device
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_frequencies(a.qk_rope_head_dim, a.rope_theta, a.rope_scaling).to(device)
+        scale = 1.0 if a.rope_scaling is None else a.rope_scaling.rope_scale()
+        return rope_cos_sin(self._inv_freq[device], positions, scale)
+
+    def init_rule(self, name: str) -> tuple:
+        """Llama's scheme: small-std truncated normals, depth-scaled for the matrices that
+        write into the residual stream (wo, the MLP's and every expert's w2)."""
+        if name.endswith("norm.weight"):  # block norms, final norm, q_norm, kv_norm
+            return ("ones",)
+        if name == "tok_embeddings.weight":
+            return ("normal", 0.02 if self.args.tie_embeddings else 1.0)
+        if name == "output.weight":
+            return ("trunc_normal", self.args.dim**-0.5)
+        if name.endswith(_RESIDUAL_OUT):
+            return ("trunc_normal", 0.02 / math.sqrt(2 * self.args.n_layers))
+        return ("trunc_normal", 0.02)  # wq*, wkv_a/b, w1/w3, experts.w1/w3, router.gate.weight
+
+    def new_kv_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+        a = self.args
+        weight = next(iter(self.layers.values())).attention.wkv_b.weight
+        return KVCache(a.n_layers, batch, max_len or a.max_seq_len, a.n_heads, a.head_dim, value_dim=a.v_head_dim,
+                       dtype=weight.dtype, device=weight.device)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 x the weights a token goes through (top_k of the
+        routed experts), plus the scores (q . k over dn + dr) and weighted values (dv),
+        2 FLOPs each forward and 4 backward, over the full T x T square."""
+        a = self.args
+        attention = 6 * a.n_layers * a.n_heads * (a.head_dim + a.v_head_dim) * seq_len
+        return 6 * self.num_active_params(exclude_embeddings=True) + attention
