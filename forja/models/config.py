@@ -14,7 +14,7 @@ class ModelConfig:
     """Which model to train."""
 
     family: str = "llama"
-    """Model family: llama or gpt2."""
+    """Model family: llama, gpt2, qwen3 or deepseek_v3."""
     flavor: str = "debug"
     """A size from the family's flavors.py (debug, tiny, 3.2-1b, 124m, ...)."""
     attention: Literal["sdpa", "flex"] = "sdpa"

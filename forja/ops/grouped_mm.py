@@ -29,7 +29,10 @@ GROUPED_MM_IMPLS = ("auto", "grouped", "loop")
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Reference: x (M, K) rows sorted by group, w (G, N, K), counts (G,) -> (M, N)."""
     sizes = counts.tolist()
-    out = [F.linear(rows, w[g]) for g, rows in enumerate(x.split(sizes)) if sizes[g]]
+    # unbind, not w[g]: each w[g]'s backward would make a zero tensor the size of all of w
+    # (G of them: 26x slower at 128 experts, bench/moe.py); unbind's stacks one.
+    weights = w.unbind(0)
+    out = [F.linear(rows, weights[g]) for g, rows in enumerate(x.split(sizes)) if sizes[g]]
     if not out:  # no rows at all: still an output in the graph of x and w (zero gradients)
         return F.linear(x, w[0])
     return torch.cat(out)
@@ -72,6 +75,8 @@ def _grouped_supported(device_type: str, dtype: torch.dtype, capability: tuple[i
 
 def grouped_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` runs for these tensors (device, dtype, alignment)."""
+    if torch.compiler.is_compiling() and x.device.type != "cuda":
+        return False  # the op's meta function (what compile traces with) accepts bf16 CUDA inputs only
     cap = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
     aligned = all(s * x.element_size() % 16 == 0 for s in (x.shape[-1], w.shape[-2]))
     return aligned and _grouped_supported(x.device.type, x.dtype, cap)

@@ -31,6 +31,8 @@ LAYOUTS = {
     "EP 2 x TP 2 + SP, DeepSeek-V3 (latent attention)": (4, {**DEEPSEEK, "parallel.ep": "2", "parallel.dp_shard": "2",
                                                              "parallel.tp": "2"}),
     "EP 2 + full AC": (2, {**EP2, "parallel.ac": '"full"'}),
+    "HSDP 2 x EP 2": (4, {**EP2, "parallel.dp_replicate": "2"}),
+    "EP 2 + compile": (2, {**EP2, "parallel.compile": "true"}),
     "EP 2 x FSDP 2": (4, {**MOE, "parallel.ep": "2", "parallel.dp_shard": "4"}),
     "EP 2 x TP 2 + SP": (4, {**EP2, "parallel.tp": "2"}),
     "PP 2 x EP 2": (4, {**EP2, "parallel.pp": "2"}),
@@ -63,16 +65,24 @@ def _saved_at_5(run, train_data, nproc, changes):
     shutil.rmtree(run / "checkpoints" / "step-00000010")
 
 
-@pytest.mark.parametrize(("source", "target"), [("EP 2", "1 process"), ("EP 2 x FSDP 2", "EP 4")])
-def test_moe_checkpoint_reshards_between_ep_layouts(tmp_path, train_data, moe_reference, source, target):
+@pytest.mark.parametrize(("source", "target"), [
+    ("EP 2", "1 process"),
+    ("EP 2 x FSDP 2", "EP 4"),
+    # The bias of auxiliary-loss-free balancing is part of the checkpoint: resumed without it,
+    # routing would differ at once.
+    ("EP 2, DeepSeek-V3 routing and bias update", "1 process"),
+])
+def test_moe_checkpoint_reshards_between_ep_layouts(tmp_path, train_data, request, source, target):
     run = tmp_path / "run"
     _saved_at_5(run, train_data, *LAYOUTS[source])
+    model = DEEPSEEK if "DeepSeek" in source else MOE
     resume = {"checkpoint.interval": "5", "checkpoint.keep": "0"}
     if target == "1 process":
-        single_process_losses(run, train_data, **MOE, **resume)
+        single_process_losses(run, train_data, **model, **resume)
     else:
-        layout_losses(run, train_data, 4, **MOE, **resume, **{"parallel.ep": "4", "parallel.dp_shard": "4"})
-    diff = max_difference(moe_reference, losses(run))
+        layout_losses(run, train_data, 4, **model, **resume, **{"parallel.ep": "4", "parallel.dp_shard": "4"})
+    reference = request.getfixturevalue("deepseek_reference" if "DeepSeek" in source else "moe_reference")
+    diff = max_difference(reference, losses(run))
     print(f"resharding {source} -> {target}: max |loss diff| = {diff:.2e}")
     assert diff < MOE_TOL
 

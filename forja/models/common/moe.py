@@ -37,6 +37,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from forja.errors import ForjaError
 from forja.models.common.mlp import SwiGLU
@@ -225,7 +226,7 @@ class GroupedExperts(nn.Module):
 def _local(w: torch.Tensor) -> torch.Tensor:
     """This rank's experts: under expert parallelism the stacked weights are sharded
     (DTensors) along the expert dimension, and the layer computes with its own slice."""
-    return w.to_local() if hasattr(w, "to_local") else w
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class AddAuxLoss(torch.autograd.Function):
