@@ -22,21 +22,18 @@ shared_experts.w1/w2/w3} in MoE blocks.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch import nn
 
 from forja.errors import ForjaError
 from forja.models.common.attention import KVCache
+from forja.models.common.decoder import RotaryDecoder
 from forja.models.common.mla import MLA
-from forja.models.common.mlp import SwiGLU
-from forja.models.common.moe import MoE, MoEArgs
-from forja.models.common.norms import RMSNorm
-from forja.models.common.rope import YarnScaling, rope_cos_sin, rope_frequencies
-from forja.models.common.transformer import Transformer, TransformerArgs, TransformerBlock
+from forja.models.common.moe import MoEArgs
+from forja.models.common.rope import YarnScaling, rope_frequencies
+from forja.models.common.transformer import TransformerArgs
 
 
 @dataclass(kw_only=True)
@@ -96,55 +93,22 @@ class DeepSeekV3Args(TransformerArgs, MoEArgs):
         return scale if self.rope_scaling is None else self.rope_scaling.softmax_scale(scale)
 
 
-# Parameters that write into the residual stream, whose init shrinks with depth.
-_RESIDUAL_OUT = ("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared_experts.w2.weight")
-
-
-class DeepSeekV3(Transformer):
+class DeepSeekV3(RotaryDecoder):
     args: DeepSeekV3Args
 
-    def __init__(self, args: DeepSeekV3Args):
-        super().__init__(args)
-        # Not a buffer: it must stay float32 when the model is cast to bf16, and it is
-        # derived from args, so checkpoints need not carry it. Cached per device.
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
-
-    def build_block(self, layer: int) -> TransformerBlock:
+    def build_attention(self, layer: int) -> MLA:
         a = self.args
-        attention = MLA(a.dim, a.n_heads, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
-                        qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
-                        v_head_dim=a.v_head_dim, softmax_scale=a.softmax_scale(),
-                        fused_rope="rope" in a.fused_ops, fused_norm="rms_norm" in a.fused_ops)
-        fused_swiglu = "swiglu" in a.fused_ops
-        if a.is_moe_layer(layer):
-            ffn: nn.Module = MoE(a.dim, a, fused_swiglu=fused_swiglu)
-        else:
-            ffn = SwiGLU(a.dim, a.ffn_dim, fused=fused_swiglu)
-        return TransformerBlock(attention, ffn, self.build_norm(), self.build_norm())
+        return MLA(a.dim, a.n_heads, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
+                   qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
+                   v_head_dim=a.v_head_dim, softmax_scale=a.softmax_scale(),
+                   fused_rope="rope" in a.fused_ops, fused_norm="rms_norm" in a.fused_ops)
 
-    def build_norm(self) -> RMSNorm:
-        return RMSNorm(self.args.dim, self.args.norm_eps, fused="rms_norm" in self.args.fused_ops)
+    def rope_frequencies(self) -> torch.Tensor:
+        a = self.args  # only the decoupled rope part of each head rotates
+        return rope_frequencies(a.qk_rope_head_dim, a.rope_theta, a.rope_scaling)
 
-    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        a = self.args
-        device = positions.device
-        if device not in self._inv_freq:
-            self._inv_freq[device] = rope_frequencies(a.qk_rope_head_dim, a.rope_theta, a.rope_scaling).to(device)
-        scale = 1.0 if a.rope_scaling is None else a.rope_scaling.rope_scale()
-        return rope_cos_sin(self._inv_freq[device], positions, scale)
-
-    def init_rule(self, name: str) -> tuple:
-        """Llama's scheme: small-std truncated normals, depth-scaled for the matrices that
-        write into the residual stream (wo, the MLP's and every expert's w2)."""
-        if name.endswith("norm.weight"):  # block norms, final norm, q_norm, kv_norm
-            return ("ones",)
-        if name == "tok_embeddings.weight":
-            return ("normal", 0.02 if self.args.tie_embeddings else 1.0)
-        if name == "output.weight":
-            return ("trunc_normal", self.args.dim**-0.5)
-        if name.endswith(_RESIDUAL_OUT):
-            return ("trunc_normal", 0.02 / math.sqrt(2 * self.args.n_layers))
-        return ("trunc_normal", 0.02)  # wq*, wkv_a/b, w1/w3, experts.w1/w3, router.gate.weight
+    def rope_scale(self) -> float:
+        return 1.0 if self.args.rope_scaling is None else self.args.rope_scaling.rope_scale()
 
     def new_kv_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         a = self.args

@@ -19,19 +19,16 @@ feed_forward.router.gate and feed_forward.experts.w1/w2/w3 (E, H, D) / (E, D, H)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from forja.errors import ForjaError
 from forja.models.common.attention import Attention
-from forja.models.common.mlp import SwiGLU
-from forja.models.common.moe import MoE, MoEArgs
-from forja.models.common.norms import RMSNorm
-from forja.models.common.rope import rope_cos_sin, rope_frequencies
-from forja.models.common.transformer import Transformer, TransformerArgs, TransformerBlock
+from forja.models.common.decoder import RotaryDecoder
+from forja.models.common.moe import MoEArgs
+from forja.models.common.rope import rope_frequencies
+from forja.models.common.transformer import TransformerArgs
 
 
 @dataclass(kw_only=True)
@@ -66,48 +63,11 @@ class Qwen3Args(TransformerArgs, MoEArgs):
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
 
-# Parameters that write into the residual stream, whose init shrinks with depth.
-_RESIDUAL_OUT = ("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared_experts.w2.weight")
-
-
-class Qwen3(Transformer):
+class Qwen3(RotaryDecoder):
     args: Qwen3Args
 
-    def __init__(self, args: Qwen3Args):
-        super().__init__(args)
-        # Not a buffer: it must stay float32 when the model is cast to bf16, and it is
-        # derived from args, so checkpoints need not carry it. Cached per device.
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+    def build_attention(self, layer: int) -> Attention:
+        return self.gqa_attention()
 
-    def build_block(self, layer: int) -> TransformerBlock:
-        a = self.args
-        attention = Attention(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, qk_norm=a.qk_norm, norm_eps=a.norm_eps,
-                              fused_rope="rope" in a.fused_ops)
-        fused_swiglu = "swiglu" in a.fused_ops
-        if a.is_moe_layer(layer):
-            ffn: nn.Module = MoE(a.dim, a, fused_swiglu=fused_swiglu)
-        else:
-            ffn = SwiGLU(a.dim, a.ffn_dim, fused=fused_swiglu)
-        return TransformerBlock(attention, ffn, self.build_norm(), self.build_norm())
-
-    def build_norm(self) -> RMSNorm:
-        return RMSNorm(self.args.dim, self.args.norm_eps, fused="rms_norm" in self.args.fused_ops)
-
-    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        device = positions.device
-        if device not in self._inv_freq:
-            self._inv_freq[device] = rope_frequencies(self.args.head_dim, self.args.rope_theta).to(device)
-        return rope_cos_sin(self._inv_freq[device], positions)
-
-    def init_rule(self, name: str) -> tuple:
-        """Llama's scheme: small-std truncated normals, depth-scaled for the matrices that
-        write into the residual stream (wo, the MLP's and every expert's w2)."""
-        if name.endswith("norm.weight"):
-            return ("ones",)
-        if name == "tok_embeddings.weight":
-            return ("normal", 0.02 if self.args.tie_embeddings else 1.0)
-        if name == "output.weight":
-            return ("trunc_normal", self.args.dim**-0.5)
-        if name.endswith(_RESIDUAL_OUT):
-            return ("trunc_normal", 0.02 / math.sqrt(2 * self.args.n_layers))
-        return ("trunc_normal", 0.02)  # wq/wk/wv, w1/w3, experts.w1/w3, router.gate.weight
+    def rope_frequencies(self) -> torch.Tensor:
+        return rope_frequencies(self.args.head_dim, self.args.rope_theta)
