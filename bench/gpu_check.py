@@ -38,7 +38,8 @@ TESTS_TIMEOUT_S = 180
 IN_FLIGHT_S = 100  # the longest single benchmark item: a compiled training variant with its compilation
 MARGIN_S = 20  # starting the children, writing the table
 BENCH_SIZE = "check"  # bench/gpu.py's size made to fit: Llama 3.2-1B, few steps
-PLAN = f"tests/gpu, then bench/gpu.py --size {BENCH_SIZE}"
+PLAN = f"tests/gpu, then bench/gpu.py --size {BENCH_SIZE}, then bench/moe.py --gpu"
+MOE_S = 90  # bench/moe.py --gpu's training and grouped-GEMM sections at 30b-a3b shapes
 
 
 def no_gpu() -> str | None:
@@ -170,6 +171,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_moe_bench(env: dict, out_dir: Path, seconds_left: float) -> tuple[list[dict], bool]:
+    """bench/moe.py --gpu (its tables go to moe.md); a row saying where, or why not."""
+    what = "bench/moe.py --gpu --sections train grouped_mm"
+    if seconds_left < MOE_S:
+        return [row("bench", what, note=f"skipped: only {seconds_left:.0f} s left")], False
+    md, log = out_dir / "moe.md", out_dir / "moe.log"
+    cmd = [sys.executable, "bench/moe.py", "--gpu", "--sections", "train", "grouped_mm",
+           "--json", str(out_dir / "moe.json")]
+    print(f"gpu-check: {' '.join(cmd[1:])} (log: {log})", flush=True)
+    rc, seconds = run_logged(cmd, log, seconds_left, env)
+    md.write_text(log.read_text(errors="replace"))
+    note = "tables in moe.md" if rc == 0 else ("stopped at the time limit" if rc is None else f"failed: exit {rc}")
+    return [row("bench", what, f"{seconds:.0f} s", note=note)], rc != 0
+
+
 def main() -> int:
     start = time.monotonic()
     why = no_gpu()
@@ -185,11 +201,13 @@ def main() -> int:
     carried = install_wheels(env)
     test_rows, tests_failed = run_tests(env, out_dir)
     left = BUDGET_S - (time.monotonic() - start) - MARGIN_S
-    bench_rows, bench_failed = run_bench(env, out_dir, left)
-    report = header(carried, time.monotonic() - start) + "\n" + table(test_rows + bench_rows) + "\n"
+    bench_rows, bench_failed = run_bench(env, out_dir, left - MOE_S)
+    left = BUDGET_S - (time.monotonic() - start) - MARGIN_S
+    moe_rows, moe_failed = run_moe_bench(env, out_dir, left)
+    report = header(carried, time.monotonic() - start) + "\n" + table(test_rows + bench_rows + moe_rows) + "\n"
     (out_dir / "gpu_check.md").write_text(report)
     print("\n" + report, flush=True)
-    return 1 if tests_failed or bench_failed else 0
+    return 1 if tests_failed or bench_failed or moe_failed else 0
 
 
 if __name__ == "__main__":

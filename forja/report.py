@@ -4,6 +4,11 @@ Reads each run's metrics.jsonl (written by the JSONL sink) and writes PNG charts
 runs overlaid: loss.png (training loss, and validation loss dashed, on the same axes),
 lr.png, tokens_per_sec.png and grad_norm.png. Then prints one summary row per run. The
 charts go to the run directory for one run, to ./report for several, or to --out.
+
+A mixture-of-experts run (its log holds the `moe/...` keys of forja/train/experts.py) also
+gets expert_load.png, one panel each: the busiest expert's load over the mean and the load's
+coefficient of variation; the CV of every MoE layer; and, when non-zero, the share of
+token-slots dropped and the router losses. An "expert load" table then summarizes them.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import argparse
 import io
 import json
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -35,6 +41,20 @@ CHARTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "grad_norm": ("gradient norm (before clipping)", ("grad_norm",)),
 }
 
+# expert_load.png: panel title -> metric keys (the first solid, the second dashed), drawn when
+# logged; `LAYERS` stands for a panel of moe/layer{i}/load_cv, one line per MoE layer.
+LAYERS = "per layer"
+EXPERT_PANELS: dict[str, tuple[str, ...]] = {
+    "expert load: busiest / mean, worst layer (dashed: CV, mean over layers)": ("moe/load_max_mean", "moe/load_cv"),
+    "load CV per MoE layer": (LAYERS,),
+    "token-slots dropped by the capacity limit (share)": ("moe/dropped",),
+    "router losses, unweighted: load balancing (dashed: z-loss)": ("moe/aux_loss", "moe/z_loss"),
+}
+# Panels drawn only when some value is non-zero: dropless runs drop nothing, and a loss
+# that is turned off is logged as 0.
+WHEN_NONZERO = ("moe/dropped", "moe/aux_loss", "moe/z_loss")
+_LAYER_CV = re.compile(r"moe/layer(\d+)/load_cv")
+
 
 @dataclass
 class Run:
@@ -48,6 +68,18 @@ class Run:
         """The (steps, values) at which `key` was logged with a value."""
         points = [(r["step"], r[key]) for r in self.records if r.get(key) is not None and "step" in r]
         return [s for s, _ in points], [v for _, v in points]
+
+    def layer_cv_keys(self) -> list[str]:
+        """The moe/layer{i}/load_cv keys logged, by layer index."""
+        found = {m.group(0): int(m.group(1)) for r in self.records for k in r if (m := _LAYER_CV.fullmatch(k))}
+        return sorted(found, key=found.get)
+
+    def panel_keys(self, keys: tuple[str, ...]) -> list[str]:
+        """The keys of an EXPERT_PANELS entry this run has something to draw for."""
+        if keys == (LAYERS,):
+            return self.layer_cv_keys()
+        drawn = [k for k in keys if self.series(k)[0]]
+        return [k for k in drawn if k not in WHEN_NONZERO or any(v != 0 for v in self.series(k)[1])]
 
 
 def run_name(run_dir: Path) -> str:
@@ -164,7 +196,71 @@ def plot(runs: list[Run], out_dir: Path) -> list[Path]:
         path = out_dir / f"{stem}.png"
         _save(fig, path)
         written.append(path)
-    return written
+    expert_path = plot_expert_load(runs, out_dir, Figure)
+    return written + ([expert_path] if expert_path else [])
+
+
+def expert_panels(runs: list[Run]) -> dict[str, dict[str, list[str]]]:
+    """Panel title -> run name -> the keys drawn for it, for the panels with something to draw."""
+    panels = {title: {run.name: run.panel_keys(keys) for run in runs} for title, keys in EXPERT_PANELS.items()}
+    return {title: {name: keys for name, keys in by_run.items() if keys}
+            for title, by_run in panels.items() if any(by_run.values())}
+
+
+def plot_expert_load(runs: list[Run], out_dir: Path, Figure) -> Path | None:
+    """expert_load.png when any run logged expert-load metrics, one panel per EXPERT_PANELS
+    entry with data, sharing the step axis; None for dense runs."""
+    panels = expert_panels(runs)
+    if not panels:
+        return None
+    fig = Figure(figsize=(8, 3 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (title, by_run) in zip(axes, panels.items()):
+        layers = EXPERT_PANELS[title] == (LAYERS,)
+        for i, run in enumerate(runs):
+            keys = by_run.get(run.name, [])
+            if layers:
+                _plot_layers(ax, run, keys, ("-", "--", ":", "-.")[i % 4], len(runs) > 1, _layer_norm(by_run))
+                continue
+            for key in keys:
+                style = "-" if key == EXPERT_PANELS[title][0] else "--"
+                _plot_line(ax, run.series(key), style, f"C{i % 10}", f"{run.name} ({key})")
+        ax.set(title=title)
+        ax.grid(alpha=0.3)
+        if len(ax.get_lines()) <= 12:
+            ax.legend(fontsize="small")
+        elif layers:  # a legend of 48 layers would hide the lines: a colour scale instead
+            from matplotlib.cm import ScalarMappable
+
+            fig.colorbar(ScalarMappable(_layer_norm(by_run), "viridis"), ax=ax, label="layer")
+    axes[-1].set(xlabel="step")
+    path = out_dir / "expert_load.png"
+    _save(fig, path)
+    return path
+
+
+def _plot_line(ax, series: tuple[list[int], list[float]], style: str, color, label: str) -> None:
+    steps, values = series
+    ax.plot(steps, values, style, color=color, label=label, marker="o" if len(steps) < 3 else None)
+
+
+def _layer_norm(by_run: dict[str, list[str]]):
+    """Layer index -> [0, 1] over the layers any run logged, for the colour scale."""
+    from matplotlib.colors import Normalize
+
+    indices = [int(_LAYER_CV.fullmatch(k).group(1)) for keys in by_run.values() for k in keys]
+    return Normalize(min(indices), max(max(indices), min(indices) + 1))
+
+
+def _plot_layers(ax, run: Run, keys: list[str], style: str, several: bool, norm) -> None:
+    """One line per layer, coloured along viridis by layer index (one colour scale for a
+    48-layer model); several runs differ by line style."""
+    from matplotlib import colormaps
+
+    for key in keys:
+        layer = int(_LAYER_CV.fullmatch(key).group(1))
+        label = f"{run.name} layer {layer}" if several else f"layer {layer}"
+        _plot_line(ax, run.series(key), style, colormaps["viridis"](norm(layer)), label)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -186,6 +282,25 @@ def summary_table(runs: list[Run]) -> Table:
     return table
 
 
+def expert_table(runs: list[Run]) -> Table | None:
+    """Last values of each MoE run's expert-load metrics (the worst dropped share); None
+    when no run has any."""
+    moe_runs = [run for run in runs if run.series("moe/load_max_mean")[0]]
+    if not moe_runs:
+        return None
+    table = Table(title="expert load")
+    for column in ("run", "MoE layers", "load max/mean", "load CV", "dropped (max)", "aux loss", "z-loss"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    for run in moe_runs:
+        last = {key: (run.series(key)[1] or [None])[-1] for key in ("moe/load_max_mean", "moe/load_cv",
+                                                                     "moe/aux_loss", "moe/z_loss")}
+        dropped = run.series("moe/dropped")[1]
+        table.add_row(run.name, str(len(run.layer_cv_keys())), _fmt(last["moe/load_max_mean"], ".3f"),
+                      _fmt(last["moe/load_cv"], ".3f"), _fmt(max(dropped) if dropped else None, ".2%"),
+                      _fmt(last["moe/aux_loss"], ".4f"), _fmt(last["moe/z_loss"], ".4f"))
+    return table
+
+
 def report(run_dirs: list[str | os.PathLike[str]], out_dir: str | os.PathLike[str] | None = None,
            console: Console | None = None) -> list[Path]:
     """Charts and a summary of `run_dirs`; returns the chart paths. Every run is read (and
@@ -201,6 +316,9 @@ def report(run_dirs: list[str | os.PathLike[str]], out_dir: str | os.PathLike[st
     written = plot(runs, out)
     console = console or Console()
     console.print(summary_table(runs))
+    experts = expert_table(runs)
+    if experts is not None:
+        console.print(experts)
     for path in written:
         console.print(f"wrote {path}", highlight=False)
     return written
@@ -209,7 +327,8 @@ def report(run_dirs: list[str | os.PathLike[str]], out_dir: str | os.PathLike[st
 def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="plot and summarize training runs",
                        description="Plot loss, validation loss, learning rate, tokens/s and gradient norm of "
-                                   "one or more runs (overlaid), and print a summary of each.")
+                                   "one or more runs (overlaid), and the expert load of mixture-of-"
+                                   "experts runs, and print a summary of each.")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="where to write the PNGs (default: the run directory for one run, ./report for several)")

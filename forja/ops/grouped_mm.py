@@ -30,7 +30,7 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> t
     """Reference: x (M, K) rows sorted by group, w (G, N, K), counts (G,) -> (M, N)."""
     sizes = counts.tolist()
     # unbind, not w[g]: each w[g]'s backward would make a zero tensor the size of all of w
-    # (G of them: 26x slower at 128 experts, bench/moe.py); unbind's stacks one.
+    # (G of them: 93x slower at 128 experts, bench/RESULTS.md); unbind's stacks one.
     weights = w.unbind(0)
     out = [F.linear(rows, weights[g]) for g, rows in enumerate(x.split(sizes)) if sizes[g]]
     if not out:  # no rows at all: still an output in the graph of x and w (zero gradients)

@@ -90,3 +90,66 @@ def test_a_corrupt_line_is_an_error_but_a_torn_last_line_is_not(tmp_path, capsys
 def test_report_needs_a_run_dir(capsys):
     with pytest.raises(SystemExit):
         main(["report"])
+
+
+def write_moe_run(run_dir, *, steps=5, layers=(1, 2, 3), dropped=0.0, aux=0.0):
+    """A run with the expert-load metrics forja/train/experts.py logs (every record also
+    has the dense keys)."""
+    sink = JsonlSink(run_dir)
+    sink.start(total_steps=steps * 10, start_step=0)
+    for i in range(1, steps + 1):
+        metrics = {"loss": 5.0 / i, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_sec": 1000.0, "step_time": 0.5,
+                   "moe/load_max_mean": 1.0 + 2.0 / i, "moe/load_cv": 0.5 / i, "moe/dropped": dropped,
+                   "moe/aux_loss": aux, "moe/z_loss": 0.0}
+        for layer in layers:
+            metrics.update({f"moe/layer{layer}/load_max_mean": 1.0 + layer / i,
+                            f"moe/layer{layer}/load_cv": layer / (10 * i), f"moe/layer{layer}/dropped": dropped,
+                            f"moe/layer{layer}/aux_loss": aux, f"moe/layer{layer}/z_loss": 0.0})
+        sink.log(10 * i, metrics)
+    sink.close()
+    return run_dir
+
+
+def test_a_moe_run_gets_an_expert_load_chart_and_table(tmp_path, capsys):
+    from forja.report import expert_panels, load_run
+
+    run = write_moe_run(tmp_path / "moe", layers=(1, 2, 3, 10), aux=1.02)
+    assert main(["report", str(run)]) == 0
+    for name in [*CHARTS, "expert_load.png"]:
+        assert_png(run / name)
+    out = capsys.readouterr().out
+    assert "expert load" in out
+    # layers, last load max/mean 1 + 2/5, last CV 0.5/5, nothing dropped, last aux loss
+    for text in ("4", "1.400", "0.100", "0.00%", "1.0200"):
+        assert text in out
+    panels = expert_panels([load_run(run)])
+    assert list(panels) == [
+        "expert load: busiest / mean, worst layer (dashed: CV, mean over layers)",
+        "load CV per MoE layer",
+        "router losses, unweighted: load balancing (dashed: z-loss)",  # dropped and z-loss are all 0
+    ]
+    by_title = [by_run["moe"] for by_run in panels.values()]
+    assert by_title[0] == ["moe/load_max_mean", "moe/load_cv"]
+    assert by_title[1] == [f"moe/layer{i}/load_cv" for i in (1, 2, 3, 10)]  # by layer index, one line each
+    assert by_title[2] == ["moe/aux_loss"]
+
+
+def test_dropped_slots_are_drawn_and_runs_overlaid(tmp_path, capsys):
+    from forja.report import expert_panels, load_run
+
+    a = write_moe_run(tmp_path / "a", dropped=0.03)
+    b = write_run(tmp_path / "dense")
+    out_dir = tmp_path / "charts"
+    assert main(["report", str(a), str(b), "--out", str(out_dir)]) == 0
+    assert_png(out_dir / "expert_load.png")
+    panels = expert_panels([load_run(a), load_run(b)])
+    assert "token-slots dropped by the capacity limit (share)" in panels
+    assert all(list(by_run) == ["a"] for by_run in panels.values())  # the dense run draws nothing
+    assert "3.00%" in capsys.readouterr().out
+
+
+def test_a_dense_run_has_no_expert_load_chart(tmp_path, capsys):
+    run = write_run(tmp_path / "dense")
+    assert main(["report", str(run)]) == 0
+    assert not (run / "expert_load.png").exists()
+    assert "expert load" not in capsys.readouterr().out
