@@ -68,6 +68,8 @@ def _describe(tp: Any) -> str:
         return "none"
     if origin in (list, tuple):
         return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return f"a table of {', '.join(f.name for f in dataclasses.fields(tp))}"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
             dict: "a table"}.get(origin or tp, str(tp))
 
@@ -106,6 +108,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif dataclasses.is_dataclass(tp):  # a sub-section, e.g. [optim.muon]
+        if isinstance(value, dict):
+            return _build_section(tp, value, key, f"in [{key}]")
     else:
         raise TypeError(f"config field {key} has an unsupported annotation {tp!r}")
     raise ForjaError(f"{key} = {value!r} is not valid: it must be {_describe(tp)}")

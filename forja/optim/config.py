@@ -2,10 +2,69 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Literal
 
 from forja.errors import ForjaError
+
+
+@dataclass(kw_only=True)
+class MuonConfig:
+    """[optim.muon]: Muon (Jordan et al. 2024) for the 2-D hidden matrices; every other
+    parameter (embeddings, output projection, norms, biases, MoE routers) goes to AdamW."""
+
+    momentum: float = 0.95
+    """Momentum of the update before orthogonalization."""
+    nesterov: bool = True
+    """Nesterov momentum (orthogonalize g + momentum * buffer rather than the buffer)."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations."""
+    ns_coefficients: tuple[float, ...] = (3.4445, -4.775, 2.0315)
+    """(a, b, c) of the quintic Newton-Schulz step X <- aX + b(XX^T)X + c(XX^T)^2 X."""
+    update_scale: Literal["rms_match", "spectral", "none"] = "rms_match"
+    """Scale of the orthogonal update of an m x n matrix: rms_match = 0.2 sqrt(max(m, n)), so its
+    RMS matches AdamW's and AdamW's learning rate and weight decay carry over (Liu et al. 2025);
+    spectral = sqrt(max(1, m / n)) (Jordan); none = 1."""
+    adamw_lr: float | None = None
+    """Peak learning rate of the AdamW group; None: optim.lr."""
+    adamw_patterns: list[str] = field(default_factory=list)
+    """Parameter-name patterns (fnmatch, e.g. "*.attention.wo.weight") sent to AdamW though 2-D."""
+    muon_patterns: list[str] = field(default_factory=list)
+    """Parameter-name patterns sent to Muon though the rule would send them to AdamW."""
+
+
+@dataclass(kw_only=True)
+class LionConfig:
+    """[optim.lion]: Lion (Chen et al. 2023), the sign of an interpolated momentum."""
+
+    betas: tuple[float, ...] = (0.9, 0.99)
+    """(beta1, beta2): the interpolation for the update and the momentum's decay."""
+
+
+@dataclass(kw_only=True)
+class AdafactorConfig:
+    """[optim.adafactor]: Adafactor (Shazeer and Stern 2018) through torch.optim.Adafactor:
+    factored second moments, no first moment."""
+
+    beta2_decay: float = -0.8
+    """The second-moment decay rate is 1 - step^beta2_decay."""
+    eps2: float = 1e-3
+    """Relative-step epsilon: the update is at least eps2 x the parameter's RMS."""
+    d: float = 1.0
+    """Clipping threshold of the update's RMS."""
+
+
+@dataclass(kw_only=True)
+class SoapConfig:
+    """[optim.soap]: SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's preconditioner."""
+
+    shampoo_beta: float = 0.95
+    """Decay of the Kronecker factors' running averages."""
+    precondition_frequency: int = 10
+    """Steps between eigenbasis updates."""
+    max_precond_dim: int = 10_000
+    """A dimension larger than this is left unrotated (identity factor)."""
 
 
 @dataclass(kw_only=True)
@@ -13,7 +72,7 @@ class OptimConfig:
     """The optimizer."""
 
     name: str = "adamw"
-    """Optimizer: adamw, adam or sgd (see forja/optim/optimizers.py)."""
+    """Optimizer: adamw, adam, sgd, adafactor, lion, muon or soap (see forja/optim/optimizers.py)."""
     lr: float = 3e-4
     """Peak learning rate (reached after warmup)."""
     betas: tuple[float, ...] = (0.9, 0.95)
@@ -24,6 +83,14 @@ class OptimConfig:
     """Decoupled weight decay, applied to matrices only (not to norms or biases)."""
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
     """Kernel: auto = fused on GPU, foreach elsewhere."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    """Options of optim.name = "muon"."""
+    lion: LionConfig = field(default_factory=LionConfig)
+    """Options of optim.name = "lion"."""
+    adafactor: AdafactorConfig = field(default_factory=AdafactorConfig)
+    """Options of optim.name = "adafactor"."""
+    soap: SoapConfig = field(default_factory=SoapConfig)
+    """Options of optim.name = "soap"."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -44,6 +111,9 @@ class ScheduleConfig:
     """Final learning rate as a fraction of optim.lr."""
     decay_fraction: float = 0.2
     """wsd: the last fraction of the steps that decays (linearly) to min_lr_ratio."""
+    groups: dict[str, dict] = field(default_factory=dict)
+    """Per parameter group, schedule keys that differ, e.g. {adamw = {warmup_steps = 0}} with
+    Muon (groups: muon, adamw; other optimizers: matrices, vectors)."""
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0:
@@ -52,3 +122,14 @@ class ScheduleConfig:
             raise ForjaError(f"schedule.min_lr_ratio = {self.min_lr_ratio} must be in [0, 1]")
         if not 0 < self.decay_fraction <= 1:
             raise ForjaError(f"schedule.decay_fraction = {self.decay_fraction} must be in (0, 1]")
+        keys = {f for f in self.__dataclass_fields__ if f != "groups"}
+        for group, changes in self.groups.items():
+            unknown = sorted(set(changes) - keys) if isinstance(changes, dict) else ["(not a table)"]
+            if unknown:
+                raise ForjaError(f"schedule.groups.{group} has no schedule key {unknown[0]!r}; "
+                                 f"valid keys: {', '.join(sorted(keys))}")
+
+    def for_group(self, group: str) -> ScheduleConfig:
+        """This schedule with the keys that `groups` changes for parameter group `group`."""
+        changes = self.groups.get(group)
+        return self if not changes else dataclasses.replace(self, **changes, groups={})

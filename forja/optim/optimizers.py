@@ -13,15 +13,21 @@ from torch import nn
 
 from forja.errors import ForjaError
 from forja.optim.config import OptimConfig
+from forja.optim.lion import Lion
+from forja.optim.muon import Muon
+from forja.optim.params import muon_param_groups
+from forja.optim.soap import Soap
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: matrices (decayed) and vectors (not). Tied weights appear once."""
+    """Two groups: matrices (decayed) and vectors (not), named so a schedule can treat them
+    apart (`schedule.groups`). Tied weights appear once."""
     decay, no_decay = [], []
     for param in model.parameters():  # parameters() yields a tied weight once
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": weight_decay, "name": "matrices"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "vectors"}]
 
 
 def _kernel_flags(cfg: OptimConfig, params: Iterable[torch.Tensor]) -> dict:
@@ -49,17 +55,55 @@ def _sgd(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.betas[0], **flags)
 
 
+def _adafactor(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    # torch's Adafactor has no fused kernel; its lr caps the relative step size (min(lr, 1/sqrt(t))
+    # times the parameter's RMS), and its weight decay is decoupled (p *= 1 - lr * wd).
+    foreach = cfg.implementation in ("auto", "fused", "foreach")
+    a = cfg.adafactor
+    return torch.optim.Adafactor(groups, lr=cfg.lr, beta2_decay=a.beta2_decay, eps=(None, a.eps2), d=a.d,
+                                 foreach=foreach)
+
+
+def _lion(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    return Lion(groups, lr=cfg.lr, betas=tuple(cfg.lion.betas))
+
+
+def _soap(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    s = cfg.soap
+    return Soap(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, shampoo_beta=s.shampoo_beta,
+                precondition_frequency=s.precondition_frequency, max_precond_dim=s.max_precond_dim)
+
+
+def _muon(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    m = cfg.muon  # groups: from muon_param_groups (GROUPINGS), each with its use_muon flag and lr
+    return Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
+                ns_steps=m.ns_steps, ns_coefficients=tuple(m.ns_coefficients), update_scale=m.update_scale,
+                betas=tuple(cfg.betas), eps=cfg.eps)
+
+
 OPTIMIZERS: dict[str, Callable[[list[dict], OptimConfig], torch.optim.Optimizer]] = {
     "adamw": _adamw,
     "adam": _adam,
     "sgd": _sgd,
+    "muon": _muon,
+    "adafactor": _adafactor,
+    "lion": _lion,
+    "soap": _soap,
+}
+
+
+# Optimizers whose groups depend on parameter names, not only on shapes: their grouping.
+GROUPINGS: dict[str, Callable[[nn.Module, OptimConfig], list[dict]]] = {
+    "muon": muon_param_groups,
 }
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     if cfg.name not in OPTIMIZERS:
         raise ForjaError(f"optim.name = {cfg.name!r} is not known; choose one of {', '.join(OPTIMIZERS)}")
-    return OPTIMIZERS[cfg.name](param_groups(model, cfg.weight_decay), cfg)
+    grouping = GROUPINGS.get(cfg.name)
+    groups = grouping(model, cfg) if grouping else param_groups(model, cfg.weight_decay)
+    return OPTIMIZERS[cfg.name](groups, cfg)
 
 
 class OptimizerGroup:

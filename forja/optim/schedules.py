@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from forja.errors import ForjaError
 from forja.optim.config import ScheduleConfig
 
 
@@ -47,7 +48,14 @@ def lr_multiplier(cfg: ScheduleConfig, total_steps: int) -> Callable[[int], floa
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int) -> LambdaLR:
-    return LambdaLR(optimizer, lr_multiplier(cfg, total_steps))
+    """One multiplier per parameter group: a group named in `schedule.groups` (its "name"
+    entry: muon and adamw under Muon) warms up and decays by its own keys."""
+    names = [g.get("name", "") for g in optimizer.param_groups]
+    unknown = sorted(set(cfg.groups) - set(names))
+    if unknown:
+        raise ForjaError(f"schedule.groups names {unknown[0]!r}, which is not a parameter group of this "
+                         f"optimizer; its groups: {', '.join(n for n in names if n)}")
+    return LambdaLR(optimizer, [lr_multiplier(cfg.for_group(name), total_steps) for name in names])
 
 
 def reapply(scheduler: LambdaLR) -> None:

@@ -10,22 +10,15 @@ any parallel layout, and adding or removing a layer does not shift the others.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from forja.names import named_unique_parameters
+
 # A rule maps a parameter name to ("normal", std), ("trunc_normal", std), ("ones",) or ("zeros",).
 InitRule = Callable[[str], tuple]
-
-# Wrappers that activation checkpointing and torch.compile insert into module names.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name with wrapper modules removed: 'layers.0.attention.wq.weight'."""
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
-
 
 def _generator(seed: int, name: str) -> torch.Generator:
     gen = torch.Generator(device="cpu")
@@ -59,12 +52,6 @@ def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
             param.to_local().copy_(shard.to_local())
         else:
             param.copy_(full)
-
-
-def named_unique_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """Parameters once each (tied weights under their first name), names canonical."""
-    for name, param in model.named_parameters():
-        yield canonical_name(name), param
 
 
 def init_parameters(model: nn.Module, seed: int, rule: InitRule, aliases: dict[str, str] | None = None) -> None:

@@ -5,7 +5,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from forja.models import build_model
-from forja.models.common.init import canonical_name
+from forja.names import canonical_name
 from forja.testing import run_distributed
 
 

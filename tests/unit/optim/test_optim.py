@@ -35,8 +35,8 @@ def test_adamw_decays_a_matrix_but_not_a_norm():
 
 
 def test_unknown_optimizer_is_named():
-    with pytest.raises(ForjaError, match="optim.name = 'lion' is not known; choose one of adamw, adam, sgd"):
-        build_optimizer(build_model("llama", "debug"), OptimConfig(name="lion"))
+    with pytest.raises(ForjaError, match="optim.name = 'lamb' is not known; choose one of adamw, adam, sgd"):
+        build_optimizer(build_model("llama", "debug"), OptimConfig(name="lamb"))
 
 
 def _curve(name, total=100, **kw):
