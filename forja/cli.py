@@ -21,6 +21,7 @@ _COMMANDS = {
     "prepare": "forja.data.cli:add_prepare_cli",
     "generate": "forja.generate:add_cli",
     "report": "forja.report:add_cli",
+    "sweep": "forja.sweep:add_cli",
     "export": "forja.checkpoint.export:add_cli",
 }
 

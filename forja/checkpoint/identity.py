@@ -34,6 +34,8 @@ def model_identity(family: str, flavor: str, args: TransformerArgs) -> dict:
 def plain_args(args: TransformerArgs) -> dict:
     """The args as JSON values, kernel choices left out."""
     plain = _json_safe(dataclasses.asdict(args))
+    if plain.get("mup_width_mult") == 1.0:  # muP off: the identity of checkpoints from before muP
+        del plain["mup_width_mult"]
     return {k: v for k, v in plain.items() if k not in IMPLEMENTATION_ARGS}
 
 

@@ -28,11 +28,16 @@ class ModelConfig:
     """Per-op exceptions to fused_ops, e.g. {cross_entropy = false} or {rms_norm = true}."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Fields of the flavor to change, e.g. {n_layers = 2, qk_norm = true, sliding_window = 512}."""
+    mup_base_dim: int = 0
+    """0: off; else the width (model.dim) the hyperparameters were tuned at: the model is
+    parametrized (muP) so the best learning rate found at that width holds at larger widths."""
     init_from: str | None = None
     """Start from these weights instead of random ones: a Hugging Face directory, or a forja
     run directory or checkpoint (weights only; the optimizer and data start afresh)."""
 
     def __post_init__(self) -> None:
+        if self.mup_base_dim < 0:
+            raise ForjaError(f"model.mup_base_dim = {self.mup_base_dim} must be 0 (off) or a width (model.dim)")
         unknown = sorted(set(self.fused_ops_overrides) - set(FUSED_OPS))
         if unknown:
             raise ForjaError(f"model.fused_ops_overrides has no op {unknown[0]!r}; ops: {', '.join(FUSED_OPS)}")

@@ -183,6 +183,10 @@ def save_hf_checkpoint(model: Transformer, out: str | os.PathLike, *, overwrite:
     `config_updates` adds entries to config.json (special-token ids, for instance).
     """
     adapter = family_of(model).hf
+    if getattr(model.args, "mup_width_mult", 1.0) != 1.0:
+        raise ForjaError(f"this model was trained with muP (width multiplier {model.args.mup_width_mult:g}): its "
+                         "logits are scaled by 1/multiplier, which no transformers architecture does; "
+                         "export is refused rather than written wrong")
     cfg = {**adapter.config_from_args(model.args), **(config_updates or {})}  # refuses unexportable models
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:

@@ -15,6 +15,7 @@ from forja.errors import ForjaError
 from forja.optim.config import OptimConfig
 from forja.optim.lion import Lion
 from forja.optim.muon import Muon
+from forja.optim.mup import apply_mup
 from forja.optim.params import muon_param_groups
 from forja.optim.soap import Soap
 
@@ -103,6 +104,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         raise ForjaError(f"optim.name = {cfg.name!r} is not known; choose one of {', '.join(OPTIMIZERS)}")
     grouping = GROUPINGS.get(cfg.name)
     groups = grouping(model, cfg) if grouping else param_groups(model, cfg.weight_decay)
+    groups = apply_mup(model, groups, cfg.lr)  # the groups as they were when muP is off
     return OPTIMIZERS[cfg.name](groups, cfg)
 
 

@@ -80,4 +80,6 @@ def run_model_args(model_cfg: ModelConfig, vocab_size: int) -> TransformerArgs:
     if args.vocab_size < vocab_size:
         raise ForjaError(f"model.overrides.vocab_size = {args.vocab_size} is smaller than the tokenizer's "
                          f"{vocab_size} tokens; remove the override or make it larger")
+    if model_cfg.mup_base_dim:  # muP: parametrize relative to the width the lr was tuned at
+        args.mup_width_mult = args.dim / model_cfg.mup_base_dim
     return args

@@ -31,6 +31,7 @@ LAYERS: dict[str, set[str]] = {
     "forja.report": set(),
     "forja.train": {"forja.models", "forja.ops", "forja.data", "forja.optim", "forja.metrics", "forja.parallel",
                     "forja.checkpoint", "forja.generate", "forja.config"},
+    "forja.sweep": {"forja.config"},  # launches `forja train` as a child process, never imports it
     "forja.cli": {"*"},
     "forja.__main__": {"forja.cli"},
     "forja.testing": set(),

@@ -19,7 +19,8 @@ from torch import nn
 
 from forja.errors import ForjaError
 from forja.models.common.attention import ATTENTION_BACKENDS, Attention, KVCache, build_mask
-from forja.models.common.init import init_parameters
+from forja.models.common.init import InitRule, init_parameters
+from forja.names import named_unique_parameters
 
 
 @dataclass(kw_only=True)
@@ -55,6 +56,9 @@ class TransformerArgs:
     fused_ops: tuple[str, ...] = ()
     """Ops run through forja.ops (Triton on CUDA, the PyTorch reference elsewhere): any of
     rms_norm, rope, swiglu, cross_entropy. An implementation choice: weights are the same."""
+    mup_width_mult: float = 1.0
+    """muP's width multiplier, dim / the width the hyperparameters were tuned at (set from
+    model.mup_base_dim); 1 is the standard parametrization. See `mup_init_rule`."""
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -72,10 +76,38 @@ class TransformerArgs:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ForjaError(f"model sliding_window={self.sliding_window} must be at least 1 (or None for all)")
         self.fused_ops = tuple(self.fused_ops)
+        if self.mup_width_mult <= 0:
+            raise ForjaError(f"model mup_width_mult={self.mup_width_mult} must be positive (1: muP off)")
 
 
 # The name a tied embedding/output weight is stored and initialized under.
 TIED_WEIGHT = "tok_embeddings.weight"
+
+# Parameters muP leaves at their standard init: lookup tables (an embedding's coordinates do
+# not sum over the width) and the output projection (muP scales its logits in forward instead).
+MUP_UNSCALED = ("tok_embeddings.weight", "pos_embeddings.weight", "output.weight")
+
+
+def mup_init_rule(rule: InitRule, width_mult: float, ndims: dict[str, int]) -> InitRule:
+    """`rule` under muP (Yang et al. 2021, "Tensor Programs V"), the variant with an output
+    multiplier: every hidden weight (>= 2-D, not in MUP_UNSCALED; routers and experts
+    included) draws with its std divided by sqrt(width_mult), i.e. its variance keeps
+    scaling as 1/fan_in from the tuned width on. Embeddings, norms and biases are unchanged;
+    the logits are multiplied by 1/width_mult in forward (`Transformer.logits`), the output
+    weight keeping its init and learning rate. The attention scale stays 1/sqrt(head_dim)
+    (muP's 1/head_dim matters only when head_dim grows; forja widens by adding heads).
+    The learning-rate side is `forja.optim.mup`."""
+    if width_mult == 1.0:
+        return rule
+    shrink = width_mult**-0.5
+
+    def scaled(name: str) -> tuple:
+        base = rule(name)
+        if base[0] in ("normal", "trunc_normal") and ndims.get(name, 0) >= 2 and name not in MUP_UNSCALED:
+            return (base[0], base[1] * shrink)
+        return base
+
+    return scaled
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -184,20 +216,32 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.output is None:
             return h
-        return self.output(h) if labels is None else self.loss(h, labels)
+        return self.logits(h) if labels is None else self.loss(h, labels)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The output projection of final hidden states h (B, T, dim), times muP's output
+        multiplier 1/mup_width_mult (on the logits, not the weight: a tied embedding stays
+        as it is)."""
+        out = self.output(h)
+        mult = self.args.mup_width_mult
+        return out if mult == 1.0 else out * (1.0 / mult)
 
     def loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of final hidden states h (B, T, dim) against labels."""
         if "cross_entropy" in self.args.fused_ops:
             from forja.ops import fused_linear_cross_entropy
 
+            mult = self.args.mup_width_mult  # (h / m) W^T = logits / m: muP's multiplier, fused
+            h = h if mult == 1.0 else h * (1.0 / mult)
             return fused_linear_cross_entropy(h.flatten(0, 1), self.output.weight, labels.flatten())
-        return next_token_loss(self.output(h), labels)
+        return next_token_loss(self.logits(h), labels)
 
     def init_weights(self, seed: int = 0) -> None:
         """Fill all parameters from `seed`, identically for any sharding or pipeline split
         (a stage's copy of the tied embedding is drawn as the embedding itself)."""
-        init_parameters(self, seed, self.init_rule, aliases=self.tied_parameters())
+        ndims = {name: p.dim() for name, p in named_unique_parameters(self)}
+        rule = mup_init_rule(self.init_rule, self.args.mup_width_mult, ndims)
+        init_parameters(self, seed, rule, aliases=self.tied_parameters())
         for module in self.modules():  # state that is not a parameter (an MoE router's bias)
             if hasattr(module, "init_buffers"):
                 module.init_buffers()
@@ -234,10 +278,11 @@ class Transformer(nn.Module):
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs (forward + backward) per token at `seq_len`.
 
-        6 N for the weight matmuls (2 forward, 4 backward per parameter, Kaplan et al.
-        2020; N counts the parameters a token uses: a mixture of experts' active ones) plus 12 L H hd T for the attention scores and weighted values (PaLM,
-        Chowdhery et al. 2022, appendix B), counted over the full T x T square as the
-        kernels that report MFU conventionally do, not the causal half.
+        6 N for the weight matmuls (2 forward, 4 backward per parameter, Kaplan et al. 2020;
+        N counts the parameters a token uses: a mixture of experts' active ones) plus
+        12 L H hd T for the attention scores and weighted values (PaLM, Chowdhery et al. 2022,
+        appendix B), counted over the full T x T square as the kernels that report MFU
+        conventionally do, not the causal half.
         """
         a = self.args
         n = self.num_active_params(exclude_embeddings=True)
