@@ -100,6 +100,16 @@ class ModelState(Stateful):
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+# A parameter group's name (forja/optim: "matrices", "muon", ...) says which schedule the
+# group follows; it comes from the code and the config, not from training, so checkpoints
+# leave it out (and checkpoints written before groups had names still load).
+_GROUP_NAME = ".name"
+
+
+def _is_group_name(key: str) -> bool:
+    return key.startswith("param_groups.") and key.endswith(_GROUP_NAME)
+
+
 class OptimizerState(Stateful):
     def __init__(self, model: nn.Module | list[nn.Module], optimizers: torch.optim.Optimizer | list):
         self.parts = _parts(model)
@@ -110,12 +120,15 @@ class OptimizerState(Stateful):
         for part, opt in zip(self.parts, self.optimizers):
             state = get_optimizer_state_dict(part, opt, options=_FLAT)
             for key, value in _rename(state, part, to_stored=True, optimizer=True).items():
-                merged.setdefault(key, value)
+                if not _is_group_name(key):
+                    merged.setdefault(key, value)
         return merged
 
     def load_state_dict(self, state: dict) -> None:
         for part, opt in zip(self.parts, self.optimizers):
-            set_optimizer_state_dict(part, opt, with_tied_copies(part, state, optimizer=True), options=_FLAT)
+            names = {k: v for k, v in get_optimizer_state_dict(part, opt, options=_FLAT).items() if _is_group_name(k)}
+            full = {**with_tied_copies(part, state, optimizer=True), **names}  # the groups keep their names
+            set_optimizer_state_dict(part, opt, full, options=_FLAT)
 
 
 class RNGState(Stateful):
