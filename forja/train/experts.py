@@ -65,8 +65,9 @@ class ExpertBalance:
         E = self.layers[0][1].args.n_experts
         counts = torch.stack([s.tokens_per_expert if s.tokens_per_expert is not None
                               else torch.zeros(E, dtype=torch.float64, device=self.device) for s in stats])
-        scalars = torch.tensor([[s.dropped, s.aux_loss, s.z_loss, s.forwards] for s in stats],
-                               dtype=torch.float64, device=counts.device)
+        scalars = torch.stack([torch.stack([torch.as_tensor(v, dtype=torch.float64, device=counts.device)
+                                            for v in (s.dropped, s.aux_loss, s.z_loss, s.forwards)])
+                               for s in stats])  # (L, 4), built on the device: no sync per value
         packed = torch.cat([counts, scalars], dim=1)  # one collective for both
         group = self.dims.loss_group
         if dist.get_world_size(group) > 1:

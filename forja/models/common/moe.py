@@ -133,8 +133,10 @@ class MoEStats:
 
     tokens_per_expert: torch.Tensor | None = None  # (E,) float64: token-slots routed to each expert
     dropped: float = 0.0  # token-slots dropped by the capacity limit
-    aux_loss: float = 0.0  # sum over forwards of the load-balancing loss (unweighted)
-    z_loss: float = 0.0  # sum over forwards of the z-loss (unweighted)
+    # Sums over forwards of the unweighted losses, kept on the device (0-dim tensors): read as
+    # numbers only once a step, by the engine, not with a host sync per layer and micro-batch.
+    aux_loss: torch.Tensor | float = 0.0
+    z_loss: torch.Tensor | float = 0.0
     forwards: int = 0
 
 
@@ -262,17 +264,23 @@ class MoE(nn.Module):
         B, T, D = x.shape
         flat = x.reshape(-1, D)  # (N, D)
         route = self.router(flat)
-        slots, token_of, weights, counts = self._dispatch_order(route)
+        routed = torch.bincount(route.experts.flatten(), minlength=self.args.n_experts)  # (E,) slots per expert
+        slots, token_of, weights, counts = self._dispatch_order(route, routed)
         y = self.experts(flat[token_of], counts)  # (M, D), M kept token-slots sorted by expert
         y = y * weights[:, None]  # the fp32 weights promote: one rounding to the model's dtype below
         out = torch.zeros_like(flat).index_add_(0, token_of, y.to(flat.dtype))  # (N, D)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        out = self._add_aux_losses(out, route)
-        self._record(route, counts, dropped=route.experts.numel() - slots.numel())
+        aux, z = self._aux_losses(route, routed)
+        if torch.is_grad_enabled() and (aux is not None or z is not None):
+            weighted = sum(w * v for w, v in ((self.args.aux_loss_weight, aux), (self.args.z_loss_weight, z))
+                           if v is not None)
+            out = AddAuxLoss.apply(out, weighted, self.aux_loss_scale)
+        if self.training:  # validation and generation forwards neither count nor move the bias
+            self._record(routed, aux, z, dropped=route.experts.numel() - slots.numel())
         return out.view(B, T, D)
 
-    def _dispatch_order(self, route: Routing):
+    def _dispatch_order(self, route: Routing, routed: torch.Tensor):
         """The kept token-slots sorted by expert: (slot ids (M,), their tokens (M,), their
         weights (M,), rows per expert (E,)). Dropless keeps every slot; with a capacity
         factor each expert keeps its highest-weighted slots up to its capacity."""
@@ -282,37 +290,34 @@ class MoE(nn.Module):
         if self.args.capacity_factor > 0:
             by_weight = torch.argsort(weight_of, descending=True, stable=True)
             order = by_weight[torch.argsort(expert_of[by_weight], stable=True)]  # by expert, then weight
-            counts = torch.bincount(expert_of, minlength=E)  # (E,)
-            starts = torch.cumsum(counts, 0) - counts
+            starts = torch.cumsum(routed, 0) - routed  # (E,) first sorted slot of each expert
             rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[expert_of[order]]
             capacity = math.ceil(self.args.capacity_factor * route.experts.shape[0] * k / E)
             order = order[rank_in_expert < capacity]
+            counts = torch.bincount(expert_of[order], minlength=E)  # (E,) kept slots per expert
         else:
             order = torch.argsort(expert_of, stable=True)  # (N k,) slots grouped by expert
-        counts = torch.bincount(expert_of[order], minlength=E)  # (E,) kept slots per expert
+            counts = routed  # dropless: every routed slot is kept
         return order, order // k, weight_of[order], counts
 
-    def _add_aux_losses(self, out: torch.Tensor, route: Routing) -> torch.Tensor:
+    def _aux_losses(self, route: Routing, routed: torch.Tensor):
+        """(load-balancing loss, z-loss), each 0-dim fp32 with its graph, or None when its
+        weight is 0."""
         a = self.args
-        if not torch.is_grad_enabled() or (a.aux_loss_weight == 0 and a.z_loss_weight == 0):
-            return out
-        aux = out.new_zeros((), dtype=torch.float32)
-        if a.aux_loss_weight > 0:
-            aux = aux + a.aux_loss_weight * load_balancing_loss(route, a.n_experts)
-        if a.z_loss_weight > 0:
-            aux = aux + a.z_loss_weight * router_z_loss(route.logits)
-        return AddAuxLoss.apply(out, aux, self.aux_loss_scale)
+        aux = load_balancing_loss(route, a.n_experts, routed) if a.aux_loss_weight > 0 else None
+        z = router_z_loss(route.logits) if a.z_loss_weight > 0 else None
+        return aux, z
 
     @torch.no_grad()
-    def _record(self, route: Routing, kept: torch.Tensor, dropped: int) -> None:
+    def _record(self, routed: torch.Tensor, aux: torch.Tensor | None, z: torch.Tensor | None, dropped: int) -> None:
         s = self.stats
-        routed = torch.bincount(route.experts.flatten(), minlength=self.args.n_experts).double()  # (E,)
+        routed = routed.double()
         s.tokens_per_expert = routed if s.tokens_per_expert is None else s.tokens_per_expert + routed
         s.dropped += dropped
-        if self.args.aux_loss_weight > 0:
-            s.aux_loss += float(load_balancing_loss(route, self.args.n_experts))
-        if self.args.z_loss_weight > 0:
-            s.z_loss += float(router_z_loss(route.logits))
+        if aux is not None:
+            s.aux_loss = s.aux_loss + aux.detach()
+        if z is not None:
+            s.z_loss = s.z_loss + z.detach()
         s.forwards += 1
 
     def take_stats(self) -> MoEStats:
@@ -325,11 +330,14 @@ class MoE(nn.Module):
         return self.args.top_k / self.args.n_experts
 
 
-def load_balancing_loss(route: Routing, n_experts: int) -> torch.Tensor:
+def load_balancing_loss(route: Routing, n_experts: int, routed: torch.Tensor | None = None) -> torch.Tensor:
     """Switch/GShard loss E * sum_i f_i P_i (0-dim, fp32): f_i the share of token-slots
-    routed to expert i (not differentiable), P_i the mean probability of i. 1 when balanced."""
+    routed to expert i (not differentiable), P_i the mean probability of i. 1 when balanced.
+    `routed` (E,): the slots per expert, when the caller has counted them already."""
     N, k = route.experts.shape
-    f = torch.bincount(route.experts.flatten(), minlength=n_experts).float() / (N * k)  # (E,)
+    if routed is None:
+        routed = torch.bincount(route.experts.flatten(), minlength=n_experts)
+    f = routed.float() / (N * k)  # (E,)
     P = route.probs.mean(0)  # (E,)
     return n_experts * (f * P).sum()
 
