@@ -11,3 +11,24 @@ def max_logit_diff(hf_model, forja_model, tokens: torch.Tensor) -> float:
     ref = hf_model(tokens).logits.float()
     ours = forja_model(tokens).float()
     return (ref - ours).abs().max().item()
+
+
+def save_hf_models(tmp_path_factory, make, names) -> dict:
+    """name -> (directory written by transformers' save_pretrained, the model), for each of
+    `names`, made by `make(name)`."""
+    out = {}
+    for name in names:
+        model = make(name)
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        out[name] = (path, model)
+    return out
+
+
+@torch.no_grad()
+def hf_greedy(hf_model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """transformers' greedy `generate` for every one of `new_tokens` steps (no stop token,
+    as forja's generate runs without one)."""
+    hf_model.generation_config.eos_token_id = None
+    return hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0)

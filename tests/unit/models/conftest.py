@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import save_hf_models
+
 transformers = pytest.importorskip("transformers")
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -45,10 +47,4 @@ def make_hf_model(name: str, seed: int = 0):
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
     """name -> (saved directory, the transformers model)."""
-    out = {}
-    for name in HF_CONFIGS:
-        model = make_hf_model(name)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        out[name] = (path, model)
-    return out
+    return save_hf_models(tmp_path_factory, make_hf_model, HF_CONFIGS)

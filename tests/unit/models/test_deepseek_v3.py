@@ -16,7 +16,7 @@ from forja.generate import SamplingConfig, generate
 from forja.models import build_model, load_hf_checkpoint, save_hf_checkpoint
 from forja.models.deepseek_v3.hf import ADAPTER
 from forja.testing import run_distributed
-from tests.helpers import max_logit_diff
+from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,13 +60,7 @@ def make_hf_model(name: str, seed: int = 0):
 @pytest.fixture(scope="module")
 def ds_checkpoints(tmp_path_factory):
     """name -> (saved directory, the transformers model)."""
-    out = {}
-    for name in HF_CONFIGS:
-        model = make_hf_model(name)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        out[name] = (path, model)
-    return out
+    return save_hf_models(tmp_path_factory, make_hf_model, HF_CONFIGS)
 
 
 def _tokens(n: int = 48, seed: int = 1) -> torch.Tensor:
@@ -156,9 +150,7 @@ def test_greedy_32_tokens_equals_transformers_generate(ds_checkpoints, name):
     path, hf = ds_checkpoints[name]
     model = load_hf_checkpoint(path)
     prompt = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(4))
-    hf.generation_config.eos_token_id = None  # run all 32 steps, as forja does without a stop token
-    ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
-                      pad_token_id=0)
+    ref = hf_greedy(hf, prompt, 32)
     cached = generate(model, prompt, SamplingConfig(max_new_tokens=32))
     uncached = generate(model, prompt, SamplingConfig(max_new_tokens=32), use_cache=False)
     assert cached.shape == (2, 41)

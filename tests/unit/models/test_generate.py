@@ -6,6 +6,7 @@ import torch
 from forja.errors import ForjaError
 from forja.generate import SamplingConfig, _filter_logits, generate
 from forja.models import build_model, load_hf_checkpoint
+from tests.helpers import hf_greedy
 
 from .conftest import HF_CONFIGS
 
@@ -15,9 +16,7 @@ def test_greedy_32_tokens_equals_transformers_generate(hf_checkpoints, name):
     path, hf = hf_checkpoints[name]
     model = load_hf_checkpoint(path)
     prompt = torch.randint(0, hf.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
-    hf.generation_config.eos_token_id = None  # run all 32 steps, as forja does without a stop token
-    ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
-                      pad_token_id=0)
+    ref = hf_greedy(hf, prompt, 32)
     cached = generate(model, prompt, SamplingConfig(max_new_tokens=32))
     uncached = generate(model, prompt, SamplingConfig(max_new_tokens=32), use_cache=False)
     assert cached.shape == (2, 41)

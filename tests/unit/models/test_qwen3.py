@@ -17,7 +17,7 @@ from forja.generate import SamplingConfig, generate
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.qwen3.hf import config_from_args
 from forja.testing import run_distributed
-from tests.helpers import max_logit_diff
+from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,13 +58,7 @@ def make_hf_model(name: str, seed: int = 0):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """name -> (directory saved by transformers, the transformers model)."""
-    out = {}
-    for name in CONFIGS:
-        model = make_hf_model(name)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        out[name] = (path, model)
-    return out
+    return save_hf_models(tmp_path_factory, make_hf_model, CONFIGS)
 
 
 def _tokens(n: int, seed: int = 1) -> torch.Tensor:
@@ -132,9 +126,7 @@ def test_greedy_decoding_equals_transformers_generate(checkpoints, name):
     path, hf = checkpoints[name]
     model = load_hf_checkpoint(path)
     prompt = _tokens(9, seed=4)
-    hf.generation_config.eos_token_id = None  # run every step, as forja does without a stop token
-    ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
-                      pad_token_id=0)
+    ref = hf_greedy(hf, prompt, 24)
     assert torch.equal(generate(model, prompt, SamplingConfig(max_new_tokens=24)), ref)
 
 
