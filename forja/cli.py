@@ -22,6 +22,7 @@ _COMMANDS = {
     "generate": "forja.generate:add_cli",
     "report": "forja.report:add_cli",
     "sweep": "forja.sweep:add_cli",
+    "plan": "forja.plan.cli:add_cli",
     "export": "forja.checkpoint.export:add_cli",
 }
 

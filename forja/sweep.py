@@ -16,6 +16,7 @@ import argparse
 import io
 import itertools
 import json
+import os
 import random
 import re
 import subprocess
@@ -131,14 +132,24 @@ def check_configs(recipe: str, sweep_dir: Path, state: dict[str, Any], common: l
 
 # -- launching ----------------------------------------------------------------------------------
 
-def _launch(recipe: str, sweep_dir: Path, trial: dict[str, Any], common: list[str]) -> subprocess.Popen:
+def _child_env(parallel: int) -> dict[str, str]:
+    """K trials at once share the machine's cores: each gets cores/K threads (unless the user
+    set OMP_NUM_THREADS), so K trials do not oversubscribe the CPU and slow each other down."""
+    env = dict(os.environ)
+    if parallel > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // parallel))
+    return env
+
+
+def _launch(recipe: str, sweep_dir: Path, trial: dict[str, Any], common: list[str],
+            parallel: int = 1) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "forja", "train", recipe]
     cmd += [a for o in trial_overrides(sweep_dir, trial, common) for a in ("--set", o)]
     logs = sweep_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     # Appended, so the log of a trial that was interrupted and relaunched keeps both launches.
     with open(logs / f"{trial['name']}.log", "a") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env(parallel))
 
 
 def run_trials(recipe: str, sweep_dir: Path, state: dict[str, Any], common: list[str], parallel: int,
@@ -155,7 +166,7 @@ def run_trials(recipe: str, sweep_dir: Path, state: dict[str, Any], common: list
                 trial["status"] = "running"
                 save_state(sweep_dir, state)
                 console.print(f"training {trial['name']}", highlight=False)
-                running[trial["name"]] = (trial, _launch(recipe, sweep_dir, trial, common))
+                running[trial["name"]] = (trial, _launch(recipe, sweep_dir, trial, common, parallel))
             for name, (trial, proc) in list(running.items()):
                 if proc.poll() is None:
                     continue

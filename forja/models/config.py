@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from forja.errors import ForjaError
 from forja.ops.names import FUSED_OPS
+
+if TYPE_CHECKING:
+    from forja.models.common.transformer import TransformerArgs
 
 
 @dataclass(kw_only=True)
@@ -45,3 +48,17 @@ class ModelConfig:
     def enabled_fused_ops(self) -> tuple[str, ...]:
         """The ops to fuse: fused_ops for every op, except where fused_ops_overrides says."""
         return tuple(op for op in FUSED_OPS if self.fused_ops_overrides.get(op, self.fused_ops))
+
+
+def run_model_args(model_cfg: ModelConfig, vocab_size: int) -> TransformerArgs:
+    """The model's typed args from the [model] section and the tokenizer's vocabulary."""
+    from forja.models.registry import model_args  # the registry imports every family: only when asked
+
+    args = model_args(model_cfg.family, model_cfg.flavor, attention=model_cfg.attention,
+                      fused_ops=model_cfg.enabled_fused_ops(), **{"vocab_size": vocab_size, **model_cfg.overrides})
+    if args.vocab_size < vocab_size:
+        raise ForjaError(f"model.overrides.vocab_size = {args.vocab_size} is smaller than the tokenizer's "
+                         f"{vocab_size} tokens; remove the override or make it larger")
+    if model_cfg.mup_base_dim:  # muP: parametrize relative to the width the lr was tuned at
+        args.mup_width_mult = args.dim / model_cfg.mup_base_dim
+    return args

@@ -53,6 +53,12 @@ class ParallelConfig:
     """torch.compile each transformer block."""
     timeout_s: float = 600.0
     """Collective timeout: a hung rank fails the run after this many seconds."""
+    auto: bool = False
+    """Let forja plan choose the layout (degrees, ZeRO stage, offload, AC, micro-batch, schedule): the
+    fastest predicted to fit; the choice is written to <run.dir>/plan.json and these keys are ignored."""
+    memory_check: Literal["stop", "warn", "off"] = "stop"
+    """Before allocating, the layout's predicted peak memory per rank against the device's: stop (with
+    the breakdown and layouts that fit), warn and go on, or off."""
 
     def __post_init__(self) -> None:
         for key in ("dp_replicate", "tp", "pp", "cp", "ep"):

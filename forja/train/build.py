@@ -22,10 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from forja.errors import ForjaError
-from forja.models import build_from_args, model_args, spec_of
+from forja.models import build_from_args, spec_of
 from forja.models.common.transformer import Transformer, TransformerArgs
-from forja.models.config import ModelConfig
+from forja.models.config import run_model_args  # noqa: F401  (re-exported: the trainer's import)
 from forja.ops.float8 import apply_float8
 from forja.parallel import ParallelConfig, ParallelDims, parallelize
 from forja.parallel.pp import Pipeline, build_pipeline
@@ -71,15 +70,3 @@ def _materialize(part: Transformer, device: torch.device, seed: int,
         part.init_weights(seed)
     else:
         load_weights(part)
-
-
-def run_model_args(model_cfg: ModelConfig, vocab_size: int) -> TransformerArgs:
-    """The model's typed args from the [model] section and the tokenizer's vocabulary."""
-    args = model_args(model_cfg.family, model_cfg.flavor, attention=model_cfg.attention,
-                      fused_ops=model_cfg.enabled_fused_ops(), **{"vocab_size": vocab_size, **model_cfg.overrides})
-    if args.vocab_size < vocab_size:
-        raise ForjaError(f"model.overrides.vocab_size = {args.vocab_size} is smaller than the tokenizer's "
-                         f"{vocab_size} tokens; remove the override or make it larger")
-    if model_cfg.mup_base_dim:  # muP: parametrize relative to the width the lr was tuned at
-        args.mup_width_mult = args.dim / model_cfg.mup_base_dim
-    return args

@@ -37,6 +37,7 @@ from forja.train.build import build_model_parts, run_model_args
 from forja.train.callbacks import Callback, StepRecord, default_callbacks
 from forja.train.data import data, loaders
 from forja.train.engine import build_engine
+from forja.train.preflight import auto_layout, check_memory
 from forja.train.run_dir import RunDir
 
 
@@ -52,14 +53,19 @@ class Trainer:
         c = self.cfg
         info = init_distributed(c.train.device, c.parallel.timeout_s)
         self.rank, self.device = info.rank, info.device
-        self.dims = ParallelDims.from_config(c.parallel, info.world_size)
-        self.dims.build_mesh(self.device.type)
+        if not c.parallel.auto:
+            ParallelDims.from_config(c.parallel, info.world_size)  # a bad layout stops before any write
         self.run_dir: Path = RunDir(c, rank=self.rank).prepare()
         self.tokenizer, dataset = data(c, rank=self.rank, run_dir=self.run_dir)
         args = run_model_args(c.model, self.tokenizer.vocab_size)
+        if c.parallel.auto:
+            c = self.cfg = auto_layout(c, args, info.world_size, self.device, self.run_dir, self.rank)
+        self.dims = ParallelDims.from_config(c.parallel, info.world_size)
+        self.dims.build_mesh(self.device.type)
         check_layout(args, self.dims, c.parallel, seq_len=c.train.seq_len, device=self.device,
                      global_batch_size=c.train.global_batch_size, micro_batch_size=c.train.micro_batch_size,
                      document_mask=c.model.document_mask, float8=c.train.float8)
+        check_memory(c, args, info.world_size, self.device, self.rank)
         identity = model_identity(c.model.family, c.model.flavor, args)
         self.flops_per_token = build_from_args(args, device="meta").flops_per_token(c.train.seq_len)
         built = build_model_parts(args, self.dims, c.parallel, device=self.device, seed=c.train.seed,

@@ -79,3 +79,15 @@ def test_random_draws_are_reproducible():
     assert make_trials(grid, 5, seed=3) == make_trials(grid, 5, seed=3)
     assert len(make_trials(grid, 5, seed=3)) == 5
     assert len(make_trials(grid, None, seed=0)) == 6
+
+
+def test_parallel_trials_share_the_cores(monkeypatch):
+    from forja.sweep import _child_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert _child_env(4)["OMP_NUM_THREADS"] == "2"
+    assert _child_env(16)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in _child_env(1)  # one trial: torch's own default
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert _child_env(4)["OMP_NUM_THREADS"] == "3"  # the user's choice stands

@@ -29,8 +29,10 @@ LAYERS: dict[str, set[str]] = {
     "forja.checkpoint": {"forja.models", "forja.ops", "forja.data", "forja.parallel"},
     "forja.generate": {"forja.models", "forja.ops", "forja.data", "forja.checkpoint", "forja.parallel"},
     "forja.report": set(),
+    # predicts a layout's memory and speed from the model and the config; builds nothing
+    "forja.plan": {"forja.models", "forja.ops", "forja.parallel", "forja.config"},
     "forja.train": {"forja.models", "forja.ops", "forja.data", "forja.optim", "forja.metrics", "forja.parallel",
-                    "forja.checkpoint", "forja.generate", "forja.config"},
+                    "forja.checkpoint", "forja.generate", "forja.config", "forja.plan"},
     "forja.sweep": {"forja.config"},  # launches `forja train` as a child process, never imports it
     "forja.cli": {"*"},
     "forja.__main__": {"forja.cli"},

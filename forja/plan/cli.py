@@ -1,0 +1,174 @@
+"""`forja plan`: the layouts of a recipe on N devices, predicted and ranked; one given layout
+(`--layout`); or a finished run's measurements against the prediction (`--check RUN_DIR`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from forja.errors import ForjaError
+
+GB = 1e9
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="predict memory and speed of every parallel layout; pick the best",
+                       description="Predict per-rank peak memory, step time, tokens/s and MFU of the layouts "
+                                   "of a recipe on N devices, rank those that fit, and say why the others don't.")
+    p.add_argument("config", nargs="?", default=None, metavar="RECIPE", help="the recipe (not needed with --check)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--gpus", type=int, default=None, metavar="N", help="devices (ranks) of the job")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G", help="default: the hardware table's")
+    p.add_argument("--gpu", default=None, metavar="KIND",
+                   help="a kind of forja/plan/hardware.toml (default h100; with --check, the run's own device)")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="the device's memory, decimal GB")
+    p.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table (default 10)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--layout", default=None, metavar="KEY=V,...",
+                   help="predict this layout only, e.g. 'parallel.dp_shard=2,parallel.tp=2'")
+    p.add_argument("--check", default=None, metavar="RUN_DIR",
+                   help="compare a finished run's peak memory and tokens/s with the prediction for its layout")
+    p.set_defaults(func=_run_cli)
+
+
+def hardware_for(args: argparse.Namespace):
+    from dataclasses import replace
+
+    from forja.plan.hardware import get_hardware
+
+    hw = get_hardware(args.gpu or "h100", memory_gb=args.gpu_memory)
+    return replace(hw, gpus_per_node=args.gpus_per_node) if args.gpus_per_node else hw
+
+
+def _run_cli(args: argparse.Namespace) -> int:
+    from forja.config import load_config
+    from forja.plan.job import job_from_config
+    from forja.plan.layout import from_config, parse_layout
+    from forja.plan.planner import evaluate, plan
+
+    if args.check:
+        return check_run(Path(args.check), args)
+    if args.config is None or args.gpus is None:
+        raise ForjaError("forja plan needs a RECIPE and --gpus N (or --check RUN_DIR)")
+    if args.gpus < 1:
+        raise ForjaError(f"--gpus {args.gpus}: give at least 1 device")
+    cfg = load_config(args.config, args.overrides)
+    hw = hardware_for(args)
+    job = job_from_config(cfg, gpu=hw.kind != "cpu")
+    if args.layout is not None:
+        base = from_config(cfg.parallel, cfg.train.micro_batch_size, args.gpus)
+        lay = parse_layout(args.layout, base)
+        if lay.world_size != args.gpus:
+            raise ForjaError(f"--layout {args.layout!r} spans {lay.world_size} ranks, not --gpus {args.gpus}; "
+                             "make the degrees multiply to it")
+        candidates = [evaluate(job, lay, hw)]
+    else:
+        candidates = plan(job, hw, args.gpus)
+        if not candidates:
+            raise ForjaError(f"no layout of {args.gpus} ranks divides this job (global batch "
+                             f"{job.global_batch_size}, {job.args.n_heads} heads, {job.args.n_layers} layers)")
+    if args.json:
+        print(json.dumps({"hardware": hw.kind, "gpus": args.gpus, "params": job.shape.n_params,
+                          "candidates": [c.as_json() for c in candidates]}, indent=1))
+        return 0
+    print_plan(candidates, hw, args.gpus, args.top, job)
+    return 0
+
+
+def print_plan(candidates, hw, gpus: int, top: int, job, console: Console | None = None) -> None:
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    fits = [c for c in candidates if c.fits]
+    table = Table(title=f"{job.shape.n_params / 1e9:.2f}B parameters on {gpus} x {hw.name}: "
+                        f"{len(fits)} of {len(candidates)} layouts fit", title_justify="left")
+    for col in ("#", "layout", "peak GB", "step s", "tokens/s", "tok/s/dev", "MFU", "fits"):
+        table.add_column(col, justify="left" if col in ("layout", "fits") else "right", no_wrap=col != "fits")
+    shown = fits[:top] + [c for c in candidates if not c.fits][: max(0, min(3, top - len(fits[:top])) or 3)]
+    for i, c in enumerate(shown, 1):
+        table.add_row(str(i), c.layout.describe(), f"{c.memory.total / GB:.1f}", f"{c.time.total:.3f}",
+                      f"{c.tokens_per_sec:,.0f}", f"{c.tokens_per_sec_per_device:,.0f}", f"{c.mfu:.1%}",
+                      "yes" if c.fits else c.why_not.split(";")[0])
+    console.print(table)
+    if candidates:
+        best = candidates[0]
+        console.print(f"[bold]{'best' if best.fits else 'closest'}:[/bold] " + " ".join(
+            f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in best.layout.overrides().items()),
+            highlight=False)
+        mem = ", ".join(f"{k} {v / GB:.2f}" for k, v in best.memory.as_dict().items() if v)
+        times = ", ".join(f"{k} {v:.3f}" for k, v in best.time.as_dict().items() if v)
+        console.print(f"memory at its peak ({best.memory.phase}, GB): {mem}", highlight=False)
+        console.print(f"step time (s): {times}", highlight=False)
+
+
+# -- --check: a finished run against its prediction ---------------------------------------------
+
+def device_kind(hardware: dict) -> str | None:
+    """The hardware table's kind of a run's device (run.json's hardware), None if unknown."""
+    from forja.plan.hardware import kind_of_device
+
+    gpus = hardware.get("gpus") or []
+    return kind_of_device(gpus[0]) if gpus else "cpu"
+
+
+def measured(run_dir: Path) -> tuple[float, float]:
+    """(peak memory in bytes, median tokens/s after the first logged interval) of a run."""
+    peaks, rates = [], []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "tokens_per_sec" in rec:
+            rates.append(rec["tokens_per_sec"])
+            peaks.append(rec.get("mem_peak_gb", 0.0))
+    if len(rates) < 2:
+        raise ForjaError(f"{run_dir}/metrics.jsonl holds {len(rates)} logged steps; check needs at least 2 "
+                         "(the first is warm-up)")
+    return max(peaks) * GB, statistics.median(rates[1:])
+
+
+def check_run(run_dir: Path, args: argparse.Namespace) -> int:
+    from forja.config import load_config
+    from forja.plan.job import job_from_config
+    from forja.plan.layout import from_config
+    from forja.plan.planner import evaluate
+
+    for name in ("config.toml", "run.json", "metrics.jsonl"):
+        if not (run_dir / name).is_file():
+            raise ForjaError(f"{run_dir} has no {name}: --check needs the directory of a run forja train made")
+    launch = json.loads((run_dir / "run.json").read_text())["launches"][-1]
+    kind = device_kind(launch.get("hardware", {}))
+    if kind is None:
+        raise ForjaError(f"the run's device {launch['hardware'].get('gpus')} is not in the hardware table; "
+                         "add it (forja/plan/hardware.toml or $FORJA_HARDWARE) and name it with --gpu")
+    args.gpu = args.gpu or kind
+    hw = hardware_for(args)
+    cfg = load_config(str(run_dir / "config.toml"))
+    world = int(launch.get("world_size", 1))
+    job = job_from_config(cfg, gpu=hw.kind != "cpu")
+    c = evaluate(job, from_config(cfg.parallel, cfg.train.micro_batch_size, world), hw)
+    peak, rate = measured(run_dir)
+    rows = [("peak memory per rank (GB)", c.memory.total / GB, peak / GB),
+            ("tokens/s (whole job)", c.tokens_per_sec, rate)]
+    if args.json:
+        print(json.dumps({"layout": c.layout.overrides(), "hardware": hw.kind, "world_size": world,
+                          "predicted": {"peak_memory_bytes": c.memory.total, "tokens_per_sec": c.tokens_per_sec},
+                          "measured": {"peak_memory_bytes": peak, "tokens_per_sec": rate},
+                          "ratios": {"memory": peak / c.memory.total, "tokens_per_sec": rate / c.tokens_per_sec}}))
+        return 0
+    table = Table(title=f"{run_dir}: {c.layout.describe()} on {world} x {hw.name}", title_justify="left")
+    for col in ("", "predicted", "measured", "measured / predicted"):
+        table.add_column(col, justify="left" if not col else "right")
+    for name, pred, meas in rows:
+        table.add_row(name, f"{pred:,.2f}", f"{meas:,.2f}", f"{meas / pred:.2f}")
+    console = Console()
+    console.print(table)
+    if hw.kind == "cpu":
+        console.print("On a CPU the run logs its process's peak RSS, which also holds the Python runtime and "
+                      "libraries (about 0.5-1 GB) besides the tensors the prediction counts.", highlight=False)
+    return 0

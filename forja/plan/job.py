@@ -1,0 +1,68 @@
+"""The job a plan is for: the model, the batch, the precision and the optimizer, as a run's
+config resolves them on a device kind (fused kernels and bf16 autocast only on GPUs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from forja.config import Config
+from forja.models.common.transformer import TransformerArgs
+from forja.plan.shape import ModelShape, model_shape
+
+# Optimizer state per parameter, in fp32 elements (AdamW: two moments). Muon keeps one
+# momentum for its matrices (most of the parameters) and two moments for the rest;
+# Adafactor's factored second moment is rows + columns, about nothing per element;
+# SOAP adds two preconditioners and their eigenbases per matrix (about 4 elements per
+# element for matrices near square).
+STATE_PER_PARAM = {"adamw": 2.0, "adam": 2.0, "sgd": 1.0, "lion": 1.0, "muon": 1.1, "adafactor": 0.05,
+                   "soap": 6.0}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """What is trained, independent of how it is spread."""
+
+    shape: ModelShape
+    seq_len: int
+    global_batch_size: int
+    optimizer: str = "adamw"
+    gpu: bool = True
+    """On a GPU: bf16 autocast ("auto" precision), fused AdamW, Triton kernels when asked for."""
+    bf16: bool = True
+    """Compute in bf16 (autocast, or FSDP bf16 parameters)."""
+    bf16_params: bool = False
+    """parallel.mixed_precision = bf16: FSDP gathers bf16 parameters and the residual stream is bf16."""
+    fused: frozenset[str] = frozenset()
+    """Fused ops in effect (model.fused_ops on a GPU; on a CPU their PyTorch path runs)."""
+    float8: bool = False
+    compiled: bool = False
+    """parallel.compile: elementwise ops fused into the matmuls' neighbours."""
+    async_tp: bool = False
+    """parallel.async_tp (with compile, on GPUs): part of the TP collectives hides behind matmuls."""
+
+    @property
+    def args(self) -> TransformerArgs:
+        return self.shape.args
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    @property
+    def state_per_param(self) -> float:
+        return STATE_PER_PARAM.get(self.optimizer, 2.0)
+
+
+def job_from_config(cfg: Config, *, gpu: bool, args: TransformerArgs | None = None) -> Job:
+    """The job of a run's config, on a GPU or a CPU machine; `args`: the model's, when the
+    tokenizer's vocabulary is known (otherwise data.vocab_size stands for it)."""
+    from forja.models.config import run_model_args
+
+    args = args or run_model_args(cfg.model, cfg.data.vocab_size)
+    precision = cfg.train.precision
+    bf16 = precision == "bf16" or (precision == "auto" and gpu) or cfg.parallel.mixed_precision == "bf16"
+    return Job(shape=model_shape(args, cfg.train.seq_len), seq_len=cfg.train.seq_len,
+               global_batch_size=cfg.train.global_batch_size, optimizer=cfg.optim.name, gpu=gpu, bf16=bf16,
+               bf16_params=cfg.parallel.mixed_precision == "bf16",
+               fused=frozenset(args.fused_ops) if gpu else frozenset(), float8=cfg.train.float8 != "none",
+               compiled=cfg.parallel.compile, async_tp=gpu and cfg.parallel.async_tp and cfg.parallel.compile)

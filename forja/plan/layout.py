@@ -1,0 +1,207 @@
+"""A layout: how one job is spread over the ranks, as the planner sees it.
+
+A `Layout` holds exactly the values `forja train` reads from `parallel.*` and
+`train.micro_batch_size`, so a plan's choice is a list of `--set` overrides (`overrides`)
+and any run's config gives back its layout (`from_config`). `enumerate_layouts` lists the
+layouts that divide a world size, for the search.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from forja.parallel.config import ParallelConfig
+from forja.parallel.pp_split import stages_per_rank
+
+# The layout's fields that are `parallel.*` keys (the rest of ParallelConfig is left as the recipe says).
+PARALLEL_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "reshard_after_forward", "cpu_offload",
+                 "sequence_parallel", "ac", "ac_every", "pp_schedule", "pp_microbatches")
+AC_MODES = (("none", 0), ("selective", 0), ("full", 0))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Degrees of each parallelism and the memory options of one candidate."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    reshard_after_forward: bool = True
+    """ZeRO-3 (True) or ZeRO-2 (False) under FSDP."""
+    cpu_offload: bool = False
+    sequence_parallel: bool = True
+    ac: str = "none"
+    ac_every: int = 0
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0
+    """0: local batch / micro_batch_size, as forja train counts them."""
+    micro_batch_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks a parameter is sharded over (dp_shard joined with cp, as ParallelDims.fsdp_mesh)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def stages_per_rank(self) -> int:
+        return stages_per_rank(self.pp_schedule) if self.pp > 1 else 1
+
+    def microbatches(self, global_batch_size: int) -> int:
+        """Micro-batches one rank runs per step (the pipeline's, or gradient accumulation's)."""
+        local = global_batch_size // self.dp
+        return self.pp_microbatches if self.pp > 1 and self.pp_microbatches else max(1, local // self.micro_batch_size)
+
+    def sequences_per_microbatch(self, global_batch_size: int) -> float:
+        """Sequences in one micro-batch: micro_batch_size, or the local batch split into
+        pp_microbatches when those are given."""
+        if self.pp > 1 and self.pp_microbatches:
+            return global_batch_size / self.dp / self.pp_microbatches
+        return float(self.micro_batch_size)
+
+    def overrides(self) -> dict[str, Any]:
+        """The `--set` keys that select this layout in `forja train`."""
+        out = {f"parallel.{k}": getattr(self, k) for k in PARALLEL_KEYS}
+        out["train.micro_batch_size"] = self.micro_batch_size
+        return out
+
+    def describe(self) -> str:
+        """A short name, e.g. 'dp_shard 8 x tp 8 x pp 4 | zero-3 | ac full | mbs 1 | 1f1b x 16'."""
+        degrees = [f"{k} {getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
+                   if getattr(self, k) > 1] or ["1 rank"]
+        parts = [" x ".join(degrees)]
+        if self.fsdp > 1 or self.dp_replicate > 1:
+            parts.append("zero-3" if self.reshard_after_forward else "zero-2")
+        if self.cpu_offload:
+            parts.append("offload")
+        if self.tp > 1 and not self.sequence_parallel:
+            parts.append("no sp")
+        if self.ac != "none":
+            parts.append(f"ac {self.ac}" + (f"/{self.ac_every}" if self.ac_every else ""))
+        parts.append(f"mbs {self.micro_batch_size}")
+        if self.pp > 1:
+            parts.append(f"{self.pp_schedule}" + (f" x {self.pp_microbatches}" if self.pp_microbatches else ""))
+        return " | ".join(parts)
+
+
+def from_config(parallel: ParallelConfig, micro_batch_size: int, world_size: int) -> Layout:
+    """The layout a run's config asks for on `world_size` ranks (dp_shard = -1 resolved)."""
+    values = {k: getattr(parallel, k) for k in PARALLEL_KEYS}
+    if values["dp_shard"] == -1:
+        others = parallel.dp_replicate * parallel.tp * parallel.pp * parallel.cp
+        values["dp_shard"] = max(1, world_size // others)
+    return Layout(**values, micro_batch_size=micro_batch_size)
+
+
+def parse_layout(text: str, base: Layout) -> Layout:
+    """'parallel.dp_shard=2,parallel.tp=2,train.micro_batch_size=4' on top of `base`."""
+    from forja.errors import ForjaError
+
+    known = {f.name: f.type for f in fields(Layout)}
+    values: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        name = key.strip().removeprefix("parallel.").removeprefix("train.")
+        if not sep or name not in known:
+            raise ForjaError(f"--layout item {item!r}: expected KEY=VALUE with KEY one of parallel.{{"
+                             f"{', '.join(PARALLEL_KEYS)}}} or train.micro_batch_size")
+        values[name] = _parse_value(value.strip(), getattr(base, name), item)
+    return replace(base, **values)
+
+
+def _parse_value(value: str, like: Any, item: str) -> Any:
+    from forja.errors import ForjaError
+
+    if isinstance(like, bool):
+        if value.lower() not in ("true", "false"):
+            raise ForjaError(f"--layout item {item!r}: expected true or false")
+        return value.lower() == "true"
+    if isinstance(like, int):
+        try:
+            return int(value)
+        except ValueError:
+            raise ForjaError(f"--layout item {item!r}: expected an integer") from None
+    return value
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """What the search may vary; the defaults are what an experienced user would try."""
+
+    gpus_per_node: int = 8
+    max_tp: int = 8
+    """TP crosses no node boundary (its collectives sit on the critical path)."""
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    pp_schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b", "zero-bubble")
+    allow_cp: bool = True
+    allow_offload: bool = True
+    degrees: tuple[tuple[str, int], ...] = ()
+    """Degrees held fixed, e.g. (("tp", 8), ("pp", 4)): only the rest is searched."""
+
+    def allows(self, **degrees: int) -> bool:
+        return all(degrees.get(k, v) == v for k, v in self.degrees)
+
+
+def enumerate_layouts(world: int, *, n_layers: int, n_heads: int, n_kv_heads: int, n_experts: int,
+                      global_batch_size: int, seq_len: int, space: SearchSpace) -> Iterator[Layout]:
+    """Every layout of `world` ranks whose degrees divide what they split: TP the heads (and KV
+    heads), PP the layers, CP the sequence, EP the experts and dp_shard, DP the global batch."""
+    tps = [t for t in divisors(min(world, space.max_tp, space.gpus_per_node))
+           if n_heads % t == 0 and (n_kv_heads % t == 0 or t % n_kv_heads == 0)]
+    for tp, pp in itertools.product(tps, divisors(world)):
+        if (world % (tp * pp)) or pp > n_layers or not space.allows(tp=tp, pp=pp):
+            continue
+        rest = world // (tp * pp)
+        for cp in (divisors(rest) if space.allow_cp else [1]):
+            if (cp > 1 and (seq_len % (2 * cp) or cp > 8)) or not space.allows(cp=cp):
+                continue
+            dp = rest // cp
+            if global_batch_size % dp:
+                continue
+            yield from _dp_splits(dp, tp, pp, cp, n_layers, n_experts, global_batch_size, space)
+
+
+def _dp_splits(dp: int, tp: int, pp: int, cp: int, n_layers: int, n_experts: int, global_batch_size: int,
+               space: SearchSpace) -> Iterator[Layout]:
+    local = global_batch_size // dp
+    node = space.gpus_per_node
+    # Shard within a node's worth of ranks or over everything; replicate the rest (HSDP).
+    shard_choices = {dp} | {s for s in divisors(dp) if s * tp * cp * pp <= node or s * tp * cp == node}
+    for dp_shard in sorted(shard_choices):
+        if not space.allows(dp_shard=dp_shard, dp_replicate=dp // dp_shard):
+            continue
+        eps = [e for e in divisors(dp_shard) if n_experts and n_experts % e == 0] if n_experts else [1]
+        for ep, mbs in itertools.product(eps, space.micro_batch_sizes):
+            if local % mbs or not space.allows(ep=ep):
+                continue
+            base = Layout(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep,
+                          micro_batch_size=mbs)
+            yield from _memory_options(base, n_layers, local, space)
+
+
+def _memory_options(base: Layout, n_layers: int, local: int, space: SearchSpace) -> Iterator[Layout]:
+    schedules = [s for s in space.pp_schedules if n_layers >= base.pp * stages_per_rank(s)] if base.pp > 1 else ["1f1b"]
+    zeros = (True, False) if base.fsdp > 1 else (True,)
+    offloads = (False, True) if space.allow_offload and base.fsdp > 1 else (False,)
+    for schedule, zero3, offload, (ac, every) in itertools.product(schedules, zeros, offloads, AC_MODES):
+        if base.pp > 1 and (local // base.micro_batch_size) < base.pp:
+            continue  # fewer micro-batches than stages: the schedules refuse it
+        yield replace(base, pp_schedule=schedule, reshard_after_forward=zero3, cpu_offload=offload, ac=ac,
+                      ac_every=every)

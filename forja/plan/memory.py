@@ -1,0 +1,317 @@
+"""Peak memory of one rank: parameters, gradients, optimizer state, gathered parameters,
+activations, logits and buffers, walked through one training step.
+
+How (docs/planner.md has the formulas):
+- Parameters, gradients and optimizer state (fp32) are the rank's shard: what TP, EP and
+  PP leave of the model, divided by the FSDP degree.
+- Activations are counted tensor by tensor: what autograd saves for backward in each op
+  of a block (read off forja's own blocks; `tests/unit/plan` checks the count against the
+  tensors autograd really saves). Activation checkpointing keeps the block inputs (full), or
+  the matmul and attention outputs (selective, op level), and recomputes the rest one block
+  at a time in backward.
+- The step is walked event by event: forward (blocks' activations pile up, ZeRO-2 keeps
+  gathered parameters), the loss's backward (the logits' working set), each block's
+  backward (its activations freed, its gradients made, FSDP's unsharded gradients before
+  the reduce-scatter), the optimizer step (its temporaries). The peak is the largest sum.
+- Pipelines hold several micro-batches in flight; how many depends on the schedule and the
+  rank (`inflight_chunks`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from forja.parallel.pp_split import StageCosts, balanced_layers, rank_stages
+from forja.plan.job import Job
+from forja.plan.layout import Layout
+from forja.plan.shape import BlockShape
+
+FP32 = 4
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes of one rank at its peak, by what holds them."""
+
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer_state: float = 0.0
+    gathered_parameters: float = 0.0
+    activations: float = 0.0
+    logits: float = 0.0
+    optimizer_temporaries: float = 0.0
+    buffers: float = 0.0
+    """Communication staging (pipeline send/receive, FSDP copy-in/out)."""
+    pp_rank: int = 0
+    phase: str = ""
+    """When the peak happens: forward end, loss backward, block backward, optimizer step."""
+
+    @property
+    def total(self) -> float:
+        return (self.parameters + self.gradients + self.optimizer_state + self.gathered_parameters
+                + self.activations + self.logits + self.optimizer_temporaries + self.buffers)
+
+    def as_dict(self) -> dict[str, float]:
+        keys = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "activations", "logits",
+                "optimizer_temporaries", "buffers")
+        return {k: float(getattr(self, k)) for k in keys}
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Bytes of the tensors a block saves, per token, in the job's dtypes."""
+
+    lin: int
+    """Matmul inputs/outputs: bf16 under autocast or bf16 parameters, else fp32."""
+    res: int
+    """Residual stream: bf16 only when the parameters themselves are bf16 (autocast keeps fp32)."""
+
+
+def widths(job: Job) -> Widths:
+    return Widths(lin=2 if job.bf16 else FP32, res=2 if job.bf16_params else FP32)
+
+
+def norm_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> float:
+    """Bytes per token of one pre-norm: its input, the normalized x (eager RMSNorm only: one
+    kernel saves just statistics), and its output, saved by the projections after it."""
+    a, t = job.args, lay.tp
+    sp = 1 / t if (t > 1 and lay.sequence_parallel) else 1.0
+    one_kernel = block.layer_norm or "rms_norm" in job.fused
+    return (1 if one_kernel else 2) * sp * a.dim * w.res + a.dim * w.lin
+
+
+def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
+    """(saved bytes per token of one block's attention half, of which matmul/attention outputs)."""
+    a, t = job.args, lay.tp
+    hq, hkv, heads = a.n_heads * a.head_dim / t, a.n_kv_heads * a.head_dim / t, a.n_heads / t
+    if hasattr(a, "kv_lora_rank"):  # latent attention: every head's keys and values expanded from a latent
+        k_width, v_width = hq, a.v_head_dim * a.n_heads / t
+        extra = 3 * (a.kv_lora_rank + a.qk_rope_head_dim + 2 * a.q_lora_rank) * w.lin
+    else:
+        k_width, v_width, extra = hkv, hkv, 0.0
+    out_width = v_width * a.n_heads / a.n_kv_heads if not hasattr(a, "kv_lora_rank") else v_width
+    norm = norm_saved(job, lay, block, w)
+    qk_norm = 2 * (hq + hkv) * w.lin if getattr(a, "qk_norm", False) else 0.0
+    sdpa = (hq + k_width + v_width + out_width) * w.lin + heads * FP32  # q, k, v, out; log-sum-exp
+    # Op-level AC keeps the projections' outputs (q, k, v before RoPE; wo's) and attention's.
+    matmuls = (hq + k_width + v_width + a.dim + out_width) * w.lin + heads * FP32
+    return norm + qk_norm + sdpa + extra, matmuls
+
+
+def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
+    """(saved bytes per token of one block's feed-forward half, of which matmul outputs)."""
+    a, t = job.args, lay.tp
+    norm = norm_saved(job, lay, block, w)
+    gated = 3 if "swiglu" in job.fused else 4  # gate, up, silu(gate), product; fused: no silu output
+    if not block.gated:  # GELU: the first matmul's output and the activation's
+        f = a.ffn_dim / t
+        return norm + 2 * f * w.lin, (f + a.dim) * w.lin
+    if not block.moe:
+        f = a.ffn_dim / t
+        return norm + gated * f * w.lin, (2 * f + a.dim) * w.lin
+    # An MoE layer runs whole on every TP rank, for every token of the sequence.
+    k, h = a.top_k, a.moe_ffn_dim
+    cf = a.capacity_factor if a.capacity_factor > 0 else 1.0
+    routed = cf * k * (3 * a.dim + gated * h) * w.lin  # tokens sorted in, out, weighted; expert FFN
+    shared = a.n_shared_experts * h * gated * w.lin
+    router = a.n_experts * FP32 * 2 + k * 24  # logits, scores; indices
+    return norm + routed + shared + router, cf * k * (2 * h + a.dim) * w.lin + a.n_shared_experts * 2 * h * w.lin
+
+
+def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> tuple[float, float]:
+    """(bytes one block keeps per token until its backward, bytes its backward needs at once
+    on top: recomputation under AC plus the gradient working set)."""
+    w = widths(job)
+    attn, attn_mm = attention_saved(job, lay, block, w)
+    ffn, ffn_mm = ffn_saved(job, lay, block, w)
+    full = attn + ffn
+    sp = 1 / lay.tp if (lay.tp > 1 and lay.sequence_parallel) else 1.0
+    block_input = job.args.dim * sp * w.res
+    ffn_width = (job.args.ffn_dim / lay.tp) if not block.moe else job.args.top_k * job.args.moe_ffn_dim
+    working = (3 * ffn_width + 2 * job.args.dim) * w.lin  # d(product), d(gate), d(up); d(x) twice
+    if lay.ac == "full" or (lay.ac == "selective" and lay.ac_every and index % lay.ac_every == 0):
+        return block_input, full + working
+    if lay.ac == "selective" and not lay.ac_every:
+        kept = block_input + attn_mm + ffn_mm
+        return kept, (full - kept) + working
+    return full, working
+
+
+# -- what one rank holds ----------------------------------------------------------------------
+
+@dataclass
+class RankModel:
+    """One pipeline rank's share of the model (all ranks when pp = 1)."""
+
+    pp_rank: int
+    groups: list[tuple[BlockShape, tuple[int, ...]]] = field(default_factory=list)
+    """The blocks it holds, grouped by shape: (shape, layer indices). Blocks of one shape cost
+    the same, so the walk is over a handful of groups, not over every layer."""
+    first: bool = True
+    last: bool = True
+    stages: int = 1
+
+
+def _group(job: Job, indices: list[int]) -> list[tuple[BlockShape, tuple[int, ...]]]:
+    groups: dict[BlockShape, list[int]] = {}
+    for i in indices:
+        groups.setdefault(job.shape.blocks[i], []).append(i)
+    return [(b, tuple(idx)) for b, idx in groups.items()]
+
+
+_RANKS: dict[tuple[int, int, str], tuple[object, list[RankModel]]] = {}
+
+
+def end_ranks(job: Job, lay: Layout) -> list[RankModel]:
+    """The first and last pp ranks: the first holds the most micro-batches in flight and the
+    embedding, the last the logits; the balanced ranks between hold less than both."""
+    key = (id(job.shape), lay.pp, lay.pp_schedule if lay.pp > 1 else "")
+    cached = _RANKS.get(key)
+    if cached is None or cached[0] is not job.shape:  # an id can be reused by a later shape
+        if len(_RANKS) > 256:
+            _RANKS.clear()
+        cached = _RANKS[key] = (job.shape, [rank_model(job, lay, r) for r in sorted({0, lay.pp - 1})])
+    return cached[1]
+
+
+def rank_model(job: Job, lay: Layout, pp_rank: int) -> RankModel:
+    """The blocks pp rank `pp_rank` holds, split as forja's pipeline balances them."""
+    n_layers = len(job.shape.blocks)
+    if lay.pp == 1:
+        return RankModel(0, _group(job, list(range(n_layers))))
+    n_stages = lay.pp * lay.stages_per_rank
+    mean = sum(b.flops_per_token for b in job.shape.blocks) / n_layers
+    counts = _stage_layers(n_layers, n_stages, mean, job.shape.output_flops_per_token)
+    starts = [sum(counts[:s]) for s in range(n_stages)]
+    stages = rank_stages(pp_rank, lay.pp, lay.pp_schedule)
+    held = [i for s in stages for i in range(starts[s], starts[s] + counts[s])]
+    return RankModel(pp_rank, _group(job, held), 0 in stages, n_stages - 1 in stages, len(stages))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_layers(n_layers: int, n_stages: int, block: float, last: float) -> list[int]:
+    return balanced_layers(n_layers, n_stages, StageCosts(block=block, last=last))
+
+
+def inflight_chunks(lay: Layout, pp_rank: int, microbatches: int) -> float:
+    """(stage, micro-batch) forwards whose activations a pp rank holds at its peak, per stage
+    it holds: the schedule's warm-up depth (torch.distributed.pipelining's schedules)."""
+    p, m, r = lay.pp, microbatches, pp_rank
+    if p == 1:
+        return 1.0
+    if lay.pp_schedule == "gpipe":
+        return float(m)
+    if lay.pp_schedule == "1f1b":
+        return float(min(m, p - r))
+    # Two stages per rank: warm-up forwards over both before the first backward.
+    v = lay.stages_per_rank
+    if lay.pp_schedule == "interleaved-1f1b":
+        chunks = (v - 1) * p + 2 * (p - 1 - r) + 1
+    else:  # V shapes (zero-bubble, dualpipev): the first rank runs the most warm-up forwards
+        chunks = 2 * (p - r)
+    return min(m * v, chunks) / v
+
+
+def rank_elements(job: Job, lay: Layout, rm: RankModel) -> tuple[float, float, float, float]:
+    """(root elements, largest block's, all blocks', the routed experts' among them) this rank
+    holds before FSDP sharding."""
+    s, t = job.shape, lay.tp
+    root = 0.0
+    if rm.first:
+        root += s.embedding / t
+    if rm.last:
+        tied_copy = s.args.tie_embeddings and (lay.pp > 1 or not rm.first)
+        root += s.final_norm + (s.output / t if s.output else (s.embedding / t if tied_copy else 0.0))
+    sizes = [(b.tp_split / t + b.replicated + b.experts / lay.ep, b.experts / lay.ep, len(idx)) for b, idx in rm.groups]
+    return (root, max((e for e, _, _ in sizes), default=0.0), sum(e * n for e, _, n in sizes),
+            sum(x * n for _, x, n in sizes))
+
+
+def _logits(job: Job, lay: Layout, tokens: float) -> tuple[float, float]:
+    """(bytes the loss keeps from forward to backward, bytes its backward adds at once)."""
+    vocab = job.args.vocab_size / lay.tp
+    if "cross_entropy" in job.fused:  # gradients made in forward, chunk by chunk
+        rows = min(tokens, max(1.0, 2 ** 28 / (vocab * FP32)))
+        kept = tokens * job.args.dim * widths(job).lin + vocab * job.args.dim * FP32
+        return kept + 2 * rows * vocab * FP32, 0.0
+    # log_softmax's fp32 output is kept; backward makes d(log_softmax) and d(logits) at once.
+    # Under TP the vocabulary-parallel loss (loss_parallel) also keeps its input logits.
+    kept = tokens * vocab * FP32 + (tokens * vocab * widths(job).lin if job.bf16 or lay.tp > 1 else 0.0)
+    return kept, 2 * tokens * vocab * FP32
+
+
+def predict_memory(job: Job, lay: Layout) -> MemoryBreakdown:
+    """The peak of the rank that peaks highest."""
+    return max((rank_peak(job, lay, rm) for rm in end_ranks(job, lay)), key=lambda m: m.total)
+
+
+def rank_peak(job: Job, lay: Layout, rm: RankModel) -> MemoryBreakdown:
+    fsdp_on = lay.fsdp * lay.dp_replicate > 1 or job.bf16_params or lay.cpu_offload
+    shard = lay.fsdp if fsdp_on else 1
+    root, largest, blocks, experts = rank_elements(job, lay, rm)
+    elements = root + blocks
+    # Routed experts are already split over ep ranks; FSDP shards them over the rest (dp_shard / ep).
+    held = (elements - experts) / shard + experts / max(1, shard // lay.ep)
+    on_host = lay.cpu_offload and job.gpu  # offloaded state lives in host memory
+    params = 0.0 if on_host else held * FP32
+    state = 0.0 if on_host else held * FP32 * job.state_per_param
+    grads = 0.0 if on_host else held * FP32
+    gathered_width = 2 if job.bf16_params else FP32
+    tokens = lay.sequences_per_microbatch(job.global_batch_size) * job.seq_len / lay.cp
+    micro = lay.microbatches(job.global_batch_size)
+    kept = working = 0.0
+    for b, idx in rm.groups:
+        checkpointed = sum(1 for i in idx if i % lay.ac_every == 0) if lay.ac_every else 0
+        for n, index in ((len(idx) - checkpointed, 1), (checkpointed, 0)):
+            if n:
+                k, wk = block_activations(job, lay, b, index)
+                kept, working = kept + n * k * tokens, max(working, wk * tokens)
+    if lay.pp > 1:
+        kept *= inflight_chunks(lay, rm.pp_rank, micro)
+    if rm.last:
+        a = job.args
+        kept += tokens * a.dim * (2 * widths(job).res + widths(job).lin)  # final norm, output's input
+    loss_kept, loss_backward = _logits(job, lay, tokens) if rm.last else (0.0, 0.0)
+    if lay.pp > 1 and lay.pp_schedule == "gpipe":
+        loss_kept *= micro  # every micro-batch's forward (and loss) runs before any backward
+    buffers = (4 * tokens * job.args.dim * widths(job).lin * rm.stages) if lay.pp > 1 else 0.0
+    # FSDP: the root stays gathered through forward and backward; ZeRO-3 regathers each block
+    # (itself and the prefetched next), ZeRO-2 keeps every block gathered until its backward.
+    gathered = 0.0
+    if fsdp_on:
+        blocks_gathered = 2 * largest if lay.reshard_after_forward else blocks + largest
+        gathered = (root + blocks_gathered) * gathered_width
+        buffers += 2 * largest / shard * FP32  # all-gather copy-in, reduce-scatter output
+    # Gradients between micro-batches: FSDP reduces each micro-batch's (sharded), except under
+    # PP, whose schedule reduce-scatters once after the last micro-batch (unsharded meanwhile).
+    # (Unsharded gradients have the gathered parameters' dtype; the reduce-scatter casts to fp32.)
+    accumulated = grads if micro > 1 else 0.0  # a pipeline's first backward comes before its last forward
+    if lay.pp > 1 and fsdp_on:
+        accumulated = elements * gathered_width
+    if lay.pp > 1 and lay.pp_schedule == "gpipe":
+        accumulated = 0.0  # GPipe runs every forward before the first backward makes a gradient
+    unsharded_grad = largest * gathered_width if fsdp_on else 0.0
+
+    def snap(phase: str, *, acts: float, logits: float, grads_now: float, temps: float = 0.0) -> MemoryBreakdown:
+        return MemoryBreakdown(parameters=params, gradients=grads_now, optimizer_state=state,
+                               gathered_parameters=gathered, activations=acts, logits=logits,
+                               optimizer_temporaries=temps, buffers=buffers, pp_rank=rm.pp_rank, phase=phase)
+
+    output_grad = (root * FP32) if rm.last else 0.0
+    candidates = [
+        snap("loss backward", acts=kept, logits=loss_kept + loss_backward, grads_now=accumulated),
+        snap("first block backward", acts=kept + working, logits=0.0,
+             grads_now=accumulated + output_grad + unsharded_grad),
+        snap("optimizer step", acts=0.0, logits=0.0, grads_now=max(grads, accumulated),
+             temps=optimizer_temporaries(job, held)),
+    ]
+    return max(candidates, key=lambda m: m.total)
+
+
+def optimizer_temporaries(job: Job, shard_elements: float) -> float:
+    """Bytes the optimizer step allocates for a moment: the foreach implementation (CPUs)
+    makes a parameter-sized sqrt of the second moment; the fused one (GPUs) makes none."""
+    if job.gpu or job.optimizer not in ("adamw", "adam"):
+        return 0.0
+    return shard_elements * FP32

@@ -1,0 +1,93 @@
+"""What the planner needs to know of a model: its parameters by how each parallelism splits
+them, and its FLOPs, counted from the model itself (built on the meta device: no memory).
+
+Which parameters tensor parallelism splits is read from the family's own TP plan (the
+modules it makes Colwise/Rowwise), so the planner and `forja train` cannot disagree; routed
+experts are split by expert parallelism instead; everything else is replicated over TP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from forja.models import build_from_args, spec_of
+from forja.models.common.transformer import Transformer, TransformerArgs
+
+_SPLIT_STYLES = (ColwiseParallel, RowwiseParallel)
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """One transformer block's parameters (element counts, whole model, before any split)."""
+
+    tp_split: int
+    """Split over the TP ranks (attention and dense MLP projections)."""
+    replicated: int
+    """Whole on every TP rank (norms, a router, an MoE layer's shared experts)."""
+    experts: int
+    """Routed experts: split over the EP ranks."""
+    moe: bool
+    gated: bool
+    """A gated MLP (SwiGLU: gate, up, down) rather than GELU's two matrices."""
+    layer_norm: bool
+    """torch's LayerNorm (one kernel that saves its input and statistics) rather than RMSNorm."""
+    flops_per_token: float
+    """Training FLOPs (forward + backward) per token: 6 x active weights + attention scores."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    args: TransformerArgs
+    blocks: tuple[BlockShape, ...]
+    embedding: int
+    """Token (and learned position) embeddings; split over TP (vocabulary rows)."""
+    output: int
+    """Output projection; 0 when tied to the embedding (unless a pipeline splits them)."""
+    final_norm: int
+    output_flops_per_token: float
+    """6 x the output projection (and final norm): the logits' matmuls."""
+
+    @property
+    def n_params(self) -> int:
+        return sum(b.tp_split + b.replicated + b.experts for b in self.blocks) + self.embedding + \
+            self.output + self.final_norm
+
+    @property
+    def flops_per_token(self) -> float:
+        return sum(b.flops_per_token for b in self.blocks) + self.output_flops_per_token
+
+
+def _numel(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def model_shape(args: TransformerArgs, seq_len: int) -> ModelShape:
+    model: Transformer = build_from_args(args, device="meta")
+    plan = spec_of(args).tp_plan(args, True)
+    attention_flops = 12 * args.n_heads * args.head_dim * seq_len  # as Transformer.flops_per_token
+    blocks = []
+    for block in model.layers.values():
+        moe = hasattr(block.feed_forward, "active_fraction")
+        styles = plan.block_plan(moe)
+        split = replicated = experts = 0
+        for name, p in block.named_parameters():
+            module = name.rsplit(".", 1)[0]
+            if ".experts." in f".{name}" and moe:
+                experts += p.numel()
+            elif isinstance(styles.get(module), _SPLIT_STYLES):
+                split += p.numel()
+            else:
+                replicated += p.numel()
+        active_experts = experts * block.feed_forward.active_fraction() if moe else 0
+        flops = 6 * (split + replicated + active_experts) + attention_flops
+        gated = moe or hasattr(block.feed_forward, "w3")
+        layer_norm = isinstance(block.attention_norm, nn.LayerNorm)
+        blocks.append(BlockShape(split, replicated, experts, moe, gated, layer_norm, float(flops)))
+    output = 0 if args.tie_embeddings else _numel(model.output)
+    # Whatever else the root holds is input side: token (and learned position) embeddings.
+    embedding = _numel(model) - _numel(model.layers) - _numel(model.norm) - output
+    output_matmul = model.output.weight.numel() if model.output is not None else 0
+    return ModelShape(args, tuple(blocks), embedding, output, _numel(model.norm), 6.0 * output_matmul)

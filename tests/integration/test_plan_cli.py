@@ -1,0 +1,71 @@
+"""`forja plan` end to end: the ranked table, --json, --layout, --check on a finished run, and
+`forja train`'s own use of the planner (parallel.auto, the memory check)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from forja.cli import main
+
+from .conftest import train_args
+
+KEYS = {"layout", "peak_memory_bytes", "memory_breakdown", "step_time_s", "tokens_per_sec",
+        "tokens_per_sec_per_device", "mfu", "fits"}
+
+
+def test_json_lists_candidates_best_first(capsys):
+    assert main(["plan", "llama3-8b", "--gpus", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cands = out["candidates"]
+    assert cands and KEYS <= set(cands[0])
+    assert cands[0]["fits"] and not cands[-1]["fits"]
+    fitting = [c for c in cands if c["fits"]]
+    assert fitting[0]["tokens_per_sec"] >= 0.99 * max(c["tokens_per_sec"] for c in fitting)
+    assert set(cands[0]["layout"]) >= {"parallel.dp_shard", "parallel.tp", "parallel.pp", "train.micro_batch_size"}
+    assert cands[0]["tokens_per_sec"] == pytest.approx(16 * cands[0]["tokens_per_sec_per_device"])
+
+
+def test_table_and_one_layout(capsys):
+    assert main(["plan", "llama3-8b", "--gpus", "16", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "layouts fit" in out and "best:" in out and "--set parallel.dp_shard=" in out
+    assert main(["plan", "llama3-8b", "--gpus", "16", "--json", "--layout",
+                 "parallel.dp_shard=8,parallel.tp=2,parallel.ac=full"]) == 0
+    (only,) = json.loads(capsys.readouterr().out)["candidates"]
+    assert only["layout"]["parallel.tp"] == 2 and only["layout"]["parallel.ac"] == "full"
+    assert main(["plan", "llama3-8b", "--gpus", "16", "--layout", "parallel.dp_shard=2,parallel.tp=2"]) == 2
+    assert "spans 4 ranks, not --gpus 16" in capsys.readouterr().err
+
+
+def test_check_compares_a_finished_run_with_its_prediction(tmp_path, train_data, capsys):
+    run = tmp_path / "run"
+    assert main(train_args(run, train_data, **{"train.steps": "4"})) == 0
+    capsys.readouterr()
+    assert main(["plan", "--check", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hardware"] == "cpu" and out["world_size"] == 1
+    assert out["measured"]["tokens_per_sec"] > 0 and out["predicted"]["peak_memory_bytes"] > 0
+    assert out["ratios"]["tokens_per_sec"] == pytest.approx(
+        out["measured"]["tokens_per_sec"] / out["predicted"]["tokens_per_sec"])
+    assert main(["plan", "--check", str(tmp_path)]) == 2
+    assert "has no config.toml" in capsys.readouterr().err
+
+
+def test_auto_writes_its_choice_and_the_run_trains_with_it(tmp_path, train_data):
+    run = tmp_path / "auto"
+    assert main(train_args(run, train_data, **{"train.steps": "2", "parallel.auto": "true"})) == 0
+    chosen = json.loads((run / "plan.json").read_text())["chosen"]
+    assert chosen["fits"] and chosen["layout"]["parallel.tp"] == 1
+    assert any("loss" in json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
+
+
+def test_a_run_that_cannot_fit_stops_before_allocating(tmp_path, train_data, capsys):
+    # 64 sequences of 256k tokens in one micro-batch: terabytes of activations on a CPU host.
+    sets = {"train.seq_len": "262144", "train.global_batch_size": "64", "train.micro_batch_size": "64",
+            "model.overrides.max_seq_len": "262144"}
+    assert main(train_args(tmp_path / "big", train_data, **sets)) == 2
+    err = capsys.readouterr().err
+    assert "is predicted to need" in err and "activations" in err and "parallel.memory_check = 'warn'" in err
+    assert not (tmp_path / "big" / "checkpoints").exists()
