@@ -10,7 +10,7 @@ Phases (each is a `forja sweep` directory, so a killed bench resumes where it st
      over four learning rates: where the optimum sits at each width.
 
 Every trial is the default recipe (Llama `tiny`, the stdlib corpus) shortened by COMMON below so
-that the whole bench fits a 2-core machine; the muP trials use 4 layers. Reports: the final
+that the whole bench fits a 2-core machine; the muP trials use 4 layers and 100 steps. Reports: the final
 validation loss (mean, spread over seeds), the step at which Muon first reaches AdamW's final
 loss (validation every 25 steps), the median time per step, and `mup.png`.
 """
@@ -35,7 +35,7 @@ LRS = {
 }
 WIDTHS = [128, 256, 512]
 MUP_LRS = ["1e-3", "3e-3", "1e-2", "3e-2"]
-MUP_COMMON = ["model.overrides.n_layers=4"]
+MUP_COMMON = ["model.overrides.n_layers=4", "train.steps=100", "schedule.warmup_steps=10"]
 
 
 def sweep(sweep_dir: Path, grids: list[str], common: list[str], parallel: int) -> None:

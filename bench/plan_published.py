@@ -115,7 +115,8 @@ def main() -> None:
     for run in RUNS:
         own, best = predict(run, search="--search" in sys.argv)
         ratio = own.tokens_per_sec_per_device / run.published
-        first = f"{best.layout.describe()} ({best.tokens_per_sec_per_device:,.0f})" if best else "-"
+        first = (f"{best.layout.describe().replace(' | ', ', ')}: {best.tokens_per_sec_per_device:,.0f}"
+                 f" ({best.tokens_per_sec_per_device / own.tokens_per_sec_per_device:.2f}x)" if best else "-")
         print(f"| {run.name} | {run.gpus} | {run.published:,.0f} | {own.tokens_per_sec_per_device:,.0f} | "
               f"{ratio:.2f} | {'yes' if own.fits else 'NO: ' + own.why_not} ({own.memory.total / 1e9:.1f}) | "
               f"{first} | {run.source} |")

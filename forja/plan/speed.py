@@ -20,6 +20,9 @@ from forja.plan.memory import end_ranks, rank_elements
 # The fraction of peak a well-shaped transformer step reaches in its matmuls and attention
 # (Megatron-Core's H100 runs report 41-49% MFU with every overlap on, torchtitan's 33-39%).
 MATMUL_EFFICIENCY = 0.5
+# CPU offload: one GPU's share of its host's memory bandwidth, and its PCIe link.
+HOST_BYTES_PER_S = 12e9
+PCIE_BYTES_PER_S = 25e9
 # Rows (or columns) at which a matmul runs at half its large-size rate.
 HALF_RATE_SIZE = 128
 # float8 Linear layers: scaling and casts keep the gain over bf16 near 1.4x, not the 2x of the
@@ -45,14 +48,16 @@ class TimeBreakdown:
     """FSDP all-gathers and reduce-scatters (and HSDP's all-reduce) not hidden behind compute."""
     pp_bubble: float = 0.0
     pp_comm: float = 0.0
+    offload: float = 0.0
+    """CPU offload: the optimizer step on the host and the PCIe copies."""
 
     @property
     def total(self) -> float:
         return (self.compute + self.tp_comm + self.cp_comm + self.ep_comm + self.fsdp_comm_exposed
-                + self.pp_bubble + self.pp_comm)
+                + self.pp_bubble + self.pp_comm + self.offload)
 
     def as_dict(self) -> dict[str, float]:
-        keys = ("compute", "tp_comm", "cp_comm", "ep_comm", "fsdp_comm_exposed", "pp_bubble", "pp_comm")
+        keys = ("compute", "tp_comm", "cp_comm", "ep_comm", "fsdp_comm_exposed", "pp_bubble", "pp_comm", "offload")
         return {k: float(getattr(self, k)) for k in keys}
 
 
@@ -129,6 +134,7 @@ def _rank_time(job: Job, lay: Layout, hw: Hardware, rm) -> TimeBreakdown:
         volume = getattr(a, "top_k", 1) * tokens_mb * a.dim * act
         t.ep_comm = 4 * moe_blocks * micro * ring_time(volume, lay.ep, link_bandwidth(hw, lay, "dp_shard"))
     t.fsdp_comm_exposed = _fsdp_exposed(job, lay, hw, rm, compute)
+    t.offload = offload_time(job, lay, rm)
     if lay.pp > 1:
         t.pp_bubble = compute * bubble_fraction(lay, micro)
         t.pp_comm = 2 * micro * tokens_mb * a.dim * act / link_bandwidth(hw, lay, "pp") * rm.stages
@@ -165,9 +171,19 @@ def _fsdp_exposed(job: Job, lay: Layout, hw: Hardware, rm, compute: float) -> fl
         comm += ring_time(elements / max(1, lay.fsdp) * 4, lay.dp_replicate,
                           link_bandwidth(hw, lay, "dp_replicate"), all_reduce=True)
     first = ring_time(largest * gather_width, lay.fsdp, bw) if lay.fsdp > 1 else 0.0
-    if lay.cpu_offload and job.gpu:  # shards cross PCIe both ways every step (~25 GB/s)
-        comm += 3 * elements / max(1, lay.fsdp) * 4 / 25e9
     return max(0.0, comm - compute) + first
+
+
+def offload_time(job: Job, lay: Layout, rm) -> float:
+    """CPU offload (FSDP's CPUOffloadPolicy): the optimizer steps on the host, after backward,
+    touching parameter, gradient and both moments (read and write) at the host memory bandwidth
+    a GPU's share of the socket gives; the shards also cross PCIe (to the GPU for forward and
+    backward, gradients back), which prefetching hides only partly."""
+    if not (lay.cpu_offload and job.gpu):
+        return 0.0
+    root, _, blocks, _ = rank_elements(job, lay, rm)
+    shard_bytes = (root + blocks) / max(1, lay.fsdp) * 4
+    return shard_bytes * (2 + 2 * job.state_per_param) * 2 / HOST_BYTES_PER_S + 3 * shard_bytes / PCIE_BYTES_PER_S
 
 
 def throughput(job: Job, lay: Layout, hw: Hardware, step_time: float) -> tuple[float, float, float]:

@@ -99,3 +99,11 @@ def test_a_mixture_of_experts_splits_its_experts_over_ep():
     assert ep8.gathered_parameters < 0.5 * ep1.gathered_parameters  # a block gathers 1/8 of the experts
     assert ep8.parameters == pytest.approx(ep1.parameters)  # either way each rank keeps 1/8 of everything
     assert predict_time(j, Layout(dp_shard=8, ep=8, micro_batch_size=1), get_hardware("h100")).ep_comm > 0
+
+
+def test_cpu_offload_frees_device_memory_and_costs_the_host_optimizer_step():
+    j, hw = job(gpu=True, bf16=True), get_hardware("h100")
+    on, off = Layout(dp_shard=8, micro_batch_size=1, cpu_offload=True), Layout(dp_shard=8, micro_batch_size=1)
+    assert predict_memory(j, on).optimizer_state == 0 < predict_memory(j, off).optimizer_state
+    assert predict_time(j, on, hw).offload > 0.5 * predict_time(j, off, hw).compute / 8  # seconds, not noise
+    assert predict_time(j, off, hw).offload == 0
