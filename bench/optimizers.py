@@ -6,8 +6,9 @@
 Phases (each is a `forja sweep` directory, so a killed bench resumes where it stopped):
   1. lr: each optimizer over three learning rates, seed 0.
   2. seeds: each optimizer at its best lr of phase 1, seeds 1 and 2 (seed 0 is reused).
-  3. mup: AdamW at widths 128/256/512 (FFN 3x, heads of 32), standard vs muP (base width 128),
-     over four learning rates: where the optimum sits at each width.
+  3. mup: AdamW at widths 128/256/512 (FFN 3x, heads of 32; linked keys of one grid), standard
+     vs muP (base width 128), over four learning rates: where the optimum sits at each width.
+     forja sweep also writes each one's coords.png, the coordinate check.
 
 Every trial is the default recipe (Llama `tiny`, the stdlib corpus) shortened by COMMON below so
 that the whole bench fits a 2-core machine; the muP trials use 4 layers and 100 steps. Reports: the final
@@ -36,6 +37,8 @@ LRS = {
 WIDTHS = [128, 256, 512]
 MUP_LRS = ["1e-3", "3e-3", "1e-2", "3e-2"]
 MUP_COMMON = ["model.overrides.n_layers=4", "train.steps=100", "schedule.warmup_steps=10"]
+# Widening moves the residual stream, the MLP and the heads together (head_dim stays 32).
+WIDTH_KEYS = "+".join(f"model.overrides.{k}" for k in ("dim", "ffn_dim", "n_heads", "n_kv_heads"))
 
 
 def sweep(sweep_dir: Path, grids: list[str], common: list[str], parallel: int) -> None:
@@ -75,13 +78,11 @@ def run_all(root: Path, parallel: int) -> None:
         sweep(root / f"lr-{name}", [f"optim.lr={','.join(lrs)}"], [f"optim.name={name}"], parallel)
     for name, lr in best_lrs(root).items():
         sweep(root / f"seeds-{name}", ["train.seed=1,2"], [f"optim.name={name}", f"optim.lr={lr}"], parallel)
-    for width in WIDTHS:
-        shape = [f"model.overrides.dim={width}", f"model.overrides.ffn_dim={3 * width}",
-                 f"model.overrides.n_heads={width // 32}", f"model.overrides.n_kv_heads={width // 64}"]
-        for mup in ("sp", "mup"):
-            extra = ["model.mup_base_dim=128"] if mup == "mup" else []
-            sweep(root / f"mup-{mup}-{width}", [f"optim.lr={','.join(MUP_LRS)}"], MUP_COMMON + shape + extra,
-                  parallel)
+    widths = ",".join(f"{w}+{3 * w}+{w // 32}+{w // 64}" for w in WIDTHS)
+    for mup in ("sp", "mup"):
+        extra = ["model.mup_base_dim=128"] if mup == "mup" else []
+        sweep(root / f"mup-{mup}", [f"{WIDTH_KEYS}={widths}", f"optim.lr={','.join(MUP_LRS)}"],
+              MUP_COMMON + extra, parallel)
 
 
 def optimizer_table(root: Path) -> list[str]:
@@ -126,16 +127,18 @@ def steps_to_reach(root: Path) -> list[str]:
 
 def mup_report(root: Path) -> list[str]:
     lines = ["| width | standard: best lr (loss) | muP: best lr (loss) |", "|---|---|---|"]
-    curves = {}
+    curves: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for mup in ("sp", "mup"):
+        for values, run in trials(root / f"mup-{mup}"):
+            width = int(values[WIDTH_KEYS].split("+")[0])
+            curves.setdefault((mup, width), []).append((float(values["optim.lr"]), run["final"]))
     for width in WIDTHS:
         cells = []
         for mup in ("sp", "mup"):
-            runs = sorted(trials(root / f"mup-{mup}-{width}"), key=lambda r: float(r[0]["optim.lr"]))
-            curves[(mup, width)] = [(float(v["optim.lr"]), r["final"]) for v, r in runs]
-            v, r = min(runs, key=lambda r: r[1]["final"])
-            cells.append(f"{v['optim.lr']} ({r['final']:.4f})")
+            lr, loss = min(curves[(mup, width)], key=lambda p: p[1])
+            cells.append(f"{lr:g} ({loss:.4f})")
         lines.append(f"| {width} | {cells[0]} | {cells[1]} |")
-    plot_mup(curves, root / "mup.png")
+    plot_mup({k: sorted(v) for k, v in curves.items()}, root / "mup.png")
     return lines
 
 

@@ -7,7 +7,12 @@ any run). `<SWEEP_DIR>/sweep.json` lists the trials, their values and their stat
 (pending, running, done, failed), rewritten atomically at every change; rerunning the same
 command skips done trials and relaunches the rest. At the end (or with `--summary`) a table
 ranks the trials by final validation loss and sweep.png plots it against the first swept key,
-one line per value of the second.
+one line per value of the second; coords.png plots the activation sizes of each trial's first
+validation the same way: over widths, with and without muP, that is the coordinate check.
+
+Keys joined by '+' are swept together, their values joined the same way:
+`--grid 'model.overrides.dim+model.overrides.ffn_dim=128+384,256+768'` widens a model's
+residual stream and MLP at once (the x axis then reads the first part).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from forja.files import write_atomic
 
 STATE = "sweep.json"
 PLOT = "sweep.png"
+COORDS_PLOT = "coords.png"
 Grid = dict[str, list[str]]  # key -> its values, as TOML text for --set
 
 
@@ -47,7 +53,19 @@ def parse_grid(text: str) -> tuple[str, list[str]]:
     values = [v.strip() for v in raw.split(",") if v.strip()]
     if not key or not values:
         raise ForjaError(f"--grid {text!r} has an empty {'key' if not key else 'value list'}")
+    linked = key.count("+") + 1
+    bad = next((v for v in values if linked > 1 and v.count("+") + 1 != linked), None)
+    if bad is not None:
+        raise ForjaError(f"--grid {text!r} links {linked} keys, so each value needs {linked} parts joined by "
+                         f"'+' (e.g. 256+768), but {bad!r} has {bad.count('+') + 1}")
     return key, values
+
+
+def expand(key: str, value: str) -> list[tuple[str, str]]:
+    """One grid entry as --set pairs: 'a.x+a.y', '1+2' (linked keys, swept together) -> a.x=1, a.y=2."""
+    if "+" not in key:
+        return [(key, value)]
+    return list(zip(key.split("+"), value.split("+")))
 
 
 def parse_grids(texts: list[str]) -> Grid:
@@ -76,14 +94,15 @@ def make_trials(grid: Grid, n_random: int | None, seed: int) -> list[dict[str, s
 
 def trial_name(index: int, values: dict[str, str]) -> str:
     """'trial-0-lr=1e-3-dim=128': the last part of each key, characters safe in a path."""
-    slug = "-".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in values.items())
+    slug = "-".join(f"{'+'.join(p.rsplit('.', 1)[-1] for p in k.split('+'))}={v}" for k, v in values.items())
     slug = re.sub(r"[^A-Za-z0-9_.=+-]+", "_", slug)[:60]
     return f"trial-{index}-{slug}"
 
 
 def trial_overrides(sweep_dir: Path, trial: dict[str, Any], common: list[str]) -> list[str]:
     run_dir = json.dumps(str(sweep_dir / trial["name"]))
-    return [f"run.dir={run_dir}", *(f"{k}={v}" for k, v in trial["values"].items()), *common]
+    pairs = [pair for k, v in trial["values"].items() for pair in expand(k, v)]
+    return [f"run.dir={run_dir}", *(f"{k}={v}" for k, v in pairs), *common]
 
 
 # -- sweep.json ---------------------------------------------------------------------------------
@@ -219,28 +238,23 @@ def summary_table(state: dict[str, Any], rows: list[tuple[dict[str, Any], float 
 
 
 def _number(text: str) -> float | None:
-    value = parse_override(f"x.v={text}")[1]
+    """A grid value as a number for the x axis (a linked value by its first part), else None."""
+    value = parse_override(f"x.v={text.split('+')[0]}")[1]
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def plot_sweep(state: dict[str, Any], rows: list[tuple[dict[str, Any], float | None]], path: Path) -> Path:
-    """Validation loss against the first swept key, one line per value of the second."""
-    try:
-        from matplotlib.figure import Figure  # the object API: no global backend is changed
-    except ImportError as exc:
-        raise ForjaError("forja sweep draws with matplotlib: pip install 'forja[report]'") from exc
+def _draw(ax, state: dict[str, Any], values: dict[str, float], title: str, ylabel: str) -> None:
+    """`values` (trial name -> figure) against the first swept key, one line per value of the second."""
     keys = list(state["spec"]["grid"])
     x_key, line_key = keys[0], (keys[1] if len(keys) > 1 else None)
     x_values = state["spec"]["grid"][x_key]
     numbers = [_number(v) for v in x_values]
     numeric = all(n is not None for n in numbers)
     position = dict(zip(x_values, numbers if numeric else range(len(x_values))))
-    fig = Figure(figsize=(8, 4.5), layout="constrained")
-    ax = fig.add_subplot()
     groups = state["spec"]["grid"][line_key] if line_key else [None]
     for i, group in enumerate(groups):
-        points = sorted((position[t["values"][x_key]], loss) for t, loss in rows
-                        if loss is not None and (group is None or t["values"][line_key] == group))
+        points = sorted((position[t["values"][x_key]], values[t["name"]]) for t in state["trials"]
+                        if t["name"] in values and (group is None or t["values"][line_key] == group))
         if points:
             label = f"{line_key} = {group}" if line_key else None
             ax.plot(*zip(*points), "-o", color=f"C{i % 10}", label=label)
@@ -248,14 +262,63 @@ def plot_sweep(state: dict[str, Any], rows: list[tuple[dict[str, Any], float | N
         ax.set_xscale("log")
     if not numeric:
         ax.set_xticks(range(len(x_values)), x_values)
-    ax.set(title="final validation loss", xlabel=x_key, ylabel="val loss")
+    ax.set(title=title, xlabel=x_key, ylabel=ylabel)
     ax.grid(alpha=0.3)
     if line_key and ax.get_legend_handles_labels()[0]:
-        ax.legend()
+        ax.legend(fontsize="small")
+
+
+def _figure(panels: int):
+    try:
+        from matplotlib.figure import Figure  # the object API: no global backend is changed
+    except ImportError as exc:
+        raise ForjaError("forja sweep draws with matplotlib: pip install 'forja[report]'") from exc
+    fig = Figure(figsize=(8 * panels, 4.5), layout="constrained")
+    return fig, [fig.add_subplot(1, panels, i + 1) for i in range(panels)]
+
+
+def _save(fig, path: Path) -> Path:
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=120)
     write_atomic(path, png.getvalue())
     return path
+
+
+def plot_sweep(state: dict[str, Any], rows: list[tuple[dict[str, Any], float | None]], path: Path) -> Path:
+    """Validation loss against the first swept key, one line per value of the second."""
+    fig, (ax,) = _figure(1)
+    _draw(ax, state, {t["name"]: loss for t, loss in rows if loss is not None}, "final validation loss", "val loss")
+    return _save(fig, path)
+
+
+def first_activation_sizes(run_dir: Path) -> tuple[int, dict[str, float]] | None:
+    """(step, sizes) of the run's first validation that logged activation sizes."""
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        sizes = {k: v for k, v in record.items() if k.startswith("val_act_")} if isinstance(record, dict) else {}
+        if sizes:
+            return record["step"], sizes
+    return None
+
+
+def plot_coordinates(sweep_dir: Path, state: dict[str, Any], path: Path) -> Path | None:
+    """The coordinate check (Yang et al. 2021): mean |activation| at each trial's first
+    validation against the first swept key; under muP, swept over widths, its lines are flat."""
+    found = {t["name"]: first_activation_sizes(sweep_dir / t["name"]) for t in state["trials"] if t["status"] == "done"}
+    found = {name: f for name, f in found.items() if f is not None}
+    if not found:
+        return None
+    names = sorted({k for _, sizes in found.values() for k in sizes})
+    step = min(step for step, _ in found.values())
+    fig, axes = _figure(len(names))
+    for ax, name in zip(axes, names):
+        values = {trial: sizes[name] for trial, (_, sizes) in found.items() if name in sizes}
+        _draw(ax, state, values, f"{name} at step {step}: mean |x|", "mean |x|")
+    return _save(fig, path)
 
 
 def summarize(sweep_dir: Path, console: Console | None = None) -> Path:
@@ -267,6 +330,9 @@ def summarize(sweep_dir: Path, console: Console | None = None) -> Path:
     console.print(summary_table(state, rows))
     path = plot_sweep(state, rows, sweep_dir / PLOT)
     console.print(f"wrote {path}", highlight=False)
+    coords = plot_coordinates(sweep_dir, state, sweep_dir / COORDS_PLOT)
+    if coords is not None:
+        console.print(f"wrote {coords} (the coordinate check)", highlight=False)
     return path
 
 
@@ -297,7 +363,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", default=None, metavar="RECIPE",
                    help="the recipe each trial trains (not needed with --summary)")
     p.add_argument("--grid", dest="grids", action="append", default=[], metavar="SECTION.KEY=V1,V2,...",
-                   help="a swept key and its values (repeatable; the trials are the cartesian product)")
+                   help="a swept key and its values (repeatable; the trials are the cartesian product); "
+                        "keys joined by '+' move together: a.x+a.y=1+2,3+4")
     p.add_argument("--random", type=int, default=None, metavar="N",
                    help="instead of the whole product, N trials drawn from the grid's values")
     p.add_argument("--seed", type=int, default=0, help="the seed of --random's draws (default 0)")

@@ -46,6 +46,7 @@ class TrainerView(Protocol):
     run_dir: Path
     device: torch.device
     counters: TrainerCounters
+    activation_sizes: dict[str, float]
 
     def log(self, step: int, metrics: dict[str, Any]) -> None: ...
     def log_text(self, step: int, name: str, text: str) -> None: ...
@@ -87,7 +88,7 @@ class MetricsCallback(Callback):
         trainer.log(record.step, metrics)
 
     def on_validation_end(self, trainer: TrainerView, step: int, val_loss: float) -> None:
-        trainer.log(step, {"val_loss": val_loss})
+        trainer.log(step, {"val_loss": val_loss, **trainer.activation_sizes})
 
 
 class SampleCallback(Callback):

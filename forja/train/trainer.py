@@ -38,6 +38,7 @@ from forja.train.callbacks import Callback, StepRecord, default_callbacks
 from forja.train.data import data, loaders
 from forja.train.engine import build_engine
 from forja.train.preflight import auto_layout, check_memory
+from forja.train.probes import ActivationSizes
 from forja.train.run_dir import RunDir
 
 
@@ -47,6 +48,7 @@ class Trainer:
         self.extra_callbacks = list(callbacks)
         self.stop_reason: str | None = None
         self.counters = TrainerCounters()
+        self.activation_sizes: dict[str, float] = {}  # of the last validation (forja/train/probes.py)
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -169,9 +171,11 @@ class Trainer:
         for part in self.parts:
             part.eval()
         total, count = torch.zeros((), device=self.device), 0
-        for batch in self.val_loader:
-            total += self.engine.eval_loss(batch)
-            count += 1
+        with ActivationSizes(self.parts) as sizes:
+            for batch in self.val_loader:
+                total += self.engine.eval_loss(batch)
+                count += 1
+        self.activation_sizes = sizes.means()
         for part in self.parts:
             part.train()
         stats = torch.stack([total, torch.tensor(float(count), device=self.device)])

@@ -91,3 +91,25 @@ def test_parallel_trials_share_the_cores(monkeypatch):
     assert "OMP_NUM_THREADS" not in _child_env(1)  # one trial: torch's own default
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert _child_env(4)["OMP_NUM_THREADS"] == "3"  # the user's choice stands
+
+
+def test_linked_keys_sweep_together_and_the_coordinate_check_is_plotted(tmp_path, train_data):
+    sweep_dir = tmp_path / "widths"
+    grid = ["--grid", "model.overrides.dim+model.overrides.ffn_dim=32+96,64+192", "--grid", "model.mup_base_dim=0,32"]
+    assert main(["sweep", "debug", *grid, *common_sets(tmp_path, train_data), "--dir", str(sweep_dir)]) == 0
+    state = json.loads((sweep_dir / "sweep.json").read_text())
+    assert [t["name"] for t in state["trials"]][:2] == ["trial-0-dim+ffn_dim=32+96-mup_base_dim=0",
+                                                       "trial-1-dim+ffn_dim=32+96-mup_base_dim=32"]
+    for trial in state["trials"]:
+        width, ffn = (int(v) for v in trial["values"]["model.overrides.dim+model.overrides.ffn_dim"].split("+"))
+        config = (sweep_dir / trial["name"] / "config.toml").read_text()
+        assert f"dim = {width}" in config and f"ffn_dim = {ffn}" in config
+        sizes = [r for r in read_metrics(sweep_dir / trial["name"]) if "val_act_hidden" in r]
+        assert sizes and sizes[0]["val_act_hidden"] > 0 and sizes[0]["val_act_logits"] > 0
+    assert (sweep_dir / "coords.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_linked_values_need_one_part_per_key(tmp_path, capsys):
+    grid = "model.overrides.dim+model.overrides.ffn_dim=32+96,64"
+    assert main(["sweep", "debug", "--grid", grid, "--dir", str(tmp_path / "s")]) == 2
+    assert "links 2 keys" in capsys.readouterr().err
