@@ -187,7 +187,8 @@ def _dp_splits(dp: int, tp: int, pp: int, cp: int, n_layers: int, n_experts: int
     for dp_shard in sorted(shard_choices):
         if not space.allows(dp_shard=dp_shard, dp_replicate=dp // dp_shard):
             continue
-        eps = [e for e in divisors(dp_shard) if n_experts and n_experts % e == 0] if n_experts else [1]
+        # Expert parallelism runs without context parallelism (forja refuses the pair).
+        eps = [e for e in divisors(dp_shard) if n_experts % e == 0 and (e == 1 or cp == 1)] if n_experts else [1]
         for ep, mbs in itertools.product(eps, space.micro_batch_sizes):
             if local % mbs or not space.allows(ep=ep):
                 continue

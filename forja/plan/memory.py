@@ -138,6 +138,21 @@ def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> t
     return full, working
 
 
+_ACTS: dict[tuple, tuple[Job, tuple[float, float]]] = {}
+
+
+def _block_activations_cached(job: Job, lay: Layout, block: BlockShape, index: int) -> tuple[float, float]:
+    """block_activations, remembered: of a search's thousands of layouts only a few differ in
+    what decides a block's activations (tp, sequence parallelism, AC)."""
+    key = (id(job), lay.tp, lay.sequence_parallel, lay.ac, lay.ac_every, block, index)
+    hit = _ACTS.get(key)
+    if hit is None or hit[0] is not job:
+        if len(_ACTS) > 100_000:
+            _ACTS.clear()
+        hit = _ACTS[key] = (job, block_activations(job, lay, block, index))
+    return hit[1]
+
+
 # -- what one rank holds ----------------------------------------------------------------------
 
 @dataclass
@@ -265,7 +280,7 @@ def rank_peak(job: Job, lay: Layout, rm: RankModel) -> MemoryBreakdown:
         checkpointed = sum(1 for i in idx if i % lay.ac_every == 0) if lay.ac_every else 0
         for n, index in ((len(idx) - checkpointed, 1), (checkpointed, 0)):
             if n:
-                k, wk = block_activations(job, lay, b, index)
+                k, wk = _block_activations_cached(job, lay, b, index)
                 kept, working = kept + n * k * tokens, max(working, wk * tokens)
     if lay.pp > 1:
         kept *= inflight_chunks(lay, rm.pp_rank, micro)

@@ -106,7 +106,13 @@ def plan(job: Job, hw: Hardware, world: int, *, space: SearchSpace | None = None
     layouts = enumerate_layouts(world, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
                                 n_experts=getattr(a, "n_experts", 0), global_batch_size=job.global_batch_size,
                                 seq_len=job.seq_len, space=space)
-    out = [evaluate(job, lay, hw) for lay in layouts]
+    out, fitting = [], set()
+    for lay in layouts:
+        if lay.cpu_offload and replace(lay, cpu_offload=False) in fitting:
+            continue  # offload only pays where the same layout without it does not fit
+        out.append(evaluate(job, lay, hw))
+        if out[-1].fits:
+            fitting.add(lay)
     best = max((c.tokens_per_sec for c in out if c.fits), default=1.0)
 
     def rank(c: Candidate) -> tuple:
