@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from forja.errors import ForjaError
+from forja.optim.adafactor import Adafactor
 from forja.optim.config import OptimConfig
 from forja.optim.lion import Lion
 from forja.optim.muon import Muon
@@ -61,8 +62,7 @@ def _adafactor(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     # times the parameter's RMS), and its weight decay is decoupled (p *= 1 - lr * wd).
     foreach = cfg.implementation in ("auto", "fused", "foreach")
     a = cfg.adafactor
-    return torch.optim.Adafactor(groups, lr=cfg.lr, beta2_decay=a.beta2_decay, eps=(None, a.eps2), d=a.d,
-                                 foreach=foreach)
+    return Adafactor(groups, lr=cfg.lr, beta2_decay=a.beta2_decay, eps=(None, a.eps2), d=a.d, foreach=foreach)
 
 
 def _lion(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
