@@ -5,10 +5,10 @@
 
 Phases (each is a `forja sweep` directory, so a killed bench resumes where it stopped):
   1. lr: each optimizer over three learning rates, seed 0.
-  2. seeds: each optimizer at its best lr of phase 1, seeds 1 and 2 (seed 0 is reused).
-  3. mup: AdamW at widths 128/256/512 (FFN 3x, heads of 32; linked keys of one grid), standard
+  2. mup: AdamW at widths 128/256/512 (FFN 3x, heads of 32; linked keys of one grid), standard
      vs muP (base width 128), over four learning rates: where the optimum sits at each width.
      forja sweep also writes each one's coords.png, the coordinate check.
+  3. seeds: each optimizer at its best lr of phase 1, seeds 1 and 2 (seed 0 is reused).
 
 Every trial is the default recipe (Llama `tiny`, the stdlib corpus) shortened by COMMON below so
 that the whole bench fits a 2-core machine; the muP trials use 4 layers and 100 steps. Reports: the final
@@ -38,6 +38,8 @@ LRS = {
 # embeddings: an 8,192^2 eigendecomposition and 0.5 GB of factors each, 16 s a step here. Below
 # the vocabulary (as docs/training.md advises) only the model's own matrices are rotated.
 EXTRA = {"soap": ["optim.soap.max_precond_dim=1024"]}
+# Where phase 1's best was the grid's largest lr, one more lr above it (run after the grids).
+EDGE_LRS = {"lion": ["3e-3"], "adafactor": ["1e-1"]}
 WIDTHS = [128, 256, 512]
 MUP_LRS = ["1e-3", "3e-3", "1e-2", "3e-2"]
 MUP_COMMON = ["model.overrides.n_layers=4", "train.steps=100", "schedule.warmup_steps=10"]
@@ -65,15 +67,24 @@ def read_run(run_dir: Path) -> dict:
 
 
 def trials(sweep_dir: Path) -> list[tuple[dict, dict]]:
+    """(values, run figures) of the sweep's finished trials; none when it has not started."""
+    if not (sweep_dir / "sweep.json").is_file():
+        return []
     state = json.loads((sweep_dir / "sweep.json").read_text())
     return [(t["values"], read_run(sweep_dir / t["name"])) for t in state["trials"] if t["status"] == "done"]
+
+
+def lr_trials(root: Path, name: str) -> list[tuple[dict, dict]]:
+    """Phase 1's trials of one optimizer (seed 0), the edge lr included."""
+    return trials(root / f"lr-{name}") + trials(root / f"lr-{name}-edge")
 
 
 def best_lrs(root: Path) -> dict[str, str]:
     best = {}
     for name in LRS:
-        runs = trials(root / f"lr-{name}")
-        best[name] = min(runs, key=lambda r: r[1]["final"])[0]["optim.lr"]
+        runs = lr_trials(root, name)
+        if runs:  # optimizers whose sweep has not finished a trial are left out
+            best[name] = min(runs, key=lambda r: r[1]["final"])[0]["optim.lr"]
     return best
 
 
@@ -81,14 +92,18 @@ def run_all(root: Path, parallel: int) -> None:
     for name, lrs in LRS.items():
         sweep(root / f"lr-{name}", [f"optim.lr={','.join(lrs)}"], [f"optim.name={name}", *EXTRA.get(name, [])],
               parallel)
-    for name, lr in best_lrs(root).items():
-        sweep(root / f"seeds-{name}", ["train.seed=1,2"], [f"optim.name={name}", f"optim.lr={lr}", *EXTRA.get(name, [])],
+    for name, lrs in EDGE_LRS.items():
+        sweep(root / f"lr-{name}-edge", [f"optim.lr={','.join(lrs)}"], [f"optim.name={name}", *EXTRA.get(name, [])],
               parallel)
     widths = ",".join(f"{w}+{3 * w}+{w // 32}+{w // 64}" for w in WIDTHS)
     for mup in ("sp", "mup"):
         extra = ["model.mup_base_dim=128"] if mup == "mup" else []
         sweep(root / f"mup-{mup}", [f"{WIDTH_KEYS}={widths}", f"optim.lr={','.join(MUP_LRS)}"],
               MUP_COMMON + extra, parallel)
+    # The seeds last: the muP figures need every trial, the seed spread is reported over what ran.
+    for name, lr in best_lrs(root).items():
+        sweep(root / f"seeds-{name}", ["train.seed=1,2"], [f"optim.name={name}", f"optim.lr={lr}", *EXTRA.get(name, [])],
+              parallel)
 
 
 def optimizer_table(root: Path) -> list[str]:
@@ -97,7 +112,7 @@ def optimizer_table(root: Path) -> list[str]:
              "|---|---|---|---|---|"]
     adamw_time = None
     for name, lr in best.items():
-        seed0 = [r for v, r in trials(root / f"lr-{name}") if v["optim.lr"] == lr]
+        seed0 = [r for v, r in lr_trials(root, name) if v["optim.lr"] == lr]
         runs = seed0 + [r for _, r in trials(root / f"seeds-{name}")]
         finals = [r["final"] for r in runs]
         step = statistics.median(r["step_time"] for r in runs)
@@ -107,7 +122,7 @@ def optimizer_table(root: Path) -> list[str]:
                      f"| {step:.3f} | {step / adamw_time:.2f}x |")
     lines += ["", "Every lr of phase 1 (seed 0), final val loss:", ""]
     for name in LRS:
-        cells = ", ".join(f"{v['optim.lr']}: {r['final']:.4f}" for v, r in trials(root / f"lr-{name}"))
+        cells = ", ".join(f"{v['optim.lr']}: {r['final']:.4f}" for v, r in lr_trials(root, name))
         lines.append(f"- {name}: {cells}")
     return lines
 
@@ -117,7 +132,7 @@ def steps_to_reach(root: Path) -> list[str]:
     best = best_lrs(root)
 
     def by_seed(name: str) -> dict[int, dict]:
-        out = {0: next(r for v, r in trials(root / f"lr-{name}") if v["optim.lr"] == best[name])}
+        out = {0: next(r for v, r in lr_trials(root, name) if v["optim.lr"] == best[name])}
         out.update({int(v["train.seed"]): r for v, r in trials(root / f"seeds-{name}")})
         return out
 
@@ -141,10 +156,12 @@ def mup_report(root: Path) -> list[str]:
     for width in WIDTHS:
         cells = []
         for mup in ("sp", "mup"):
-            lr, loss = min(curves[(mup, width)], key=lambda p: p[1])
-            cells.append(f"{lr:g} ({loss:.4f})")
+            points = curves.get((mup, width), [])
+            lr, loss = min(points, key=lambda p: p[1]) if points else (float("nan"), float("nan"))
+            cells.append(f"{lr:g} ({loss:.4f}, {len(points)} lrs)")
         lines.append(f"| {width} | {cells[0]} | {cells[1]} |")
-    plot_mup({k: sorted(v) for k, v in curves.items()}, root / "mup.png")
+    if curves:
+        plot_mup({k: sorted(v) for k, v in curves.items()}, root / "mup.png")
     return lines
 
 
@@ -154,7 +171,9 @@ def plot_mup(curves: dict, path: Path) -> None:
     for i, (mup, title) in enumerate((("sp", "standard parametrization"), ("mup", "muP (base width 128)"))):
         ax = fig.add_subplot(1, 2, i + 1)
         for j, width in enumerate(WIDTHS):
-            points = curves[(mup, width)]
+            points = curves.get((mup, width))
+            if not points:
+                continue
             ax.plot(*zip(*points), "-o", color=f"C{j}", label=f"width {width}")
         ax.set(xscale="log", title=title, xlabel="AdamW lr", ylabel="final val loss")
         ax.grid(alpha=0.3)
