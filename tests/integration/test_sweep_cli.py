@@ -95,11 +95,11 @@ def test_parallel_trials_share_the_cores(monkeypatch):
 
 def test_linked_keys_sweep_together_and_the_coordinate_check_is_plotted(tmp_path, train_data):
     sweep_dir = tmp_path / "widths"
-    grid = ["--grid", "model.overrides.dim+model.overrides.ffn_dim=32+96,64+192", "--grid", "model.mup_base_dim=0,32"]
+    grid = ["--grid", "model.overrides.dim+model.overrides.ffn_dim=32+96,64+192", "--grid", "model.mup_base_dim=32"]
     assert main(["sweep", "debug", *grid, *common_sets(tmp_path, train_data), "--dir", str(sweep_dir)]) == 0
     state = json.loads((sweep_dir / "sweep.json").read_text())
-    assert [t["name"] for t in state["trials"]][:2] == ["trial-0-dim+ffn_dim=32+96-mup_base_dim=0",
-                                                       "trial-1-dim+ffn_dim=32+96-mup_base_dim=32"]
+    assert [t["name"] for t in state["trials"]] == ["trial-0-dim+ffn_dim=32+96-mup_base_dim=32",
+                                                   "trial-1-dim+ffn_dim=64+192-mup_base_dim=32"]
     for trial in state["trials"]:
         width, ffn = (int(v) for v in trial["values"]["model.overrides.dim+model.overrides.ffn_dim"].split("+"))
         config = (sweep_dir / trial["name"] / "config.toml").read_text()
