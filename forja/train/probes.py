@@ -25,9 +25,12 @@ class ActivationSizes:
                     key=lambda ib: ib[0])
         if last is not None:
             self.modules["val_act_hidden"] = last[1]
-        outputs = [part.output for part in parts if getattr(part, "output", None) is not None]
+        outputs = [part for part in parts if getattr(part, "output", None) is not None]
         if outputs:
-            self.modules["val_act_logits"] = outputs[0]
+            self.modules["val_act_logits"] = outputs[0].output
+        # muP multiplies the output layer's result by 1/width_mult (Transformer.logits): the
+        # logits are that product, not what the output layer returns.
+        self.scale = {"val_act_logits": 1.0 / outputs[0].args.mup_width_mult} if outputs else {}
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = {}
         self.handles: list = []
@@ -40,7 +43,7 @@ class ActivationSizes:
     def _hook(self, name: str):
         def record(module, args, output):
             local = output.to_local() if isinstance(output, DTensor) else output  # a TP shard says as much
-            value = local.detach().float().abs().mean()
+            value = local.detach().float().abs().mean() * self.scale.get(name, 1.0)
             self.sums[name] = self.sums.get(name, 0.0) + value
             self.counts[name] = self.counts.get(name, 0) + 1
         return record

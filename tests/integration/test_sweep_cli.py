@@ -113,3 +113,4 @@ def test_linked_values_need_one_part_per_key(tmp_path, capsys):
     grid = "model.overrides.dim+model.overrides.ffn_dim=32+96,64"
     assert main(["sweep", "debug", "--grid", grid, "--dir", str(tmp_path / "s")]) == 2
     assert "links 2 keys" in capsys.readouterr().err
+
