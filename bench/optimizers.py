@@ -108,7 +108,7 @@ def run_all(root: Path, parallel: int) -> None:
 
 def optimizer_table(root: Path) -> list[str]:
     best = best_lrs(root)
-    lines = ["| optimizer | best lr (of 3) | final val loss, 3 seeds (mean ± sd) | median s/step | vs AdamW |",
+    lines = ["| optimizer | best lr | final val loss over seeds (mean ± sd) | median s/step | vs AdamW |",
              "|---|---|---|---|---|"]
     adamw_time = None
     for name, lr in best.items():
@@ -117,8 +117,8 @@ def optimizer_table(root: Path) -> list[str]:
         finals = [r["final"] for r in runs]
         step = statistics.median(r["step_time"] for r in runs)
         adamw_time = adamw_time or step
-        sd = statistics.stdev(finals) if len(finals) > 1 else float("nan")
-        lines.append(f"| {name} | {lr} | {statistics.mean(finals):.4f} ± {sd:.4f} (n={len(finals)}) "
+        spread = f" ± {statistics.stdev(finals):.4f}" if len(finals) > 1 else ""
+        lines.append(f"| {name} | {lr} | {statistics.mean(finals):.4f}{spread} (n={len(finals)}) "
                      f"| {step:.3f} | {step / adamw_time:.2f}x |")
     lines += ["", "Every lr of phase 1 (seed 0), final val loss:", ""]
     for name in LRS:
