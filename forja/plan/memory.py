@@ -20,7 +20,7 @@ How (docs/planner.md has the formulas):
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from forja.parallel.pp_split import StageCosts, balanced_layers, rank_stages
 from forja.plan.job import Job
@@ -30,8 +30,19 @@ from forja.plan.shape import BlockShape
 FP32 = 4
 
 
+class Breakdown:
+    """A dataclass whose float fields are the parts of one total (bytes or seconds)."""
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: float(getattr(self, f.name)) for f in fields(self) if f.type == "float"}
+
+    @property
+    def total(self) -> float:
+        return sum(self.as_dict().values())
+
+
 @dataclass
-class MemoryBreakdown:
+class MemoryBreakdown(Breakdown):
     """Bytes of one rank at its peak, by what holds them."""
 
     parameters: float = 0.0
@@ -46,16 +57,6 @@ class MemoryBreakdown:
     pp_rank: int = 0
     phase: str = ""
     """When the peak happens: forward end, loss backward, block backward, optimizer step."""
-
-    @property
-    def total(self) -> float:
-        return (self.parameters + self.gradients + self.optimizer_state + self.gathered_parameters
-                + self.activations + self.logits + self.optimizer_temporaries + self.buffers)
-
-    def as_dict(self) -> dict[str, float]:
-        keys = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "activations", "logits",
-                "optimizer_temporaries", "buffers")
-        return {k: float(getattr(self, k)) for k in keys}
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from forja.plan.hardware import Hardware
 from forja.plan.job import Job
 from forja.plan.layout import Layout
-from forja.plan.memory import end_ranks, rank_elements
+from forja.plan.memory import Breakdown, end_ranks, rank_elements
 
 # The fraction of peak a well-shaped transformer step reaches in its matmuls and attention
 # (Megatron-Core's H100 runs report 41-49% MFU with every overlap on, torchtitan's 33-39%).
@@ -36,7 +36,7 @@ ASYNC_TP_HIDDEN = 0.5
 
 
 @dataclass
-class TimeBreakdown:
+class TimeBreakdown(Breakdown):
     """Seconds of one optimizer step on the slowest rank."""
 
     compute: float = 0.0
@@ -50,15 +50,6 @@ class TimeBreakdown:
     pp_comm: float = 0.0
     offload: float = 0.0
     """CPU offload: the optimizer step on the host and the PCIe copies."""
-
-    @property
-    def total(self) -> float:
-        return (self.compute + self.tp_comm + self.cp_comm + self.ep_comm + self.fsdp_comm_exposed
-                + self.pp_bubble + self.pp_comm + self.offload)
-
-    def as_dict(self) -> dict[str, float]:
-        keys = ("compute", "tp_comm", "cp_comm", "ep_comm", "fsdp_comm_exposed", "pp_bubble", "pp_comm", "offload")
-        return {k: float(getattr(self, k)) for k in keys}
 
 
 def link_bandwidth(hw: Hardware, lay: Layout, dim: str) -> float:
