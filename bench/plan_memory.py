@@ -103,12 +103,12 @@ def _build(world_size: int, family: str, flavor: str, parallel: dict, micro: int
 
     from forja.data.loader import check_batch_sizes
     from forja.models import model_args
-    from forja.models.config import ModelConfig
+    from forja.models.config import ModelConfig, run_model_args
     from forja.optim import OptimizerGroup, SchedulerGroup
     from forja.optim.config import OptimConfig, ScheduleConfig
     from forja.parallel import ParallelConfig, ParallelDims
     from forja.parallel.checks import check_layout
-    from forja.train.build import build_model_parts, run_model_args
+    from forja.train.build import build_model_parts
     from forja.train.config import TrainConfig
     from forja.train.engine import build_engine
 

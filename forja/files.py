@@ -14,6 +14,7 @@ into place; the directory is then flushed too, so the rename itself survives a p
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -128,3 +129,21 @@ def _remove(path: Path) -> None:
     else:
         with contextlib.suppress(OSError):
             path.unlink(missing_ok=True)
+
+
+def read_records(path: str | os.PathLike[str]) -> list[dict]:
+    """The JSON objects of a JSONL file such as a run's metrics.jsonl, in order; a line that
+    does not parse (torn by a kill, anywhere in a run that was resumed) is skipped, and a
+    missing file has none."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records

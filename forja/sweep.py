@@ -35,7 +35,7 @@ from rich.table import Table
 
 from forja.config import load_config, parse_override
 from forja.errors import ForjaError
-from forja.files import write_atomic
+from forja.files import read_records, write_atomic
 
 STATE = "sweep.json"
 PLOT = "sweep.png"
@@ -205,18 +205,9 @@ def run_trials(recipe: str, sweep_dir: Path, state: dict[str, Any], common: list
 
 def final_val_loss(run_dir: Path) -> float | None:
     """The last val_loss in the run's metrics.jsonl; a torn line (a killed run) is skipped."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    last = None
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("val_loss"), (int, float)):
-            last = float(record["val_loss"])
-    return last
+    losses = [float(r["val_loss"]) for r in read_records(run_dir / "metrics.jsonl")
+              if isinstance(r.get("val_loss"), (int, float))]
+    return losses[-1] if losses else None
 
 
 def results(sweep_dir: Path, state: dict[str, Any]) -> list[tuple[dict[str, Any], float | None]]:
@@ -293,13 +284,8 @@ def plot_sweep(state: dict[str, Any], rows: list[tuple[dict[str, Any], float | N
 
 def first_activation_sizes(run_dir: Path) -> tuple[int, dict[str, float]] | None:
     """(step, sizes) of the run's first validation that logged activation sizes."""
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        sizes = {k: v for k, v in record.items() if k.startswith("val_act_")} if isinstance(record, dict) else {}
+    for record in read_records(run_dir / "metrics.jsonl"):
+        sizes = {k: v for k, v in record.items() if k.startswith("val_act_")}
         if sizes:
             return record["step"], sizes
     return None

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from forja.errors import ForjaError
+from forja.files import read_records
 
 GB = 1e9
 
@@ -117,15 +118,9 @@ def device_kind(hardware: dict) -> str | None:
 
 def measured(run_dir: Path) -> tuple[float, float]:
     """(peak memory in bytes, median tokens/s after the first logged interval) of a run."""
-    peaks, rates = [], []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "tokens_per_sec" in rec:
-            rates.append(rec["tokens_per_sec"])
-            peaks.append(rec.get("mem_peak_gb", 0.0))
+    logged = [r for r in read_records(run_dir / "metrics.jsonl") if "tokens_per_sec" in r]
+    rates = [r["tokens_per_sec"] for r in logged]
+    peaks = [r.get("mem_peak_gb", 0.0) for r in logged]
     if len(rates) < 2:
         raise ForjaError(f"{run_dir}/metrics.jsonl holds {len(rates)} logged steps; check needs at least 2 "
                          "(the first is warm-up)")

@@ -3,7 +3,7 @@ config resolves them on a device kind (fused kernels and bf16 autocast only on G
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from forja.config import Config
 from forja.models.common.transformer import TransformerArgs
@@ -39,6 +39,9 @@ class Job:
     """parallel.compile: elementwise ops fused into the matmuls' neighbours."""
     async_tp: bool = False
     """parallel.async_tp (with compile, on GPUs): part of the TP collectives hides behind matmuls."""
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+    """What a search computes once per job and reuses over its thousands of layouts (the
+    pipeline split of the blocks, a block's activations per layout setting)."""
 
     @property
     def args(self) -> TransformerArgs:

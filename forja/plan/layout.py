@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from forja.errors import ForjaError
 from forja.parallel.config import ParallelConfig
 from forja.parallel.pp_split import stages_per_rank
 
@@ -108,8 +109,6 @@ def from_config(parallel: ParallelConfig, micro_batch_size: int, world_size: int
 
 def parse_layout(text: str, base: Layout) -> Layout:
     """'parallel.dp_shard=2,parallel.tp=2,train.micro_batch_size=4' on top of `base`."""
-    from forja.errors import ForjaError
-
     known = {f.name: f.type for f in fields(Layout)}
     values: dict[str, Any] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
@@ -123,8 +122,6 @@ def parse_layout(text: str, base: Layout) -> Layout:
 
 
 def _parse_value(value: str, like: Any, item: str) -> Any:
-    from forja.errors import ForjaError
-
     if isinstance(like, bool):
         if value.lower() not in ("true", "false"):
             raise ForjaError(f"--layout item {item!r}: expected true or false")

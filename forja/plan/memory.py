@@ -139,19 +139,13 @@ def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> t
     return full, working
 
 
-_ACTS: dict[tuple, tuple[Job, tuple[float, float]]] = {}
-
-
 def _block_activations_cached(job: Job, lay: Layout, block: BlockShape, index: int) -> tuple[float, float]:
     """block_activations, remembered: of a search's thousands of layouts only a few differ in
     what decides a block's activations (tp, sequence parallelism, AC)."""
-    key = (id(job), lay.tp, lay.sequence_parallel, lay.ac, lay.ac_every, block, index)
-    hit = _ACTS.get(key)
-    if hit is None or hit[0] is not job:
-        if len(_ACTS) > 100_000:
-            _ACTS.clear()
-        hit = _ACTS[key] = (job, block_activations(job, lay, block, index))
-    return hit[1]
+    key = ("activations", lay.tp, lay.sequence_parallel, lay.ac, lay.ac_every, block, index)
+    if key not in job.memo:
+        job.memo[key] = block_activations(job, lay, block, index)
+    return job.memo[key]
 
 
 # -- what one rank holds ----------------------------------------------------------------------
@@ -176,19 +170,13 @@ def _group(job: Job, indices: list[int]) -> list[tuple[BlockShape, tuple[int, ..
     return [(b, tuple(idx)) for b, idx in groups.items()]
 
 
-_RANKS: dict[tuple[int, int, str], tuple[object, list[RankModel]]] = {}
-
-
 def end_ranks(job: Job, lay: Layout) -> list[RankModel]:
     """The first and last pp ranks: the first holds the most micro-batches in flight and the
     embedding, the last the logits; the balanced ranks between hold less than both."""
-    key = (id(job.shape), lay.pp, lay.pp_schedule if lay.pp > 1 else "")
-    cached = _RANKS.get(key)
-    if cached is None or cached[0] is not job.shape:  # an id can be reused by a later shape
-        if len(_RANKS) > 256:
-            _RANKS.clear()
-        cached = _RANKS[key] = (job.shape, [rank_model(job, lay, r) for r in sorted({0, lay.pp - 1})])
-    return cached[1]
+    key = ("ranks", lay.pp, lay.pp_schedule if lay.pp > 1 else "")
+    if key not in job.memo:
+        job.memo[key] = [rank_model(job, lay, r) for r in sorted({0, lay.pp - 1})]
+    return job.memo[key]
 
 
 def rank_model(job: Job, lay: Layout, pp_rank: int) -> RankModel:

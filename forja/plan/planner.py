@@ -130,9 +130,3 @@ def complexity(lay: Layout) -> int:
     replication, offload and recomputation."""
     kinds = sum(getattr(lay, k) > 1 for k in ("dp_replicate", "tp", "pp", "cp", "ep"))
     return kinds + lay.cpu_offload + (lay.ac != "none")
-
-
-def with_world(lay: Layout, world: int) -> Layout:
-    """`lay` with dp_shard taking what the other degrees leave of `world` (as dp_shard = -1 does)."""
-    others = lay.dp_replicate * lay.tp * lay.pp * lay.cp
-    return replace(lay, dp_shard=max(1, world // others))

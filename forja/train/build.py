@@ -24,7 +24,6 @@ from torch.distributed.tensor import DTensor
 
 from forja.models import build_from_args, spec_of
 from forja.models.common.transformer import Transformer, TransformerArgs
-from forja.models.config import run_model_args  # noqa: F401  (re-exported: the trainer's import)
 from forja.ops.float8 import apply_float8
 from forja.parallel import ParallelConfig, ParallelDims, parallelize
 from forja.parallel.pp import Pipeline, build_pipeline

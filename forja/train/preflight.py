@@ -7,6 +7,7 @@ queue and the build."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
@@ -38,10 +39,6 @@ def device_hardware(device: torch.device) -> Hardware:
     return get_hardware("cpu", memory_gb=ram / ranks_here / GB)
 
 
-def _job(cfg: Config, args: TransformerArgs, hw: Hardware) -> Job:
-    return job_from_config(cfg, gpu=hw.kind != "cpu", args=args)
-
-
 def _runs(cfg: Config, args: TransformerArgs, lay: Layout, world: int, device: torch.device) -> bool:
     """Whether forja's own checks accept `lay` (the planner does not know every one of them)."""
     c = with_layout(cfg, lay)
@@ -62,41 +59,54 @@ def with_layout(cfg: Config, lay: Layout) -> Config:
     return dataclasses.replace(cfg, parallel=parallel, train=train)
 
 
-def auto_layout(cfg: Config, args: TransformerArgs, world: int, device: torch.device, run_dir: Path,
-                rank: int) -> Config:
-    """The config with the fastest layout predicted to fit (parallel.auto); its choice and
-    prediction are written to <run.dir>/plan.json. The search is deterministic, so every
-    rank reaches the same choice."""
-    hw = device_hardware(device)
-    ranked = plan(_job(cfg, args, hw), hw, world)
-    chosen = next((c for c in ranked if c.fits and _runs(cfg, args, c.layout, world, device)), None)
-    if chosen is None:
-        closest = ranked[0].why_not if ranked else "no layout divides the job"
-        raise ForjaError(f"parallel.auto found no layout of {world} ranks that fits {hw.name} "
-                         f"({closest}); add devices, shorten train.seq_len or shrink the model")
-    if rank == 0:
-        write_atomic(run_dir / "plan.json", json.dumps({"hardware": hw.kind, "world_size": world,
-                                                        "chosen": chosen.as_json()}, indent=1).encode())
-        print(f"forja: parallel.auto chose {chosen.layout.describe()} (predicted peak "
-              f"{chosen.memory.total / GB:.2f} GB of {hw.memory_bytes / GB:.1f} GB; plan.json)", flush=True)
-    return with_layout(cfg, chosen.layout)
+class Preflight:
+    """This run as forja plan sees it, made once for both uses: the device (with its real
+    memory) and the job. The job reads no key a layout sets (degrees, ZeRO stage, AC,
+    micro-batch), so the layout `auto_layout` chooses is checked against the same job."""
 
+    def __init__(self, cfg: Config, args: TransformerArgs, device: torch.device, world: int):
+        self.cfg, self.args, self.device, self.world = cfg, args, device, world
 
-def check_memory(cfg: Config, args: TransformerArgs, world: int, device: torch.device, rank: int) -> Candidate | None:
-    """Stop (or warn) when the layout's predicted peak per rank exceeds the device's memory."""
-    if cfg.parallel.memory_check == "off":
-        return None
-    hw = device_hardware(device)
-    job = _job(cfg, args, hw)
-    own = evaluate(job, from_config(cfg.parallel, cfg.train.micro_batch_size, world), hw)
-    if own.memory.total <= usable_memory(hw):
+    @functools.cached_property
+    def hw(self) -> Hardware:
+        return device_hardware(self.device)
+
+    @functools.cached_property
+    def job(self) -> Job:
+        return job_from_config(self.cfg, gpu=self.hw.kind != "cpu", args=self.args)
+
+    def auto_layout(self, run_dir: Path, rank: int) -> Config:
+        """The config with the fastest layout predicted to fit (parallel.auto); its choice and
+        prediction are written to <run.dir>/plan.json. The search is deterministic, so every
+        rank reaches the same choice."""
+        hw, world = self.hw, self.world
+        ranked = plan(self.job, hw, world)
+        chosen = next((c for c in ranked if c.fits and _runs(self.cfg, self.args, c.layout, world, self.device)),
+                      None)
+        if chosen is None:
+            closest = ranked[0].why_not if ranked else "no layout divides the job"
+            raise ForjaError(f"parallel.auto found no layout of {world} ranks that fits {hw.name} "
+                             f"({closest}); add devices, shorten train.seq_len or shrink the model")
+        if rank == 0:
+            write_atomic(run_dir / "plan.json", json.dumps({"hardware": hw.kind, "world_size": world,
+                                                            "chosen": chosen.as_json()}, indent=1).encode())
+            print(f"forja: parallel.auto chose {chosen.layout.describe()} (predicted peak "
+                  f"{chosen.memory.total / GB:.2f} GB of {hw.memory_bytes / GB:.1f} GB; plan.json)", flush=True)
+        return with_layout(self.cfg, chosen.layout)
+
+    def check_memory(self, cfg: Config, rank: int) -> Candidate | None:
+        """Stop (or warn) when `cfg`'s layout's predicted peak per rank exceeds the device's memory."""
+        if cfg.parallel.memory_check == "off":
+            return None
+        own = evaluate(self.job, from_config(cfg.parallel, cfg.train.micro_batch_size, self.world), self.hw)
+        if own.memory.total <= usable_memory(self.hw):
+            return own
+        message = over_memory_message(own, self.job, self.hw, self.world)
+        if cfg.parallel.memory_check == "stop":
+            raise ForjaError(message)
+        if rank == 0:
+            print(f"forja: warning: {message}", flush=True)
         return own
-    message = over_memory_message(own, job, hw, world)
-    if cfg.parallel.memory_check == "stop":
-        raise ForjaError(message)
-    if rank == 0:
-        print(f"forja: warning: {message}", flush=True)
-    return own
 
 
 def over_memory_message(own: Candidate, job: Job, hw: Hardware, world: int) -> str:

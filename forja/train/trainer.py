@@ -29,15 +29,16 @@ from forja.errors import ForjaError
 from forja.generate import SamplingConfig, generate
 from forja.metrics.sinks import build_sinks
 from forja.models import build_from_args
+from forja.models.config import run_model_args
 from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import ParallelDims
 from forja.parallel.checks import check_layout
 from forja.parallel.process_group import init_distributed, shutdown_distributed, timeout_error
-from forja.train.build import build_model_parts, run_model_args
+from forja.train.build import build_model_parts
 from forja.train.callbacks import Callback, StepRecord, default_callbacks
 from forja.train.data import data, loaders
 from forja.train.engine import build_engine
-from forja.train.preflight import auto_layout, check_memory
+from forja.train.preflight import Preflight
 from forja.train.probes import ActivationSizes
 from forja.train.run_dir import RunDir
 
@@ -60,14 +61,15 @@ class Trainer:
         self.run_dir: Path = RunDir(c, rank=self.rank).prepare()
         self.tokenizer, dataset = data(c, rank=self.rank, run_dir=self.run_dir)
         args = run_model_args(c.model, self.tokenizer.vocab_size)
+        preflight = Preflight(c, args, self.device, info.world_size)
         if c.parallel.auto:
-            c = self.cfg = auto_layout(c, args, info.world_size, self.device, self.run_dir, self.rank)
+            c = self.cfg = preflight.auto_layout(self.run_dir, self.rank)
         self.dims = ParallelDims.from_config(c.parallel, info.world_size)
         self.dims.build_mesh(self.device.type)
         check_layout(args, self.dims, c.parallel, seq_len=c.train.seq_len, device=self.device,
                      global_batch_size=c.train.global_batch_size, micro_batch_size=c.train.micro_batch_size,
                      document_mask=c.model.document_mask, float8=c.train.float8)
-        check_memory(c, args, info.world_size, self.device, self.rank)
+        preflight.check_memory(c, self.rank)
         identity = model_identity(c.model.family, c.model.flavor, args)
         self.flops_per_token = build_from_args(args, device="meta").flops_per_token(c.train.seq_len)
         built = build_model_parts(args, self.dims, c.parallel, device=self.device, seed=c.train.seed,

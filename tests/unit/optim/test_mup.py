@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from forja.models import build_model
-from forja.models.config import ModelConfig
+from forja.models.config import ModelConfig, run_model_args
 from forja.optim import build_optimizer
 from forja.optim.config import OptimConfig
 from forja.optim.mup import mup_lr_scale
-from forja.train.build import run_model_args
 
 BASE = 64
 WIDTHS = (64, 128, 256)
