@@ -28,7 +28,7 @@ from forja.metrics.sinks import MetricsConfig
 from forja.models.config import ModelConfig
 from forja.optim.config import OptimConfig, ScheduleConfig
 from forja.parallel.config import ParallelConfig
-from forja.train.config import RunConfig, TrainConfig
+from forja.train.config import DebugConfig, RunConfig, TrainConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -51,6 +51,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -200,6 +201,9 @@ def load_config(name_or_path: str | None, overrides: list[str] = ()) -> Config:
         except tomllib.TOMLDecodeError as exc:
             raise ForjaError(f"{path} is not valid TOML: {exc}") from None
     cfg = config_from_dict(raw, where)  # the file alone first, so its errors name the file
+    if cfg.debug.inject:
+        raise ForjaError(f"debug.inject is set {where}: drills come only from the command line "
+                         "(--set 'debug.inject=[\"kill@10\"]'), so that no run fails on purpose by accident")
     for text in overrides:
         parts, value = parse_override(text)
         _apply_override(raw, parts, value, text)

@@ -150,11 +150,14 @@ class RNGState(Stateful):
 
 @dataclass
 class TrainerCounters(Stateful):
-    """The loop's position: optimizer steps done, tokens trained on, steps skipped."""
+    """The loop's position: optimizer steps done, tokens trained on, steps skipped, and the
+    seconds spent in the steps that made it (goodput's numerator: a step lost to a crash or a
+    rollback is undone with the checkpoint that did not hold it)."""
 
     step: int = 0
     tokens_seen: int = 0
     skipped_steps: int = 0
+    productive_s: float = 0.0
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -163,3 +166,4 @@ class TrainerCounters(Stateful):
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.skipped_steps = int(state["skipped_steps"])
+        self.productive_s = float(state.get("productive_s", 0.0))  # absent from checkpoints before it

@@ -215,6 +215,17 @@ class DataLoader:
         self.position += self.global_batch_size
         return batches
 
+    def rewind_step(self) -> None:
+        """Give back the step `next_step` just returned: it will be returned again (a step the
+        run stopped before taking must not count as consumed)."""
+        self.close()
+        self.position -= self.global_batch_size
+
+    def skip_steps(self, n: int) -> None:
+        """Pass over the data of the next `n` steps without building it (a bad batch's window)."""
+        self.close()  # the prefetcher was building those steps
+        self.position += n * self.global_batch_size
+
     def __iter__(self) -> Iterator[list[Batch]]:
         while True:
             yield self.next_step()

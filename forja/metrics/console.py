@@ -81,6 +81,8 @@ class ConsoleSink(Sink):
 
     def log(self, step: int, metrics: Metrics) -> None:
         parts = format_metrics(metrics)
+        if not parts:
+            return  # an event or a summary: it comes as text (log_text) or at the end of the run
         is_train = any(not key.startswith("val_") for key in metrics)
         eta = self._eta(step) if is_train else None
         if eta is not None:

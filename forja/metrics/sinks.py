@@ -62,6 +62,9 @@ class MetricsConfig:
     """MLflow experiment the run belongs to (created when missing)."""
     tensorboard_dir: str | None = None
     """Directory of the TensorBoard event files; None is <run_dir>/tensorboard."""
+    straggler_factor: float = 1.5
+    """A rank busier than this many times the median rank is named as a straggler in the log, checked
+    every interval (forja/train/stragglers.py); 0 turns it off."""
     peak_tflops: float | None = None
     """Dense peak TFLOP/s of one device, for MFU on hardware the built-in table does not know
     (or to override it); None uses the table, and no MFU where the table has no entry."""
@@ -82,6 +85,8 @@ class MetricsConfig:
         for key in ("wandb_project", "mlflow_experiment"):
             if not getattr(self, key):
                 raise ForjaError(f"metrics.{key} is empty; give it a name such as 'kode-pretraining'")
+        if self.straggler_factor != 0 and not self.straggler_factor > 1:
+            raise ForjaError(f"metrics.straggler_factor = {self.straggler_factor} must be > 1, or 0 to turn it off")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ForjaError(f"metrics.peak_tflops = {self.peak_tflops} must be > 0, or left out to use the table")
 
@@ -180,7 +185,8 @@ class SinkGroup(Sink):
 
 def drop_after(path: Path, step: int) -> int:
     """Remove the lines of a JSONL file whose "step" is beyond `step`, and a torn last line;
-    return how many went. The file is rewritten whole and renamed into place."""
+    return how many went. Events (records with an "event": a rollback, a skipped step) stay:
+    they happened, even if the steps around them are trained again. The file is rewritten whole and renamed into place."""
     if not path.is_file():
         return 0
     text = path.read_text(encoding="utf-8")
@@ -191,7 +197,7 @@ def drop_after(path: Path, step: int) -> int:
         except json.JSONDecodeError:  # a line cut short when the last run died
             dropped += 1
             continue
-        if isinstance(record, dict) and record.get("step", 0) > step:
+        if isinstance(record, dict) and record.get("step", 0) > step and "event" not in record:
             dropped += 1
         else:
             kept.append(line)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import signal
+import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ import torch
 from forja.checkpoint.states import TrainerCounters
 from forja.config import Config
 from forja.metrics.throughput import Throughput, memory_stats, peak_flops
+from forja.train.stragglers import stragglers
 
 
 @dataclass
@@ -33,7 +36,11 @@ class StepRecord:
     tokens: int
     step_time: float
     data_wait: float
+    sync_wait: float = 0.0
+    """Seconds this rank waited at the step's start for the slower ranks."""
     skipped: bool = False
+    replay: bool = False
+    """A step trained again after a rollback: the same values as its first run, logged then."""
     extra: dict[str, float] = field(default_factory=dict)
     """The step engine's further figures (a mixture of experts' load)."""
 
@@ -50,6 +57,7 @@ class TrainerView(Protocol):
 
     def log(self, step: int, metrics: dict[str, Any]) -> None: ...
     def log_text(self, step: int, name: str, text: str) -> None: ...
+    def gather_floats(self, values: list[float]) -> list[list[float]]: ...
     def sample(self, prompt: str, max_new_tokens: int) -> str | None: ...
     def request_stop(self, reason: str) -> None: ...
 
@@ -77,6 +85,8 @@ class MetricsCallback(Callback):
         self.throughput = Throughput(flops_per_token=flops_per_token, num_devices=num_devices, peak_flops=peak)
 
     def on_step_end(self, trainer: TrainerView, record: StepRecord) -> None:
+        if record.replay:
+            return
         self.throughput.update(tokens=record.tokens, step_time=record.step_time, data_wait=record.data_wait)
         if record.step % self.interval and record.step != trainer.cfg.train.steps:
             return
@@ -175,6 +185,40 @@ class PreemptionCallback(Callback):
         self.previous.clear()
 
 
+class StragglerCallback(Callback):
+    """Names the ranks that make the others wait (forja/train/stragglers.py says how)."""
+
+    def __init__(self, *, interval: int, factor: float):
+        self.interval, self.factor = max(1, interval), factor
+        self._since = time.perf_counter()
+        self._wait = self._data = 0.0
+        self._steps = 0
+
+    def on_train_start(self, trainer: TrainerView) -> None:
+        self._since = time.perf_counter()
+
+    def on_step_end(self, trainer: TrainerView, record: StepRecord) -> None:
+        self._wait += record.sync_wait
+        self._data += record.data_wait
+        self._steps += 1
+        if record.step % self.interval:
+            return
+        busy = (time.perf_counter() - self._since - self._wait) / self._steps
+        gathered = trainer.gather_floats([busy, self._data / self._steps])  # one small collective
+        self._since, self._wait, self._data, self._steps = time.perf_counter(), 0.0, 0.0, 0
+        if len(gathered) < 2:
+            return
+        busy_all = [g[0] for g in gathered]
+        median = statistics.median_low(busy_all)
+        for r in stragglers(busy_all, self.factor):
+            trainer.log(record.step, {"event": "straggler", "rank": r, "health/busy_s": busy_all[r],
+                                      "health/busy_median_s": median, "health/data_wait_s": gathered[r][1]})
+            if trainer.rank == 0:
+                print(f"forja: straggler at step {record.step}: rank {r} is busy {busy_all[r]:.3f} s per step, "
+                      f"{busy_all[r] / median:.1f}x the median {median:.3f} s (its data wait: "
+                      f"{gathered[r][1]:.3f} s per step)", file=sys.stderr, flush=True)
+
+
 def default_callbacks(cfg: Config, *, flops_per_token: int, num_devices: int, device: torch.device,
                       compute_dtype: torch.dtype | None) -> list[Callback]:
     """The callbacks every run has, from its config."""
@@ -182,6 +226,8 @@ def default_callbacks(cfg: Config, *, flops_per_token: int, num_devices: int, de
                               compute_dtype=compute_dtype or torch.float32, interval=cfg.metrics.interval,
                               peak_tflops=cfg.metrics.peak_tflops)
     callbacks: list[Callback] = [metrics, SampleCallback(), GCCallback(cfg.train.gc_interval), PreemptionCallback()]
+    if num_devices > 1 and cfg.metrics.straggler_factor > 0:
+        callbacks.append(StragglerCallback(interval=cfg.metrics.interval, factor=cfg.metrics.straggler_factor))
     if cfg.train.profile_at > 0:
         callbacks.append(ProfilerCallback(cfg.train.profile_at))
     return callbacks

@@ -30,6 +30,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="delete what run.dir holds and begin afresh instead of refusing a different config")
     p.add_argument("--nproc", type=int, default=None,
                    help="processes on this machine (one per GPU), launched through torchrun")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="restart every process up to K times when one dies (torchrun's elastic agent); "
+                        "each restart resumes from the latest checkpoint")
     p.add_argument("--nnodes", type=int, default=1,
                    help="machines taking part; run the same command on each of them (needs --rdzv-endpoint)")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
@@ -45,7 +48,7 @@ def launch_needed(args: argparse.Namespace) -> bool:
     """Whether this process should start torchrun rather than train: it was asked for
     several processes or machines, and it is not already a torchrun worker."""
     return "LOCAL_RANK" not in os.environ and (
-        (args.nproc or 1) > 1 or args.nnodes > 1 or args.rdzv_endpoint is not None)
+        (args.nproc or 1) > 1 or args.nnodes > 1 or args.rdzv_endpoint is not None or args.max_restarts > 0)
 
 
 def torchrun_command(args: argparse.Namespace, run_dir: str) -> list[str]:
@@ -54,10 +57,13 @@ def torchrun_command(args: argparse.Namespace, run_dir: str) -> list[str]:
         raise ForjaError(f"--nproc {args.nproc}: give at least 1 process per machine")
     if args.nnodes < 1:
         raise ForjaError(f"--nnodes {args.nnodes}: give at least 1 machine")
+    if args.max_restarts < 0:
+        raise ForjaError(f"--max-restarts {args.max_restarts}: give 0 (no restarts) or more")
     if args.nnodes > 1 and args.rdzv_endpoint is None:
         raise ForjaError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, an address every machine "
                          "can reach (usually the first machine's hostname) and a free port on it")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc or 1}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc or 1}",
+           f"--max-restarts={args.max_restarts}"]
     if args.rdzv_endpoint is None:
         cmd.append("--standalone")  # one machine: torchrun picks a free port itself
     else:

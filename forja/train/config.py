@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from forja.errors import ForjaError
+from forja.train.drills import parse_drill
 
 
 @dataclass(kw_only=True)
@@ -18,6 +19,71 @@ class RunConfig:
     """Name shown by trackers and reports; None means the run directory's name."""
     start_over: bool = False
     """Begin afresh in a run directory that holds another run (its checkpoints are deleted)."""
+
+
+SPIKE_METRICS = ("loss", "grad_norm")
+
+
+@dataclass(kw_only=True)
+class SpikeConfig:
+    """[train.spike]: a loss or gradient norm far above its recent values (forja/train/health.py)."""
+
+    action: Literal["off", "skip", "rollback", "stop"] = "off"
+    """What a spike does: off (not watched), skip the optimizer step, rollback to the last checkpoint
+    (see [train.rollback]), or stop the run."""
+    window: int = 100
+    """Accepted steps whose values make the rolling mean and standard deviation."""
+    threshold: float = 6.0
+    """A value more than this many standard deviations above the rolling mean is a spike."""
+    min_steps: int = 20
+    """Values needed in the window before any step is judged (the first steps fall fast)."""
+    metrics: list[str] = field(default_factory=lambda: list(SPIKE_METRICS))
+    """Which values are watched: loss, grad_norm or both."""
+
+    def __post_init__(self) -> None:
+        if self.window < 2 or not 2 <= self.min_steps <= self.window:
+            raise ForjaError(f"train.spike: window = {self.window} and min_steps = {self.min_steps} need "
+                             "2 <= min_steps <= window")
+        if not self.threshold > 0:
+            raise ForjaError(f"train.spike.threshold = {self.threshold} must be > 0 (standard deviations)")
+        bad = [m for m in self.metrics if m not in SPIKE_METRICS]
+        if bad or not self.metrics:
+            raise ForjaError(f"train.spike.metrics = {self.metrics}: choose from {', '.join(SPIKE_METRICS)}")
+
+
+@dataclass(kw_only=True)
+class RollbackConfig:
+    """[train.rollback]: how a run goes back to its last checkpoint after a non-finite value or a
+    spike (train.on_nonfinite or train.spike.action = "rollback")."""
+
+    max: int = 3
+    """Rollbacks allowed in one run; the next anomaly then stops it, so a run never loops."""
+    skip_steps: int = 1
+    """When the anomaly comes back on replay (a bad batch), the global batches skipped from there."""
+    lr_scale: float = 1.0
+    """After a rollback, the learning rate is multiplied by this ..."""
+    lr_steps: int = 0
+    """... for this many steps from the bad step on (0: the learning rate is left alone)."""
+
+    def __post_init__(self) -> None:
+        if self.max < 0 or self.skip_steps < 1 or self.lr_steps < 0:
+            raise ForjaError("train.rollback: max and lr_steps must be >= 0, skip_steps >= 1")
+        if not 0 < self.lr_scale <= 1:
+            raise ForjaError(f"train.rollback.lr_scale = {self.lr_scale} must be in (0, 1]")
+
+
+@dataclass(kw_only=True)
+class DebugConfig:
+    """[debug]: drills that make a run fail on purpose, to try how it recovers. Taken only from
+    `--set` (a recipe or run config holding them is refused) and never saved with the run."""
+
+    inject: list[str] = field(default_factory=list)
+    """Faults to inject, each KIND@STEP[:rank=R][:repeat][:seconds=S] with KIND nan, spike, kill, hang
+    or slow (forja/train/drills.py); empty: none."""
+
+    def __post_init__(self) -> None:
+        for spec in self.inject:
+            parse_drill(spec)
 
 
 @dataclass(kw_only=True)
@@ -48,8 +114,13 @@ class TrainConfig:
     """float8 matmuls in Linear layers through torchao (emulated on CPU)."""
     float8_min_features: int = 1024
     """Linear layers with fewer input or output features stay high precision: too small to gain."""
-    on_nonfinite: Literal["stop", "skip"] = "stop"
-    """A NaN/inf loss: stop (the last checkpoint stays intact) or skip the step and count it."""
+    on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
+    """A NaN/inf loss or gradient norm: stop (the last checkpoint stays intact), skip the step and
+    count it, or roll back to the last checkpoint ([train.rollback])."""
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    """Loss and gradient-norm spikes ([train.spike])."""
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    """Rollbacks ([train.rollback])."""
     sample_tokens: int = 64
     """Tokens of text generated into the run directory at the end; 0 turns it off."""
     sample_prompt: str = "def "

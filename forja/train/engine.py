@@ -25,8 +25,9 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import ParallelDims, local_value, loss_context
 from forja.parallel.cp import cp_context
 from forja.parallel.pp import Pipeline
+from forja.train.drills import SPIKE_FACTOR
 from forja.train.experts import ExpertBalance
 
 
@@ -55,7 +57,9 @@ class StepOutput:
     lr: float
     """Learning rate the step used."""
     skipped: bool
-    """The loss or the norm was not finite: the weights were left unchanged."""
+    """The loss or the norm was not finite, or the guard found them wrong: the weights were left unchanged."""
+    anomaly: Any = None
+    """What the guard found wrong with the step (forja/train/health.py's Anomaly), or None."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Further figures of the step (a mixture of experts' load and auxiliary losses)."""
 
@@ -78,6 +82,7 @@ class StepEngine:
         self.grad_clip, self.document_mask = grad_clip, document_mask
         self._norm_params = _each_weight_once(parts)
         self.experts = ExpertBalance(parts, dims, device)
+        self._fault: str | None = None  # a drill's fault for the step in progress (forja/train/drills.py)
 
     @property
     def model(self) -> Transformer | None:
@@ -85,19 +90,27 @@ class StepEngine:
         return self.parts[0]
 
     # -- one step ----------------------------------------------------------------------------
-    def train_step(self, batches: Sequence) -> StepOutput:
+    def train_step(self, batches: Sequence, *, guard: Callable[[float, float], Any] | None = None,
+                   fault: str | None = None) -> StepOutput:
         """Forward and backward of `batches` (this rank's micro-batches of one step), then
-        the optimizer step unless the loss or gradient norm is not finite."""
+        the optimizer step unless the loss or gradient norm is not finite or `guard(loss,
+        grad_norm)` returns an anomaly. `fault` ("nan", "spike") is a drill's, applied to this
+        rank's loss."""
         self.optimizers.zero_grad(set_to_none=True)
         self.experts.begin_step(len(batches))
-        loss = self.forward_backward(batches)
+        self._fault = fault
+        try:
+            loss = self.forward_backward(batches)
+        finally:
+            self._fault = None
         self.sync_tied_copies()
         norm = self.clip_gradients()
         loss = self._mean_over_data(loss)  # the norm is already global
         # The one host sync of the step: whether to step depends on the values.
         loss_value, norm_value = torch.stack([loss, norm.to(loss.device, loss.dtype)]).tolist()
-        lr = self.scheduler.get_last_lr()[0]
-        skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
+        lr = self.optimizers.optimizers[0].param_groups[0]["lr"]  # the schedule's, or a rollback's lowered one
+        anomaly = guard(loss_value, norm_value) if guard is not None else None
+        skipped = anomaly is not None or not (math.isfinite(loss_value) and math.isfinite(norm_value))
         if not skipped:
             self.optimizers.step()
             self.scheduler.step()
@@ -111,12 +124,17 @@ class StepEngine:
         metrics = self.experts.end_step(stepped=not skipped)  # after the step: the bias follows it
         tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
         return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=tokens, lr=lr, skipped=skipped,
-                          metrics=metrics)
+                          anomaly=anomaly, metrics=metrics)
 
     def microbatch_loss(self, loss: torch.Tensor, n: int) -> torch.Tensor:
         """What one of a step's `n` micro-batches adds to the step's loss, from its mean
         next-token cross-entropy `loss`. A mixture of experts' auxiliary losses enter the
-        gradients with this same share, set per layer by `ExpertBalance.begin_step`."""
+        gradients with this same share, set per layer by `ExpertBalance.begin_step`. A drill's
+        fault changes it here, on this rank: gradients and the reported loss both follow."""
+        if self._fault == "nan":
+            loss = loss * float("nan")
+        elif self._fault == "spike":
+            loss = loss * SPIKE_FACTOR
         return loss / n
 
     def forward_backward(self, batches: Sequence) -> torch.Tensor:

@@ -39,11 +39,12 @@ else:  # pragma: no cover
 from forja.errors import ForjaError
 from forja.files import check_writable, write_atomic
 from forja.parallel.process_group import barrier
+from forja.train.config import DebugConfig
 
 # Keys that may differ between launches of one run ("section." means the whole section).
 RESUMABLE = ("run.", "checkpoint.", "metrics.", "parallel.", "train.steps", "train.val_interval",
              "train.val_batches", "train.micro_batch_size", "train.sample_tokens", "train.sample_prompt",
-             "train.on_nonfinite", "train.gc_interval", "train.profile_at", "train.device",
+             "train.on_nonfinite", "train.spike", "train.rollback", "debug.", "train.gc_interval", "train.profile_at", "train.device",
              "data.workers", "data.prefetch", "model.attention", "model.fused_ops", "model.fused_ops_overrides",
              "train.float8")
 
@@ -82,8 +83,10 @@ class RunDir:
         barrier()
         if self.rank == 0:
             self.path.mkdir(parents=True, exist_ok=True)
-            # start_over applies to this launch only: the next one must resume, not wipe again.
-            kept = dataclasses.replace(self.cfg, run=dataclasses.replace(self.cfg.run, start_over=False))
+            # start_over and drills apply to this launch only: the next one must resume, not wipe
+            # again or fail on purpose again.
+            kept = dataclasses.replace(self.cfg, run=dataclasses.replace(self.cfg.run, start_over=False),
+                                       debug=DebugConfig())
             write_atomic(saved, dump_toml(kept))
             self._record_launch()
         barrier()

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from forja.checkpoint.identity import check_model_identity, initial_weights, model_identity
-from forja.checkpoint.manager import CheckpointManager, loadable_state
+from forja.checkpoint.manager import CheckpointManager, checkpoint_keys, loadable_state
 from forja.checkpoint.states import ModelState, OptimizerState, RNGState, TrainerCounters
 from forja.config import Config
 from forja.errors import ForjaError
@@ -37,10 +37,14 @@ from forja.parallel.process_group import init_distributed, shutdown_distributed,
 from forja.train.build import build_model_parts
 from forja.train.callbacks import Callback, StepRecord, default_callbacks
 from forja.train.data import data, loaders
-from forja.train.engine import build_engine
+from forja.train.drills import Drills
+from forja.train.engine import StepOutput, build_engine
+from forja.train.goodput import Goodput
+from forja.train.health import Anomaly, Health
 from forja.train.preflight import Preflight
 from forja.train.probes import ActivationSizes
 from forja.train.run_dir import RunDir
+from forja.train.watchdog import Watchdog, grace_s
 
 
 class Trainer:
@@ -54,11 +58,18 @@ class Trainer:
     # -- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
         c = self.cfg
-        info = init_distributed(c.train.device, c.parallel.timeout_s)
+        launched = time.time()
+        # Collectives wait a grace longer than the watchdog, so that a hang is reported (every
+        # rank's stack, the culprit named) before a timed-out collective ends the process.
+        info = init_distributed(c.train.device, c.parallel.timeout_s + grace_s(c.parallel.timeout_s))
         self.rank, self.device = info.rank, info.device
         if not c.parallel.auto:
             ParallelDims.from_config(c.parallel, info.world_size)  # a bad layout stops before any write
         self.run_dir: Path = RunDir(c, rank=self.rank).prepare()
+        self.goodput = Goodput(self.run_dir, rank=self.rank)
+        self.goodput.start(launched)
+        self.drills = Drills(c.debug.inject, rank=self.rank, run_dir=self.run_dir)
+        self.health = Health(c.train)
         self.tokenizer, dataset = data(c, rank=self.rank, run_dir=self.run_dir)
         args = run_model_args(c.model, self.tokenizer.vocab_size)
         preflight = Preflight(c, args, self.device, info.world_size)
@@ -89,6 +100,8 @@ class Trainer:
         self.callbacks = default_callbacks(c, flops_per_token=self.flops_per_token, num_devices=self.dims.world_size,
                                            device=self.device, compute_dtype=self.engine.compute_dtype)
         self.callbacks += self.extra_callbacks
+        self.watchdog = Watchdog(self.run_dir, rank=self.rank, world_size=info.world_size,
+                                 timeout_s=c.parallel.timeout_s)
         self._resume()
 
     @property
@@ -99,7 +112,7 @@ class Trainer:
     def checkpoint_state(self) -> dict:
         return {"model": ModelState(self.parts), "optim": OptimizerState(self.parts, self.optimizers.optimizers),
                 "scheduler": self.scheduler, "dataloader": self.loader, "trainer": self.counters,
-                f"rng.rank{self.rank}": RNGState()}
+                "health": self.health.detector, f"rng.rank{self.rank}": RNGState()}
 
     def _resume(self) -> None:
         if self.cfg.checkpoint.enabled:
@@ -108,11 +121,16 @@ class Trainer:
         latest = self.checkpoints.latest()
         if latest is None:
             return
-        state = loadable_state(self.checkpoint_state(), latest)
-        self.checkpoints.load(latest, state, check=self.checkpoints_match)
-        self.scheduler.reapply()  # train.steps may have changed, and with it the schedule
+        self._load(latest)
         if self.rank == 0:
             print(f"forja: resumed from {latest} (step {self.counters.step})", flush=True)
+
+    def _load(self, path: Path) -> None:
+        state = loadable_state(self.checkpoint_state(), path)
+        if "health" not in checkpoint_keys(path):  # saved before forja watched for spikes
+            state.pop("health")
+        self.checkpoints.load(path, state, check=self.checkpoints_match)
+        self.scheduler.reapply()  # train.steps may have changed, and with it the schedule
 
     def checkpoints_match(self, meta: dict) -> None:
         check_model_identity(meta, self.checkpoints.meta)
@@ -122,10 +140,13 @@ class Trainer:
         cfg = self.cfg
         self.sinks.start(total_steps=cfg.train.steps, start_step=self.counters.step)
         self._call("on_train_start")
+        self.watchdog.start()
         last_saved = self.counters.step if self.checkpoints.latest() else -1
-        while self.counters.step < cfg.train.steps and not self._should_stop():
-            self.train_one_step()
+        while self.counters.step < cfg.train.steps and self.train_one_step():
             step = self.counters.step
+            self.checkpoints.poll()  # an async save every rank finished becomes the latest checkpoint
+            if self.health.is_replay(step):
+                continue  # validated and saved the first time round
             if cfg.train.val_interval and (step % cfg.train.val_interval == 0 or step == cfg.train.steps):
                 self.validate()
             if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
@@ -134,42 +155,113 @@ class Trainer:
         if self.counters.step != last_saved:
             self.save_checkpoint()
         self.checkpoints.wait()
-        if self.stop_reason is None:
-            self._call("on_train_end")
-        elif self.rank == 0:
-            print(f"forja: stopped by {self.stop_reason} at step {self.counters.step}; checkpoint saved, "
-                  "rerun the same command to resume", flush=True)
+        self.watchdog.stop()
+        self._finish()
 
-    def train_one_step(self) -> None:
+    def train_one_step(self) -> bool:
+        """One optimizer step (or a rollback); False when the ranks agreed to stop before it."""
+        step = self.counters.step + 1
+        self.watchdog.beat("step", step)
         start = time.perf_counter()
+        fault = self.drills.before_step(step)
         waited = self.loader.data_wait_s
         batches = self.loader.next_step()  # accumulation_steps micro-batches of this rank
         data_wait = self.loader.data_wait_s - waited
-        out = self.engine.train_step(batches)
-        if out.skipped:
-            self._on_nonfinite(out.loss)
-        self.counters.step += 1
+        agreed = time.perf_counter()
+        if self._should_stop():
+            self.loader.rewind_step()  # not taken: a resume must train on it
+            return False
+        sync_wait = time.perf_counter() - agreed  # waiting for slower ranks (forja/train/stragglers.py)
+        self.health.scale_lr(step, self.optimizers.optimizers)
+        out = self.engine.train_step(batches, guard=self.health.check, fault=fault)
+        if out.anomaly is not None and self._on_anomaly(step, out.anomaly):
+            return True  # rolled back: the counters are the checkpoint's now
+        self.counters.step = step
         self.counters.tokens_seen += out.tokens
-        record = StepRecord(step=self.counters.step, loss=out.loss, grad_norm=out.grad_norm, lr=out.lr,
-                            tokens=out.tokens, step_time=time.perf_counter() - start, data_wait=data_wait,
-                            skipped=out.skipped, extra=out.metrics)
+        step_time = time.perf_counter() - start
+        if not out.skipped:
+            self.health.accepted(step, out.loss, out.grad_norm)
+            self.counters.productive_s += step_time
+            self._replay_verdict(step)
+        record = StepRecord(step=step, loss=out.loss, grad_norm=out.grad_norm, lr=out.lr, tokens=out.tokens,
+                            step_time=step_time, data_wait=data_wait, sync_wait=sync_wait, skipped=out.skipped,
+                            replay=self.health.is_replay(step), extra=out.metrics)
         self._call("on_step_end", record)
+        return True
 
-    def _on_nonfinite(self, loss: float) -> None:
-        """The engine left the weights unchanged; count the step, or stop."""
-        if self.cfg.train.on_nonfinite == "skip":
+    # -- anomalies: skip, stop or roll back (forja/train/health.py) -------------------------------
+    def _on_anomaly(self, step: int, anomaly: Anomaly) -> bool:
+        """Act on a step the engine did not take; True when the run rolled back."""
+        if self.health.verdict(step, anomalous=True):  # it came back on replay: the batch is bad
+            skip = self.cfg.train.rollback.skip_steps
+            self._event(step, anomaly, "skip", verdict="bad batch", skipped_batches=skip)
+            self.loader.skip_steps(skip - 1)  # this step's batch is already passed over
             self.counters.skipped_steps += 1
-            return
+            return False
+        action = self.health.action(anomaly)
+        if action == "skip":
+            self.counters.skipped_steps += 1
+            self._event(step, anomaly, "skip")
+            return False
+        if action == "rollback" and self._can_roll_back(step, anomaly):
+            self._roll_back(step, anomaly)
+            return True
+        self._event(step, anomaly, "stop")
+        raise ForjaError(f"step {step}: {anomaly.describe()}: training stopped and {self._kept()}. Lower "
+                         "optim.lr, raise schedule.warmup_steps, or set train.on_nonfinite / train.spike.action "
+                         "to 'skip' or 'rollback'")
+
+    def _can_roll_back(self, step: int, anomaly: Anomaly) -> bool:
+        limit = self.cfg.train.rollback.max
+        self.checkpoints.wait()  # a save in flight is the one to go back to
+        why = ("no checkpoint was written yet" if self.checkpoints.latest() is None else
+               f"the run rolled back {self.health.rollbacks} times already (train.rollback.max = {limit})"
+               if self.health.rollbacks >= limit else None)
+        if why is None:
+            return True
+        self._event(step, anomaly, "stop")
+        raise ForjaError(f"step {step}: {anomaly.describe()}, and {why}: training stopped; {self._kept()}. "
+                         f"Look at the data near step {step}, lower optim.lr, or raise train.rollback.max")
+
+    def _roll_back(self, step: int, anomaly: Anomaly) -> None:
+        """Back to the latest checkpoint; the steps after it are replayed exactly."""
         latest = self.checkpoints.latest()
-        kept = f"the last checkpoint, {latest}, is intact" if latest else "no checkpoint was written yet"
-        raise ForjaError(f"the loss is {loss} at step {self.counters.step + 1}: training stopped and {kept}. "
-                         "Lower optim.lr, raise schedule.warmup_steps, or set train.on_nonfinite = 'skip' to "
-                         "skip such steps")
+        self.watchdog.beat("rollback", step)
+        self.health.rolled_back(step)
+        self._event(step, anomaly, "rollback", to_step=int(latest.name.split("-")[-1]))
+        self._load(latest)
+        self.goodput.beat(rollback=True)
+        if self.rank == 0:
+            print(f"forja: step {step}: {anomaly.describe()}; rolled back to {latest.name} "
+                  f"(rollback {self.health.rollbacks} of at most {self.cfg.train.rollback.max}), replaying from "
+                  f"step {self.counters.step + 1}", flush=True)
+
+    def _replay_verdict(self, step: int) -> None:
+        """At the replayed bad step, when it went through: the fault was transient."""
+        if self.health.verdict(step, anomalous=False):
+            self.log(step, {"event": "replay", "verdict": "transient", "health/replay_max_diff": self.health.replay_diff})
+            self.log_text(step, "health", f"step {step} replayed cleanly: the fault was transient "
+                          f"(replayed steps differ from the first run by at most {self.health.replay_diff:g})")
+
+    def _event(self, step: int, anomaly: Anomaly, action: str, **extra: Any) -> None:
+        """An anomaly and what was done, to metrics.jsonl (names and numbers) and the trackers."""
+        fields = {**anomaly.fields(), "action": action, **extra, "health/rollbacks": self.health.rollbacks,
+                  "health/skipped_steps": self.counters.skipped_steps}
+        if anomaly.kind == "spike" or extra.get("verdict"):
+            fields["health/replay_max_diff"] = self.health.replay_diff
+        self.log(step, fields)
+        text = f"step {step}: {anomaly.describe()}; action: {action}"
+        self.log_text(step, "health", text + (f" ({extra['verdict']})" if "verdict" in extra else ""))
+
+    def _kept(self) -> str:
+        latest = self.checkpoints.latest()
+        return f"the last checkpoint, {latest}, is intact" if latest else "no checkpoint was written yet"
 
     @torch.no_grad()
     def validate(self) -> float | None:
         if self.val_loader is None:
             return None
+        self.watchdog.beat("validation", self.counters.step)
         for part in self.parts:
             part.eval()
         total, count = torch.zeros((), device=self.device), 0
@@ -190,9 +282,28 @@ class Trainer:
     def save_checkpoint(self) -> None:
         if not self.cfg.checkpoint.enabled:
             return
+        self.watchdog.beat("checkpoint", self.counters.step)
+        started = time.perf_counter()
         path = self.checkpoints.save(self.counters.step, self.checkpoint_state(),
                                      {"tokens_seen": self.counters.tokens_seen})
+        self.goodput.beat(checkpoint_s=time.perf_counter() - started)  # the loop stood still this long
+        self.health.checkpointed(self.counters.step)
         self._call("on_checkpoint", self.counters.step, path)
+
+    def _finish(self) -> None:
+        """Goodput over every launch of the run, then the end-of-training callbacks."""
+        self.goodput.end()
+        figures = self.goodput.summary(self.counters.productive_s)
+        self.log(self.counters.step, figures)
+        if self.rank == 0:
+            print(f"forja: goodput {figures['goodput']:.1%} ({figures['productive_s']:.1f} s of productive steps "
+                  f"in {figures['wall_s']:.1f} s; {figures['restarts']} restarts, {figures['rollbacks']} rollbacks, "
+                  f"{figures['checkpoint_stall_s']:.1f} s of checkpoint stalls)", flush=True)
+        if self.stop_reason is None:
+            self._call("on_train_end")
+        elif self.rank == 0:
+            print(f"forja: stopped by {self.stop_reason} at step {self.counters.step}; checkpoint saved, "
+                  "rerun the same command to resume", flush=True)
 
     def sample(self, prompt: str, max_new_tokens: int) -> str | None:
         """Greedy continuation of `prompt`; None under pipeline or tensor parallelism (no rank
@@ -229,6 +340,15 @@ class Trainer:
             self.stop_reason = "another rank's signal"
         return bool(flag.item())
 
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        """`values` of every rank, by rank (one small collective on the CPU group)."""
+        if dist.get_world_size() == 1:
+            return [list(values)]
+        mine = torch.tensor(values, dtype=torch.float64)
+        out = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.dims.cpu_group))]
+        dist.all_gather(out, mine, group=self.dims.cpu_group)
+        return [t.tolist() for t in out]
+
     def _call(self, hook: str, *args) -> None:
         for cb in self.callbacks:
             getattr(cb, hook)(self, *args)
@@ -250,6 +370,8 @@ class Trainer:
             self.close()
 
     def close(self) -> None:
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.stop()
         for cb in getattr(self, "callbacks", []):
             cb.close()
         if getattr(self, "sinks", None) is not None:

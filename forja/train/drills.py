@@ -1,0 +1,112 @@
+"""Drills: faults injected on purpose (`debug.inject`), to see a run recover.
+
+Each drill is `KIND@STEP[:rank=R][:repeat][:seconds=S]`:
+
+    nan@12           the loss of step 12 becomes NaN (so do its gradients)
+    spike@12         the loss of step 12 is multiplied by SPIKE_FACTOR (and its gradients)
+    kill@12          the process dies by SIGKILL as step 12 begins (default rank 0)
+    hang@12          the process stops answering as step 12 begins (default rank 0)
+    slow@12          from step 12 on, every step sleeps `seconds` (default 0.2) first: a straggler
+    :rank=R          only on rank R (nan and spike default to every rank)
+    :repeat          nan/spike fire every time step 12 is trained, replays included: a bad batch.
+                     Without it they fire once: a transient fault, gone on replay.
+
+A drill that fired is written to <run.dir>/drills/rank{R}.json before it acts, so a run
+restarted after `kill@12` does not die at step 12 again. Drills come only from `--set`
+(forja/config.py refuses them in a file) and are never saved with the run's config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from forja.errors import ForjaError
+from forja.files import write_atomic
+
+KINDS = ("nan", "spike", "kill", "hang", "slow")
+SPIKE_FACTOR = 50.0
+"""How much larger a spike drill makes the step's loss and gradients."""
+_SPEC = re.compile(r"(?P<kind>[a-z]+)@(?P<step>\d+)(?P<opts>(:[a-z]+(=[0-9.]+)?)*)")
+_GRAMMAR = "KIND@STEP[:rank=R][:repeat][:seconds=S] with KIND one of " + ", ".join(KINDS)
+
+
+@dataclass(frozen=True)
+class Drill:
+    spec: str
+    kind: str
+    step: int
+    rank: int | None
+    """None: every rank."""
+    repeat: bool = False
+    seconds: float = 0.2
+
+    def applies(self, rank: int) -> bool:
+        return self.rank is None or self.rank == rank
+
+
+def parse_drill(spec: str) -> Drill:
+    """A `debug.inject` entry as a Drill; one clear error for anything else."""
+    m = _SPEC.fullmatch(spec.strip())
+    if m is None or m["kind"] not in KINDS:
+        raise ForjaError(f"debug.inject entry {spec!r} is not a drill: write {_GRAMMAR}, e.g. 'kill@10:rank=1'")
+    opts = dict(o.partition("=")[::2] for o in m["opts"].split(":")[1:])
+    unknown = set(opts) - {"rank", "repeat", "seconds"}
+    if unknown or int(m["step"]) < 1:
+        raise ForjaError(f"debug.inject entry {spec!r}: steps count from 1 and the options are rank=R, repeat "
+                         f"and seconds=S ({_GRAMMAR})")
+    kind = m["kind"]
+    rank = int(float(opts["rank"])) if opts.get("rank") else (None if kind in ("nan", "spike") else 0)
+    return Drill(spec=spec.strip(), kind=kind, step=int(m["step"]), rank=rank, repeat="repeat" in opts,
+                 seconds=float(opts.get("seconds") or 0.2))
+
+
+class Drills:
+    """This rank's drills, fired at the start of their step by `before_step`."""
+
+    def __init__(self, specs: list[str], *, rank: int, run_dir: Path):
+        self.rank = rank
+        self.drills = [d for d in map(parse_drill, specs) if d.applies(rank)]
+        self.ledger = Path(run_dir) / "drills" / f"rank{rank}.json"
+        self.fired: set[str] = set(json.loads(self.ledger.read_text())) if self.ledger.is_file() else set()
+
+    def before_step(self, step: int) -> str | None:
+        """Act out the drills of `step`; returns the fault the step's loss gets ("nan",
+        "spike") or None."""
+        fault = None
+        for d in self.drills:
+            if d.kind == "slow" and step >= d.step:
+                time.sleep(d.seconds)
+            if d.step != step or d.kind == "slow" or (d.spec in self.fired and not d.repeat):
+                continue
+            self._mark(d)  # before acting: a killed run must not die here again once restarted
+            if d.kind == "kill":
+                _say(f"drill {d.spec}: rank {self.rank} kills itself (SIGKILL) at the start of step {step}")
+                os.kill(os.getpid(), signal.SIGKILL)
+            if d.kind == "hang":
+                _say(f"drill {d.spec}: rank {self.rank} stops answering at the start of step {step}")
+                hang_forever()
+            fault = d.kind
+        return fault
+
+    def _mark(self, drill: Drill) -> None:
+        self.fired.add(drill.spec)
+        self.ledger.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.ledger, json.dumps(sorted(self.fired)))
+
+
+def hang_forever() -> None:
+    """A rank stuck outside any collective, as one waiting on a dead disk or driver would be.
+    Sleeping releases the GIL, so the watchdog thread can still report where it is."""
+    while True:
+        time.sleep(3600)
+
+
+def _say(text: str) -> None:
+    print(f"forja: {text}", file=sys.stderr, flush=True)
