@@ -11,29 +11,46 @@ the newest directory without `.partial` is always complete, and a crash, a full 
 a kill -9 during a save leaves the previous checkpoint as the one to resume from.
 
 DCP writes each rank's shards, so a checkpoint saved under one parallel layout loads
-under another. With `async_save`, the write continues in the background and the
-checkpoint is finalized (renamed) at the next save or at `wait()`.
+under another.
+
+With `async_save`, `save()` copies the state into fresh CPU memory (torch's DefaultStager,
+synchronously, so training may update parameters and optimizer state in place as soon as it
+returns) and the write continues in a background thread. The trainer calls `poll()` after
+every step: once every rank's write is done, the checkpoint is finalized there (forja.json,
+rename), or at `wait()` / the next `save()` at the latest. DCP's background collectives
+(planning, metadata gather, write results) run on a Gloo group of their own, and `poll()`
+agrees on another: a collective of a background thread must never share a group with the
+main thread's, whose sequence of collectives it would interleave differently on each rank.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import shutil
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from forja.checkpoint.config import CheckpointConfig
 from forja.errors import ForjaError
 from forja.files import check_writable, fsync_dir, write_atomic
-from forja.parallel.process_group import barrier
+from forja.parallel.process_group import barrier, new_group
 
 _NAME = re.compile(r"step-(\d{8})")
 META_FILE = "forja.json"
+# A rank's state of an async save, agreed across ranks as the minimum: all written only
+# when every rank has written, failed when one has failed and none is still writing.
+_WRITING, _FAILED, _WRITTEN = 0, 1, 2
 
 
 def checkpoint_name(step: int) -> str:
@@ -70,14 +87,33 @@ def checkpoint_keys(path: Path) -> set[str]:
             for key in metadata.state_dict_metadata}
 
 
+@dataclass
+class _PendingSave:
+    """An async save whose write may still be running in DCP's background thread."""
+
+    future: concurrent.futures.Future
+    stager: DefaultStager  # holds the staged copy of the state until the write is done
+    partial: Path
+    meta: dict
+    start: float  # time.perf_counter() when this save began its own work
+
+
 class CheckpointManager:
+    """Saves and loads a run's checkpoints. Build it at the same point on every rank, after
+    the process group exists: with `async_save` on more than one rank it creates two groups."""
+
     def __init__(self, cfg: CheckpointConfig, folder: Path, *, rank: int = 0,
                  meta: dict[str, Any] | None = None):
         self.cfg = cfg
         self.folder = folder
         self.rank = rank
         self.meta = meta or {}  # identity of the run's model, written into forja.json
-        self._pending: tuple[Any, Path, dict] | None = None  # (future, partial dir, meta) of an async save
+        self._pending: _PendingSave | None = None
+        self._save_group, self._poll_group = _async_groups(cfg)
+        self.last_blocking_s: float | None = None
+        """Seconds the last `save()` blocked its caller (None before the first save)."""
+        self.last_total_s: float | None = None
+        """Seconds from the start of the last finalized save to its finalization."""
 
     # -- finding ----------------------------------------------------------------------------
     def latest(self) -> Path | None:
@@ -97,8 +133,11 @@ class CheckpointManager:
 
     # -- saving -----------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], extra_meta: dict | None = None) -> Path:
-        """Write `state` as the checkpoint of `step`; returns its final path."""
-        self.wait()
+        """Write `state` as the checkpoint of `step`; returns its final path (with
+        `async_save`, where it will be once `poll()` or `wait()` has finalized it)."""
+        called = time.perf_counter()
+        self.wait()  # one save at a time: its stall counts in this one's blocking time
+        start = time.perf_counter()
         final = self.folder / checkpoint_name(step)
         partial = final.with_name(final.name + ".partial")
         meta = {**self.meta, **(extra_meta or {}), "step": step}
@@ -107,25 +146,77 @@ class CheckpointManager:
         barrier()
         try:
             if self.cfg.async_save:
-                self._pending = (dcp.async_save(state, checkpoint_id=str(partial)), partial, meta)
-                return final
-            dcp.save(state, checkpoint_id=str(partial))
+                self._pending = self._start_async(state, partial, meta, start)
+            else:
+                dcp.save(state, checkpoint_id=str(partial))
         except (OSError, CheckpointException) as exc:
             self._abandon(partial, exc)
-        self._finalize(partial, meta)
+        if not self.cfg.async_save:
+            self._finalize(partial, meta)
+            self.last_total_s = time.perf_counter() - start
+        self.last_blocking_s = time.perf_counter() - called
         return final
 
-    def wait(self) -> None:
-        """Finish an async save in flight (all ranks call this)."""
-        if self._pending is None:
-            return
-        future, partial, meta = self._pending
-        self._pending = None
+    def _start_async(self, state: dict[str, Any], partial: Path, meta: dict, start: float) -> _PendingSave:
+        # torch's default staging, made here so that it can be closed when the write is done
+        # (torch 2.11 never closes the one it makes, and its cached copy of the whole state
+        # then lives until a full garbage collection). Synchronous staging: async_save returns
+        # only when every tensor, CPU ones included, has been copied into new CPU storage.
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                              use_async_staging=False, use_non_blocking_copy=False))
         try:
-            future.result()
-        except (OSError, CheckpointException) as exc:
-            self._abandon(partial, exc)
-        self._finalize(partial, meta)
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._save_group,
+                                    async_stager=stager)
+        except BaseException:
+            stager.close()
+            raise
+        return _PendingSave(future, stager, partial, meta, start)
+
+    def poll(self) -> Path | None:
+        """Finalize an async save once every rank has written it; returns its path then, else
+        None. Call it on every rank at the same steps (it is a collective while a save is
+        pending); with none pending it does nothing."""
+        if self._pending is None:
+            return None
+        status = self._agree(self._local_status())
+        if status == _WRITING:
+            return None
+        return self._conclude(status)
+
+    def wait(self) -> Path | None:
+        """Finish an async save in flight (all ranks call this); returns its path, if any."""
+        if self._pending is None:
+            return None
+        concurrent.futures.wait([self._pending.future])
+        return self._conclude(self._agree(self._local_status()))
+
+    def _local_status(self) -> int:
+        future = self._pending.future
+        if not future.done():
+            return _WRITING
+        return _FAILED if future.exception() is not None else _WRITTEN
+
+    def _agree(self, local: int) -> int:
+        """The minimum of every rank's `local` status: an all-reduce on the poll group, on the
+        main thread, so it never interleaves with the background thread's collectives."""
+        if self._poll_group is None:  # alone: nothing to agree on
+            return local
+        flag = torch.tensor([local], dtype=torch.int32)  # CPU: the group is Gloo
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._poll_group)
+        return int(flag.item())
+
+    def _conclude(self, status: int) -> Path:
+        """Finalize or abandon the pending save, whose write every rank has ended."""
+        pending, self._pending = self._pending, None
+        pending.stager.close()  # the staged copy is no longer needed
+        error = pending.future.exception()
+        if error is not None and not isinstance(error, (OSError, CheckpointException)):
+            raise error  # a bug rather than a disk that failed: its own traceback says more
+        if error is not None or status == _FAILED:
+            self._abandon(pending.partial, error or RuntimeError("another rank could not write its part"))
+        final = self._finalize(pending.partial, pending.meta)
+        self.last_total_s = time.perf_counter() - pending.start
+        return final
 
     def _abandon(self, partial: Path, exc: Exception) -> None:
         if self.rank == 0:
@@ -135,17 +226,19 @@ class CheckpointManager:
         raise ForjaError(f"could not write checkpoint {partial.name.removesuffix('.partial')} to {self.folder} "
                          f"({_reason(exc)}); {kept}. Free space or choose another run.dir") from None
 
-    def _finalize(self, partial: Path, meta: dict) -> None:
+    def _finalize(self, partial: Path, meta: dict) -> Path:
         barrier()  # every rank's shards are on disk
+        final = partial.with_name(partial.name.removesuffix(".partial"))
         if self.rank == 0:
             try:
                 write_atomic(partial / META_FILE, json.dumps(meta, indent=2))
-                partial.rename(partial.with_name(partial.name.removesuffix(".partial")))
+                partial.rename(final)
                 fsync_dir(self.folder)  # the rename itself survives a power cut
             except OSError as exc:
                 self._abandon(partial, exc)
             self._retain()
         barrier()
+        return final
 
     def _retain(self) -> None:
         if self.cfg.keep <= 0:
@@ -164,6 +257,15 @@ class CheckpointManager:
             check(meta)
         dcp.load(state, checkpoint_id=str(path))
         return meta
+
+
+def _async_groups(cfg: CheckpointConfig) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """Gloo groups for async saves on more than one rank: one for DCP's background thread,
+    one for `poll()`'s agreement on the main thread (None, None otherwise). Every rank
+    builds its manager at the same point, so all create them in the same order."""
+    if not (cfg.enabled and cfg.async_save and dist.is_initialized() and dist.get_world_size() > 1):
+        return None, None
+    return new_group(backend="gloo"), new_group(backend="gloo")
 
 
 def _reason(exc: Exception) -> str:

@@ -193,11 +193,12 @@ class StragglerCallback(Callback):
         self._since = time.perf_counter()
         self._wait = self._data = 0.0
         self._steps = 0
-
-    def on_train_start(self, trainer: TrainerView) -> None:
-        self._since = time.perf_counter()
+        self._warm = False
 
     def on_step_end(self, trainer: TrainerView, record: StepRecord) -> None:
+        if not self._warm:  # a launch's first step (allocation, compilation) is no rank's fault
+            self._warm, self._since = True, time.perf_counter()
+            return
         self._wait += record.sync_wait
         self._data += record.data_wait
         self._steps += 1

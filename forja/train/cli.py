@@ -78,12 +78,17 @@ def torchrun_command(args: argparse.Namespace, run_dir: str) -> list[str]:
     return cmd
 
 
-def launch(cmd: list[str]) -> int:
+def launch(cmd: list[str], *, restarts: bool = False) -> int:
     """Run torchrun and wait for it. Its workers run in sessions of their own, so only
     torchrun can stop them (after they save a checkpoint): a SIGTERM to this process is
     passed on rather than killing torchrun and orphaning them. Ctrl-C reaches torchrun
-    from the terminal directly, so here it is ignored rather than sent twice."""
-    proc = subprocess.Popen(cmd)
+    from the terminal directly, so here it is ignored rather than sent twice.
+
+    With `restarts`, the workers' store is made afresh by each attempt's rank 0: the store
+    torchrun shares with its workers by default outlives an attempt, and the process groups
+    of the next attempt would find the dead one's addresses in it under the same names."""
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if restarts else None
+    proc = subprocess.Popen(cmd, env=env)
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, _: proc.send_signal(signum)),
                 signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
     try:
@@ -99,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + (["run.start_over=true"] if args.start_over else [])
     cfg = load_config(args.config, overrides)  # errors surface before any process starts
     if launch_needed(args):
-        return launch(torchrun_command(args, str(cfg.run.dir)))
+        return launch(torchrun_command(args, str(cfg.run.dir)), restarts=args.max_restarts > 0)
     from forja.train.trainer import Trainer
 
     Trainer(cfg).run()

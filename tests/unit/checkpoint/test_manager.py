@@ -1,5 +1,7 @@
 """CheckpointManager: atomic saves, retention, async saves, loading in place."""
 
+import time
+
 import pytest
 import torch
 
@@ -100,7 +102,8 @@ def test_tied_copies_are_stored_once_and_load_as_two(tmp_path, process_group):
     assert "model.tok_embeddings.weight" in keys and not any("output.weight" in k for k in keys)
 
     loaded, loaded_group = _tied_stages(2)
-    manager.load(manager.latest(), {"model": ModelState(loaded), "optim": OptimizerState(loaded, loaded_group.optimizers)})
+    manager.load(manager.latest(),
+                 {"model": ModelState(loaded), "optim": OptimizerState(loaded, loaded_group.optimizers)})
     assert torch.equal(loaded[0].tok_embeddings.weight, first.tok_embeddings.weight)
     assert torch.equal(loaded[1].output.weight, first.tok_embeddings.weight)
     states = [opt.state[p] for opt, p in zip(loaded_group.optimizers, (loaded[0].tok_embeddings.weight,
@@ -108,3 +111,71 @@ def test_tied_copies_are_stored_once_and_load_as_two(tmp_path, process_group):
     assert torch.equal(states[0]["exp_avg"], states[1]["exp_avg"])
     # Each optimizer owns its state: one shared tensor would be updated twice per step.
     assert states[0]["exp_avg"].data_ptr() != states[1]["exp_avg"].data_ptr()
+
+
+def _snapshot(model, opt) -> tuple[dict, dict]:
+    """Copies of the model's and the optimizer's tensors as they are now."""
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+    return weights, moments
+
+
+def test_async_save_is_a_snapshot_of_the_state_at_save_time(tmp_path, process_group):
+    manager = CheckpointManager(CheckpointConfig(async_save=True), tmp_path)
+    model, state = _state(1)
+    opt = state["optim"].optimizers[0]
+    weights, moments = _snapshot(model, opt)
+    manager.save(1, state)
+    # Training goes on at once, in place, while the write is in flight.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    opt.step()
+    assert not torch.equal(next(iter(model.state_dict().values())), next(iter(weights.values())))
+    manager.wait()
+
+    other, other_state = _state(2)
+    manager.load(manager.latest(), other_state)
+    for name, value in other.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    loaded = other_state["optim"].optimizers[0].state_dict()["state"]
+    for i, saved in moments.items():
+        for key, value in saved.items():
+            assert torch.equal(loaded[i][key], value), (i, key)
+
+
+def test_poll_finalizes_when_the_write_is_done(tmp_path, process_group):
+    manager = CheckpointManager(CheckpointConfig(async_save=True), tmp_path)
+    _, state = _state(1)
+    assert manager.poll() is None  # nothing pending
+    final = manager.save(3, state)
+    assert manager.latest() is None  # only poll() or wait() finalizes, on the main thread
+    deadline = time.monotonic() + 60
+    while (path := manager.poll()) is None:
+        assert time.monotonic() < deadline, "the async save never finished"
+        time.sleep(0.01)
+    assert path == final == manager.latest()
+    assert manager.poll() is None and manager.wait() is None
+    assert 0 < manager.last_blocking_s <= manager.last_total_s
+
+
+def test_poll_without_a_pending_save_needs_no_process_group(tmp_path):
+    manager = CheckpointManager(CheckpointConfig(async_save=True), tmp_path)
+    assert manager.poll() is None and manager.wait() is None
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, process_group, async_save):
+    manager = CheckpointManager(CheckpointConfig(async_save=async_save), tmp_path)
+    model, state = _state(1)
+    manager.save(1, state)
+    manager.wait()
+    (tmp_path / "step-00000002.partial").write_text("")  # a file where the directory must go
+    with pytest.raises(ForjaError, match=r"could not write checkpoint step-00000002 .*step-00000001 is intact"):
+        manager.save(2, state)
+        while manager.poll() is None:
+            time.sleep(0.01)
+    assert manager.latest() == tmp_path / "step-00000001"
+    assert manager.poll() is None  # nothing left pending
+    assert manager.last_total_s is not None
