@@ -145,7 +145,9 @@ def train_seconds(run: Run) -> float | None:
 
 
 def summarize(run: Run) -> dict[str, float | int | None]:
-    """steps, final_loss, best_val_loss, last_val_loss, mean_tokens_per_sec, mean_mfu, train_seconds."""
+    """steps, final_loss, best_val_loss, last_val_loss, mean_tokens_per_sec, mean_mfu, train_seconds,
+    goodput (of the run's last end, None before one), and the health events (rollbacks,
+    skipped steps, stragglers named)."""
     _, loss = run.series("loss")
     _, val = run.series("val_loss")
     steps = [r["step"] for r in run.records if "step" in r]
@@ -157,7 +159,17 @@ def summarize(run: Run) -> dict[str, float | int | None]:
         "mean_tokens_per_sec": _mean(run.series("tokens_per_sec")[1]),
         "mean_mfu": _mean(run.series("mfu")[1]),
         "train_seconds": train_seconds(run),
+        "goodput": (run.series("goodput")[1] or [None])[-1],
+        "restarts": (run.series("restarts")[1] or [0])[-1],
+        **health_events(run),
     }
+
+
+def health_events(run: Run) -> dict[str, int]:
+    """How often the run rolled back, skipped a step, or named a straggler (its "event" records)."""
+    actions = [(r["event"], r.get("action")) for r in run.records if "event" in r]
+    return {"rollbacks": sum(a == "rollback" for _, a in actions), "skipped": sum(a == "skip" for _, a in actions),
+            "stragglers": sum(e == "straggler" for e, _ in actions)}
 
 
 def _save(fig, path: Path) -> None:
@@ -282,6 +294,22 @@ def summary_table(runs: list[Run]) -> Table:
     return table
 
 
+def health_table(runs: list[Run]) -> Table | None:
+    """Goodput, restarts and health events of the runs that have any (None if none has)."""
+    rows = [(run.name, summarize(run)) for run in runs]
+    rows = [(name, s) for name, s in rows if s["goodput"] is not None or s["rollbacks"] or s["skipped"]
+            or s["stragglers"]]
+    if not rows:
+        return None
+    table = Table(title="run health")
+    for column in ("run", "goodput", "restarts", "rollbacks", "skipped steps", "stragglers named"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    for name, s in rows:
+        table.add_row(name, "n/a" if s["goodput"] is None else f"{100 * s['goodput']:.1f}%", str(s["restarts"]),
+                      str(s["rollbacks"]), str(s["skipped"]), str(s["stragglers"]))
+    return table
+
+
 def expert_table(runs: list[Run]) -> Table | None:
     """Last values of each MoE run's expert-load metrics (the worst dropped share); None
     when no run has any."""
@@ -316,6 +344,9 @@ def report(run_dirs: list[str | os.PathLike[str]], out_dir: str | os.PathLike[st
     written = plot(runs, out)
     console = console or Console()
     console.print(summary_table(runs))
+    health = health_table(runs)
+    if health is not None:
+        console.print(health)
     experts = expert_table(runs)
     if experts is not None:
         console.print(experts)

@@ -38,7 +38,7 @@ from forja.train.build import build_model_parts
 from forja.train.callbacks import Callback, StepRecord, default_callbacks
 from forja.train.data import data, loaders
 from forja.train.drills import Drills
-from forja.train.engine import StepOutput, build_engine
+from forja.train.engine import build_engine
 from forja.train.goodput import Goodput
 from forja.train.health import Anomaly, Health
 from forja.train.preflight import Preflight

@@ -153,3 +153,18 @@ def test_a_dense_run_has_no_expert_load_chart(tmp_path, capsys):
     assert main(["report", str(run)]) == 0
     assert not (run / "expert_load.png").exists()
     assert "expert load" not in capsys.readouterr().out
+
+
+def test_goodput_and_health_events_are_summarized(tmp_path, capsys):
+    run = write_run(tmp_path / "healed")
+    sink = JsonlSink(run)
+    sink.start(total_steps=50, start_step=50)
+    sink.log(30, {"event": "nonfinite", "action": "rollback", "metric": "loss", "value": float("nan")})
+    sink.log(30, {"event": "replay", "verdict": "transient"})
+    sink.log(40, {"event": "spike", "action": "skip", "metric": "loss", "value": 9.0})
+    sink.log(50, {"goodput": 0.873, "restarts": 2, "rollbacks": 1})
+    sink.close()
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "87.3%" in line)
+    assert [cell.strip() for cell in row.split("│")[2:7]] == ["87.3%", "2", "1", "1", "0"], out
