@@ -52,7 +52,8 @@ class ParallelConfig:
     compile: bool = False
     """torch.compile each transformer block."""
     timeout_s: float = 600.0
-    """Collective timeout: a hung rank fails the run after this many seconds."""
+    """No progress (a step, validation, a checkpoint) for this long: every rank reports where it is
+    (docs/training.md, "When things go wrong") and the run fails; collectives time out a grace later."""
     auto: bool = False
     """Let forja plan choose the layout (degrees, ZeRO stage, offload, AC, micro-batch, schedule): the
     fastest predicted to fit; the choice is written to <run.dir>/plan.json and these keys are ignored."""
