@@ -60,7 +60,9 @@ def flatten(config: dict, prefix: str = "") -> dict[str, str]:
 
 
 def _numbers(metrics: Metrics) -> dict[str, float | int]:
-    return {tracker_key(key): value for key, value in metrics.items() if value is not None}
+    """The numbers of a record, under their tracker names. Names (a health event's "event",
+    "action") stay in metrics.jsonl; trackers get the event's sentence as text instead."""
+    return {tracker_key(key): value for key, value in metrics.items() if isinstance(value, (int, float))}
 
 
 class TensorBoardSink(Sink):

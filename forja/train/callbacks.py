@@ -212,7 +212,7 @@ class StragglerCallback(Callback):
         busy_all = [g[0] for g in gathered]
         median = statistics.median_low(busy_all)
         for r in stragglers(busy_all, self.factor):
-            trainer.log(record.step, {"event": "straggler", "rank": r, "health/busy_s": busy_all[r],
+            trainer.log(record.step, {"event": "straggler", "health/rank": r, "health/busy_s": busy_all[r],
                                       "health/busy_median_s": median, "health/data_wait_s": gathered[r][1]})
             if trainer.rank == 0:
                 print(f"forja: straggler at step {record.step}: rank {r} is busy {busy_all[r]:.3f} s per step, "

@@ -62,8 +62,8 @@ def torchrun_command(args: argparse.Namespace, run_dir: str) -> list[str]:
     if args.nnodes > 1 and args.rdzv_endpoint is None:
         raise ForjaError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, an address every machine "
                          "can reach (usually the first machine's hostname) and a free port on it")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc or 1}",
-           f"--max-restarts={args.max_restarts}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc or 1}"]
+    cmd += [f"--max-restarts={args.max_restarts}"] if args.max_restarts else []
     if args.rdzv_endpoint is None:
         cmd.append("--standalone")  # one machine: torchrun picks a free port itself
     else:

@@ -59,9 +59,9 @@ class Anomaly:
 
     def fields(self) -> dict:
         """The anomaly as metrics: numbers for every tracker, names for metrics.jsonl."""
-        out = {"event": self.kind, "metric": self.metric, "value": self.value}
+        out = {"event": self.kind, "metric": self.metric, "health/value": self.value}
         if self.std is not None:
-            out |= {"mean": self.mean, "std": self.std, "sigmas": self.sigmas}
+            out |= {"health/mean": self.mean, "health/std": self.std, "health/sigmas": self.sigmas}
         return out
 
 
@@ -120,6 +120,7 @@ class Health:
         """(loss, grad_norm) of the steps since the last checkpoint, to compare replays with."""
         self.replay_diff = 0.0
         """Largest |difference| between a replayed step's values and the first run's."""
+        self.can_roll_back = "rollback" in (cfg.on_nonfinite, cfg.spike.action)
 
     def check(self, loss: float, grad_norm: float) -> Anomaly | None:
         """The engine's guard: an anomaly stops the optimizer step."""
@@ -135,7 +136,7 @@ class Health:
         if step <= self.replay_until and step in self.first_run:
             first = self.first_run[step]
             self.replay_diff = max(self.replay_diff, abs(first[0] - loss), abs(first[1] - grad_norm))
-        else:
+        elif self.can_roll_back:  # kept until the next checkpoint, only when it may be replayed
             self.first_run[step] = (loss, grad_norm)
 
     def is_replay(self, step: int) -> bool:

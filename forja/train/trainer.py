@@ -194,7 +194,7 @@ class Trainer:
         """Act on a step the engine did not take; True when the run rolled back."""
         if self.health.verdict(step, anomalous=True):  # it came back on replay: the batch is bad
             skip = self.cfg.train.rollback.skip_steps
-            self._event(step, anomaly, "skip", verdict="bad batch", skipped_batches=skip)
+            self._event(step, anomaly, "skip", verdict="bad batch", **{"health/skipped_batches": skip})
             self.loader.skip_steps(skip - 1)  # this step's batch is already passed over
             self.counters.skipped_steps += 1
             return False
@@ -228,7 +228,7 @@ class Trainer:
         latest = self.checkpoints.latest()
         self.watchdog.beat("rollback", step)
         self.health.rolled_back(step)
-        self._event(step, anomaly, "rollback", to_step=int(latest.name.split("-")[-1]))
+        self._event(step, anomaly, "rollback", **{"health/rollback_to": int(latest.name.split("-")[-1])})
         self._load(latest)
         self.goodput.beat(rollback=True)
         if self.rank == 0:

@@ -80,6 +80,6 @@ def test_a_slow_rank_is_named_as_a_straggler(tmp_path, train_data):
     code, out = _train(run, train_data, changes, timeout=300)
     assert code == 0, out[-3000:]
     events = [r for r in read_metrics(run) if r.get("event") == "straggler"]
-    assert [(e["step"], e["rank"]) for e in events] == [(5, 1), (10, 1)]
+    assert [(e["step"], e["health/rank"]) for e in events] == [(5, 1), (10, 1)]
     assert events[0]["health/busy_s"] > 1.5 * events[0]["health/busy_median_s"]
     assert "straggler at step 5: rank 1" in out

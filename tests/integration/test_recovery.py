@@ -42,7 +42,7 @@ def test_a_transient_nan_rolls_back_and_ends_bit_for_bit_as_the_clean_run(tmp_pa
     events = _events(run)
     assert [(e["event"], e.get("action"), e["step"]) for e in events] == [("nonfinite", "rollback", 10),
                                                                          ("replay", None, 10)]
-    assert events[0]["to_step"] == 8 and events[1]["verdict"] == "transient"
+    assert events[0]["health/rollback_to"] == 8 and events[1]["verdict"] == "transient"
     assert events[1]["health/replay_max_diff"] == 0.0  # replayed step 9 came out as it first did
     assert losses(run) == clean  # every step, bit for bit
     train = [r["step"] for r in read_metrics(run) if "loss" in r]
@@ -57,8 +57,8 @@ def test_a_spike_that_comes_back_on_replay_is_a_bad_batch_and_its_window_is_skip
     assert _run(run, train_data, "spike@11:repeat", **{"train.rollback": "{skip_steps = 2}"}) == 0
     events = _events(run)
     assert [(e["event"], e["action"]) for e in events] == [("spike", "rollback"), ("spike", "skip")]
-    assert events[0]["metric"] in ("loss", "grad_norm") and events[0]["sigmas"] > 6
-    assert events[1]["verdict"] == "bad batch" and events[1]["skipped_batches"] == 2
+    assert events[0]["metric"] in ("loss", "grad_norm") and events[0]["health/sigmas"] > 6
+    assert events[1]["verdict"] == "bad batch" and events[1]["health/skipped_batches"] == 2
     got = losses(run)
     assert all(got[s] == clean[s] for s in range(1, 11))  # before the bad batch: unchanged
     assert got[12] != clean[12]  # after it: trained on later data (the window was skipped)

@@ -159,9 +159,9 @@ def test_goodput_and_health_events_are_summarized(tmp_path, capsys):
     run = write_run(tmp_path / "healed")
     sink = JsonlSink(run)
     sink.start(total_steps=50, start_step=50)
-    sink.log(30, {"event": "nonfinite", "action": "rollback", "metric": "loss", "value": float("nan")})
+    sink.log(30, {"event": "nonfinite", "action": "rollback", "metric": "loss", "health/value": float("nan")})
     sink.log(30, {"event": "replay", "verdict": "transient"})
-    sink.log(40, {"event": "spike", "action": "skip", "metric": "loss", "value": 9.0})
+    sink.log(40, {"event": "spike", "action": "skip", "metric": "loss", "health/value": 9.0})
     sink.log(50, {"goodput": 0.873, "restarts": 2, "rollbacks": 1})
     sink.close()
     assert main(["report", str(run)]) == 0

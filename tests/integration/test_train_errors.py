@@ -115,7 +115,7 @@ def _config(run, data, **changes):
 
 def test_nan_loss_stops_with_the_last_checkpoint_intact(tmp_path, train_data):
     run = tmp_path / "run"
-    with pytest.raises(ForjaError, match=r"the loss is nan at step 6: training stopped and the last checkpoint, "
+    with pytest.raises(ForjaError, match=r"step 6: the loss is nan: training stopped and the last checkpoint, "
                                          r".*step-00000004, is intact"):
         Trainer(_config(run, train_data), callbacks=[PoisonAt(5)]).run()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000004"]

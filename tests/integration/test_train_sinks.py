@@ -19,8 +19,10 @@ def test_all_sinks_record_the_run(tmp_path, train_data, monkeypatch):
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
     run = tmp_path / "run"
     sinks = '["console", "jsonl", "tensorboard", "wandb", "mlflow"]'
+    # A NaN at step 5, skipped: its event reaches every tracker as health/... numbers.
     assert main(train_args(run, train_data, **{"train.steps": "6", "metrics.sinks": sinks,
-                                               "metrics.interval": "2", "train.val_interval": "3"})) == 0
+                                               "metrics.interval": "2", "train.val_interval": "3",
+                                               "debug.inject": '["nan@5"]', "train.on_nonfinite": '"skip"'})) == 0
     expected = losses(run)
     assert sorted(expected) == [2, 4, 6]
 
@@ -28,15 +30,19 @@ def test_all_sinks_record_the_run(tmp_path, train_data, monkeypatch):
     assert [(e.step, e.value) for e in tb.Scalars("train/loss")] == [(s, pytest.approx(v)) for s, v in
                                                                       expected.items()]
     assert [e.step for e in tb.Scalars("val/loss")] == [3, 6]
+    assert [(e.step, e.value) for e in tb.Scalars("health/skipped_steps")] == [(5, 1.0)]
 
     run_id = load_tracking(run)["wandb_run_id"]
     [session] = list((run / "wandb").glob(f"offline-run-*/run-{run_id}.wandb"))
     assert run_record(session).project == "kode-pretraining"
     history = [(r["step"], r["train/loss"]) for r in wandb_history(session) if "train/loss" in r]
     assert history == [(s, pytest.approx(v)) for s, v in expected.items()]
+    assert [(r["step"], r["health/skipped_steps"]) for r in wandb_history(session)
+            if "health/skipped_steps" in r] == [(5, 1)]
 
     client = MlflowClient(tracking_uri=f"sqlite:///{run.resolve() / 'mlflow.db'}")
     mlflow_id = load_tracking(run)["mlflow_run_id"]
     assert [(m.step, m.value) for m in client.get_metric_history(mlflow_id, "train/loss")] == \
         [(s, pytest.approx(v)) for s, v in expected.items()]
+    assert [(m.step, m.value) for m in client.get_metric_history(mlflow_id, "health/skipped_steps")] == [(5, 1.0)]
     assert client.get_run(mlflow_id).data.params["model.flavor"] == "debug"

@@ -27,6 +27,15 @@ def test_one_machine_uses_a_standalone_rendezvous():
     assert cmd[-5:] == ["forja", "train", "debug", "--set", "train.steps=3"]
 
 
+def test_max_restarts_goes_to_torchrun_and_launches_even_one_process():
+    args = parse("--max-restarts", "2")
+    assert launch_needed(args)
+    assert torchrun_flags(torchrun_command(args, "runs/a")) == ["--nproc-per-node=1", "--max-restarts=2",
+                                                               "--standalone"]
+    with pytest.raises(ForjaError, match="--max-restarts -1"):
+        torchrun_command(parse("--max-restarts", "-1"), "runs/a")
+
+
 def test_several_machines_meet_at_the_c10d_endpoint():
     args = parse("--nproc", "8", "--nnodes", "2", "--rdzv-endpoint", "node0:29500", "--rdzv-id", "job7")
     assert launch_needed(args)
