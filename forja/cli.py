@@ -24,6 +24,7 @@ _COMMANDS = {
     "sweep": "forja.sweep:add_cli",
     "plan": "forja.plan.cli:add_cli",
     "export": "forja.checkpoint.export:add_cli",
+    "eval": "forja.eval.cli:add_cli",
 }
 
 

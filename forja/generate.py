@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -118,23 +117,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_cli)
 
 
-def _load(source: Path, device: str):
-    """(model, tokenizer) of a forja run/checkpoint or a Hugging Face directory."""
-    from forja.checkpoint.export import is_forja_source, load_checkpoint_model
-    from forja.data.tokenizer import load_tokenizer
-    from forja.models import load_hf_checkpoint
-
-    if is_forja_source(source):
-        model, run_dir = load_checkpoint_model(source, device=device)
-        return model, load_tokenizer(run_dir / "tokenizer.json")
-    if source.is_dir() and not (source / "tokenizer.json").is_file():
-        raise ForjaError(f"{source} has no tokenizer.json, so the prompt cannot be turned into tokens; "
-                         "put the model's tokenizer.json in that directory")
-    return load_hf_checkpoint(source, device=device), load_tokenizer(source)
-
-
 def _run_cli(args: argparse.Namespace) -> int:
-    model, tok = _load(Path(args.source).expanduser(), args.device)
+    from forja.checkpoint.export import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(args.source, device=args.device)
     ids = tok.encode(args.prompt)
     if tok.bos_id is not None and tok.bos_id != tok.eos_id:
         ids = [tok.bos_id] + ids

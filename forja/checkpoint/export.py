@@ -57,6 +57,25 @@ def load_checkpoint_model(src: str | os.PathLike, *, device: str | torch.device 
     return model, run_dir
 
 
+def load_model_and_tokenizer(src: str | os.PathLike, *, device: str | torch.device = "cpu"):
+    """(model, tokenizer) of a forja run or checkpoint, or of a Hugging Face directory (its
+    tokenizer.json with it): what `forja generate` and `forja eval` run on."""
+    from forja.data.tokenizer import load_tokenizer
+    from forja.models import load_hf_checkpoint
+
+    path = Path(src).expanduser()
+    if is_forja_source(path):
+        model, run_dir = load_checkpoint_model(path, device=device)
+        return model, load_tokenizer(run_dir / "tokenizer.json")
+    if path.is_dir() and (path / "config.json").is_file():
+        if not (path / "tokenizer.json").is_file():
+            raise ForjaError(f"{path} has no tokenizer.json, so text cannot be turned into tokens; "
+                             "put the model's tokenizer.json in that directory")
+        return load_hf_checkpoint(path, device=device), load_tokenizer(path)
+    raise ForjaError(f"{path} is neither a forja run directory (config.toml), a checkpoint (forja.json) "
+                     "nor a Hugging Face model directory (config.json); give one of those")
+
+
 def hf_tokenizer_files(run_dir: Path, max_len: int) -> tuple[dict[str, str], dict[str, int]]:
     """tokenizer.json and a tokenizer_config.json that `AutoTokenizer` understands, plus the
     special-token ids for config.json."""

@@ -24,7 +24,7 @@ def test_generate_without_a_tokenizer_says_so(tmp_path, capsys):
     save_hf_checkpoint(build_model("llama", "debug"), tmp_path / "hf")
     assert main(["generate", str(tmp_path / "hf"), "--prompt", "x", "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err
-    assert "has no tokenizer.json, so the prompt cannot be turned into tokens" in err
+    assert "has no tokenizer.json, so text cannot be turned into tokens" in err
     assert err.count("\n") == 1  # one line, no traceback
 
 
