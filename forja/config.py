@@ -24,6 +24,7 @@ from typing import Any, Literal, Union
 from forja.checkpoint.config import CheckpointConfig
 from forja.data.config import DataConfig
 from forja.errors import ForjaError
+from forja.eval.config import EvalConfig
 from forja.metrics.sinks import MetricsConfig
 from forja.models.config import ModelConfig
 from forja.optim.config import OptimConfig, ScheduleConfig
@@ -51,6 +52,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -14,7 +14,7 @@ logits of the positions read. Pure functions of the model; nothing here writes f
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -119,17 +119,23 @@ def text_requests(tokenizer: Tokenizer, text: str, *, prefix_id: int | None, max
             for s in range(0, len(ids) - 1, max_len)]
 
 
+# How a batch of requests becomes log-likelihoods: `loglikelihoods` on one process; the
+# trainer's in-loop evaluation passes one that splits the requests over data-parallel ranks.
+Scorer = Callable[..., list[float]]
+
+
 def _argmax(values: Sequence[float]) -> int:
     return max(range(len(values)), key=lambda i: (values[i], -i))  # the first of equal maxima
 
 
 def evaluate_multiple_choice(model: torch.nn.Module, tokenizer: Tokenizer, examples: Sequence[Choice], *,
-                             prefix_id: int | None, batch_size: int = 16) -> dict[str, float]:
+                             prefix_id: int | None, batch_size: int = 16,
+                             score: Scorer = loglikelihoods) -> dict[str, float]:
     """acc: the choice of highest summed log-likelihood is the answer; acc_norm: the same with
     each log-likelihood divided by its choice's length in UTF-8 bytes (the harness's acc_norm)."""
     max_len = model.args.max_seq_len
     per_example = [choice_requests(tokenizer, ex, prefix_id=prefix_id, max_len=max_len) for ex in examples]
-    lls = loglikelihoods(model, [r for reqs in per_example for r in reqs], batch_size=batch_size)
+    lls = score(model, [r for reqs in per_example for r in reqs], batch_size=batch_size)
     correct = correct_norm = 0
     start = 0
     for ex in examples:
@@ -142,13 +148,13 @@ def evaluate_multiple_choice(model: torch.nn.Module, tokenizer: Tokenizer, examp
 
 
 def evaluate_perplexity(model: torch.nn.Module, tokenizer: Tokenizer, examples: Sequence[Text], *,
-                        prefix_id: int | None, batch_size: int = 16) -> dict[str, float]:
+                        prefix_id: int | None, batch_size: int = 16, score: Scorer = loglikelihoods) -> dict[str, float]:
     """loss: mean negative log-likelihood per scored token (nats); ppl = exp(loss);
     bits_per_byte: total NLL / (ln 2 x the texts' UTF-8 bytes), comparable across tokenizers."""
     max_len = model.args.max_seq_len
     requests = [r for ex in examples for r in text_requests(tokenizer, ex.text, prefix_id=prefix_id,
                                                              max_len=max_len)]
-    nll = -sum(loglikelihoods(model, requests, batch_size=batch_size))
+    nll = -sum(score(model, requests, batch_size=batch_size))
     tokens = sum(r.n_scored for r in requests)
     n_bytes = sum(len(ex.text.encode("utf-8")) for ex in examples)
     if tokens == 0:
@@ -160,8 +166,8 @@ def evaluate_perplexity(model: torch.nn.Module, tokenizer: Tokenizer, examples: 
 
 
 def evaluate(model: torch.nn.Module, tokenizer: Tokenizer, task: Task, *, prefix_id: int | None,
-             batch_size: int = 16) -> dict[str, float]:
+             batch_size: int = 16, score: Scorer = loglikelihoods) -> dict[str, float]:
     """The metrics of one task, with its name and kind."""
     run = evaluate_multiple_choice if task.kind == MULTIPLE_CHOICE else evaluate_perplexity
-    metrics = run(model, tokenizer, task.examples, prefix_id=prefix_id, batch_size=batch_size)
+    metrics = run(model, tokenizer, task.examples, prefix_id=prefix_id, batch_size=batch_size, score=score)
     return {"task": task.name, "kind": task.kind, **metrics}

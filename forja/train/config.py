@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -102,8 +103,13 @@ class TrainConfig:
     """Sequences per forward/backward on one rank; accumulation makes up the rest."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """Compute precision: auto = bf16 autocast on GPU, fp32 on CPU."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Compute precision: auto = bf16 autocast on GPU, fp32 on CPU; fp16 = float16 autocast with dynamic
+    loss scaling (for GPUs without bf16)."""
+    fp16_init_scale: float = 65536.0
+    """fp16: the loss scale to start from, a power of two; halved at each overflow."""
+    fp16_growth_interval: int = 2000
+    """fp16: the loss scale doubles after this many steps in a row without overflow."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: auto = CUDA when available."""
     val_interval: int = 100
@@ -136,3 +142,8 @@ class TrainConfig:
                 raise ForjaError(f"train.{key} = {getattr(self, key)} must be at least 1")
         if self.grad_clip < 0:
             raise ForjaError(f"train.grad_clip = {self.grad_clip} must be >= 0 (0 turns clipping off)")
+        if not (self.fp16_init_scale >= 1 and math.log2(self.fp16_init_scale).is_integer()):
+            raise ForjaError(f"train.fp16_init_scale = {self.fp16_init_scale} must be a power of two >= 1 "
+                             "(such as 65536.0), so that scaling is exact")
+        if self.fp16_growth_interval < 1:
+            raise ForjaError(f"train.fp16_growth_interval = {self.fp16_growth_interval} must be at least 1")

@@ -18,6 +18,12 @@ one place a micro-batch's loss is composed; a mixture of experts' auxiliary loss
 gradients with the same share, forja/train/experts.py), and averaging over the data-parallel ranks (FSDP's
 gradient reduction, and `loss_group` for the reported value) makes it the global mean: any
 layout computes the loss and gradients of one process.
+
+Under train.precision = "fp16", `microbatch_loss` also multiplies by the loss scale
+(forja/train/scaler.py) and the step divides the gradients and the reported loss by it
+again before the norm: the guard, the clipping and the logs see unscaled values. A finite
+loss with an inf/NaN gradient norm is then an overflow, the scaler's business: the step is
+skipped, the scale halved, and the guard (forja/train/health.py) is not asked.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from forja.parallel.cp import cp_context
 from forja.parallel.pp import Pipeline
 from forja.train.drills import SPIKE_FACTOR
 from forja.train.experts import ExpertBalance
+from forja.train.scaler import LossScaler
 
 
 @dataclass
@@ -57,15 +64,19 @@ class StepOutput:
     lr: float
     """Learning rate the step used."""
     skipped: bool
-    """The loss or the norm was not finite, or the guard found them wrong: the weights were left unchanged."""
+    """The loss or the norm was not finite (an fp16 overflow among them), or the guard found them wrong:
+    the weights were left unchanged."""
     anomaly: Any = None
     """What the guard found wrong with the step (forja/train/health.py's Anomaly), or None."""
     metrics: dict[str, float] = field(default_factory=dict)
-    """Further figures of the step (a mixture of experts' load and auxiliary losses)."""
+    """Further figures of the step (a mixture of experts' load and auxiliary losses; under fp16
+    `loss_scale`, the scale the step ran with, and `overflow`, 1.0 when it overflowed and was skipped)."""
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype of train.precision on `device`, or None for full fp32."""
+    if precision == "fp16":
+        return torch.float16
     if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None
@@ -76,9 +87,10 @@ class StepEngine:
 
     def __init__(self, parts: list[Transformer], optimizers: OptimizerGroup, scheduler: SchedulerGroup,
                  dims: ParallelDims, *, device: torch.device, compute_dtype: torch.dtype | None,
-                 grad_clip: float, document_mask: bool):
+                 grad_clip: float, document_mask: bool, scaler: LossScaler | None = None):
         self.parts, self.optimizers, self.scheduler, self.dims = parts, optimizers, scheduler, dims
         self.device, self.compute_dtype = device, compute_dtype
+        self.scaler = scaler  # fp16's loss scaling, or None
         self.grad_clip, self.document_mask = grad_clip, document_mask
         self._norm_params = _each_weight_once(parts)
         self.experts = ExpertBalance(parts, dims, device)
@@ -95,47 +107,85 @@ class StepEngine:
         """Forward and backward of `batches` (this rank's micro-batches of one step), then
         the optimizer step unless the loss or gradient norm is not finite or `guard(loss,
         grad_norm)` returns an anomaly. `fault` ("nan", "spike") is a drill's, applied to this
-        rank's loss."""
+        rank's loss. Under fp16 an overflow skips the step without asking `guard`."""
         self.optimizers.zero_grad(set_to_none=True)
-        self.experts.begin_step(len(batches))
+        self.experts.begin_step(len(batches), loss_scale=self._loss_scale)
         self._fault = fault
         try:
             loss = self.forward_backward(batches)
         finally:
             self._fault = None
         self.sync_tied_copies()
+        if self.scaler is not None:  # unscaled before the norm: it, clipping and the guard see true values
+            loss = loss / self.scaler.scale
+            self.scaler.unscale_(self._local_grads())
         norm = self.clip_gradients()
         loss = self._mean_over_data(loss)  # the norm is already global
         # The one host sync of the step: whether to step depends on the values.
         loss_value, norm_value = torch.stack([loss, norm.to(loss.device, loss.dtype)]).tolist()
         lr = self.optimizers.optimizers[0].param_groups[0]["lr"]  # the schedule's, or a rollback's lowered one
-        anomaly = guard(loss_value, norm_value) if guard is not None else None
-        skipped = anomaly is not None or not (math.isfinite(loss_value) and math.isfinite(norm_value))
-        if not skipped:
-            self.optimizers.step()
-            self.scheduler.step()
-        else:
-            self.optimizers.zero_grad(set_to_none=True)
-            with warnings.catch_warnings():
-                # The schedule moves without an optimizer step, as intended; on a first step
-                # torch would warn that the schedule's first value is then skipped.
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-                self.scheduler.step()
+        overflow = self._overflowed(loss_value, norm_value)
+        anomaly = guard(loss_value, norm_value) if guard is not None and not overflow else None
+        skipped = overflow or anomaly is not None or not (math.isfinite(loss_value) and math.isfinite(norm_value))
+        self._finish_step(skipped)
         metrics = self.experts.end_step(stepped=not skipped)  # after the step: the bias follows it
+        metrics |= self._scaler_metrics(overflow, skipped)
         tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
         return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=tokens, lr=lr, skipped=skipped,
                           anomaly=anomaly, metrics=metrics)
+
+    def _finish_step(self, skipped: bool) -> None:
+        """The optimizer step, or none; the schedule moves either way."""
+        if not skipped:
+            self.optimizers.step()
+            self.scheduler.step()
+            return
+        self.optimizers.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            # The schedule moves without an optimizer step, as intended; on a first step
+            # torch would warn that the schedule's first value is then skipped.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
+
+    # -- fp16 loss scaling (forja/train/scaler.py) ---------------------------------------------
+    @property
+    def _loss_scale(self) -> float:
+        return 1.0 if self.scaler is None else self.scaler.scale
+
+    def _overflowed(self, loss: float, norm: float) -> bool:
+        """A finite loss whose scaled gradients overflowed on some rank: the global norm is
+        inf/NaN. At the scale's floor it is a real fault instead, the guard's to judge."""
+        return (self.scaler is not None and math.isfinite(loss) and not math.isfinite(norm)
+                and self.scaler.can_back_off())
+
+    def _scaler_metrics(self, overflow: bool, skipped: bool) -> dict[str, float]:
+        """The step's scale and overflow, then the scale's update. A step the guard refused
+        (a NaN loss, a spike) says nothing about the scale: it is left as it is."""
+        if self.scaler is None:
+            return {}
+        scale = self.scaler.scale
+        if overflow or not skipped:
+            self.scaler.update(overflow)
+        return {"loss_scale": scale, "overflow": float(overflow), "overflows": float(self.scaler.overflows)}
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        """Every gradient this rank holds, once each, as plain tensors (a DTensor's local shard:
+        unscaling is elementwise, so no communication)."""
+        held = {id(p): p for part in self.parts for p in part.parameters() if p.grad is not None}
+        return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in held.values()]
 
     def microbatch_loss(self, loss: torch.Tensor, n: int) -> torch.Tensor:
         """What one of a step's `n` micro-batches adds to the step's loss, from its mean
         next-token cross-entropy `loss`. A mixture of experts' auxiliary losses enter the
         gradients with this same share, set per layer by `ExpertBalance.begin_step`. A drill's
-        fault changes it here, on this rank: gradients and the reported loss both follow."""
+        fault changes it here, on this rank: gradients and the reported loss both follow. Under
+        fp16 it is multiplied by the loss scale (train_step divides the sum by it again)."""
         if self._fault == "nan":
             loss = loss * float("nan")
         elif self._fault == "spike":
             loss = loss * SPIKE_FACTOR
-        return loss / n
+        loss = loss / n
+        return loss if self.scaler is None else self.scaler.scale_loss(loss)
 
     def forward_backward(self, batches: Sequence) -> torch.Tensor:
         """Accumulate the gradients of `batches`; returns this rank's mean loss (0-dim)."""
@@ -286,10 +336,11 @@ def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 def build_engine(parts: list[Transformer], pipeline: Pipeline | None, optimizers: OptimizerGroup,
                  scheduler: SchedulerGroup, dims: ParallelDims, *, device: torch.device, precision: str,
-                 grad_clip: float, document_mask: bool) -> StepEngine:
-    """The engine for this layout: a pipeline's when the parts are pipeline stages."""
+                 grad_clip: float, document_mask: bool, scaler: LossScaler | None = None) -> StepEngine:
+    """The engine for this layout: a pipeline's when the parts are pipeline stages. `scaler`
+    scales the loss (train.precision = "fp16")."""
     kwargs = dict(device=device, compute_dtype=compute_dtype(precision, device), grad_clip=grad_clip,
-                  document_mask=document_mask)
+                  document_mask=document_mask, scaler=scaler)
     if pipeline is None:
         return StepEngine(parts, optimizers, scheduler, dims, **kwargs)
     return PipelineEngine(parts, optimizers, scheduler, dims, pipeline=pipeline, **kwargs)

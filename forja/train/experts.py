@@ -36,9 +36,10 @@ class ExpertBalance:
         # The same on every rank (a pipeline stage may hold only dense layers).
         self.enabled = getattr(parts[0].args, "n_experts", 0) > 0
 
-    def begin_step(self, n_microbatches: int) -> None:
+    def begin_step(self, n_microbatches: int, loss_scale: float = 1.0) -> None:
+        """`loss_scale`: fp16's loss scale (forja/train/scaler.py), which multiplies every loss term alike."""
         for _, moe in self.layers:
-            moe.aux_loss_scale = 1.0 / n_microbatches
+            moe.aux_loss_scale = loss_scale / n_microbatches
 
     def end_step(self, stepped: bool) -> dict[str, float]:
         """Sum the step's counts over data-parallel ranks, move the biases (if the optimizer

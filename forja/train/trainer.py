@@ -39,11 +39,13 @@ from forja.train.callbacks import Callback, StepRecord, default_callbacks
 from forja.train.data import data, loaders
 from forja.train.drills import Drills
 from forja.train.engine import build_engine
+from forja.train.evaluation import EvalCallback
 from forja.train.goodput import Goodput
 from forja.train.health import Anomaly, Health
 from forja.train.preflight import Preflight
 from forja.train.probes import ActivationSizes
 from forja.train.run_dir import RunDir
+from forja.train.scaler import loss_scaler
 from forja.train.watchdog import Watchdog, grace_s
 
 
@@ -59,10 +61,11 @@ class Trainer:
     def setup(self) -> None:
         c = self.cfg
         launched = time.time()
+        evaluation = [EvalCallback(c)] if c.eval.tasks else []  # bad task files stop before any work
         # Collectives wait a grace longer than the watchdog, so that a hang is reported (every
         # rank's stack, the culprit named) before a timed-out collective ends the process.
         info = init_distributed(c.train.device, c.parallel.timeout_s + grace_s(c.parallel.timeout_s))
-        self.rank, self.device = info.rank, info.device
+        self.rank, self.device, self.world_size = info.rank, info.device, info.world_size
         if not c.parallel.auto:
             ParallelDims.from_config(c.parallel, info.world_size)  # a bad layout stops before any write
         self.run_dir: Path = RunDir(c, rank=self.rank).prepare()
@@ -91,7 +94,7 @@ class Trainer:
         self.scheduler = SchedulerGroup(self.optimizers.optimizers, c.schedule, c.train.steps)
         self.engine = build_engine(self.parts, built.pipeline, self.optimizers, self.scheduler, self.dims,
                                    device=self.device, precision=c.train.precision, grad_clip=c.train.grad_clip,
-                                   document_mask=c.model.document_mask)
+                                   document_mask=c.model.document_mask, scaler=loss_scaler(c.train))
         self.loader, self.val_loader = loaders(c, dataset, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp)
         self.checkpoints = CheckpointManager(c.checkpoint, self.run_dir / "checkpoints", rank=self.rank,
                                              meta=identity)
@@ -99,7 +102,7 @@ class Trainer:
                                  config=c.to_dict(), rank=self.rank)
         self.callbacks = default_callbacks(c, flops_per_token=self.flops_per_token, num_devices=self.dims.world_size,
                                            device=self.device, compute_dtype=self.engine.compute_dtype)
-        self.callbacks += self.extra_callbacks
+        self.callbacks += evaluation + self.extra_callbacks
         self.watchdog = Watchdog(self.run_dir, rank=self.rank, world_size=info.world_size,
                                  timeout_s=c.parallel.timeout_s)
         self._resume()
@@ -110,9 +113,12 @@ class Trainer:
         return self.engine.model
 
     def checkpoint_state(self) -> dict:
-        return {"model": ModelState(self.parts), "optim": OptimizerState(self.parts, self.optimizers.optimizers),
-                "scheduler": self.scheduler, "dataloader": self.loader, "trainer": self.counters,
-                "health": self.health.detector, f"rng.rank{self.rank}": RNGState()}
+        state = {"model": ModelState(self.parts), "optim": OptimizerState(self.parts, self.optimizers.optimizers),
+                 "scheduler": self.scheduler, "dataloader": self.loader, "trainer": self.counters,
+                 "health": self.health.detector, f"rng.rank{self.rank}": RNGState()}
+        if self.engine.scaler is not None:  # fp16: the loss scale the run has found
+            state["scaler"] = self.engine.scaler
+        return state
 
     def _resume(self) -> None:
         if self.cfg.checkpoint.enabled:
@@ -127,8 +133,11 @@ class Trainer:
 
     def _load(self, path: Path) -> None:
         state = loadable_state(self.checkpoint_state(), path)
-        if "health" not in checkpoint_keys(path):  # saved before forja watched for spikes
+        stored = checkpoint_keys(path)
+        if "health" not in stored:  # saved before forja watched for spikes
             state.pop("health")
+        if "scaler" in state and "scaler" not in stored:  # saved by a run in another precision:
+            state.pop("scaler")  # the scale starts from train.fp16_init_scale
         self.checkpoints.load(path, state, check=self.checkpoints_match)
         self.scheduler.reapply()  # train.steps may have changed, and with it the schedule
 
@@ -339,6 +348,14 @@ class Trainer:
         if flag.item() and self.stop_reason is None:
             self.stop_reason = "another rank's signal"
         return bool(flag.item())
+
+    def autocast(self):
+        """The compute precision's autocast context, for forwards outside the step engine."""
+        return self.engine.autocast()
+
+    def beat(self, phase: str, step: int) -> None:
+        """Tell the hang watchdog that `phase` of `step` is under way (a long callback's work)."""
+        self.watchdog.beat(phase, step)
 
     def gather_floats(self, values: list[float]) -> list[list[float]]:
         """`values` of every rank, by rank (one small collective on the CPU group)."""

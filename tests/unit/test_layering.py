@@ -34,14 +34,15 @@ LAYERS: dict[str, set[str]] = {
     # predicts a layout's memory and speed from the model and the config; builds nothing
     "forja.plan": {"forja.models", "forja.ops", "forja.parallel", "forja.config"},
     "forja.train": {"forja.models", "forja.ops", "forja.data", "forja.optim", "forja.metrics", "forja.parallel",
-                    "forja.checkpoint", "forja.generate", "forja.config", "forja.plan"},
+                    "forja.checkpoint", "forja.generate", "forja.config", "forja.plan", "forja.eval"},
     "forja.sweep": {"forja.config"},  # launches `forja train` as a child process, never imports it
     "forja.cli": {"*"},
     "forja.__main__": {"forja.cli"},
     "forja.testing": set(),
 }
 # forja.config gathers the sections of a run's config, each owned by its component.
-CONFIG_SECTIONS = {"forja.checkpoint.config", "forja.data.config", "forja.metrics.sinks", "forja.models.config",
+CONFIG_SECTIONS = {"forja.checkpoint.config", "forja.data.config", "forja.eval.config", "forja.metrics.sinks",
+                   "forja.models.config",
                    "forja.optim.config", "forja.parallel.config", "forja.train.config"}
 
 

@@ -29,7 +29,7 @@ def test_defaults_without_a_recipe():
     ("trian.steps=1", "unknown key trian from --set; did you mean train?"),
     ("train.steps=1.5", "train.steps = 1.5 is not valid: it must be an integer"),
     ("train.steps=0", "train.steps = 0 must be at least 1"),
-    ("train.precision=fp16", "train.precision = 'fp16' is not valid: it must be one of 'auto', 'fp32', 'bf16'"),
+    ("train.precision=fp64", "train.precision = 'fp64' is not valid: it must be one of 'auto', 'fp32', 'bf16', 'fp16'"),
     ("checkpoint.async_save=yes", "checkpoint.async_save = 'yes' is not valid: it must be true or false"),
     ("steps=1", "name a key inside a section"),
     ("train.steps", "must look like section.key=value"),

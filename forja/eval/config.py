@@ -1,0 +1,29 @@
+"""The [eval] section: downstream tasks scored while training (forja/train/evaluation.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from forja.errors import ForjaError
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Downstream tasks (docs/evaluation.md) scored on the model as it trains, as it is laid out."""
+
+    tasks: list[str] = field(default_factory=list)
+    """JSONL task files scored every `interval` steps and at the end of training; empty: none."""
+    interval: int = 0
+    """Steps between evaluations (there is always one at the end); 0: only at the end."""
+    limit: int = 0
+    """Score only each task's first N examples; 0: all of them."""
+    batch_size: int = 16
+    """Sequences per forward pass on each rank."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 0 or self.limit < 0 or self.batch_size < 1:
+            raise ForjaError("eval.interval and eval.limit must be >= 0 and eval.batch_size >= 1")
+        for path in self.tasks:
+            if not Path(path).expanduser().is_file():
+                raise ForjaError(f"eval.tasks: {path} is not a file; give JSONL task files (docs/evaluation.md)")
