@@ -114,13 +114,17 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quantize", choices=("none", "int8"), default="none",
+                   help="int8: weight-only int8 Linear layers (torchao), half the bytes of bf16")
     p.set_defaults(func=_run_cli)
 
 
 def _run_cli(args: argparse.Namespace) -> int:
     from forja.checkpoint.export import load_model_and_tokenizer
+    from forja.models.quantize import quantize
 
     model, tok = load_model_and_tokenizer(args.source, device=args.device)
+    model = quantize(model, args.quantize)
     ids = tok.encode(args.prompt)
     if tok.bos_id is not None and tok.bos_id != tok.eos_id:
         ids = [tok.bos_id] + ids

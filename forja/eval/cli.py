@@ -15,6 +15,7 @@ import torch
 from forja.errors import ForjaError
 from forja.eval.score import evaluate
 from forja.eval.tasks import MULTIPLE_CHOICE, load_task
+from forja.models.quantize import quantize, weight_bytes
 
 
 def load_model(source: str | Path, *, device: str = "cpu"):
@@ -47,6 +48,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quantize", choices=("none", "int8"), default="none",
+                   help="int8: score with weight-only int8 Linear layers (torchao)")
     p.set_defaults(func=_run_cli)
 
 
@@ -74,9 +77,11 @@ def _run_cli(args: argparse.Namespace) -> int:
     # Every task file is read and checked before the model is loaded: a bad line fails at once.
     tasks = [load_task(path, limit=args.limit) for path in args.task]
     model, tok, prefix = load_model(args.source, device=args.device)
+    model = quantize(model, args.quantize)
     results = [evaluate(model, tok, task, prefix_id=prefix, batch_size=args.batch_size) for task in tasks]
     if args.json:
-        print(json.dumps({"source": str(args.source), "tasks": results}, indent=2))
+        print(json.dumps({"source": str(args.source), "quantize": args.quantize, "weight_bytes": weight_bytes(model),
+                          "tasks": results}, indent=2))
     else:
         _print_table(results)
     return 0

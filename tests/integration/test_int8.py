@@ -1,0 +1,62 @@
+"""`--quantize int8` (weight-only, torchao) for `forja eval` and `forja generate`: what it costs
+in log-likelihood and what it saves in bytes, on a short trained run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from forja.cli import main
+from forja.eval.cli import load_model
+from forja.models.quantize import quantize, weight_bytes
+
+from .conftest import train_args
+
+TEXT = Path(__file__).parents[1] / "data" / "eval" / "python_text.jsonl"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, train_data):
+    run = tmp_path_factory.mktemp("int8") / "run"
+    changes = {"train.steps": "24", "checkpoint.interval": "24", "train.val_interval": "0", "train.sample_tokens": "0"}
+    assert main(train_args(run, train_data, **changes)) == 0
+    return run
+
+
+def _eval(run, capsys, how: str) -> dict:
+    capsys.readouterr()
+    assert main(["eval", str(run), "--task", str(TEXT), "--json", "--quantize", how]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_int8_scores_close_to_fp32_with_fewer_bytes_than_bf16(run, capsys):
+    full, int8 = _eval(run, capsys, "none"), _eval(run, capsys, "int8")
+    bpb, bpb8 = full["tasks"][0]["bits_per_byte"], int8["tasks"][0]["bits_per_byte"]
+    print(f"bits/byte fp32 {bpb:.5f}, int8 {bpb8:.5f} ({(bpb8 - bpb) / bpb:+.3%}); weights fp32 "
+          f"{full['weight_bytes']:,} B, int8 {int8['weight_bytes']:,} B")
+    assert bpb8 != bpb and abs(bpb8 - bpb) / bpb < 0.01
+    model, _, _ = load_model(run)
+    bf16 = weight_bytes(model.bfloat16())
+    assert int8["weight_bytes"] < bf16 < full["weight_bytes"]
+
+
+def test_int8_stores_each_linear_weight_in_one_byte_per_value(run):
+    model, _, _ = load_model(run)
+    linear = {n: m.weight.shape for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    quantize(model, "int8")
+    for name, (out_features, in_features) in linear.items():
+        weight = model.get_submodule(name).weight
+        # A torchao tensor subclass: its inner tensors (torch's subclass protocol) hold the int8
+        # values, one per weight, and one scale per output channel.
+        inner = [getattr(weight, attr) for attr in weight.__tensor_flatten__()[0]]
+        values = [t for t in inner if t.shape == (out_features, in_features)]
+        assert [t.dtype for t in values] == [torch.int8], name
+        assert sum(t.numel() for t in inner if t.shape != (out_features, in_features)) <= 2 * out_features, name
+
+
+def test_generate_runs_in_int8(run, capsys):
+    assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "8", "--quantize", "int8"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
