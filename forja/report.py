@@ -8,7 +8,9 @@ charts go to the run directory for one run, to ./report for several, or to --out
 A mixture-of-experts run (its log holds the `moe/...` keys of forja/train/experts.py) also
 gets expert_load.png, one panel each: the busiest expert's load over the mean and the load's
 coefficient of variation; the CV of every MoE layer; and, when non-zero, the share of
-token-slots dropped and the router losses. An "expert load" table then summarizes them.
+token-slots dropped and the router losses. An "expert load" table then summarizes them. A run with downstream evaluation in the loop
+(`eval/<task>/<metric>` keys, forja/train/evaluation.py) gets eval.png: accuracy, normalized
+accuracy and bits per byte of each task over steps.
 """
 
 from __future__ import annotations
@@ -208,8 +210,38 @@ def plot(runs: list[Run], out_dir: Path) -> list[Path]:
         path = out_dir / f"{stem}.png"
         _save(fig, path)
         written.append(path)
-    expert_path = plot_expert_load(runs, out_dir, Figure)
-    return written + ([expert_path] if expert_path else [])
+    extra = [plot_expert_load(runs, out_dir, Figure), plot_eval(runs, out_dir, Figure)]
+    return written + [path for path in extra if path]
+
+
+# The in-loop evaluation's figures drawn in eval.png, one panel each (forja/train/evaluation.py).
+EVAL_METRICS = ("acc", "acc_norm", "bits_per_byte")
+
+
+def eval_keys(runs: list[Run]) -> list[str]:
+    """The eval/<task>/<metric> keys of EVAL_METRICS that any run logged, in a stable order."""
+    found = {k for run in runs for r in run.records for k in r
+             if k.startswith("eval/") and k.rsplit("/", 1)[-1] in EVAL_METRICS}
+    return sorted(found)
+
+
+def plot_eval(runs: list[Run], out_dir: Path, Figure) -> Path | None:
+    """eval.png: each downstream figure over steps, a panel per task and metric; None without any."""
+    keys = eval_keys(runs)
+    if not keys:
+        return None
+    fig = Figure(figsize=(8, 2.6 * len(keys)), layout="constrained")
+    axes = fig.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, key in zip(axes, keys):
+        for i, run in enumerate(runs):
+            _plot_line(ax, run.series(key), "-", f"C{i % 10}", run.name)
+        ax.set(title=key.removeprefix("eval/"))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[-1].set(xlabel="step")
+    path = out_dir / "eval.png"
+    _save(fig, path)
+    return path
 
 
 def expert_panels(runs: list[Run]) -> dict[str, dict[str, list[str]]]:

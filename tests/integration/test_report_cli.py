@@ -168,3 +168,19 @@ def test_goodput_and_health_events_are_summarized(tmp_path, capsys):
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if "87.3%" in line)
     assert [cell.strip() for cell in row.split("│")[2:7]] == ["87.3%", "2", "1", "1", "0"], out
+
+
+def test_in_loop_evaluation_is_charted(tmp_path, capsys):
+    run = write_run(tmp_path / "evaluated")
+    sink = JsonlSink(run)
+    sink.start(total_steps=50, start_step=50)
+    for step, acc, bpb in ((20, 0.25, 4.1), (40, 0.5, 3.6)):
+        sink.log(step, {"eval/mc/acc": acc, "eval/mc/acc_norm": acc, "eval/mc/n": 4, "eval/text/bits_per_byte": bpb})
+    sink.close()
+    assert main(["report", str(run)]) == 0
+    assert_png(run / "eval.png")
+    height, _, _ = imread(run / "eval.png").shape
+    assert height > 1.5 * imread(run / "loss.png").shape[0]  # three panels (acc, acc_norm, bits/byte), not one
+    plain = write_run(tmp_path / "plain")
+    assert main(["report", str(plain)]) == 0
+    assert (plain / "loss.png").is_file() and not (plain / "eval.png").exists()
