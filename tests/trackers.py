@@ -60,3 +60,38 @@ def wandb_history(path):
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                          for item in record.history.item})
     return rows
+
+
+def comet_archive(path):
+    """An offline Comet archive read with comet_ml's own code: unpacked by its
+    unzip_offline_archive, experiment.json and each metric and parameter message checked
+    against the JSON schemas comet_ml validates archives with before an upload.
+    Returns (experiment metadata, metrics as [(name, step, value)], params {name: value},
+    texts as [(step, name, text)])."""
+    from pathlib import Path
+
+    from comet_ml import schemas
+    from comet_ml.offline import unzip_offline_archive
+
+    folder = Path(unzip_offline_archive(str(path)))
+    meta = json.loads((folder / "experiment.json").read_text(encoding="utf-8"))
+    schemas.get_experiment_file_validator().validate(meta)
+    metric_check, param_check = schemas.get_metric_msg_validator(), schemas.get_parameter_msg_validator()
+    upload_check = schemas.get_upload_msg_validator()
+    metrics, params, texts = [], {}, []
+    for line in (folder / "messages.json").read_text(encoding="utf-8").splitlines():
+        message = json.loads(line)
+        if message["type"] == "metric_msg":
+            metric_check.validate(message["payload"])
+            m = message["payload"]["metric"]
+            metrics.append((m["metricName"], m["step"], m["metricValue"]))
+        elif message["type"] == "parameter_msg":
+            param_check.validate(message["payload"])
+            p = message["payload"]["param"]
+            params[p["paramName"]] = p["paramValue"]
+        elif message["type"] == "file_upload" and message["payload"]["upload_type"] == "text-sample":
+            upload_check.validate(message["payload"])
+            u = message["payload"]
+            texts.append((u["additional_params"]["step"], u["metadata"]["name"],
+                          (folder / u["file_path"]).read_text(encoding="utf-8")))
+    return meta, metrics, params, texts

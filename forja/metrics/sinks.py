@@ -9,7 +9,7 @@
     sinks.close()
 
 Only rank 0 gets real sinks. A sink that fails is reported once and never stops training.
-The console sink lives in console.py, TensorBoard, W&B and MLflow in trackers.py; their
+The console sink lives in console.py, TensorBoard, W&B, MLflow and Comet in trackers.py; their
 libraries are imported only when chosen.
 """
 
@@ -38,6 +38,7 @@ SINKS: dict[str, str] = {
     "tensorboard": "forja.metrics.trackers:TensorBoardSink",
     "wandb": "forja.metrics.trackers:WandbSink",
     "mlflow": "forja.metrics.trackers:MLflowSink",
+    "comet": "forja.metrics.trackers:CometSink",
 }
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -49,7 +50,7 @@ class MetricsConfig:
     interval: int = 10
     """Log the training metrics every this many optimizer steps."""
     sinks: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    """Where to log: any of console, jsonl, tensorboard, wandb, mlflow."""
+    """Where to log: any of console, jsonl, tensorboard, wandb, mlflow, comet."""
     wandb_project: str = "kode-pretraining"
     """W&B project of the run."""
     wandb_mode: str = "offline"
@@ -62,6 +63,10 @@ class MetricsConfig:
     """MLflow experiment the run belongs to (created when missing)."""
     tensorboard_dir: str | None = None
     """Directory of the TensorBoard event files; None is <run_dir>/tensorboard."""
+    comet_project: str = "kode-pretraining"
+    """Comet ML project of the run (Comet runs offline: upload the archives later with `comet upload`)."""
+    comet_dir: str | None = None
+    """Directory of the Comet offline archives; None is <run_dir>/comet."""
     straggler_factor: float = 1.5
     """A rank busier than this many times the median rank is named as a straggler in the log, checked
     every interval (forja/train/stragglers.py); 0 turns it off."""
@@ -82,7 +87,7 @@ class MetricsConfig:
         self.sinks = list(self.sinks)
         if self.wandb_mode not in WANDB_MODES:
             raise ForjaError(f"metrics.wandb_mode = {self.wandb_mode!r} is not one of {', '.join(WANDB_MODES)}")
-        for key in ("wandb_project", "mlflow_experiment"):
+        for key in ("wandb_project", "mlflow_experiment", "comet_project"):
             if not getattr(self, key):
                 raise ForjaError(f"metrics.{key} is empty; give it a name such as 'kode-pretraining'")
         if self.straggler_factor != 0 and not self.straggler_factor > 1:

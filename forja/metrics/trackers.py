@@ -1,15 +1,17 @@
-"""Experiment trackers as sinks: TensorBoard, Weights & Biases and MLflow.
+"""Experiment trackers as sinks: TensorBoard, Weights & Biases, MLflow and Comet ML.
 
 Each imports its library when it is chosen (building the sink fails early, naming the pip
 extra, when the library is missing). Metric names are grouped as in `tracker_key`:
-train/loss, train/tokens_per_sec, val/loss. W&B and MLflow runs are resumable: the run id
-is kept in <run_dir>/tracking.json, so a resumed training run continues the same tracker run.
+train/loss, train/tokens_per_sec, val/loss. W&B, MLflow and Comet runs are resumable: the run id
+(Comet's experiment key) is kept in <run_dir>/tracking.json, so a resumed training run
+continues the same tracker run.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import secrets
 import time
 from pathlib import Path
@@ -218,3 +220,68 @@ class MLflowSink(Sink):
         if self._client is not None:
             self._client.set_terminated(self.run_id, "FINISHED")
             self._client = None
+
+
+# Comet settings read when comet_ml is imported: no Sentry error reports (a network call), no
+# import hooks that patch torch for auto-logging. setdefault: a user's own COMET_* wins.
+_COMET_IMPORT_ENV = {"COMET_ERROR_TRACKING_ENABLE": "false", "COMET_DISABLE_AUTO_LOGGING": "1"}
+
+# Everything Comet would collect by itself (code, git, environment, system metrics, stdout)
+# is off: forja logs what it means to, and none of it may reach out or slow a step.
+_COMET_QUIET = dict(log_code=False, log_graph=False, auto_param_logging=False, auto_metric_logging=False,
+                    parse_args=False, auto_output_logging=False, log_env_details=False, log_git_metadata=False,
+                    log_git_patch=False, log_env_gpu=False, log_env_host=False, log_env_cpu=False,
+                    log_env_disk=False, display_summary_level=0)
+
+
+def _import_comet() -> Any:
+    for key, value in _COMET_IMPORT_ENV.items():
+        os.environ.setdefault(key, value)
+    return _require("comet_ml", "comet", "comet")
+
+
+class CometSink(Sink):
+    """A Comet ML experiment, always offline: each training session writes one zip archive
+    under <run_dir>/comet at close (upload with `comet upload`). A resumed run opens an
+    ExistingOfflineExperiment with the saved experiment key; its archive appends to the same
+    experiment once the first archive is uploaded. Comet keeps every value it is sent: after
+    a resume from an earlier checkpoint the steps in between appear twice."""
+
+    name = "comet"
+
+    def __init__(self, cfg: MetricsConfig, *, run_dir: Path, run_name: str, config: dict):
+        self.cfg, self.run_dir, self.run_name, self.config = cfg, Path(run_dir).resolve(), run_name, config
+        self.offline_dir = Path(cfg.comet_dir) if cfg.comet_dir else self.run_dir / "comet"
+        self._experiment = None
+
+    @classmethod
+    def from_config(cls, cfg: MetricsConfig, *, run_dir: Path, run_name: str, config: dict) -> Sink:
+        _import_comet()
+        return cls(cfg, run_dir=run_dir, run_name=run_name, config=config)
+
+    def start(self, *, total_steps: int, start_step: int) -> None:
+        comet_ml = _import_comet()
+        self.offline_dir.mkdir(parents=True, exist_ok=True)
+        common = dict(project_name=self.cfg.comet_project, offline_directory=str(self.offline_dir), **_COMET_QUIET)
+        key = load_tracking(self.run_dir).get("comet_experiment_key")
+        if key:
+            self._experiment = comet_ml.ExistingOfflineExperiment(experiment_key=key, **common)
+        else:  # log_env_network is a switch ExistingOfflineExperiment does not take
+            self._experiment = comet_ml.OfflineExperiment(log_env_network=False, **common)
+            save_tracking(self.run_dir, comet_experiment_key=self._experiment.get_key())
+        # Offline, an unnamed experiment gets a generated name at upload time.
+        self._experiment.set_name(self.run_name)
+        self._experiment.log_other("forja.run_dir", str(self.run_dir))
+        # Logged again on resume: a resumed run may change some (train.steps), and Comet keeps the latest.
+        self._experiment.log_parameters(flatten(self.config))
+
+    def log(self, step: int, metrics: Metrics) -> None:
+        self._experiment.log_metrics(_numbers(metrics), step=step)
+
+    def log_text(self, step: int, name: str, text: str) -> None:
+        self._experiment.log_text(text, step=step, metadata={"name": f"samples/{name}"})
+
+    def close(self) -> None:
+        if self._experiment is not None:
+            self._experiment.end()  # writes the offline archive
+            self._experiment = None

@@ -33,6 +33,7 @@ def test_config_defaults():
     ({"sinks": ["jsonl", "jsonl"]}, ["metrics.sinks", "twice"]),
     ({"wandb_mode": "cloud"}, ["metrics.wandb_mode", "offline, online, disabled"]),
     ({"wandb_project": ""}, ["metrics.wandb_project"]),
+    ({"comet_project": ""}, ["metrics.comet_project"]),
     ({"peak_tflops": 0.0}, ["metrics.peak_tflops"]),
 ])
 def test_config_errors_name_the_key(kwargs, words):

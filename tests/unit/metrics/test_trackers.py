@@ -1,12 +1,12 @@
-"""TensorBoard, W&B (offline) and MLflow sinks, each read back with its own library."""
+"""TensorBoard, W&B (offline), MLflow and Comet (offline) sinks, each read back with its own library."""
 
 import json
 
 import pytest
 
 from forja.metrics.sinks import MetricsConfig, build_sinks
-from forja.metrics.trackers import MLflowSink, TensorBoardSink, WandbSink, flatten, load_tracking
-from tests.trackers import read_tensorboard, run_record, wandb_history
+from forja.metrics.trackers import CometSink, MLflowSink, TensorBoardSink, WandbSink, flatten, load_tracking
+from tests.trackers import comet_archive, read_tensorboard, run_record, wandb_history
 
 CONFIG = {"model": {"family": "llama", "dim": 64}, "optim": {"lr": 3e-4}, "tags": ["a", "b"]}
 
@@ -114,3 +114,31 @@ def test_mlflow_local_store_params_metrics_and_resume(tmp_path):
     assert client.get_experiment(run.info.experiment_id).name == "kode-pretraining"
     sample = next((tmp_path / "mlartifacts").rglob("step_00000010.txt"))
     assert sample.read_text() == "hello"
+
+
+# -- Comet ------------------------------------------------------------------------------------
+
+def test_comet_offline_archives_and_resume_with_the_same_key(tmp_path, monkeypatch):
+    import socket
+
+    pytest.importorskip("comet_ml")
+    # Offline means offline: any connection Comet tried would be recorded here (and refused).
+    connections = []
+    monkeypatch.setattr(socket.socket, "connect", lambda self, address: connections.append(address))
+    cfg = MetricsConfig(sinks=["comet"], comet_dir=str(tmp_path / "archives"), comet_project="tiny-project")
+    [sink] = build_sinks(cfg, run_dir=tmp_path, run_name="tiny", config=CONFIG, rank=0).sinks
+    log_then_resume(sink, CometSink(cfg, run_dir=tmp_path, run_name="tiny", config=CONFIG))
+
+    key = load_tracking(tmp_path)["comet_experiment_key"]
+    first = tmp_path / "archives" / f"{key}.zip"
+    [second] = [p for p in (tmp_path / "archives").glob(f"{key}-*.zip")]
+    meta, metrics, params, texts = comet_archive(first)
+    assert meta["project_name"] == "tiny-project" and meta["resume_strategy"] == "create"
+    assert [m for m in metrics if m[0].startswith(("train/", "val/"))] == [("train/loss", 10, 2.5),
+                                                                         ("val/loss", 10, 2.75)]
+    assert params["model.dim"] == "64" and params["tags"] == '["a", "b"]'
+    assert texts == [(10, "samples/sample", "hello")]
+    meta, metrics, _, _ = comet_archive(second)
+    assert meta["offline_id"] == key and meta["resume_strategy"] == "get"
+    assert [m for m in metrics if m[0] == "train/loss"] == [("train/loss", 20, 2.0)]
+    assert connections == []
