@@ -73,11 +73,12 @@ def read_meta(path: Path) -> dict:
     return json.loads(meta.read_text())
 
 
-def loadable_state(state: dict[str, Any], path: Path) -> dict[str, Any]:
-    """`state` without the per-rank RNG entries the checkpoint at `path` lacks (it was saved
-    by fewer ranks: a run resumed on more processes)."""
+def loadable_state(state: dict[str, Any], path: Path, optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`state` without the entries the checkpoint at `path` lacks and may lack: per-rank RNG
+    states (it was saved by fewer ranks: a run resumed on more processes) and the `optional`
+    keys (state newer than the checkpoint, or of a setting it was saved without)."""
     stored = checkpoint_keys(path)
-    return {k: v for k, v in state.items() if not k.startswith("rng.") or k in stored}
+    return {k: v for k, v in state.items() if k in stored or not (k.startswith("rng.") or k in optional)}
 
 
 def checkpoint_keys(path: Path) -> set[str]:

@@ -39,8 +39,9 @@ class Goodput:
         self._write()
 
     def beat(self, *, checkpoint_s: float = 0.0, rollback: bool = False) -> None:
-        """The launch is alive at this moment (called at each metrics interval and checkpoint),
-        with seconds the loop stood still for a checkpoint, or a rollback that happened."""
+        """The launch is alive at this moment (called at each checkpoint, rollback and the end),
+        with seconds the loop stood still for a checkpoint, or a rollback that happened. A launch
+        that dies after its last beat counts the rest as the wait before the next launch."""
         if not self.segments:
             return
         seg = self.segments[-1]

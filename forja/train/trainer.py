@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from forja.checkpoint.identity import check_model_identity, initial_weights, model_identity
-from forja.checkpoint.manager import CheckpointManager, checkpoint_keys, loadable_state
+from forja.checkpoint.manager import CheckpointManager, loadable_state
 from forja.checkpoint.states import ModelState, OptimizerState, RNGState, TrainerCounters
 from forja.config import Config
 from forja.errors import ForjaError
@@ -132,12 +132,9 @@ class Trainer:
             print(f"forja: resumed from {latest} (step {self.counters.step})", flush=True)
 
     def _load(self, path: Path) -> None:
-        state = loadable_state(self.checkpoint_state(), path)
-        stored = checkpoint_keys(path)
-        if "health" not in stored:  # saved before forja watched for spikes
-            state.pop("health")
-        if "scaler" in state and "scaler" not in stored:  # saved by a run in another precision:
-            state.pop("scaler")  # the scale starts from train.fp16_init_scale
+        # A checkpoint saved before forja watched for spikes has no "health"; one saved in another
+        # precision no "scaler" (the scale then starts from train.fp16_init_scale).
+        state = loadable_state(self.checkpoint_state(), path, optional=("health", "scaler"))
         self.checkpoints.load(path, state, check=self.checkpoints_match)
         self.scheduler.reapply()  # train.steps may have changed, and with it the schedule
 

@@ -11,8 +11,7 @@ import torch
 from forja.models import model_args
 from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.optim.config import OptimConfig, ScheduleConfig
-from forja.parallel import ParallelConfig, ParallelDims
-from forja.parallel.process_group import init_distributed, shutdown_distributed
+from forja.parallel import ParallelConfig
 from forja.train.build import build_model_parts
 from forja.train.engine import StepEngine, build_engine
 
@@ -22,15 +21,6 @@ class Batch:
     input_ids: torch.Tensor
     labels: torch.Tensor
     document_ids: torch.Tensor
-
-
-@pytest.fixture
-def dims():
-    init_distributed("cpu")
-    dims = ParallelDims.from_config(ParallelConfig(), 1)
-    dims.build_mesh("cpu")
-    yield dims
-    shutdown_distributed()
 
 
 def _engine(dims, cls=None, grad_clip=1.0):

@@ -14,23 +14,13 @@ from forja.errors import ForjaError
 from forja.models import model_args
 from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.optim.config import OptimConfig, ScheduleConfig
-from forja.parallel import ParallelConfig, ParallelDims
-from forja.parallel.process_group import init_distributed, shutdown_distributed
+from forja.parallel import ParallelConfig
 from forja.train.build import build_model_parts
 from forja.train.config import TrainConfig
 from forja.train.engine import build_engine
 from forja.train.scaler import LossScaler, loss_scaler
 
 from .test_engine import _batches
-
-
-@pytest.fixture
-def dims():
-    init_distributed("cpu")
-    dims = ParallelDims.from_config(ParallelConfig(), 1)
-    dims.build_mesh("cpu")
-    yield dims
-    shutdown_distributed()
 
 
 def test_an_overflow_halves_the_scale_and_resets_the_clean_count():
