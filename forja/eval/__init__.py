@@ -15,9 +15,10 @@ from forja.eval.score import (
     evaluate_multiple_choice,
     evaluate_perplexity,
     loglikelihoods,
+    score_requests,
     text_requests,
 )
 from forja.eval.tasks import Choice, Task, Text, load_task
 
 __all__ = ["Choice", "Request", "Task", "Text", "choice_requests", "evaluate", "evaluate_multiple_choice",
-           "evaluate_perplexity", "load_task", "loglikelihoods", "text_requests"]
+           "evaluate_perplexity", "load_task", "loglikelihoods", "score_requests", "text_requests"]

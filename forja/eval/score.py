@@ -18,6 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from forja.data.tokenizer import Tokenizer
 from forja.errors import ForjaError
@@ -32,6 +35,8 @@ class Request:
     n_scored: int
 
 
+IGNORE = -100  # cross_entropy's ignore_index: positions not scored
+
 def _check(request: Request, max_len: int) -> None:
     if not 1 <= request.n_scored < len(request.tokens):
         raise ForjaError(f"a request of {len(request.tokens)} tokens cannot score {request.n_scored} of them; "
@@ -41,13 +46,26 @@ def _check(request: Request, max_len: int) -> None:
                          f"({max_len}) + 1; build requests with choice_requests/text_requests, which truncate")
 
 
-def _score_batch(model: torch.nn.Module, batch: Sequence[Request], device: torch.device) -> list[float]:
-    """Summed log-probs of each request's scored tokens, in one forward pass."""
+# What scores a batch: tokens (B, T) on the device -> logits (B, T, V), None on a rank that
+# holds no logits (a pipeline rank without the last stage), or under tensor parallelism a
+# DTensor sharded over the vocabulary, which is scored without gathering it (_sharded_sums).
+Forward = Callable[[torch.Tensor], "torch.Tensor | None"]
+
+
+def _score_batch(forward: Forward, batch: Sequence[Request], device: torch.device, pad_to: int) -> list[float]:
+    """Summed log-probs of each request's scored tokens, in one forward pass (0.0 each where
+    `forward` returns None). The padded length is a multiple of `pad_to` (sequence
+    parallelism splits it over the tensor-parallel ranks)."""
     T = max(len(r.tokens) for r in batch) - 1
+    T = -(-T // pad_to) * pad_to
     inputs = torch.zeros(len(batch), T, dtype=torch.long)  # (B, T); zeros are right padding
     for row, r in enumerate(batch):
         inputs[row, : len(r.tokens) - 1] = torch.tensor(r.tokens[:-1])
-    logits = model(inputs.to(device))  # (B, T, V)
+    logits = forward(inputs.to(device))  # (B, T, V)
+    if logits is None:
+        return [0.0] * len(batch)
+    if isinstance(logits, DTensor):
+        return _sharded_sums(logits, batch)
     sums = []
     for row, r in enumerate(batch):
         end = len(r.tokens) - 1  # logits at position t predict token t + 1
@@ -58,27 +76,51 @@ def _score_batch(model: torch.nn.Module, batch: Sequence[Request], device: torch
     return sums
 
 
-@torch.no_grad()
-def loglikelihoods(model: torch.nn.Module, requests: Sequence[Request], *, batch_size: int = 16) -> list[float]:
-    """Sum of natural-log probabilities of each request's scored tokens, in request order."""
+def _sharded_sums(logits: DTensor, batch: Sequence[Request]) -> list[float]:
+    """The same sums from logits (B, T, V) sharded over the vocabulary (tensor parallelism):
+    vocabulary-parallel cross-entropy with every unscored position ignored gives each
+    token's -log p from per-shard maxima and sums, so no rank holds the full (B, T, V)."""
+    B, T, _ = logits.shape
+    targets = torch.full((B, T), IGNORE, dtype=torch.long)  # (B, T)
+    for row, r in enumerate(batch):
+        end = len(r.tokens) - 1
+        targets[row, end - r.n_scored: end] = torch.tensor(r.tokens[-r.n_scored:])
+    with loss_parallel():
+        nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten().to(logits.device),
+                              reduction="none", ignore_index=IGNORE)  # (B * T,)
+    nll = nll.full_tensor() if isinstance(nll, DTensor) else nll
+    return (-nll.view(B, T).double().sum(-1)).tolist()
+
+
+def score_requests(forward: Forward, requests: Sequence[Request], *, batch_size: int, device: torch.device,
+                   max_len: int, pad_to: int = 1) -> list[float]:
+    """`loglikelihoods` through any forward: a model, or a sharded model's (forja/train/evaluation.py).
+    Every rank calling it with the same number of requests makes the same number of forwards."""
     if batch_size < 1:
         raise ForjaError(f"batch_size={batch_size} must be at least 1")
     for r in requests:
-        _check(r, model.args.max_seq_len)
-    device = next(model.parameters()).device
+        _check(r, max_len)
     # Longest first, so each batch pads little.
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
     out = [0.0] * len(requests)
+    for start in range(0, len(order), batch_size):
+        idx = order[start: start + batch_size]
+        for i, value in zip(idx, _score_batch(forward, [requests[i] for i in idx], device, pad_to)):
+            out[i] = value
+    return out
+
+
+@torch.no_grad()
+def loglikelihoods(model: torch.nn.Module, requests: Sequence[Request], *, batch_size: int = 16) -> list[float]:
+    """Sum of natural-log probabilities of each request's scored tokens, in request order."""
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
-        for start in range(0, len(order), batch_size):
-            idx = order[start: start + batch_size]
-            for i, value in zip(idx, _score_batch(model, [requests[i] for i in idx], device)):
-                out[i] = value
+        return score_requests(model, requests, batch_size=batch_size, device=device,
+                              max_len=model.args.max_seq_len)
     finally:
         model.train(was_training)
-    return out
 
 
 def choice_requests(tokenizer: Tokenizer, example: Choice, *, prefix_id: int | None,
@@ -128,12 +170,12 @@ def _argmax(values: Sequence[float]) -> int:
     return max(range(len(values)), key=lambda i: (values[i], -i))  # the first of equal maxima
 
 
-def evaluate_multiple_choice(model: torch.nn.Module, tokenizer: Tokenizer, examples: Sequence[Choice], *,
-                             prefix_id: int | None, batch_size: int = 16,
-                             score: Scorer = loglikelihoods) -> dict[str, float]:
+def evaluate_multiple_choice(model: torch.nn.Module | None, tokenizer: Tokenizer, examples: Sequence[Choice], *,
+                             prefix_id: int | None, batch_size: int = 16, score: Scorer = loglikelihoods,
+                             max_len: int | None = None) -> dict[str, float]:
     """acc: the choice of highest summed log-likelihood is the answer; acc_norm: the same with
     each log-likelihood divided by its choice's length in UTF-8 bytes (the harness's acc_norm)."""
-    max_len = model.args.max_seq_len
+    max_len = max_len or model.args.max_seq_len
     per_example = [choice_requests(tokenizer, ex, prefix_id=prefix_id, max_len=max_len) for ex in examples]
     lls = score(model, [r for reqs in per_example for r in reqs], batch_size=batch_size)
     correct = correct_norm = 0
@@ -147,11 +189,12 @@ def evaluate_multiple_choice(model: torch.nn.Module, tokenizer: Tokenizer, examp
     return {"n": n, "acc": correct / n, "acc_norm": correct_norm / n}
 
 
-def evaluate_perplexity(model: torch.nn.Module, tokenizer: Tokenizer, examples: Sequence[Text], *,
-                        prefix_id: int | None, batch_size: int = 16, score: Scorer = loglikelihoods) -> dict[str, float]:
+def evaluate_perplexity(model: torch.nn.Module | None, tokenizer: Tokenizer, examples: Sequence[Text], *,
+                        prefix_id: int | None, batch_size: int = 16, score: Scorer = loglikelihoods,
+                        max_len: int | None = None) -> dict[str, float]:
     """loss: mean negative log-likelihood per scored token (nats); ppl = exp(loss);
     bits_per_byte: total NLL / (ln 2 x the texts' UTF-8 bytes), comparable across tokenizers."""
-    max_len = model.args.max_seq_len
+    max_len = max_len or model.args.max_seq_len
     requests = [r for ex in examples for r in text_requests(tokenizer, ex.text, prefix_id=prefix_id,
                                                              max_len=max_len)]
     nll = -sum(score(model, requests, batch_size=batch_size))
@@ -165,9 +208,13 @@ def evaluate_perplexity(model: torch.nn.Module, tokenizer: Tokenizer, examples: 
             "bits_per_byte": nll / (math.log(2) * n_bytes)}
 
 
-def evaluate(model: torch.nn.Module, tokenizer: Tokenizer, task: Task, *, prefix_id: int | None,
-             batch_size: int = 16, score: Scorer = loglikelihoods) -> dict[str, float]:
-    """The metrics of one task, with its name and kind."""
+def evaluate(model: torch.nn.Module | None, tokenizer: Tokenizer, task: Task, *, prefix_id: int | None,
+             batch_size: int = 16, score: Scorer = loglikelihoods, max_len: int | None = None) -> dict[str, float]:
+    """The metrics of one task, with its name and kind. `score(model, requests, batch_size=)`
+    computes the log-likelihoods; with one that does not need `model` (the trainer's, under
+    pipeline parallelism no rank holds the whole model) pass model=None and `max_len`, the
+    model's max_seq_len."""
     run = evaluate_multiple_choice if task.kind == MULTIPLE_CHOICE else evaluate_perplexity
-    metrics = run(model, tokenizer, task.examples, prefix_id=prefix_id, batch_size=batch_size, score=score)
+    metrics = run(model, tokenizer, task.examples, prefix_id=prefix_id, batch_size=batch_size, score=score,
+                  max_len=max_len)
     return {"task": task.name, "kind": task.kind, **metrics}

@@ -20,9 +20,9 @@ What a microbatch's loss counts for in the step (its share of the mean, auxiliar
 is the step engine's business: it hands `step` the function that turns the last stage's
 output into the microbatch's loss. This file only runs stages.
 
-Validation runs forward only, one micro-batch at a time, through the stages in order
-with plain point-to-point sends (`forward`), so it does not depend on the training
-schedule's microbatch shapes.
+Validation and downstream evaluation run forward only, one micro-batch at a time, through
+the stages in order with plain point-to-point sends (`forward`), so they do not depend on
+the training schedule's microbatch shapes.
 """
 
 from __future__ import annotations
@@ -197,10 +197,10 @@ class Pipeline:
 
     # -- forward only ------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor,
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None,
                 document_ids: torch.Tensor | None) -> torch.Tensor | None:
-        """One micro-batch through the stages in order: the loss on the rank holding the last
-        stage, None elsewhere."""
+        """One micro-batch through the stages in order: the last stage's output (the loss, or
+        without labels the logits) on the rank holding it, None elsewhere."""
         out = h = None
         for part, s in zip(self.parts, self.stage_ids):
             if s == 0:

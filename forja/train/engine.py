@@ -7,6 +7,7 @@ The trainer then makes two calls and never asks how the model is laid out:
     engine.train_step(batches) -> StepOutput    forward + backward of the step's micro-batches,
                                                  tied copies summed, clip, optimizer + schedule step
     engine.eval_loss(batch)   -> 0-dim tensor    one micro-batch's mean loss, forward only
+    engine.logits(tokens)     -> (B, T, V) | None   forward only, for downstream evaluation
 
 `StepEngine` runs a whole model per rank (one process, DDP/FSDP/HSDP, TP, CP);
 `PipelineEngine` runs this rank's pipeline stages through the schedule.
@@ -209,6 +210,24 @@ class StepEngine:
         with self.autocast(), self._loss_context():
             return local_value(self.model(tokens, doc_ids, labels=labels))
 
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Logits (B, T, V) of tokens (B, T), forward only, on the model as it is laid out: a
+        DTensor sharded over the vocabulary under TP (never gathered), None on a pipeline rank
+        without the last stage. Under context parallelism every rank of a cp group runs the
+        whole (short) sequence, as validation does. Every rank of a model copy must call it
+        with the same tokens; every rank of the run the same number of times (FSDP)."""
+        with self.autocast():
+            return self._logits(tokens)
+
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        return self.model(tokens)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence the model takes."""
+        return self.parts[0].args.max_seq_len
+
     def sync_tied_copies(self) -> None:
         """Make the copies of a tied weight on different stages one again (pipeline only)."""
 
@@ -291,6 +310,9 @@ class PipelineEngine(StepEngine):
             loss = self.pipeline.forward(tokens, labels, doc_ids)
         value = local_value(loss) if loss is not None else torch.zeros((), device=self.device)
         return self.pipeline.from_last_stage(value.float())
+
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        return self.pipeline.forward(tokens, labels=None, document_ids=None)
 
     def sync_tied_copies(self) -> None:
         """Sum the gradients of a tied embedding's copies (first and last stage), so both

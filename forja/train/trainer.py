@@ -354,6 +354,21 @@ class Trainer:
         """Tell the hang watchdog that `phase` of `step` is under way (a long callback's work)."""
         self.watchdog.beat(phase, step)
 
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.max_seq_len
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Forward-only logits of tokens (B, T) in eval mode (the step engine's `logits`: sharded
+        over the vocabulary under TP, None on a pipeline rank without the last stage)."""
+        for part in self.parts:
+            part.eval()
+        try:
+            return self.engine.logits(tokens)
+        finally:
+            for part in self.parts:
+                part.train()
+
     def gather_floats(self, values: list[float]) -> list[list[float]]:
         """`values` of every rank, by rank (one small collective on the CPU group)."""
         if dist.get_world_size() == 1:

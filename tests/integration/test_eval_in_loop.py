@@ -58,8 +58,19 @@ def test_two_fsdp_ranks_split_the_requests_and_agree_with_one_process(tmp_path, 
         assert _in_loop(run)[8][key] == pytest.approx(offline[key], abs=1e-5), key
 
 
-def test_layouts_without_a_whole_model_per_rank_are_refused_before_any_work(tmp_path, train_data, capsys):
+@pytest.mark.parametrize("layout", [{"parallel.tp": "2"}, {"parallel.pp": "2"}], ids=["tp2", "pp2"])
+def test_tensor_and_pipeline_parallel_ranks_score_without_gathering_and_agree_with_one_process(
+        tmp_path, train_data, capsys, layout):
+    """Under TP the logits stay sharded over the vocabulary (vocabulary-parallel scoring);
+    under PP only the last stage's rank has the scores. Both equal `forja eval` on the
+    checkpoint, which loads the weights whole in one process."""
     run = tmp_path / "run"
-    assert main(train_args(run, train_data, **{**EVAL, "parallel.tp": "2"})) != 0
-    assert "run `forja eval RUN_DIR --task FILE` on the run's checkpoint instead" in capsys.readouterr().err
-    assert not run.exists()
+    changes = {**COMMON, **EVAL, "checkpoint.interval": "4", **layout}
+    proc = forja_process(train_args(run, train_data, **changes) + ["--nproc", "2"])
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-3000:]
+    scored, offline = _in_loop(run), _offline(run, capsys)
+    assert sorted(scored) == [4, 8]
+    print(f"{layout} vs forja eval, max |diff|:", max(abs(scored[8][k] - offline[k]) for k in KEYS))
+    for key in KEYS:
+        assert scored[8][key] == pytest.approx(offline[key], abs=1e-5), key
