@@ -1,7 +1,7 @@
 """lm-evaluation-harness adapter: every harness task on a forja run, checkpoint or HF directory.
 
     python -m forja.eval.harness --model forja --model_args run=runs/default --tasks hellaswag
-    python -m forja.eval.harness --model forja --model_args run=runs/default,batch_size=32 \\
+    python -m forja.eval.harness --model forja --model_args run=runs/default --batch_size 32 \\
         --tasks forja_python_mc --include_path tests/data/eval/harness --output_path out/
 
     import lm_eval, forja.eval.harness
@@ -9,7 +9,8 @@
     lm_eval.simple_evaluate(model=ForjaLM(run="runs/default"), tasks=["arc_easy"])
     lm_eval.simple_evaluate(model="forja", model_args="run=runs/default", tasks=["arc_easy"])
 
-model_args: run (required: a run directory, a checkpoint or a Hugging Face directory), device,
+model_args: run (required: a run directory, a checkpoint or a Hugging Face directory; or
+pretrained=, which also names the folder lm_eval writes under --output_path), device,
 batch_size, dtype (float32/bfloat16/float16; default as saved), quantize (none/int8),
 max_length (score in windows shorter than the model's max_seq_len), prefix_token_id.
 
@@ -65,8 +66,11 @@ class ForjaLM(TemplateLM):
 
     def __init__(self, run: str | None = None, device: str | None = None, batch_size: int | str = 16,
                  dtype: str | None = None, quantize: str = "none", max_length: int | None = None,
-                 prefix_token_id: int | None = None, max_batch_size: int | None = None) -> None:
+                 prefix_token_id: int | None = None, max_batch_size: int | None = None,
+                 pretrained: str | None = None) -> None:
         super().__init__()
+        # pretrained= is the hf model's name for it; lm_eval also names --output_path's folder after it.
+        run = run or pretrained
         if not run:
             raise ForjaError("the forja model needs run=DIR (a run directory, checkpoint or Hugging Face "
                              "directory); pass --model_args run=runs/NAME")

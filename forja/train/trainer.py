@@ -45,7 +45,7 @@ from forja.train.health import Anomaly, Health
 from forja.train.preflight import Preflight
 from forja.train.probes import ActivationSizes
 from forja.train.run_dir import RunDir
-from forja.train.scaler import loss_scaler
+from forja.train.scaler import check_fp16, loss_scaler
 from forja.train.watchdog import Watchdog, grace_s
 
 
@@ -62,6 +62,7 @@ class Trainer:
         c = self.cfg
         launched = time.time()
         evaluation = [EvalCallback(c)] if c.eval.tasks else []  # bad task files stop before any work
+        check_fp16(c.train, c.parallel)
         # Collectives wait a grace longer than the watchdog, so that a hang is reported (every
         # rank's stack, the culprit named) before a timed-out collective ends the process.
         info = init_distributed(c.train.device, c.parallel.timeout_s + grace_s(c.parallel.timeout_s))

@@ -78,3 +78,10 @@ def test_a_two_stage_pipeline_overflows_and_trains_as_one_process(tmp_path, trai
     assert [r["overflow"] for r in pp] == [r["overflow"] for r in one] and one[0]["overflow"] == 1.0
     assert [r["loss_scale"] for r in pp] == [r["loss_scale"] for r in one]
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one, pp)) < 1e-4
+
+
+def test_fp16_with_bf16_fsdp_parameters_stops_before_any_write(tmp_path, train_data, capsys):
+    run = tmp_path / "run"
+    assert main(train_args(run, train_data, **{**COMMON, "parallel.mixed_precision": '"bf16"'})) != 0
+    assert "set parallel.mixed_precision = 'fp32'" in capsys.readouterr().err
+    assert not run.exists()

@@ -18,7 +18,7 @@ from forja.parallel import ParallelConfig
 from forja.train.build import build_model_parts
 from forja.train.config import TrainConfig
 from forja.train.engine import build_engine
-from forja.train.scaler import LossScaler, loss_scaler
+from forja.train.scaler import LossScaler, check_fp16, loss_scaler
 
 from .test_engine import _batches
 
@@ -74,6 +74,15 @@ def test_only_fp16_gets_a_scaler_and_the_config_checks_its_keys():
         TrainConfig(fp16_init_scale=1000.0)
     with pytest.raises(ForjaError, match="train.fp16_growth_interval = 0"):
         TrainConfig(fp16_growth_interval=0)
+
+
+def test_fp16_refuses_bf16_parameters_and_float8_by_name():
+    check_fp16(TrainConfig(precision="fp16"), ParallelConfig())  # plain fp16 is fine
+    check_fp16(TrainConfig(precision="bf16", float8="tensorwise"), ParallelConfig(mixed_precision="bf16"))
+    with pytest.raises(ForjaError, match="parallel.mixed_precision = 'bf16' casts FSDP's parameters"):
+        check_fp16(TrainConfig(precision="fp16"), ParallelConfig(mixed_precision="bf16"))
+    with pytest.raises(ForjaError, match="train.float8 = 'rowwise' runs its matmuls in float8"):
+        check_fp16(TrainConfig(precision="fp16", float8="rowwise"), ParallelConfig())
 
 
 def _fp16_engine(dims, init_scale: float):
