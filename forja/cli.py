@@ -25,6 +25,7 @@ _COMMANDS = {
     "plan": "forja.plan.cli:add_cli",
     "export": "forja.checkpoint.export:add_cli",
     "eval": "forja.eval.cli:add_cli",
+    "lm-eval": "forja.eval.cli:add_lm_eval_cli",
 }
 
 

@@ -1,7 +1,7 @@
 """Downstream evaluation: multiple-choice accuracy and perplexity on local JSONL task files.
 
     from forja.eval import load_task, evaluate
-    task = load_task("tests/data/eval/python_mc.jsonl")
+    task = load_task("python_mc")                     # a file, or a name (forja/eval/tasks.py)
     evaluate(model, tokenizer, task, prefix_id=tokenizer.eos_id)   # {"task", "kind", "n", "acc", ...}
 
 `forja eval` (forja/eval/cli.py) drives it from the command line; docs/evaluation.md has the

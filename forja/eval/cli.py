@@ -1,6 +1,6 @@
 """`forja eval`: score a run's latest checkpoint, or a Hugging Face directory, on task files.
 
-    forja eval runs/default --task tasks/python-mc.jsonl --task tasks/python-text.jsonl
+    forja eval runs/default --task python_mc --task python_text        (the shipped samples, by name)
     forja eval hf_dir/ --task tasks/python-text.jsonl --limit 100 --json
 """
 
@@ -42,8 +42,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                                    "files (see docs/evaluation.md).")
     p.add_argument("source", help="a forja run directory (its latest checkpoint), a checkpoint, "
                                   "or a Hugging Face model directory")
-    p.add_argument("--task", action="append", required=True, metavar="FILE",
-                   help="a JSONL task file; repeat for several")
+    p.add_argument("--task", action="append", required=True, metavar="FILE_OR_NAME",
+                   help="a JSONL task file, or a task's name (looked up in $FORJA_TASK_PATH, then among the "
+                        "samples shipped with forja: python_mc, python_text); repeat for several")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="score only each task's first N examples")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -51,6 +52,22 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="int8: score with weight-only int8 Linear layers (torchao)")
     p.set_defaults(func=_run_cli)
+
+
+def add_lm_eval_cli(sub: argparse._SubParsersAction) -> None:
+    """`forja lm-eval <lm_eval args>` (forja/eval/harness.py): every argument goes to lm_eval's own
+    CLI untouched (prefix_chars of NUL: this parser reads no option of its own, so --model and
+    -h reach lm_eval). lm_eval is imported only when the command runs."""
+    p = sub.add_parser("lm-eval", help="run lm-evaluation-harness tasks, with the model 'forja'", add_help=False,
+                       prefix_chars="\0")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_run_lm_eval)
+
+
+def _run_lm_eval(args: argparse.Namespace) -> int:
+    from forja.eval.harness import main  # without lm_eval: one ForjaError naming the extra to install
+
+    return main(args.args)
 
 
 def _print_table(results: list[dict]) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from forja.errors import ForjaError
+from forja.eval.tasks import resolve_task
 
 
 @dataclass(kw_only=True)
@@ -13,7 +13,8 @@ class EvalConfig:
     """Downstream tasks (docs/evaluation.md) scored on the model as it trains, as it is laid out."""
 
     tasks: list[str] = field(default_factory=list)
-    """JSONL task files scored every `interval` steps and at the end of training; empty: none."""
+    """JSONL task files or task names (forja/eval/tasks.py) scored every `interval` steps and at the end of
+    training; empty: none."""
     interval: int = 0
     """Steps between evaluations (there is always one at the end); 0: only at the end."""
     limit: int = 0
@@ -24,6 +25,11 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.interval < 0 or self.limit < 0 or self.batch_size < 1:
             raise ForjaError("eval.interval and eval.limit must be >= 0 and eval.batch_size >= 1")
-        for path in self.tasks:
-            if not Path(path).expanduser().is_file():
-                raise ForjaError(f"eval.tasks: {path} is not a file; give JSONL task files (docs/evaluation.md)")
+        for task in self.tasks:
+            try:
+                path = resolve_task(task)
+            except ForjaError as exc:
+                raise ForjaError(f"eval.tasks: {exc}") from None
+            if not path.is_file():
+                raise ForjaError(f"eval.tasks: {task} is not a file; give JSONL task files or task names "
+                                 "(docs/evaluation.md)")

@@ -1,6 +1,6 @@
 """lm-evaluation-harness adapter: every harness task on a forja run, checkpoint or HF directory.
 
-    python -m forja.eval.harness --model forja --model_args run=runs/default --tasks hellaswag
+    forja lm-eval --model forja --model_args run=runs/default --tasks hellaswag
     python -m forja.eval.harness --model forja --model_args run=runs/default --batch_size 32 \\
         --tasks forja_python_mc --include_path tests/data/eval/harness --output_path out/
 
@@ -14,7 +14,7 @@ pretrained=, which also names the folder lm_eval writes under --output_path), de
 batch_size, dtype (float32/bfloat16/float16; default as saved), quantize (none/int8),
 max_length (score in windows shorter than the model's max_seq_len), prefix_token_id.
 
-Why `python -m forja.eval.harness` and not plain `lm_eval --model forja`: lm-eval 0.4.13 finds
+Why `forja lm-eval` (or `python -m forja.eval.harness`) and not plain `lm_eval --model forja`: lm-eval 0.4.13 finds
 models only in its registry, which its own `lm_eval.models` package fills; it reads no entry
 point group and imports no plugin module (its Registry can hold an EntryPoint, but nothing
 ever calls importlib.metadata.entry_points to find one). So this module registers "forja" and
@@ -30,7 +30,7 @@ picks it; pass prefix_token_id=<eos id> to both models for forja's own conventio
 
 from __future__ import annotations
 
-import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
+from forja.checkpoint.export import load_model_and_tokenizer
 from forja.errors import ForjaError
-from forja.eval.cli import load_model
 from forja.eval.score import Request, loglikelihoods, score_requests
 from forja.generate import SamplingConfig, generate
 from forja.models.quantize import quantize as quantize_model
@@ -49,18 +49,18 @@ try:
     # it is empty, so registering "forja" before them would hide "hf" and the rest.
     import lm_eval.models  # noqa: F401
     from lm_eval.api.model import TemplateLM
-    from lm_eval.api.registry import register_model
+    from lm_eval.api.registry import model_registry, register_model
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError as exc:  # forja itself never needs lm_eval; only this module does
     raise ForjaError("forja.eval.harness needs lm-evaluation-harness; pip install 'forja[lm_eval]'") from exc
 
+logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Generation options a forja SamplingConfig can honour; any other is refused, not ignored.
 _SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p"}
 
 
-@register_model("forja")
 class ForjaLM(TemplateLM):
     """A forja model behind lm_eval's LM interface (loglikelihood, rolling, generate_until)."""
 
@@ -77,9 +77,10 @@ class ForjaLM(TemplateLM):
         if not Path(run).expanduser().exists():
             raise ForjaError(f"run={run} does not exist; give a run directory, a checkpoint or a Hugging Face "
                              "directory")
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = _device(device)
         self.source = str(run)
-        self.model, self.tok, _ = load_model(run, device=device)
+        model, self.tok = load_model_and_tokenizer(run, device=device)
+        self.model = model.eval()
         if dtype is not None:
             if dtype not in DTYPES:
                 raise ForjaError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -116,8 +117,9 @@ class ForjaLM(TemplateLM):
         return 256  # HFLM's default, used when a task sets none
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        # forja's tokenizer adds no special token, as the exported tokenizer.json (no post-processor).
-        return self.tok.encode(string)
+        # As the hf model: the tokenizer.json's post-processor (the BOS some HF tokenizers add) runs
+        # unless the harness says not; forja's own tokenizers have none, so this is tok.encode.
+        return self.tok.backend.encode(string, add_special_tokens=add_special_tokens is not False).ids
 
     def get_model_info(self) -> dict[str, Any]:
         """What the results JSON records about the model, to say which weights were scored."""
@@ -157,7 +159,7 @@ class ForjaLM(TemplateLM):
 
             def forward(inputs: torch.Tensor) -> torch.Tensor:
                 logits = self.model(inputs)  # (B, T, V)
-                seen.append((inputs, logits.argmax(-1)))  # (B, T), (B, T)
+                seen.append((inputs.cpu(), logits.argmax(-1).cpu()))  # (B, T), (B, T)
                 return logits
 
             sums = score_requests(forward, batch, batch_size=len(batch), device=self._device, max_len=self.max_len)
@@ -192,7 +194,8 @@ class ForjaLM(TemplateLM):
         for context, gen_kwargs in [r.args for r in requests]:
             kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-            cfg = _sampling(kwargs, kwargs.pop("max_gen_toks"), stop=self.eot_token_id)
+            max_gen_toks = kwargs.pop("max_gen_toks")
+            cfg = _sampling(kwargs, max_gen_toks, stop=self.eot_token_id)
             if cfg.max_new_tokens >= self.max_len:
                 raise ForjaError(f"max_gen_toks={cfg.max_new_tokens} leaves no room for a prompt in max_length "
                                  f"{self.max_len}; ask for fewer tokens in the task's generation_kwargs")
@@ -208,6 +211,22 @@ class ForjaLM(TemplateLM):
         return out
 
 
+# Once per process: `python -m forja.eval.harness` runs this file as __main__, and a later import of
+# forja.eval.harness would register a second, equal class under the same name, which lm_eval refuses.
+if "forja" not in model_registry:
+    register_model("forja")(ForjaLM)
+
+
+def _device(asked: str | None) -> str:
+    """The device to score on. lm_eval's CLI asks for cuda:0 unless told otherwise, so on a machine
+    without CUDA a cuda device falls back to the CPU, as the hf model does."""
+    if asked and (not asked.startswith("cuda") or torch.cuda.is_available()):
+        return asked
+    if asked:
+        logger.warning("device %s asked for, but CUDA is not available: scoring on the CPU", asked)
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _is_greedy(request: Request, seen: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Whether the argmax at each scored position is the scored token. Any row whose inputs
     start with the request's tokens has, attention being causal, the same argmax there."""
@@ -215,8 +234,8 @@ def _is_greedy(request: Request, seen: list[tuple[torch.Tensor, torch.Tensor]]) 
     want = torch.tensor(request.tokens[:-1])
     for inputs, greedy in seen:
         for row in range(inputs.shape[0]):
-            if inputs.shape[1] >= n and torch.equal(inputs[row, :n].cpu(), want):
-                return greedy[row, n - request.n_scored: n].cpu().tolist() == list(request.tokens[-request.n_scored:])
+            if inputs.shape[1] >= n and torch.equal(inputs[row, :n], want):
+                return greedy[row, n - request.n_scored: n].tolist() == list(request.tokens[-request.n_scored:])
     raise AssertionError("a scored request was not in the batch it was scored in")
 
 
@@ -246,15 +265,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         sys.argv = saved
     return 0
-
-
-def add_cli(sub: argparse._SubParsersAction) -> None:
-    """`forja lm-eval <lm_eval args>`: every argument goes to lm_eval untouched (prefix_chars
-    of NUL: this parser reads no option of its own, so --model and -h reach lm_eval)."""
-    p = sub.add_parser("lm-eval", help="run lm-evaluation-harness tasks (model: forja)", add_help=False,
-                       prefix_chars="\0")
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda args: main(args.args))
 
 
 if __name__ == "__main__":

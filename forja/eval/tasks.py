@@ -8,6 +8,11 @@
 The kind is the header's `kind`; without a header it is read from the first example's fields
 ("choices" -> multiple_choice, "text" -> perplexity), and every later line must match it.
 Each bad line stops the load with one sentence naming the file, the line and the fix.
+
+A task is given by path, or by name: a file's stem or its header's task name, looked up in
+the directories of $FORJA_TASK_PATH (os.pathsep-separated, searched first) and then among
+the samples shipped in forja/eval/data (`load_task("python_mc")`, `forja eval RUN --task
+python-json-mc`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from forja.errors import ForjaError
 
 MULTIPLE_CHOICE, PERPLEXITY = "multiple_choice", "perplexity"
 KINDS = (MULTIPLE_CHOICE, PERPLEXITY)
+SHIPPED = Path(__file__).parent / "data"  # the task samples installed with forja
+TASK_PATH = "FORJA_TASK_PATH"
 
 
 @dataclass(frozen=True)
@@ -111,9 +118,49 @@ def _header(records: list[tuple[int, dict]], path: Path) -> tuple[str, str | Non
     return name, None, records
 
 
-def load_task(path: str | os.PathLike, *, limit: int | None = None) -> Task:
-    """Parse a JSONL task file; `limit` keeps its first examples only."""
-    path = Path(path).expanduser()
+def task_dirs() -> list[Path]:
+    """Where task names are looked up, in order: $FORJA_TASK_PATH's directories, then the shipped samples."""
+    extra = [Path(d).expanduser() for d in os.environ.get(TASK_PATH, "").split(os.pathsep) if d]
+    return [*extra, SHIPPED]
+
+
+def _declared_name(path: Path) -> str | None:
+    """The task name of a file's header line, when its first line is one."""
+    with path.open(encoding="utf-8") as f:
+        first = f.readline()
+    try:
+        head = json.loads(first)
+    except json.JSONDecodeError:
+        return None
+    return str(head["task"]) if isinstance(head, dict) and "kind" in head and "task" in head else None
+
+
+def known_tasks() -> dict[str, Path]:
+    """Every task name -> its file: each file's stem and header name, the first directory winning."""
+    found: dict[str, Path] = {}
+    for folder in task_dirs():
+        for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+            for name in (path.stem, _declared_name(path)):
+                if name:
+                    found.setdefault(name, path)
+    return found
+
+
+def resolve_task(path_or_name: str | os.PathLike) -> Path:
+    """The file of a task given by path or by name."""
+    path = Path(path_or_name).expanduser()
+    if path.is_file() or path.suffix == ".jsonl" or len(path.parts) > 1:
+        return path  # a path (a missing one gets load_task's message)
+    known = known_tasks()
+    if str(path_or_name) not in known:
+        raise ForjaError(f"task {str(path_or_name)!r} is neither a file nor a known task name; give a JSONL file, "
+                         f"or one of: {', '.join(sorted(known)) or 'none'} (from ${TASK_PATH} and {SHIPPED})")
+    return known[str(path_or_name)]
+
+
+def load_task(path_or_name: str | os.PathLike, *, limit: int | None = None) -> Task:
+    """Parse a JSONL task file, given by path or by name; `limit` keeps its first examples only."""
+    path = resolve_task(path_or_name)
     name, kind, records = _header(_read_lines(path), path)
     if not records:
         raise ForjaError(f"task file {path} has no examples; add one JSON object per line (see docs/evaluation.md)")

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from forja.cli import main
 from forja.eval import evaluate, load_task
 from forja.eval.cli import load_model
+from forja.eval.tasks import SHIPPED
 from forja.models import build_from_args
 
 from .conftest import train_args
 
-TASKS = Path(__file__).parents[1] / "data" / "eval"
+TASKS = SHIPPED
 MC, TEXT = TASKS / "python_mc.jsonl", TASKS / "python_text.jsonl"
 
 

@@ -4,17 +4,17 @@ figures equal `forja eval` on the run's final checkpoint."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from forja.cli import main
+from forja.eval.tasks import SHIPPED
 from tests.distributed.parity import COMMON
 
 from .conftest import forja_process, read_metrics, train_args
 
-TASKS = Path(__file__).parents[1] / "data" / "eval"
-EVAL = {"eval.tasks": json.dumps([str(TASKS / "python_mc.jsonl"), str(TASKS / "python_text.jsonl")]),
+TASKS = SHIPPED
+EVAL = {"eval.tasks": '["python_mc", "python_text"]',  # by name: the samples shipped with forja
         "eval.interval": "4", "train.steps": "8", "train.val_interval": "0", "train.sample_tokens": "0"}
 KEYS = ("eval/python-json-mc/acc", "eval/python-json-mc/acc_norm", "eval/python_text/bits_per_byte",
         "eval/python_text/loss")

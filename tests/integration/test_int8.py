@@ -4,18 +4,18 @@ in log-likelihood and what it saves in bytes, on a short trained run."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from forja.cli import main
 from forja.eval.cli import load_model
+from forja.eval.tasks import SHIPPED
 from forja.models.quantize import quantize, weight_bytes
 
 from .conftest import train_args
 
-TEXT = Path(__file__).parents[1] / "data" / "eval" / "python_text.jsonl"
+TEXT = SHIPPED / "python_text.jsonl"
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ LAYERS: dict[str, set[str]] = {
     "forja.generate": {"forja.models", "forja.ops", "forja.data", "forja.checkpoint", "forja.parallel"},
     "forja.report": set(),
     # scores a loaded model on task files; loads it through checkpoint (a run) or models (a HF dir)
-    "forja.eval": {"forja.models", "forja.ops", "forja.data", "forja.checkpoint", "forja.parallel"},
+    "forja.eval": {"forja.models", "forja.ops", "forja.data", "forja.checkpoint", "forja.parallel", "forja.generate"},
     # predicts a layout's memory and speed from the model and the config; builds nothing
     "forja.plan": {"forja.models", "forja.ops", "forja.parallel", "forja.config"},
     "forja.train": {"forja.models", "forja.ops", "forja.data", "forja.optim", "forja.metrics", "forja.parallel",

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from forja.errors import ForjaError
-from forja.eval.tasks import MULTIPLE_CHOICE, PERPLEXITY, Choice, Text, load_task
+from forja.eval.tasks import MULTIPLE_CHOICE, PERPLEXITY, SHIPPED, TASK_PATH, Choice, Text, load_task
 
-DATA = Path(__file__).parents[2] / "data" / "eval"
+DATA = SHIPPED
 
 
 def write(tmp_path: Path, *lines, name: str = "task.jsonl") -> Path:
@@ -27,6 +28,20 @@ def test_the_shipped_samples_load():
     text = load_task(DATA / "python_text.jsonl")
     assert (text.name, text.kind, len(text.examples)) == ("python_text", PERPLEXITY, 4)
     assert text.examples[0].text.startswith("def loads(s, *")
+
+
+def test_tasks_are_found_by_file_stem_or_header_name_and_the_task_path_comes_first(tmp_path, monkeypatch):
+    monkeypatch.delenv(TASK_PATH, raising=False)
+    assert load_task("python_mc").path == load_task("python-json-mc").path == DATA / "python_mc.jsonl"
+    mine = write(tmp_path, {"task": "mine", "kind": "perplexity"}, {"text": "abc"}, name="python_text.jsonl")
+    monkeypatch.setenv(TASK_PATH, f"{tmp_path / 'missing'}{os.pathsep}{tmp_path}")
+    assert load_task("python_text").path == mine  # $FORJA_TASK_PATH before the shipped samples
+    assert load_task("mine").examples == (Text("abc"),)
+    with pytest.raises(ForjaError, match="task 'hellaswag' is neither a file nor a known task name; give a JSONL "
+                                         "file, or one of: mine, python-json-mc, python_mc, python_text"):
+        load_task("hellaswag")
+    with pytest.raises(ForjaError, match="task file .*nope.jsonl does not exist"):
+        load_task("nope.jsonl")  # a path, not a name
 
 
 def test_kind_is_inferred_without_a_header_and_limit_keeps_the_first(tmp_path):

@@ -1,4 +1,4 @@
-"""Datasets of the local harness tasks, read from the sample task files one folder up.
+"""Datasets of the local harness tasks, read from the task samples shipped with forja (forja/eval/data).
 
 lm_eval calls a task's `custom_dataset` with the run's metadata (model_args included) as
 keyword arguments, hence **_: none of them changes the data. Building the dataset in memory
@@ -7,15 +7,14 @@ keeps the harness off the network and the tasks independent of the working direc
 """
 
 import json
-from pathlib import Path
 
 import datasets
 
-HERE = Path(__file__).parent
+from forja.eval.tasks import SHIPPED
 
 
 def _rows(name):
-    lines = (HERE.parent / name).read_text().splitlines()
+    lines = (SHIPPED / name).read_text().splitlines()
     # forja's task files may start with a header line ({"task": ..., "kind": ...}): not an example.
     return [row for row in map(json.loads, lines) if "task" not in row]
 
