@@ -70,7 +70,9 @@ def _describe(tp: Any) -> str:
     if tp is type(None):
         return "none"
     if origin in (list, tuple):
-        return f"a list of {_describe(typing.get_args(tp)[0])}"
+        inner = typing.get_args(tp)[0]
+        plural = {int: "integers", float: "numbers", bool: "true/false values", str: "strings"}.get(inner)
+        return f"a list of {plural or _describe(inner)}"
     if dataclasses.is_dataclass(tp):
         return f"a table of {', '.join(f.name for f in dataclasses.fields(tp))}"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
@@ -92,10 +94,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, option, key)
             except ForjaError:
                 continue
-    elif origin in (list, tuple) and isinstance(value, (list, tuple)):
-        inner = typing.get_args(tp)[0]
-        items = [_coerce(v, inner, key) for v in value]
-        return tuple(items) if origin is tuple else items
+    elif origin in (list, tuple):
+        if isinstance(value, (list, tuple)):  # a single value falls through to the error below
+            inner = typing.get_args(tp)[0]
+            items = [_coerce(v, inner, key) for v in value]
+            return tuple(items) if origin is tuple else items
     elif origin is dict or tp is dict:
         if isinstance(value, dict):
             return dict(value)

@@ -104,7 +104,8 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, cfg: SamplingConfig, 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a model",
-                       description="Continue a prompt with a model from a Hugging Face directory.")
+                       description="Continue a prompt with a model: a forja run, one of its checkpoints, "
+                                   "or a Hugging Face directory (docs/generation.md).")
     p.add_argument("source", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json), "
                                   "a forja run directory, or one of its checkpoints")
     p.add_argument("--prompt", required=True, help="text to continue")
@@ -114,20 +115,22 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="cast the model to this dtype first (default: as saved)")
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
-                   help="int8: weight-only int8 Linear layers (torchao), half the bytes of bf16")
+                   help="int8: weight-only int8 Linear layers (torchao); with --dtype bfloat16, about half "
+                        "the bytes of bf16")
     p.set_defaults(func=_run_cli)
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    from forja.checkpoint.export import load_model_and_tokenizer
-    from forja.models.quantize import quantize
+    from forja.checkpoint.export import document_start, load_model_and_tokenizer
+    from forja.models.quantize import cast, quantize
 
     model, tok = load_model_and_tokenizer(args.source, device=args.device)
-    model = quantize(model, args.quantize)
-    ids = tok.encode(args.prompt)
-    if tok.bos_id is not None and tok.bos_id != tok.eos_id:
-        ids = [tok.bos_id] + ids
+    model = quantize(cast(model, args.dtype), args.quantize)
+    start = document_start(args.source, tok)
+    ids = ([start] if start is not None else []) + tok.encode(args.prompt)
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed, stop_token=tok.eos_id)
     prompt = torch.tensor([ids], device=args.device)

@@ -76,16 +76,33 @@ def load_model_and_tokenizer(src: str | os.PathLike, *, device: str | torch.devi
                      "nor a Hugging Face model directory (config.json); give one of those")
 
 
+def document_start(src: str | os.PathLike, tok) -> int | None:
+    """The token a document follows in what the model was trained on, for the start of a prompt
+    or a scored text: a forja run's end-of-document token (its data packs documents, each
+    after one; its BOS token is never trained), a Hugging Face model's BOS when it has one
+    (a forja export declares its EOS as the BOS: hf_tokenizer_files), else None."""
+    if is_forja_source(Path(src).expanduser()):
+        return tok.eos_id
+    return tok.bos_id
+
+
 def hf_tokenizer_files(run_dir: Path, max_len: int) -> tuple[dict[str, str], dict[str, int]]:
     """tokenizer.json and a tokenizer_config.json that `AutoTokenizer` understands, plus the
     special-token ids for config.json."""
     from forja.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(run_dir / "tokenizer.json")
-    roles = tok.roles
+    roles = dict(tok.roles)
+    # A forja run's documents each follow the end-of-document token (the data packs them so);
+    # its BOS token is never trained. Declared as the BOS, the EOS is what Hugging Face tools
+    # put first (lm-evaluation-harness's prefix, generation from an empty prompt), as forja
+    # itself does (`document_start`): the export scores and continues text as the run does.
+    bos_id = tok.eos_id if tok.eos_id is not None else tok.bos_id
+    if "eos" in roles:
+        roles["bos"] = roles["eos"]
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
               "clean_up_tokenization_spaces": False, **{f"{r}_token": t for r, t in roles.items()}}
-    ids = {f"{r}_token_id": i for r, i in (("bos", tok.bos_id), ("eos", tok.eos_id), ("pad", tok.pad_id))
+    ids = {f"{r}_token_id": i for r, i in (("bos", bos_id), ("eos", tok.eos_id), ("pad", tok.pad_id))
            if i is not None}
     return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=2)}, ids
 

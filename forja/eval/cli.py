@@ -15,25 +15,22 @@ import torch
 from forja.errors import ForjaError
 from forja.eval.score import evaluate
 from forja.eval.tasks import MULTIPLE_CHOICE, load_task
-from forja.models.quantize import quantize, weight_bytes
+from forja.models.quantize import cast, quantize, weight_bytes
 
 
 def load_model(source: str | Path, *, device: str = "cpu"):
     """(model in eval mode, tokenizer, prefix token id) of a forja run/checkpoint or a Hugging Face dir.
 
-    The prefix token starts every scored sequence, as a document starts. A forja run's data
-    puts its end-of-document token before each document (documents are packed, each followed
-    by it), so that is the prefix there; a Hugging Face model gets its beginning-of-sequence
-    token when it has one, else its end-of-text token, as lm-evaluation-harness does.
+    The prefix token starts every scored sequence, as a document starts (`document_start`: a
+    forja run's end-of-document token, a Hugging Face model's BOS), and a model without a
+    BOS gets its end-of-text token, as lm-evaluation-harness does: the first token of a
+    text needs a token before it to be scored.
     """
-    from forja.checkpoint.export import is_forja_source, load_model_and_tokenizer
+    from forja.checkpoint.export import document_start, load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(source, device=device)
-    if is_forja_source(Path(source).expanduser()):
-        prefix = tok.eos_id
-    else:
-        prefix = tok.bos_id if tok.bos_id is not None else tok.eos_id
-    return model.eval(), tok, prefix
+    start = document_start(source, tok)
+    return model.eval(), tok, start if start is not None else tok.eos_id
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +46,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="cast the model to this dtype first (default: as saved)")
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="int8: score with weight-only int8 Linear layers (torchao)")
     p.set_defaults(func=_run_cli)
@@ -94,10 +93,10 @@ def _run_cli(args: argparse.Namespace) -> int:
     # Every task file is read and checked before the model is loaded: a bad line fails at once.
     tasks = [load_task(path, limit=args.limit) for path in args.task]
     model, tok, prefix = load_model(args.source, device=args.device)
-    model = quantize(model, args.quantize)
+    model = quantize(cast(model, args.dtype), args.quantize)
     results = [evaluate(model, tok, task, prefix_id=prefix, batch_size=args.batch_size) for task in tasks]
     if args.json:
-        print(json.dumps({"source": str(args.source), "quantize": args.quantize, "weight_bytes": weight_bytes(model),
+        print(json.dumps({"source": str(args.source), "dtype": args.dtype, "quantize": args.quantize, "weight_bytes": weight_bytes(model),
                           "tasks": results}, indent=2))
     else:
         _print_table(results)

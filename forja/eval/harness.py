@@ -24,8 +24,9 @@ Requests are tokenized as the harness's `hf` model tokenizes them for the Huggin
 the same run, so both give the same scores (tests/integration/test_harness.py): the context's
 trailing whitespace moves to the continuation, context + continuation is encoded whole and split
 at the context's length, and no token is put before a non-empty context. The prefix token (for
-an empty context and a rolling window's start) is the tokenizer's BOS, else its EOS, as `hf`
-picks it; pass prefix_token_id=<eos id> to both models for forja's own convention.
+an empty context and a rolling window's start) is where a document starts, as `forja eval` has
+it: a forja run's end-of-document token, a Hugging Face directory's BOS (a forja export declares
+its EOS as the BOS, so `hf` on the export picks the same), else the EOS.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ from typing import Any
 
 import torch
 
-from forja.checkpoint.export import load_model_and_tokenizer
+from forja.checkpoint.export import document_start, load_model_and_tokenizer
 from forja.errors import ForjaError
 from forja.eval.score import Request, loglikelihoods, score_requests
 from forja.generate import SamplingConfig, generate
+from forja.models.quantize import cast
 from forja.models.quantize import quantize as quantize_model
 
 try:
@@ -56,7 +58,6 @@ except ImportError as exc:  # forja itself never needs lm_eval; only this module
     raise ForjaError("forja.eval.harness needs lm-evaluation-harness; pip install 'forja[lm_eval]'") from exc
 
 logger = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Generation options a forja SamplingConfig can honour; any other is refused, not ignored.
 _SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p"}
 
@@ -81,10 +82,7 @@ class ForjaLM(TemplateLM):
         self.source = str(run)
         model, self.tok = load_model_and_tokenizer(run, device=device)
         self.model = model.eval()
-        if dtype is not None:
-            if dtype not in DTYPES:
-                raise ForjaError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
-            self.model.to(DTYPES[dtype])
+        self.model = cast(self.model, dtype)  # its ForjaError names the choices
         self.quantize = quantize
         self.model = quantize_model(self.model, quantize)  # its ForjaError names the choices
         self._device = torch.device(device)
@@ -95,9 +93,11 @@ class ForjaLM(TemplateLM):
             raise ForjaError(f"max_length={max_length} must be between 1 and the model's max_seq_len "
                              f"({self.max_len})")
         self.max_len = int(max_length or self.max_len)
-        # As HFLM: BOS when the tokenizer has one, else EOS (forja eval's own choice differs: see above).
+        # Where a document starts (a forja run: its EOS; a Hugging Face directory: its BOS, which a
+        # forja export declares to be the EOS), else EOS: what HFLM picks on the export.
         bos, eos = self.tok.bos_id, self.tok.eos_id
-        self._prefix = int(prefix_token_id) if prefix_token_id is not None else (bos if bos is not None else eos)
+        start = document_start(run, self.tok)
+        self._prefix = int(prefix_token_id) if prefix_token_id is not None else (start if start is not None else eos)
         self._specials = {i for i in (bos, eos, self.tok.pad_id) if i is not None}
 
     @property

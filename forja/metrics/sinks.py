@@ -18,6 +18,8 @@ from __future__ import annotations
 import abc
 import importlib
 import json
+import posixpath
+import re
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -41,6 +43,29 @@ SINKS: dict[str, str] = {
     "comet": "forja.metrics.trackers:CometSink",
 }
 WANDB_MODES = ("offline", "online", "disabled")
+
+# What every tracker accepts as a run tag: W&B takes 1 to 64 characters (wandb_settings.py); MLflow
+# stores each tag as a tag key (trackers.py), which may hold only letters, digits, _ - . / : and spaces
+# and must read as one path (mlflow/utils/validation.py); mlflow.* and forja.* are the run's own tags.
+TAG_CHARS = 64
+_TAG_PATTERN = re.compile(r"[\w.\-/: ]+")
+_RESERVED_TAG_PREFIXES = ("mlflow.", "forja.")
+
+
+def _tag_problem(tag: Any) -> str | None:
+    """Why `tag` is refused as a run tag, or None."""
+    if not isinstance(tag, str):
+        return "is not a string"
+    if not 1 <= len(tag) <= TAG_CHARS:
+        return f"has {len(tag)} characters; a tag has 1 to {TAG_CHARS} (W&B's limit)"
+    if not _TAG_PATTERN.fullmatch(tag) or tag != tag.strip():
+        return "may hold only letters, digits, _ - . / : and inner spaces (MLflow's tag keys)"
+    norm = posixpath.normpath(tag)  # MLflow's path_not_unique
+    if norm != tag or norm == "." or norm.startswith(("..", "/")):
+        return "must read as one path: no leading, trailing or doubled /, no . or .. parts (MLflow's tag keys)"
+    if tag.startswith(_RESERVED_TAG_PREFIXES):
+        return "starts with 'mlflow.' or 'forja.', which name MLflow's and forja's own run tags"
+    return None
 
 
 @dataclass(kw_only=True)
@@ -73,6 +98,10 @@ class MetricsConfig:
     peak_tflops: float | None = None
     """Dense peak TFLOP/s of one device, for MFU on hardware the built-in table does not know
     (or to override it); None uses the table, and no MFU where the table has no entry."""
+    tags: list[str] = field(default_factory=list)
+    """Run tags for W&B, MLflow (each a tag key with an empty value) and Comet, and a text entry in
+    TensorBoard; each 1-64 characters of letters, digits, _ - . / : and inner spaces. On resume W&B's
+    run takes the config's tags (unless empty), MLflow and Comet add them to the run's."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.interval, int) or self.interval < 1:
@@ -94,6 +123,19 @@ class MetricsConfig:
             raise ForjaError(f"metrics.straggler_factor = {self.straggler_factor} must be > 1, or 0 to turn it off")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ForjaError(f"metrics.peak_tflops = {self.peak_tflops} must be > 0, or left out to use the table")
+        self._check_tags()
+
+    def _check_tags(self) -> None:
+        if isinstance(self.tags, str) or not isinstance(self.tags, Sequence):
+            raise ForjaError(f"metrics.tags = {self.tags!r} must be a list of strings, "
+                             "such as [\"baseline\", \"lr-3e-4\"]")
+        for tag in self.tags:
+            if problem := _tag_problem(tag):
+                raise ForjaError(f"metrics.tags: {tag!r} {problem}; change or remove it "
+                                 "(tags such as \"baseline\" or \"ablation/lr-3e-4\" suit every tracker)")
+        if len(set(self.tags)) != len(self.tags):
+            raise ForjaError(f"metrics.tags = {list(self.tags)} names a tag twice; name each once")
+        self.tags = list(self.tags)
 
 
 class Sink(abc.ABC):

@@ -4,7 +4,10 @@ Each imports its library when it is chosen (building the sink fails early, namin
 extra, when the library is missing). Metric names are grouped as in `tracker_key`:
 train/loss, train/tokens_per_sec, val/loss. W&B, MLflow and Comet runs are resumable: the run id
 (Comet's experiment key) is kept in <run_dir>/tracking.json, so a resumed training run
-continues the same tracker run.
+continues the same tracker run. The run tags (metrics.tags) are set again by every session: W&B
+replaces a resumed run's tags with the config's (wandb.init(tags=...); an empty list leaves them as they
+are), MLflow and Comet add them to the run's (a tag dropped from the config stays on the run).
+TensorBoard has no run tags: they are written as a text entry.
 """
 
 from __future__ import annotations
@@ -75,19 +78,22 @@ class TensorBoardSink(Sink):
 
     name = "tensorboard"
 
-    def __init__(self, log_dir: Path):
-        self.log_dir = Path(log_dir)
+    def __init__(self, log_dir: Path, tags: list[str] = ()):
+        self.log_dir, self.tags = Path(log_dir), list(tags)
         self._writer = None
 
     @classmethod
     def from_config(cls, cfg: MetricsConfig, *, run_dir: Path, run_name: str, config: dict) -> Sink:
         _require("torch.utils.tensorboard", "tensorboard", "tensorboard")
-        return cls(Path(cfg.tensorboard_dir) if cfg.tensorboard_dir else Path(run_dir) / "tensorboard")
+        return cls(Path(cfg.tensorboard_dir) if cfg.tensorboard_dir else Path(run_dir) / "tensorboard", cfg.tags)
 
     def start(self, *, total_steps: int, start_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=start_step + 1)
+        if self.tags:  # TensorBoard has no run tags: a text entry at the session's first step, which
+            # a later resume from the same checkpoint purges and writes again (no doubled entry)
+            self._writer.add_text("tags", " ".join(f"`{tag}`" for tag in self.tags), global_step=start_step + 1)
 
     def log(self, step: int, metrics: Metrics) -> None:
         for key, value in _numbers(metrics).items():
@@ -129,7 +135,7 @@ class WandbSink(Sink):
         run_id = load_tracking(self.run_dir).get("wandb_run_id") or secrets.token_hex(4)
         self._run = wandb.init(project=self.cfg.wandb_project, entity=self.cfg.wandb_entity, name=self.run_name,
                                id=run_id, resume="allow", dir=str(self.run_dir), config=self.config,
-                               mode=self.cfg.wandb_mode)
+                               mode=self.cfg.wandb_mode, tags=self.cfg.tags or None)
         if self.cfg.wandb_mode != "disabled":
             save_tracking(self.run_dir, wandb_run_id=run_id)
         self._run.define_metric("step")
@@ -150,9 +156,16 @@ class WandbSink(Sink):
             self._run = None
 
 
-# MLflow's limits: characters of a param value, params per log_batch call.
+# MLflow's limits: characters of a param value, params (or tags) per log_batch call.
 _MLFLOW_PARAM_CHARS = 6000
 _MLFLOW_BATCH_PARAMS = 100
+
+
+def _mlflow_tags(tags: list[str]) -> dict[str, str]:
+    """MLflow's tags are key/value pairs: each run tag is a key with an empty value, so it shows and
+    filters as itself (tags.baseline = '') rather than inside one joined string; MetricsConfig
+    allows only tags that are valid MLflow keys and not MLflow's or forja's own."""
+    return dict.fromkeys(tags, "")
 
 
 class MLflowSink(Sink):
@@ -193,12 +206,16 @@ class MLflowSink(Sink):
         return run.info.run_id
 
     def start(self, *, total_steps: int, start_step: int) -> None:
-        from mlflow.entities import Param
+        from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._client = MlflowClient(tracking_uri=self.tracking_uri)
         self.run_id = self._open_run()
+        # Set on resume too: a tag set to the value it has is unchanged, a new one is added.
+        tags = [RunTag(key, value) for key, value in _mlflow_tags(self.cfg.tags).items()]
+        for i in range(0, len(tags), _MLFLOW_BATCH_PARAMS):
+            self._client.log_batch(self.run_id, tags=tags[i:i + _MLFLOW_BATCH_PARAMS])
         # A resumed run has its params already; MLflow refuses to change a logged param.
         logged = self._client.get_run(self.run_id).data.params
         params = [Param(k, v[:_MLFLOW_PARAM_CHARS]) for k, v in flatten(self.config).items() if k not in logged]
@@ -272,6 +289,8 @@ class CometSink(Sink):
         # Offline, an unnamed experiment gets a generated name at upload time.
         self._experiment.set_name(self.run_name)
         self._experiment.log_other("forja.run_dir", str(self.run_dir))
+        if self.cfg.tags:  # in the archive's experiment.json; an upload adds them to the experiment's tags
+            self._experiment.add_tags(self.cfg.tags)
         # Logged again on resume: a resumed run may change some (train.steps), and Comet keeps the latest.
         self._experiment.log_parameters(flatten(self.config))
 

@@ -1,10 +1,13 @@
 """Weight-only int8 for inference (`forja generate/eval --quantize int8`), through torchao.
 
-Every nn.Linear's weight becomes int8 with one float scale per output channel (symmetric);
+Every nn.Linear's weight becomes int8 with a float scale (and zero point) per output channel;
 activations stay in the model's dtype, and each matmul dequantizes on the fly. The token
-embedding and the norms are left as they are. So the Linear weights take half the bytes of
-bf16 (a quarter of fp32) plus their scales, and the whole model shrinks by less the larger
-its embedding's share (docs/evaluation.md has what was measured).
+embedding and the norms are left as they are, and so is an output projection tied to the
+embedding: quantizing it would store a second, int8 copy of the shared weight beside the
+embedding. So the Linear weights take half the bytes of bf16 (a quarter of fp32) plus their
+scales, and the whole model shrinks by less the larger its embedding's share; cast the model
+to bf16 first (`--dtype bfloat16`) for the rest to take bf16's bytes (docs/evaluation.md has
+what was measured).
 """
 
 from __future__ import annotations
@@ -17,6 +20,16 @@ from torch import nn
 from forja.errors import ForjaError
 
 QUANTIZE_CHOICES = ("none", "int8")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cast(model: nn.Module, dtype: str | None) -> nn.Module:
+    """`model` in `dtype` (a DTYPES name), or as it is for None: for inference, before `quantize`."""
+    if dtype is None:
+        return model
+    if dtype not in DTYPES:
+        raise ForjaError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    return model.to(DTYPES[dtype])
 
 
 def quantize(model: nn.Module, how: str) -> nn.Module:
@@ -29,7 +42,9 @@ def quantize(model: nn.Module, how: str) -> nn.Module:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError as exc:
         raise ForjaError("--quantize int8 runs through torchao: pip install 'forja[float8]'") from exc
-    quantize_(model, Int8WeightOnlyConfig())
+    tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear)
+              and not (tied and fqn == "output"))
     return model
 
 

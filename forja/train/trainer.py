@@ -317,7 +317,8 @@ class Trainer:
         holds whole layers: export the checkpoint and use `forja generate`)."""
         if self.model is None or self.dims.tp > 1:
             return None
-        ids = self.tokenizer.encode(prompt)
+        # After the end-of-document token, as every document follows one in the packed data.
+        ids = [self.tokenizer.eos_id] + self.tokenizer.encode(prompt)
         tokens = torch.tensor([ids], device=self.device)
         max_new_tokens = min(max_new_tokens, self.model.args.max_seq_len - len(ids))
         with self.engine.autocast():

@@ -21,23 +21,25 @@ def _losses(metrics, after=0):
 def test_comet_offline_archive_records_the_run_and_its_resume(tmp_path, train_data):
     run = tmp_path / "run"
     changes = {"train.steps": "4", "metrics.sinks": '["jsonl", "comet"]', "metrics.interval": "2",
-               "checkpoint.interval": "4"}
+               "checkpoint.interval": "4", "metrics.tags": '["baseline"]'}
     assert main(train_args(run, train_data, **changes)) == 0
     key = load_tracking(run)["comet_experiment_key"]
     [first] = list((run / "comet").glob("*.zip"))
     assert first.name == f"{key}.zip"
     meta, metrics, params, _ = comet_archive(first)
     assert meta["offline_id"] == key and meta["project_name"] == "kode-pretraining"
-    assert meta["resume_strategy"] == "create"
+    assert meta["resume_strategy"] == "create" and meta["tags"] == ["baseline"]
     expected = losses(run)
     assert _losses(metrics) == [(s, pytest.approx(v)) for s, v in expected.items()] and sorted(expected) == [2, 4]
     assert params["model.flavor"] == "debug"
 
     # Resumed from the step-4 checkpoint: a second archive for the same experiment key,
     # which `comet upload` appends to the experiment the first one created.
-    assert main(train_args(run, train_data, **{**changes, "train.steps": "6"})) == 0
+    resume = {**changes, "train.steps": "6", "metrics.tags": '["baseline", "longer"]'}
+    assert main(train_args(run, train_data, **resume)) == 0
     [second] = [p for p in (run / "comet").glob("*.zip") if p != first]
     meta, metrics, params, _ = comet_archive(second)
     assert meta["offline_id"] == key and meta["resume_strategy"] == "get"
+    assert sorted(meta["tags"]) == ["baseline", "longer"]  # metrics.* may change on resume
     assert _losses(metrics) == [(6, pytest.approx(losses(run)[6]))]
     assert params["train.steps"] == "6"

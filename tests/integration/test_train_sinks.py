@@ -20,7 +20,9 @@ def test_all_sinks_record_the_run(tmp_path, train_data, monkeypatch):
     run = tmp_path / "run"
     sinks = '["console", "jsonl", "tensorboard", "wandb", "mlflow"]'
     # A NaN at step 5, skipped: its event reaches every tracker as health/... numbers.
+    # metrics.tags from the command line reach every tracker, each read back below.
     assert main(train_args(run, train_data, **{"train.steps": "6", "metrics.sinks": sinks,
+                                               "metrics.tags": '["baseline", "data/tiny"]',
                                                "metrics.interval": "2", "train.val_interval": "3",
                                                "debug.inject": '["nan@5"]', "train.on_nonfinite": '"skip"'})) == 0
     expected = losses(run)
@@ -31,10 +33,13 @@ def test_all_sinks_record_the_run(tmp_path, train_data, monkeypatch):
                                                                       expected.items()]
     assert [e.step for e in tb.Scalars("val/loss")] == [3, 6]
     assert [(e.step, e.value) for e in tb.Scalars("health/skipped_steps")] == [(5, 1.0)]
+    [tags] = tb.Tensors("tags/text_summary")
+    assert (tags.step, tags.tensor_proto.string_val[0].decode()) == (1, "`baseline` `data/tiny`")
 
     run_id = load_tracking(run)["wandb_run_id"]
     [session] = list((run / "wandb").glob(f"offline-run-*/run-{run_id}.wandb"))
     assert run_record(session).project == "kode-pretraining"
+    assert list(run_record(session).tags) == ["baseline", "data/tiny"]
     history = [(r["step"], r["train/loss"]) for r in wandb_history(session) if "train/loss" in r]
     assert history == [(s, pytest.approx(v)) for s, v in expected.items()]
     assert [(r["step"], r["health/skipped_steps"]) for r in wandb_history(session)
@@ -46,3 +51,5 @@ def test_all_sinks_record_the_run(tmp_path, train_data, monkeypatch):
         [(s, pytest.approx(v)) for s, v in expected.items()]
     assert [(m.step, m.value) for m in client.get_metric_history(mlflow_id, "health/skipped_steps")] == [(5, 1.0)]
     assert client.get_run(mlflow_id).data.params["model.flavor"] == "debug"
+    tags = client.get_run(mlflow_id).data.tags
+    assert (tags["baseline"], tags["data/tiny"]) == ("", "")

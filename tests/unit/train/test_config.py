@@ -31,6 +31,7 @@ def test_defaults_without_a_recipe():
     ("train.steps=0", "train.steps = 0 must be at least 1"),
     ("train.precision=fp64", "train.precision = 'fp64' is not valid: it must be one of 'auto', 'fp32', 'bf16', 'fp16'"),
     ("checkpoint.async_save=yes", "checkpoint.async_save = 'yes' is not valid: it must be true or false"),
+    ('metrics.sinks="console"', "metrics.sinks = 'console' is not valid: it must be a list of strings"),
     ("steps=1", "name a key inside a section"),
     ("train.steps", "must look like section.key=value"),
 ])
