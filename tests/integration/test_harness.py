@@ -119,6 +119,9 @@ def test_multiple_choice_agrees_with_the_hf_model(both, source):
         assert ours["results"][MC][metric] == theirs["results"][MC][metric]
     a, b = responses(ours, MC), responses(theirs, MC)
     assert len(a) == len(b) == 11  # 5 questions, 11 choices
+    print(f"{source}: acc {ours['results'][MC]['acc,none']} / {theirs['results'][MC]['acc,none']}, acc_norm "
+          f"{ours['results'][MC]['acc_norm,none']} / {theirs['results'][MC]['acc_norm,none']}, max |ll diff| "
+          f"{max(abs(x[0] - y[0]) for x, y in zip(a, b)):.2e}")
     assert max(abs(x[0] - y[0]) for x, y in zip(a, b)) < 1e-4  # measured 1.5e-5 (sums of ~100 nats)
     assert [x[1] for x in a] == [y[1] for y in b]  # is_greedy
     assert len({round(x[0], 3) for x in a}) == len(a)  # real scores, each its own
@@ -129,6 +132,8 @@ def test_rolling_perplexity_agrees_with_the_hf_model(both, source):
     ours, theirs = both["forja/" + source], both["hf/" + source]
     a, b = responses(ours, TEXT), responses(theirs, TEXT)
     assert len(a) == len(b) == 4
+    print(f"{source}: rolling max relative diff {max(abs(x - y) / abs(y) for x, y in zip(a, b)):.1e}, bits/byte "
+          f"{ours['results'][TEXT]['bits_per_byte,none']:.5f} / {theirs['results'][TEXT]['bits_per_byte,none']:.5f}")
     assert all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(a, b))  # measured 4e-8 relative
     assert ours["results"][TEXT]["bits_per_byte,none"] == pytest.approx(theirs["results"][TEXT]["bits_per_byte,none"],
                                                                          rel=1e-6)
