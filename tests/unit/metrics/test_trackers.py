@@ -7,7 +7,7 @@ import pytest
 from forja.errors import ForjaError
 from forja.metrics.sinks import MetricsConfig, build_sinks
 from forja.metrics.trackers import CometSink, MLflowSink, TensorBoardSink, WandbSink, flatten, load_tracking
-from tests.trackers import comet_archive, read_tensorboard, run_record, wandb_history
+from tests.trackers import comet_archive, finished_records, read_tensorboard, run_record, wandb_history
 
 CONFIG = {"model": {"family": "llama", "dim": 64}, "optim": {"lr": 3e-4}, "tags": ["a", "b"]}
 # metrics.tags of a first session and of its resume, which adds one.
@@ -134,6 +134,10 @@ def test_wandb_offline_run_resumes_the_same_run(tmp_path, monkeypatch):
     table = json.loads((files[0].parent / "files" / first[2]["samples/sample/path"]).read_text())
     assert table["columns"] == ["step", "text"] and table["data"] == [[10, "hello"]]
     assert [(r["step"], r["train/loss"]) for r in second] == [(20, 2.0)]
+    # Each group forja logs under is charted against its step, not W&B's own counter.
+    globs = {r.metric.glob_name: r.metric.step_metric for r in finished_records(files[0])
+             if r.WhichOneof("record_type") == "metric" and r.metric.glob_name}
+    assert globs == dict.fromkeys(["train/*", "val/*", "eval/*", "moe/*", "health/*", "samples/*"], "step")
 
 
 # -- MLflow -----------------------------------------------------------------------------------
