@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from forja.errors import ForjaError
+from forja.models.quantize import DTYPES, QUANTIZE_CHOICES, cast, quantize
 
 
 @dataclass(kw_only=True)
@@ -114,19 +115,22 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
+    add_model_options(p)
+    p.set_defaults(func=_run_cli)
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """--device, --dtype and --quantize: where and how a loaded model runs (forja generate, forja eval)."""
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                    help="cast the model to this dtype first (default: as saved)")
-    p.add_argument("--quantize", choices=("none", "int8"), default="none",
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
                    help="int8: weight-only int8 Linear layers (torchao); with --dtype bfloat16, about half "
                         "the bytes of bf16")
-    p.set_defaults(func=_run_cli)
 
 
 def _run_cli(args: argparse.Namespace) -> int:
     from forja.checkpoint.export import document_start, load_model_and_tokenizer
-    from forja.models.quantize import cast, quantize
-
     model, tok = load_model_and_tokenizer(args.source, device=args.device)
     model = quantize(cast(model, args.dtype), args.quantize)
     start = document_start(args.source, tok)

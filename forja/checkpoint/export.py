@@ -24,6 +24,7 @@ from forja.checkpoint.states import ModelState
 from forja.errors import ForjaError
 from forja.models import build_from_args, get_family, save_hf_checkpoint
 from forja.models.common.transformer import Transformer
+from forja.models.quantize import DTYPES
 
 
 def resolve_checkpoint(src: str | os.PathLike) -> tuple[Path, Path]:
@@ -119,14 +120,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory")
     p.add_argument("source", help="a run directory (its latest checkpoint) or a checkpoint directory")
     p.add_argument("--hf", required=True, metavar="OUT_DIR", help="the Hugging Face directory to write")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                    help="cast the weights (default: as trained, float32)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it holds files")
     p.set_defaults(func=_run_cli)
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    dtype = getattr(torch, args.dtype) if args.dtype else None
+    dtype = DTYPES[args.dtype] if args.dtype else None
     out = export_hf(args.source, args.hf, overwrite=args.overwrite, dtype=dtype)
     print(f"forja: wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
     return 0

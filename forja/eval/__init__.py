@@ -10,6 +10,7 @@ task format and how each figure is computed.
 
 from forja.eval.score import (
     Request,
+    Score,
     choice_requests,
     evaluate,
     evaluate_multiple_choice,
@@ -20,5 +21,5 @@ from forja.eval.score import (
 )
 from forja.eval.tasks import Choice, Task, Text, load_task
 
-__all__ = ["Choice", "Request", "Task", "Text", "choice_requests", "evaluate", "evaluate_multiple_choice",
+__all__ = ["Choice", "Request", "Score", "Task", "Text", "choice_requests", "evaluate", "evaluate_multiple_choice",
            "evaluate_perplexity", "load_task", "loglikelihoods", "score_requests", "text_requests"]

@@ -10,11 +10,10 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
 from forja.errors import ForjaError
 from forja.eval.score import evaluate
 from forja.eval.tasks import MULTIPLE_CHOICE, load_task
+from forja.generate import add_model_options
 from forja.models.quantize import cast, quantize, weight_bytes
 
 
@@ -45,11 +44,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, metavar="N", help="score only each task's first N examples")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="cast the model to this dtype first (default: as saved)")
-    p.add_argument("--quantize", choices=("none", "int8"), default="none",
-                   help="int8: score with weight-only int8 Linear layers (torchao)")
+    add_model_options(p)
     p.set_defaults(func=_run_cli)
 
 

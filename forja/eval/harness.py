@@ -147,25 +147,10 @@ class ForjaLM(TemplateLM):
 
     @torch.no_grad()
     def _score_with_greedy(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
-        """(summed log-prob, whether each scored token is the argmax) per request, one forward per
-        batch: score_requests computes the sums; the forward it calls keeps each row's argmax."""
-        self.model.eval()
-        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))  # little padding
-        out: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start: start + self.batch_size]
-            batch = [requests[i] for i in idx]
-            seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-            def forward(inputs: torch.Tensor) -> torch.Tensor:
-                logits = self.model(inputs)  # (B, T, V)
-                seen.append((inputs.cpu(), logits.argmax(-1).cpu()))  # (B, T), (B, T)
-                return logits
-
-            sums = score_requests(forward, batch, batch_size=len(batch), device=self._device, max_len=self.max_len)
-            for i, request, total in zip(idx, batch, sums):
-                out[i] = (total, _is_greedy(request, seen))
-        return out
+        """(summed log-prob, whether each scored token is the argmax) per request."""
+        scores = score_requests(self.model, requests, batch_size=self.batch_size, device=self._device,
+                                max_len=self.max_len)
+        return [(score.logprob, bool(score.greedy)) for score in scores]
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Each document's summed log-likelihood, every token scored once, in the harness's own
@@ -225,18 +210,6 @@ def _device(asked: str | None) -> str:
     if asked:
         logger.warning("device %s asked for, but CUDA is not available: scoring on the CPU", asked)
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _is_greedy(request: Request, seen: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Whether the argmax at each scored position is the scored token. Any row whose inputs
-    start with the request's tokens has, attention being causal, the same argmax there."""
-    n = len(request.tokens) - 1
-    want = torch.tensor(request.tokens[:-1])
-    for inputs, greedy in seen:
-        for row in range(inputs.shape[0]):
-            if inputs.shape[1] >= n and torch.equal(inputs[row, :n], want):
-                return greedy[row, n - request.n_scored: n].tolist() == list(request.tokens[-request.n_scored:])
-    raise AssertionError("a scored request was not in the batch it was scored in")
 
 
 def _sampling(kwargs: dict[str, Any], max_gen_toks: int, *, stop: int) -> SamplingConfig:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,16 @@ class Request:
 
 IGNORE = -100  # cross_entropy's ignore_index: positions not scored
 
+
+class Score(NamedTuple):
+    """What scoring one request gives."""
+
+    logprob: float
+    """The summed natural-log probability of its scored tokens."""
+    greedy: bool | None
+    """Whether each scored token is the model's most likely one there (lm-evaluation-harness's
+    is_greedy); None where not computed: vocabulary-sharded logits would have to be gathered."""
+
 def _check(request: Request, max_len: int) -> None:
     if not 1 <= request.n_scored < len(request.tokens):
         raise ForjaError(f"a request of {len(request.tokens)} tokens cannot score {request.n_scored} of them; "
@@ -52,9 +63,9 @@ def _check(request: Request, max_len: int) -> None:
 Forward = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
-def _score_batch(forward: Forward, batch: Sequence[Request], device: torch.device, pad_to: int) -> list[float]:
-    """Summed log-probs of each request's scored tokens, in one forward pass (0.0 each where
-    `forward` returns None). The padded length is a multiple of `pad_to` (sequence
+def _score_batch(forward: Forward, batch: Sequence[Request], device: torch.device, pad_to: int) -> list[Score]:
+    """The scores of a batch's requests, in one forward pass (0.0 and None each where `forward`
+    returns None). The padded length is a multiple of `pad_to` (sequence
     parallelism splits it over the tensor-parallel ranks)."""
     T = max(len(r.tokens) for r in batch) - 1
     T = -(-T // pad_to) * pad_to
@@ -63,17 +74,18 @@ def _score_batch(forward: Forward, batch: Sequence[Request], device: torch.devic
         inputs[row, : len(r.tokens) - 1] = torch.tensor(r.tokens[:-1])
     logits = forward(inputs.to(device))  # (B, T, V)
     if logits is None:
-        return [0.0] * len(batch)
+        return [Score(0.0, None)] * len(batch)
     if isinstance(logits, DTensor):
-        return _sharded_sums(logits, batch)
-    sums = []
+        return [Score(value, None) for value in _sharded_sums(logits, batch)]
+    scores = []
     for row, r in enumerate(batch):
         end = len(r.tokens) - 1  # logits at position t predict token t + 1
         # log_softmax of the scored rows only: (n_scored, V) in float32, never (B, T, V)
         logp = logits[row, end - r.n_scored: end].float().log_softmax(-1)
         targets = torch.tensor(r.tokens[-r.n_scored:], device=logp.device)  # (n_scored,)
-        sums.append(logp.gather(-1, targets[:, None]).double().sum().item())
-    return sums
+        scores.append(Score(logp.gather(-1, targets[:, None]).double().sum().item(),
+                            bool((logp.argmax(-1) == targets).all())))
+    return scores
 
 
 def _sharded_sums(logits: DTensor, batch: Sequence[Request]) -> list[float]:
@@ -93,16 +105,17 @@ def _sharded_sums(logits: DTensor, batch: Sequence[Request]) -> list[float]:
 
 
 def score_requests(forward: Forward, requests: Sequence[Request], *, batch_size: int, device: torch.device,
-                   max_len: int, pad_to: int = 1) -> list[float]:
-    """`loglikelihoods` through any forward: a model, or a sharded model's (forja/train/evaluation.py).
-    Every rank calling it with the same number of requests makes the same number of forwards."""
+                   max_len: int, pad_to: int = 1) -> list[Score]:
+    """Each request's Score, through any forward: a model, or a sharded model's
+    (forja/train/evaluation.py). Every rank calling it with the same number of requests
+    makes the same number of forwards."""
     if batch_size < 1:
         raise ForjaError(f"batch_size={batch_size} must be at least 1")
     for r in requests:
         _check(r, max_len)
     # Longest first, so each batch pads little.
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
-    out = [0.0] * len(requests)
+    out: list[Score] = [Score(0.0, None)] * len(requests)
     for start in range(0, len(order), batch_size):
         idx = order[start: start + batch_size]
         for i, value in zip(idx, _score_batch(forward, [requests[i] for i in idx], device, pad_to)):
@@ -117,10 +130,11 @@ def loglikelihoods(model: torch.nn.Module, requests: Sequence[Request], *, batch
     was_training = model.training
     model.eval()
     try:
-        return score_requests(model, requests, batch_size=batch_size, device=device,
-                              max_len=model.args.max_seq_len)
+        scores = score_requests(model, requests, batch_size=batch_size, device=device,
+                                max_len=model.args.max_seq_len)
     finally:
         model.train(was_training)
+    return [s.logprob for s in scores]
 
 
 def choice_requests(tokenizer: Tokenizer, example: Choice, *, prefix_id: int | None,

@@ -41,8 +41,9 @@ def sharded_scorer(trainer: TrainerView):
             return logits
 
         # Sequence parallelism splits T over the tp ranks: padded to a multiple of tp.
-        values = score_requests(forward, [requests[i] for i in mine], batch_size=batch_size, device=trainer.device,
+        scores = score_requests(forward, [requests[i] for i in mine], batch_size=batch_size, device=trainer.device,
                                 max_len=trainer.max_seq_len, pad_to=trainer.dims.tp)
+        values = [score.logprob for score in scores]
         out = [0.0] * n
         for theirs in trainer.gather_floats([float(copy), float(all(held)), *values]):
             if theirs[1]:  # a rank holding its copy's scores (every tp rank of it holds the same)

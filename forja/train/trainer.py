@@ -13,6 +13,7 @@ sampling, GC, profiling and preemption are callbacks (callbacks.py).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,7 +67,7 @@ class Trainer:
         # Collectives wait a grace longer than the watchdog, so that a hang is reported (every
         # rank's stack, the culprit named) before a timed-out collective ends the process.
         info = init_distributed(c.train.device, c.parallel.timeout_s + grace_s(c.parallel.timeout_s))
-        self.rank, self.device, self.world_size = info.rank, info.device, info.world_size
+        self.rank, self.device = info.rank, info.device
         if not c.parallel.auto:
             ParallelDims.from_config(c.parallel, info.world_size)  # a bad layout stops before any write
         self.run_dir: Path = RunDir(c, rank=self.rank).prepare()
@@ -269,16 +270,12 @@ class Trainer:
         if self.val_loader is None:
             return None
         self.watchdog.beat("validation", self.counters.step)
-        for part in self.parts:
-            part.eval()
         total, count = torch.zeros((), device=self.device), 0
-        with ActivationSizes(self.parts) as sizes:
+        with self._eval_mode(), ActivationSizes(self.parts) as sizes:
             for batch in self.val_loader:
                 total += self.engine.eval_loss(batch)
                 count += 1
         self.activation_sizes = sizes.means()
-        for part in self.parts:
-            part.train()
         stats = torch.stack([total, torch.tensor(float(count), device=self.device)])
         if dist.get_world_size() > 1:
             dist.all_reduce(stats, group=self.dims.loss_group)
@@ -348,10 +345,6 @@ class Trainer:
             self.stop_reason = "another rank's signal"
         return bool(flag.item())
 
-    def autocast(self):
-        """The compute precision's autocast context, for forwards outside the step engine."""
-        return self.engine.autocast()
-
     def beat(self, phase: str, step: int) -> None:
         """Tell the hang watchdog that `phase` of `step` is under way (a long callback's work)."""
         self.watchdog.beat(phase, step)
@@ -363,10 +356,16 @@ class Trainer:
     def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Forward-only logits of tokens (B, T) in eval mode (the step engine's `logits`: sharded
         over the vocabulary under TP, None on a pipeline rank without the last stage)."""
+        with self._eval_mode():
+            return self.engine.logits(tokens)
+
+    @contextlib.contextmanager
+    def _eval_mode(self):
+        """The model parts in eval mode (no MoE load counting), back in train mode after."""
         for part in self.parts:
             part.eval()
         try:
-            return self.engine.logits(tokens)
+            yield
         finally:
             for part in self.parts:
                 part.train()
