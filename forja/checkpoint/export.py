@@ -5,6 +5,10 @@
 
 A checkpoint's forja.json records the model's exact arguments, and the run directory
 holds the tokenizer, so a checkpoint is loaded without the data or the original config.
+
+Its files are checked first (verify.py): their sizes always, their checksums for an export.
+A run directory's newest intact checkpoint is used (a damaged newer one is named in one line
+on stderr); a damaged checkpoint given by name stops with one sentence.
 """
 
 from __future__ import annotations
@@ -12,31 +16,44 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
+import sys
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from forja.checkpoint.manager import complete_checkpoints, read_meta
+from forja.checkpoint.manager import read_meta
 from forja.checkpoint.states import ModelState
+from forja.checkpoint.verify import damage, newest_intact
 from forja.errors import ForjaError
 from forja.models import build_from_args, get_family, save_hf_checkpoint
 from forja.models.common.transformer import Transformer
 from forja.models.quantize import DTYPES
 
 
-def resolve_checkpoint(src: str | os.PathLike) -> tuple[Path, Path]:
-    """(run directory, checkpoint directory) of a run dir (its latest checkpoint) or a checkpoint."""
+def resolve_checkpoint(src: str | os.PathLike, *, checksums: bool = False) -> tuple[Path, Path]:
+    """(run directory, checkpoint directory) of a run dir (its newest intact checkpoint) or of an
+    intact checkpoint; `checksums` checks the bytes of every file too, not only the sizes."""
     path = Path(src).expanduser()
     if (path / "forja.json").is_file():
+        if problem := damage(path, checksums=checksums):
+            raise ForjaError(f"{path} is damaged ({problem}); give another checkpoint of the run, or the run "
+                             "directory to use its newest intact one")
         return path.parent.parent, path
     if (path / "config.toml").is_file():
-        found = complete_checkpoints(path / "checkpoints")
-        if not found:
+        pick = newest_intact(path / "checkpoints", checksums=checksums)
+        if pick.path is None and pick.damaged:
+            raise ForjaError(f"{pick.none_intact(path / 'checkpoints')}; resume the run (forja train) to write "
+                             "a new one")
+        if pick.path is None:
             raise ForjaError(f"run {path} has no complete checkpoint yet; train it first (forja train)")
-        return path, found[-1][1]
+        if pick.damaged:
+            print(f"forja: {pick.notice('using')}", file=sys.stderr, flush=True)
+        return path, pick.path
     raise ForjaError(f"{path} is neither a forja run directory (with config.toml) nor a checkpoint "
                      "(with forja.json); give runs/NAME or runs/NAME/checkpoints/step-XXXXXXXX")
 
@@ -46,15 +63,21 @@ def is_forja_source(src: str | os.PathLike) -> bool:
     return (path / "forja.json").is_file() or (path / "config.toml").is_file()
 
 
-def load_checkpoint_model(src: str | os.PathLike, *, device: str | torch.device = "cpu") -> tuple[Transformer, Path]:
+def load_checkpoint_model(src: str | os.PathLike, *, device: str | torch.device = "cpu",
+                          checksums: bool = False) -> tuple[Transformer, Path]:
     """The model of a checkpoint (unsharded, on one device) and its run directory."""
-    run_dir, ckpt = resolve_checkpoint(src)
+    run_dir, ckpt = resolve_checkpoint(src, checksums=checksums)
     identity = read_meta(ckpt)["model"]
     spec = get_family(identity["family"])
     model = build_from_args(spec.args_cls(**identity["args"]), device=device, init=False)
     with warnings.catch_warnings():  # DCP warns that one process loads alone: that is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": ModelState(model)}, checkpoint_id=str(ckpt), no_dist=not dist.is_initialized())
+        try:
+            dcp.load({"model": ModelState(model)}, checkpoint_id=str(ckpt), no_dist=not dist.is_initialized())
+        except (CheckpointException, OSError, EOFError, pickle.UnpicklingError) as exc:
+            # Damage that the sizes alone do not show (bytes overwritten in place) can surface here.
+            raise ForjaError(f"{ckpt} could not be read ({type(exc).__name__}), so it is likely damaged; give "
+                             "another checkpoint of the run") from None
     return model, run_dir
 
 
@@ -110,7 +133,7 @@ def hf_tokenizer_files(run_dir: Path, max_len: int) -> tuple[dict[str, str], dic
 
 def export_hf(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
               dtype: torch.dtype | None = None) -> Path:
-    model, run_dir = load_checkpoint_model(src)
+    model, run_dir = load_checkpoint_model(src, checksums=True)  # an export is kept: check every byte
     files, token_ids = hf_tokenizer_files(run_dir, model.args.max_seq_len)
     return save_hf_checkpoint(model, out, overwrite=overwrite, dtype=dtype, extra_files=files,
                               config_updates=token_ids)

@@ -21,14 +21,19 @@ rename), or at `wait()` / the next `save()` at the latest. DCP's background coll
 (planning, metadata gather, write results) run on a Gloo group of their own, and `poll()`
 agrees on another: a collective of a background thread must never share a group with the
 main thread's, whose sequence of collectives it would interleave differently on each rank.
+
+forja.json also lists every file of the checkpoint with its size and CRC-32 (verify.py): each
+rank hashes the files it wrote as soon as its own write is done (for an async save, in the
+writing thread), and rank 0 gathers them at the finalization. `resume_point()` then loads the
+newest checkpoint whose files still match; newer, damaged ones are named and set aside.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,12 +47,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from forja.checkpoint.config import CheckpointConfig
+from forja.checkpoint.verify import (MANIFEST_KEY, META_FILE, complete_checkpoints, digests, newest_intact,
+                                     own_files, set_aside)
 from forja.errors import ForjaError
 from forja.files import check_writable, fsync_dir, write_atomic
 from forja.parallel.process_group import barrier, new_group
 
-_NAME = re.compile(r"step-(\d{8})")
-META_FILE = "forja.json"
 # A rank's state of an async save, agreed across ranks as the minimum: all written only
 # when every rank has written, failed when one has failed and none is still writing.
 _WRITING, _FAILED, _WRITTEN = 0, 1, 2
@@ -57,20 +62,18 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint in `folder`, oldest first."""
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir()
-             if (m := _NAME.fullmatch(p.name)) and (p / META_FILE).is_file()]
-    return sorted(found)
+__all__ = ["CheckpointManager", "checkpoint_name", "complete_checkpoints", "read_meta", "META_FILE"]
 
 
 def read_meta(path: Path) -> dict:
     meta = path / META_FILE
     if not meta.is_file():
         raise ForjaError(f"{path} is not a complete forja checkpoint (it has no {META_FILE})")
-    return json.loads(meta.read_text())
+    try:
+        return json.loads(meta.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ForjaError(f"{path} is damaged (its {META_FILE} is not valid JSON: cut short or overwritten); "
+                         "give another checkpoint, or its run directory to use the newest intact one") from None
 
 
 def loadable_state(state: dict[str, Any], path: Path, optional: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -92,7 +95,7 @@ def checkpoint_keys(path: Path) -> set[str]:
 class _PendingSave:
     """An async save whose write may still be running in DCP's background thread."""
 
-    future: concurrent.futures.Future
+    future: concurrent.futures.Future  # the write, then the hashing of this rank's files: their digests
     stager: DefaultStager  # holds the staged copy of the state until the write is done
     partial: Path
     meta: dict
@@ -120,6 +123,27 @@ class CheckpointManager:
     def latest(self) -> Path | None:
         found = complete_checkpoints(self.folder)
         return found[-1][1] if found else None
+
+    def resume_point(self) -> Path | None:
+        """The newest intact checkpoint (sizes and checksums checked, the files shared out among
+        the ranks; all ranks call it), or None when there is none yet. Newer, damaged ones are
+        named on rank 0 in one line and set aside as `<name>.damaged`; when every checkpoint is
+        damaged the run stops with one sentence."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        pick = newest_intact(self.folder, checksums=True, rank=self.rank, world=world)
+        if not pick.damaged:
+            return pick.path
+        if pick.path is None:
+            raise ForjaError(f"{pick.none_intact(self.folder)}; restore them from a copy, or pass --start-over "
+                             "to begin the run afresh")
+        if self.rank == 0:
+            names = ", ".join(f"{p.name}.damaged" for p, _ in pick.damaged)
+            print(f"forja: {pick.notice('resuming from')} (the damaged one is set aside as {names})",
+                  file=sys.stderr, flush=True)
+            for path, _ in pick.damaged:
+                set_aside(path)
+        barrier()  # no rank looks at the folder before the damaged ones are out of the way
+        return pick.path
 
     def clean_partial(self) -> None:
         """Remove checkpoints left half-written by a crash (rank 0, before training)."""
@@ -150,10 +174,11 @@ class CheckpointManager:
                 self._pending = self._start_async(state, partial, meta, start)
             else:
                 dcp.save(state, checkpoint_id=str(partial))
+                files = digests(partial, own_files(partial, self.rank))
         except (OSError, CheckpointException) as exc:
             self._abandon(partial, exc)
         if not self.cfg.async_save:
-            self._finalize(partial, meta)
+            self._finalize(partial, meta, files)
             self.last_total_s = time.perf_counter() - start
         self.last_blocking_s = time.perf_counter() - called
         return final
@@ -171,7 +196,24 @@ class CheckpointManager:
         except BaseException:
             stager.close()
             raise
-        return _PendingSave(future, stager, partial, meta, start)
+        return _PendingSave(self._then_hash(future, partial), stager, partial, meta, start)
+
+    def _then_hash(self, write: concurrent.futures.Future, partial: Path) -> concurrent.futures.Future:
+        """A future of this rank's digests, computed by the writing thread once `write` is done
+        (the files are then in the page cache, and the main thread keeps training)."""
+        hashed: concurrent.futures.Future = concurrent.futures.Future()
+
+        def hash_files(done: concurrent.futures.Future) -> None:
+            try:
+                if (error := done.exception()) is not None:
+                    hashed.set_exception(error)
+                else:
+                    hashed.set_result(digests(partial, own_files(partial, self.rank)))
+            except BaseException as exc:  # an exception in a done-callback would only be logged
+                hashed.set_exception(exc)
+
+        write.add_done_callback(hash_files)
+        return hashed
 
     def poll(self) -> Path | None:
         """Finalize an async save once every rank has written it; returns its path then, else
@@ -215,7 +257,7 @@ class CheckpointManager:
             raise error  # a bug rather than a disk that failed: its own traceback says more
         if error is not None or status == _FAILED:
             self._abandon(pending.partial, error or RuntimeError("another rank could not write its part"))
-        final = self._finalize(pending.partial, pending.meta)
+        final = self._finalize(pending.partial, pending.meta, pending.future.result())
         self.last_total_s = time.perf_counter() - pending.start
         return final
 
@@ -227,12 +269,12 @@ class CheckpointManager:
         raise ForjaError(f"could not write checkpoint {partial.name.removesuffix('.partial')} to {self.folder} "
                          f"({_reason(exc)}); {kept}. Free space or choose another run.dir") from None
 
-    def _finalize(self, partial: Path, meta: dict) -> Path:
-        barrier()  # every rank's shards are on disk
+    def _finalize(self, partial: Path, meta: dict, files: dict[str, dict]) -> Path:
+        files = _gather_files(files)  # and every rank's shards are on disk
         final = partial.with_name(partial.name.removesuffix(".partial"))
         if self.rank == 0:
             try:
-                write_atomic(partial / META_FILE, json.dumps(meta, indent=2))
+                write_atomic(partial / META_FILE, json.dumps({**meta, MANIFEST_KEY: files}, indent=2))
                 partial.rename(final)
                 fsync_dir(self.folder)  # the rename itself survives a power cut
             except OSError as exc:
@@ -267,6 +309,15 @@ def _async_groups(cfg: CheckpointConfig) -> tuple[dist.ProcessGroup | None, dist
     if not (cfg.enabled and cfg.async_save and dist.is_initialized() and dist.get_world_size() > 1):
         return None, None
     return new_group(backend="gloo"), new_group(backend="gloo")
+
+
+def _gather_files(files: dict[str, dict]) -> dict[str, dict]:
+    """Every rank's digests, merged (on every rank): a barrier too."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return files
+    found: list[dict] = [{}] * dist.get_world_size()
+    dist.all_gather_object(found, files)
+    return {name: d for part in found for name, d in sorted(part.items())}
 
 
 def _reason(exc: Exception) -> str:

@@ -38,7 +38,10 @@ def test_save_then_load_restores_everything(tmp_path, process_group, async_save)
     assert manager.latest() == tmp_path / "step-00000007"
     other, other_state = _state(2)
     meta = manager.load(manager.latest(), other_state)
+    files = meta.pop("files")  # the manifest: every file's size and checksum
     assert meta == {"model": "x", "tokens_seen": 70, "step": 7}
+    assert set(files) == {".metadata", "__0_0.distcp"}
+    assert files["__0_0.distcp"]["bytes"] == (manager.latest() / "__0_0.distcp").stat().st_size
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
         assert torch.equal(a, b), name
     assert other_state["trainer"].step == 1
