@@ -93,4 +93,9 @@ def _summary(meta: dict[str, Any]) -> str:
     notes = [f"{source[k]:,} {label}" for k, label in (
         ("skipped_binary", "binary files skipped"), ("replaced_utf8", "documents with invalid UTF-8 replaced"),
         ("skipped_bad_lines", "bad lines skipped")) if source[k]]
-    return line + (f"; {', '.join(notes)}" if notes else "")
+    line += f"; {', '.join(notes)}" if notes else ""
+    if splits["val"]["documents"] == 0:  # training validates by default: say so now, not at train time
+        why, fix = (("--val-fraction 0", "prepare it with a --val-fraction above 0") if not meta["val_fraction"] else
+                    ("a single document, which went to training", "add documents so that one goes to validation"))
+        line += f"\nno validation split ({why}): train on it with train.val_interval = 0, or {fix}"
+    return line

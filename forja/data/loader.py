@@ -83,6 +83,26 @@ def _single(data: Any, tokenizer: Any) -> PreparedDataset:
     return datasets[0]
 
 
+def _too_short(dataset: PreparedDataset, split: str, tokens: int, seq_len: int) -> str:
+    """Why `split` of `dataset` holds no sample of seq_len + 1 tokens, and what to do."""
+    without = "or set train.val_interval = 0 to train without validation"
+    if split != "val":
+        return (f"the {split} split of {dataset.name} has {tokens} tokens, too few for one sample of "
+                f"train.seq_len + 1 = {seq_len + 1}; lower train.seq_len or add data")
+    if tokens == 0:
+        fraction, documents = dataset.meta.get("val_fraction", 0), dataset.meta["source"]["documents"]
+        if not fraction:
+            why, fix = "it was prepared with a validation fraction of 0", "prepare it with one above 0"
+        elif documents == 1:
+            why, fix = "its only document went to training", "add documents"
+        else:  # prepared by a forja that let a small corpus leave validation empty
+            why, fix = f"none of its {documents} documents went to it", dataset.redo
+        return f"the validation split of {dataset.name} is empty ({why}); {fix}, {without}"
+    return (f"the validation split of {dataset.name} has {tokens} tokens, too few for one sample of "
+            f"train.seq_len + 1 = {seq_len + 1}; lower train.seq_len, prepare it with a larger validation "
+            f"fraction (data.val_fraction), {without}")
+
+
 class Samples:
     """Global positions of one split of a mixture -> micro-batches."""
 
@@ -94,8 +114,7 @@ class Samples:
         self.counts = [(s.num_tokens - 1) // seq_len for s in self.streams]
         for dataset, stream, count in zip(mixture.datasets, self.streams, self.counts, strict=True):
             if count < 1:
-                raise ForjaError(f"the {split} split of {dataset.path} has {stream.num_tokens} tokens, too few "
-                                 f"for one sample of seq_len + 1 = {seq_len + 1}; lower seq_len or add data")
+                raise ForjaError(_too_short(dataset, split, stream.num_tokens, seq_len))
         # Document ids are made unique across the datasets of a mixture.
         self.doc_base = np.cumsum([0] + [s.num_documents for s in self.streams])
         self.interleave = Interleave(mixture.weights)

@@ -37,7 +37,7 @@ class Mixture:
         vocab = {d.vocab_size for d in self.datasets}
         tokenizers = {d.meta["tokenizer"]["fingerprint"] for d in self.datasets}
         if len(vocab) > 1 or len(tokenizers) > 1:
-            names = ", ".join(str(d.path) for d in self.datasets)
+            names = ", ".join(d.name for d in self.datasets)
             raise ForjaError(f"the datasets of a mixture must share one tokenizer, but {names} do not; "
                              f"prepare them all with the same tokenizer")
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 import forja
-from forja.data.encoding import EncoderPool, batches, val_threshold
+from forja.data.encoding import DIGEST_BYTES, Encoded, EncoderPool, batches, val_threshold
 from forja.data.mixture import Mixture, is_mixture_dir, open_mixture, write_mixture
 from forja.data.progress import PrepareProgress
 from forja.data.shards import (
@@ -37,6 +37,7 @@ from forja.data.shards import (
     PreparedDataset,
     ShardWriter,
     open_prepared,
+    take_document,
     token_dtype,
     write_json,
 )
@@ -151,10 +152,11 @@ def _prepare_one(src: Source, tok: Tokenizer, directory: Path, *, val_fraction: 
     directory.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(tok.vocab_size)
     writers = {s: ShardWriter(directory, s, dtype, shard_tokens) for s in ("train", "val")}
-    stats, digest = SourceStats(), hashlib.sha256()
+    stats, digest, lowest = SourceStats(), hashlib.sha256(), _LowestHash()
     with EncoderPool(tok, dtype, val_threshold(val_fraction), workers) as pool, \
             PrepareProgress(src.spec, enabled=progress) as bar:
         for enc in pool.map(batches(src.documents(stats), batch_chars)):
+            lowest.update(enc, first_index=writers["train"].documents)
             token_is_val = np.repeat(enc.is_val, enc.lengths)
             writers["val"].add(enc.tokens[token_is_val], enc.lengths[enc.is_val])
             writers["train"].add(enc.tokens[~token_is_val], enc.lengths[~enc.is_val])
@@ -163,6 +165,13 @@ def _prepare_one(src: Source, tok: Tokenizer, directory: Path, *, val_fraction: 
     splits = {s: w.close() for s, w in writers.items()}
     if stats.documents == 0 or stats.characters == 0:
         raise ForjaError(f"source {src.spec!r} holds no text ({_counts(stats)}); check the source")
+    if val_fraction > 0 and splits["val"]["documents"] == 0 and splits["train"]["documents"] >= 2:
+        # A small corpus (14 files at 1%) often has no hash below the threshold: the document
+        # with the lowest hash, the first to join at a larger fraction, validates alone.
+        moved = take_document(directory, splits["train"], lowest.index, dtype)
+        val = ShardWriter(directory, "val", dtype, shard_tokens)
+        val.add(moved, np.array([len(moved)], dtype=np.int64))
+        splits["val"] = val.close()
     if splits["train"]["documents"] == 0:
         raise ForjaError(f"every document of {src.spec!r} went to the validation split; "
                          f"lower --val-fraction or add documents")
@@ -178,6 +187,20 @@ def _prepare_one(src: Source, tok: Tokenizer, directory: Path, *, val_fraction: 
         "source": {"spec": src.spec, "fingerprint": digest.hexdigest(), **vars(stats)},
         "splits": splits,
     })
+
+
+class _LowestHash:
+    """The training document with the lowest split hash seen so far (its index in the split)."""
+
+    def __init__(self) -> None:
+        self.key, self.index = 1 << 64, -1
+
+    def update(self, enc: Encoded, first_index: int) -> None:
+        # A document's split hash is the first 8 bytes of its digest, little-endian (encoding.py).
+        keys = np.frombuffer(enc.digests, dtype="<u8")[::DIGEST_BYTES // 8][~enc.is_val]
+        if len(keys) and int(keys.min()) < self.key:
+            where = int(keys.argmin())
+            self.key, self.index = int(keys[where]), first_index + where
 
 
 def _counts(stats: SourceStats) -> str:
@@ -215,10 +238,21 @@ def prepare_cached(source: SourceArg, tokenizer: Tokenizer | str | os.PathLike[s
     opened = []
     for spec, weight in parse_mixture(source):
         out = root / "prepared" / cache_key(spec, tok, **keyed)
-        if not (out / META).is_file():
-            prepare(spec, tok, out, **options)
-        opened.append((open_prepared(out, tok), weight))
+        cached = (out / META).is_file()
+        if not cached or _lacks_validation(out):
+            prepare(spec, tok, out, overwrite=cached, **options)
+        opened.append((open_prepared(out, tok, source=spec), weight))
     return opened[0][0] if len(opened) == 1 else Mixture.of(opened)
+
+
+def _lacks_validation(out: Path) -> bool:
+    """A cached copy by an older forja, which left a small corpus without validation documents."""
+    try:
+        meta = json.loads((out / META).read_text(encoding="utf-8"))
+        return (meta["val_fraction"] > 0 and meta["splits"]["val"]["documents"] == 0
+                and meta["splits"]["train"]["documents"] >= 2)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # damaged: opening it says so, naming the fix
 
 
 def open_dataset(path_or_source: SourceArg | os.PathLike[str], tokenizer: Any = None,

@@ -99,6 +99,36 @@ class ShardWriter:
         return {"documents": self.documents, "tokens": self.tokens, "shards": self.shards}
 
 
+def take_document(directory: Path, entry: dict[str, Any], index: int, dtype: np.dtype) -> np.ndarray:
+    """Remove document `index` from a closed split (`entry`, as ShardWriter.close returned it,
+    updated in place) and return its tokens. Only the one shard holding it is rewritten."""
+    first = 0
+    for i, shard in enumerate(entry["shards"]):
+        if index < first + shard["documents"]:
+            break
+        first += shard["documents"]
+    else:
+        raise IndexError(f"document {index} out of range [0, {entry['documents']})")
+    tokens_path, offsets_path = directory / shard["tokens"], directory / shard["offsets"]
+    tokens, offsets = np.fromfile(tokens_path, dtype=dtype), np.load(offsets_path)
+    lo, hi = int(offsets[index - first]), int(offsets[index - first + 1])
+    taken = tokens[lo:hi].copy()
+    entry["documents"] -= 1
+    entry["tokens"] -= hi - lo
+    if shard["documents"] == 1:  # the shard held only this document: it goes
+        del entry["shards"][i]
+        tokens_path.unlink()
+        offsets_path.unlink()
+        return taken
+    kept = np.delete(offsets, index - first + 1)
+    kept[index - first + 1:] -= hi - lo
+    np.concatenate([tokens[:lo], tokens[hi:]]).tofile(tokens_path)
+    np.save(offsets_path, kept)
+    shard["documents"] -= 1
+    shard["num_tokens"] -= hi - lo
+    return taken
+
+
 @dataclass
 class _Shard:
     tokens: np.ndarray  # memory map, (num_tokens,)
@@ -110,19 +140,19 @@ class _Shard:
 class TokenStream:
     """One split as a single stream of tokens over its memory-mapped shards."""
 
-    def __init__(self, root: Path, entry: dict[str, Any], dtype: np.dtype):
+    def __init__(self, root: Path, entry: dict[str, Any], dtype: np.dtype, redo: str = "prepare the data again"):
         self.num_documents = int(entry["documents"])
         self.num_tokens = int(entry["tokens"])
         self._shards: list[_Shard] = []
         token_start = doc_start = 0
         for shard in entry["shards"]:
-            opened = _open_shard(root, shard, dtype, token_start, doc_start)
+            opened = _open_shard(root, shard, dtype, token_start, doc_start, redo)
             self._shards.append(opened)
             token_start += len(opened.tokens)
             doc_start += len(opened.offsets) - 1
         if (token_start, doc_start) != (self.num_tokens, self.num_documents):
             raise ForjaError(f"{root / META} counts {self.num_tokens} tokens in {self.num_documents} documents "
-                             f"but the shards hold {token_start} in {doc_start}; prepare the data again")
+                             f"but the shards hold {token_start} in {doc_start}; {redo}")
         self._token_starts = np.array([s.token_start for s in self._shards] + [token_start], dtype=np.int64)
         self._doc_starts = np.array([s.doc_start for s in self._shards] + [doc_start], dtype=np.int64)
 
@@ -162,31 +192,39 @@ class TokenStream:
         return np.array(shard.tokens[shard.offsets[local]:shard.offsets[local + 1]])
 
 
-def _open_shard(root: Path, entry: dict[str, Any], dtype: np.dtype, token_start: int, doc_start: int) -> _Shard:
+def _open_shard(root: Path, entry: dict[str, Any], dtype: np.dtype, token_start: int, doc_start: int,
+                redo: str) -> _Shard:
     tokens_path, offsets_path = root / entry["tokens"], root / entry["offsets"]
     try:
         offsets = np.load(offsets_path, mmap_mode="r")
     except (OSError, ValueError) as exc:
-        raise ForjaError(f"offsets file {offsets_path} is missing or damaged ({exc}); "
-                         f"prepare the data again") from exc
+        raise ForjaError(f"offsets file {offsets_path} is missing or damaged ({exc}); {redo}") from exc
     if offsets.ndim != 1 or len(offsets) != int(entry["documents"]) + 1 or offsets[0] != 0:
-        raise ForjaError(f"offsets file {offsets_path} does not match {root / META}; prepare the data again")
+        raise ForjaError(f"offsets file {offsets_path} does not match {root / META}; {redo}")
     expected = int(offsets[-1]) * dtype.itemsize
     actual = tokens_path.stat().st_size if tokens_path.is_file() else -1
     if actual != expected:
         state = "is missing" if actual < 0 else f"has {actual} bytes"
         raise ForjaError(f"shard {tokens_path} {state} but its offsets need {expected} bytes "
-                         f"(truncated or damaged); prepare the data again")
+                         f"(truncated or damaged); {redo}")
     tokens = np.memmap(tokens_path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype)
     return _Shard(tokens, offsets, token_start, doc_start)
 
 
 class PreparedDataset:
-    """A directory written by `forja prepare`, read through memory maps."""
+    """A directory written by `forja prepare`, read through memory maps.
 
-    def __init__(self, path: str | os.PathLike[str]):
+    `source` is the spec a cached copy was prepared from, as the user gave it: errors then
+    name it (`name`), not the cache's hashed directory, and say how to have it prepared again.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, source: str | None = None):
         self.path = Path(path).expanduser()
-        self.meta: dict[str, Any] = _read_meta(self.path)
+        self.cached = source is not None
+        self.name = source if source is not None else str(self.path)
+        self.redo = ("prepare the data again" if source is None else
+                     f"delete {self.path} (the cached copy of {source}) and it is prepared again on next use")
+        self.meta: dict[str, Any] = _read_meta(self.path, self.redo)
         self.dtype = np.dtype(self.meta["dtype"])
         self._streams: dict[str, TokenStream] = {}
         for split in SPLITS:  # opening checks every shard's size now, before any training
@@ -212,7 +250,7 @@ class PreparedDataset:
         if name not in SPLITS:
             raise ForjaError(f"unknown split {name!r}; use one of {', '.join(SPLITS)}")
         if name not in self._streams:
-            self._streams[name] = TokenStream(self.path, self.meta["splits"][name], self.dtype)
+            self._streams[name] = TokenStream(self.path, self.meta["splits"][name], self.dtype, self.redo)
         return self._streams[name]
 
     def num_documents(self, split: str = "train") -> int:
@@ -229,19 +267,19 @@ class PreparedDataset:
         """Stop unless `tokenizer` is the one this data was prepared with."""
         recorded = self.meta["tokenizer"]
         if tokenizer.vocab_size != recorded["vocab_size"]:
-            raise ForjaError(f"the tokenizer has {tokenizer.vocab_size} tokens but {self.path} was prepared "
+            raise ForjaError(f"the tokenizer has {tokenizer.vocab_size} tokens but {self.name} was prepared "
                              f"with {recorded['vocab_size']}; use the tokenizer it was prepared with "
                              f"or prepare the data again")
         if tokenizer.fingerprint != recorded["fingerprint"]:
             raise ForjaError(f"the tokenizer's fingerprint {tokenizer.fingerprint[:12]} differs from "
-                             f"{recorded['fingerprint'][:12]} recorded in {self.path / META}; use the "
+                             f"{recorded['fingerprint'][:12]} recorded in {self.name if self.cached else self.path / META}; use the "
                              f"tokenizer it was prepared with or prepare the data again")
 
     def __repr__(self) -> str:
         return f"PreparedDataset({str(self.path)!r}, train={self.num_tokens('train')} tokens)"
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
+def _read_meta(path: Path, redo: str) -> dict[str, Any]:
     file = path / META
     if not file.is_file():
         hint = ("it is a mixture: open it with forja.data.open_dataset" if (path / "mixture.json").is_file()
@@ -250,16 +288,17 @@ def _read_meta(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ForjaError(f"{file} is not valid JSON ({exc}); prepare the data again") from exc
+        raise ForjaError(f"{file} is not valid JSON ({exc}); {redo}") from exc
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise ForjaError(f"{file} is not forja prepared data of format version {FORMAT_VERSION}; "
-                         f"prepare the data again with this forja")
+                         f"{redo} with this forja")
     return meta
 
 
-def open_prepared(path: str | os.PathLike[str], tokenizer: Any = None) -> PreparedDataset:
-    """Open a directory written by `forja prepare`; with a tokenizer, check it matches the data."""
-    dataset = PreparedDataset(path)
+def open_prepared(path: str | os.PathLike[str], tokenizer: Any = None, *, source: str | None = None) -> PreparedDataset:
+    """Open a directory written by `forja prepare`; with a tokenizer, check it matches the data.
+    `source`: the spec of a cached copy, named in errors instead of its directory."""
+    dataset = PreparedDataset(path, source=source)
     if tokenizer is not None:
         dataset.check_tokenizer(tokenizer)
     return dataset
