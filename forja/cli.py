@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+import forja
 from forja.errors import ForjaError
 
 # subcommand -> "module:function" that adds its parser. The function sets `func` on
@@ -31,6 +32,8 @@ _COMMANDS = {
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forja", description="Pre-train large language models.")
+    parser.add_argument("--version", action="version", version=f"forja {forja.__version__}",
+                        help="print forja's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, target in _COMMANDS.items():
         if only is not None and name != only:
@@ -45,7 +48,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Import only the module of the command asked for: importing torch for `--help` is slow.
-    only = argv[0] if argv and argv[0] in _COMMANDS else None
+    # `--version` needs none of them ("" matches no command); `forja --help` imports them all.
+    only = argv[0] if argv and argv[0] in _COMMANDS else ("" if "--version" in argv else None)
     parser = build_parser(only)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

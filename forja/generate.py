@@ -110,18 +110,20 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("source", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json), "
                                   "a forja run directory, or one of its checkpoints")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None, help="sample among the K likeliest tokens only (default: all)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample among the likeliest tokens whose probabilities sum to P (nucleus; default: all)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling, for a repeatable sample")
     add_model_options(p)
     p.set_defaults(func=_run_cli)
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     """--device, --dtype and --quantize: where and how a loaded model runs (forja generate, forja eval)."""
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the model runs, e.g. cpu, cuda, cuda:1 (default: cuda when there is one, else cpu)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                    help="cast the model to this dtype first (default: as saved)")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",

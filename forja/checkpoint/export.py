@@ -140,7 +140,9 @@ def export_hf(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory")
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory",
+                       description="Write a run's checkpoint as a Hugging Face model directory (config.json, "
+                                   "model.safetensors, the tokenizer) that transformers loads (docs/generation.md).")
     p.add_argument("source", help="a run directory (its latest checkpoint) or a checkpoint directory")
     p.add_argument("--hf", required=True, metavar="OUT_DIR", help="the Hugging Face directory to write")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,

@@ -11,10 +11,14 @@ from typing import Any
 
 
 def add_tokenizer_cli(subparsers: Any) -> None:
-    parser = subparsers.add_parser("tokenizer", help="train or inspect a tokenizer")
+    parser = subparsers.add_parser("tokenizer", help="train or inspect a tokenizer",
+                                   description="Train a byte-level BPE tokenizer on a source, or print what "
+                                               "a tokenizer.json holds (docs/data.md).")
     commands = parser.add_subparsers(dest="tokenizer_command", metavar="ACTION", required=True)
 
-    train = commands.add_parser("train", help="train a byte-level BPE tokenizer on a source")
+    train = commands.add_parser("train", help="train a byte-level BPE tokenizer on a source",
+                                description="Train a byte-level BPE tokenizer on a source and write its "
+                                            "tokenizer.json.")
     train.add_argument("--source", required=True, help="source spec: path/glob, jsonl:, parquet:, hf:, stdlib")
     train.add_argument("--vocab-size", type=int, required=True, help="tokens in the vocabulary, specials included")
     train.add_argument("--out", required=True, help="tokenizer.json to write (or a directory to write it in)")
@@ -22,7 +26,8 @@ def add_tokenizer_cli(subparsers: Any) -> None:
     train.add_argument("--skip-bad-lines", action="store_true", help="skip and count bad JSONL lines or records")
     train.set_defaults(func=_tokenizer_train)
 
-    info = commands.add_parser("info", help="print a tokenizer's vocabulary size, special tokens, fingerprint")
+    info = commands.add_parser("info", help="print a tokenizer's vocabulary size, special tokens, fingerprint",
+                               description="Print a tokenizer's vocabulary size, special tokens and fingerprint.")
     info.add_argument("path", help="tokenizer.json, or a directory holding one")
     info.set_defaults(func=_tokenizer_info)
 

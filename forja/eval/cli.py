@@ -53,8 +53,10 @@ def add_lm_eval_cli(sub: argparse._SubParsersAction) -> None:
     CLI untouched (prefix_chars of NUL: this parser reads no option of its own, so --model and
     -h reach lm_eval). lm_eval is imported only when the command runs."""
     p = sub.add_parser("lm-eval", help="run lm-evaluation-harness tasks, with the model 'forja'", add_help=False,
-                       prefix_chars="\0")
-    p.add_argument("args", nargs=argparse.REMAINDER)
+                       prefix_chars="\0", description="Run lm-evaluation-harness with forja's model registered as "
+                       "'forja' (docs/evaluation.md); `forja lm-eval -h` prints lm_eval's own options.")
+    p.add_argument("args", nargs=argparse.REMAINDER,
+                   help="lm_eval's own arguments, passed on untouched, e.g. --model forja --model_args pretrained=RUN")
     p.set_defaults(func=_run_lm_eval)
 
 

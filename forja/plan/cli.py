@@ -23,7 +23,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                        description="Predict per-rank peak memory, step time, tokens/s and MFU of the layouts "
                                    "of a recipe on N devices, rank those that fit, and say why the others don't.")
     p.add_argument("config", nargs="?", default=None, metavar="RECIPE", help="the recipe (not needed with --check)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value of the recipe, as for forja train (repeatable)")
     p.add_argument("--gpus", type=int, default=None, metavar="N", help="devices (ranks) of the job")
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="G", help="default: the hardware table's")
     p.add_argument("--gpu", default=None, metavar="KIND",
