@@ -13,7 +13,14 @@ Two implementations with the same result:
   public name for it yet.
 - "loop": one `F.linear` per non-empty group, the reference; it runs everywhere.
 
-`impl="auto"` takes "grouped" where the device and dtype support it, else "loop".
+`impl="auto"` takes "grouped" where the device and dtype support it, else "loop";
+`impl="grouped"` does the same, and records the loop in the fallback record
+(forja/fallbacks.py) where the op cannot run: the user asked for it by name.
+
+Under autocast the dtype that counts is autocast's, not the parameters': the default GPU
+precision is bf16 autocast over fp32 weights, and the loop's F.linear would compute in bf16
+anyway. So the routed rows and the expert weights are cast to the autocast dtype and the
+grouped kernel takes them (the weights' cast is what autocast does for F.linear too).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from functools import cache
 
 import torch
 import torch.nn.functional as F
+
+from forja import fallbacks
 
 GROUPED_MM_IMPLS = ("auto", "grouped", "loop")
 
@@ -65,25 +74,52 @@ def _grouped_supported(device_type: str, dtype: torch.dtype, capability: tuple[i
         return capability is not None and capability >= (9, 0) and dtype == torch.bfloat16
     if device_type != "cpu":
         return False
-    try:  # older torch has no CPU kernel: probe once
-        x, w = torch.ones(2, 4, dtype=dtype), torch.ones(2, 4, 4, dtype=dtype)
-        grouped_mm_fused(x, w, torch.tensor([1, 1]))
+    try:  # older torch has no CPU kernel: probe once (outside autocast, in the dtype asked about)
+        with torch.autocast("cpu", enabled=False):
+            x, w = torch.ones(2, 16, dtype=dtype), torch.ones(2, 16, 16, dtype=dtype)  # 16-byte aligned rows
+            grouped_mm_fused(x, w, torch.tensor([1, 1]))
         return True
     except (RuntimeError, NotImplementedError):
         return False
 
 
-def grouped_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` runs for these tensors (device, dtype, alignment)."""
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of `x` runs in: autocast's where it is on for x's device."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type) and x.is_floating_point():
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def grouped_supported(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether `torch._grouped_mm` runs for these tensors (device, alignment) computed in
+    `dtype` (default: x's dtype)."""
+    dtype = dtype or x.dtype
     if torch.compiler.is_compiling() and x.device.type != "cuda":
         return False  # the op's meta function (what compile traces with) accepts bf16 CUDA inputs only
     cap = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
-    aligned = all(s * x.element_size() % 16 == 0 for s in (x.shape[-1], w.shape[-2]))
-    return aligned and _grouped_supported(x.device.type, x.dtype, cap)
+    size = torch.empty((), dtype=dtype).element_size()
+    aligned = all(s * size % 16 == 0 for s in (x.shape[-1], w.shape[-2]))
+    return aligned and _grouped_supported(x.device.type, dtype, cap)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """x (M, K) rows sorted by group, w (G, N, K), counts (G,) int -> (M, N)."""
-    if impl == "loop" or (impl == "auto" and not grouped_supported(x, w)):
+    if impl == "loop":
         return grouped_mm_loop(x, w, counts)
-    return grouped_mm_fused(x, w.to(x.dtype), counts)
+    dtype = compute_dtype(x)
+    if grouped_supported(x, w, dtype):
+        return grouped_mm_fused(x.to(dtype), w.to(dtype), counts)
+    if impl == "grouped":
+        _record_loop(x, w, dtype)
+    return grouped_mm_loop(x, w, counts)
+
+
+@torch.compiler.disable  # a host-side record, once per process: not part of any graph
+def _record_loop(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> None:
+    fallbacks.record(
+        "ops.grouped_mm", asked="model.overrides.moe_impl = 'grouped'", instead="a per-expert loop of F.linear",
+        why=f"torch._grouped_mm does not run on {x.device.type} in {str(dtype).removeprefix('torch.')} with "
+            f"widths {x.shape[-1]} and {w.shape[-2]}: it runs in bf16 on CUDA GPUs of capability >= 9.0, on "
+            "CPUs where this torch has a kernel for the dtype, and with 16-byte aligned rows",
+        fix="train in bf16 (autocast) on a Hopper-or-later GPU, or set moe_impl = 'auto' to take the loop silently")

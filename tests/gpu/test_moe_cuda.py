@@ -48,3 +48,29 @@ def test_moe_model_trains_a_step_on_the_gpu():
     ds = build_model("deepseek_v3", "debug", device=CUDA, dtype=torch.bfloat16)
     assert ds.layers["1"].feed_forward.router.expert_bias.dtype == torch.float32  # kept fp32 in bf16 models
     assert torch.isfinite(ds(tokens, labels=tokens))
+
+
+def test_bf16_autocast_over_fp32_weights_takes_the_grouped_path():
+    """The default GPU precision (bf16 autocast, fp32 parameters) runs torch._grouped_mm,
+    not the per-expert loop, and agrees with the loop."""
+    from forja import fallbacks
+    from forja.models.common.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(8, 256, 512, impl="grouped").to(CUDA)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.02)
+    counts = torch.tensor([0, 300, 17, 500, 0, 64, 100, 43], device=CUDA)
+    x = torch.randn(int(counts.sum()), 256, device=CUDA)  # fp32 activations, as the residual stream
+    if not grouped_supported(x, experts.w1, torch.bfloat16):
+        pytest.skip(f"torch._grouped_mm needs a Hopper-class GPU (this is {torch.cuda.get_device_name()})")
+    fallbacks.clear()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = experts(x, counts)
+        experts.impl = "loop"
+        want = experts(x, counts)
+    assert type(out.grad_fn).__name__ == "_ContiguousGradBackward"  # grouped_mm_fused's output
+    assert out.dtype == torch.bfloat16 and fallbacks.recorded() == []
+    assert _relative(out, want) < 2e-2
+    out.float().square().mean().backward()
+    assert experts.w1.grad.dtype == torch.float32 and torch.isfinite(experts.w1.grad).all()

@@ -120,3 +120,26 @@ def test_bias_update_moves_toward_underloaded_experts():
 def test_bad_routing_options_name_the_field(kw, field):
     with pytest.raises(ForjaError, match=field):
         _layer(**kw)
+
+
+def _took_grouped(out: torch.Tensor) -> bool:
+    """Whether the experts' last matmul was torch._grouped_mm (its output passes through
+    grouped_mm's contiguous-gradient identity) rather than the loop's concatenation."""
+    return type(out.grad_fn).__name__ == "_ContiguousGradBackward"
+
+
+@pytest.mark.parametrize("impl", ["auto", "grouped", "loop"])
+def test_experts_under_bf16_autocast_take_the_grouped_path_and_match_the_loop(impl):
+    from forja.ops.grouped_mm import grouped_supported
+
+    moe = _layer(dim=16, moe_impl=impl)  # fp32 parameters, as under the default GPU precision
+    counts = torch.tensor([2, 0, 3, 1, 0, 4, 2, 4])
+    x = torch.randn(int(counts.sum()), 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe.experts(x, counts)
+        supported = grouped_supported(x, moe.experts.w1, torch.bfloat16)
+        moe.experts.impl = "loop"
+        want = moe.experts(x, counts)
+    assert out.dtype == torch.bfloat16
+    assert _took_grouped(out) == (impl != "loop" and supported)
+    torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
