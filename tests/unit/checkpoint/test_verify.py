@@ -5,6 +5,7 @@ checkpoints from before the manifest still loading."""
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from forja.checkpoint.config import CheckpointConfig
 from forja.checkpoint.manager import CheckpointManager
-from forja.checkpoint.verify import damage, digest, newest_intact
+from forja.checkpoint.verify import damage, digests, newest_intact
 from forja.errors import ForjaError
 from forja.parallel.process_group import init_distributed, shutdown_distributed
 from forja.testing import run_distributed
@@ -43,8 +44,8 @@ def test_the_manifest_lists_every_file_with_its_size_and_checksum(tmp_path, proc
     files = json.loads((path / "forja.json").read_text())["files"]
     on_disk = sorted(p.name for p in path.iterdir() if p.name != "forja.json")
     assert sorted(files) == on_disk == [".metadata", "__0_0.distcp"]
+    assert files == digests(path, on_disk)
     for name in on_disk:
-        assert files[name] == digest(path / name)
         assert files[name]["bytes"] == (path / name).stat().st_size > 0
     assert damage(path, checksums=True) is None
 
@@ -58,11 +59,11 @@ def test_each_kind_of_damage_is_named(tmp_path, process_group):
     # The same size, other bytes: only the checksum sees it.
     shard.write_bytes(whole[:100] + bytes(1 - b for b in whole[100:101]) + whole[101:])
     assert damage(path, checksums=False) is None
-    assert damage(path, checksums=True).startswith("the bytes of __0_0.distcp do not match its checksum")
+    assert damage(path, checksums=True) == "the bytes of __0_0.distcp do not match its checksums (from byte 0 on)"
     shard.write_bytes(whole)
     metadata = path / ".metadata"
     metadata.write_bytes(b"\0" * metadata.stat().st_size)  # overwritten in place: the sizes agree
-    assert damage(path, checksums=True).startswith("the bytes of .metadata do not match its checksum")
+    assert damage(path, checksums=True).startswith("the bytes of .metadata do not match its checksums")
     assert damage(path, checksums=False) == "its .metadata cannot be read (UnpicklingError): cut short or overwritten"
     meta = path / "forja.json"
     meta.write_text(meta.read_text()[:40])
@@ -132,4 +133,18 @@ def test_two_ranks_agree_on_the_checkpoint_to_load(tmp_path):
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # both ranks' shards, gathered
     assert chosen == "step-00000002"
     assert [name for name, _ in damaged] == ["step-00000004"]
-    assert damaged[0][1].startswith(f"the bytes of {files[1]} do not match its checksum")
+    assert damaged[0][1] == f"the bytes of {files[1]} do not match its checksums (from byte 0 on)"
+
+
+def test_a_file_is_hashed_block_by_block(tmp_path, process_group):
+    path = _saved(tmp_path, steps=(2,)).latest()
+    shard = path / "__0_0.distcp"
+    data = shard.read_bytes()
+    found = digests(path, [shard.name], block=1000)[shard.name]
+    assert found["crc32"] == [f"{zlib.crc32(data[i:i + 1000]):08x}" for i in range(0, len(data), 1000)]
+    assert len(found["crc32"]) == -(-len(data) // 1000) > 4
+    meta = json.loads((path / "forja.json").read_text())  # a manifest of 1000-byte blocks: the damage is placed
+    meta["files"] = digests(path, [".metadata", shard.name], block=1000)
+    (path / "forja.json").write_text(json.dumps(meta))
+    shard.write_bytes(data[:2500] + bytes([data[2500] ^ 1]) + data[2501:])
+    assert damage(path, checksums=True) == "the bytes of __0_0.distcp do not match its checksums (from byte 2,000 on)"
