@@ -36,6 +36,7 @@ _FIELDS = {
     "bf16_tflops": ("bf16_flops", _TERA),
     "fp8_tflops": ("fp8_flops", _TERA),
     "fp32_tflops": ("fp32_flops", _TERA),
+    "hbm_gbps": ("hbm_bytes_per_s", _GIGA),
     "intra_node_gbps": ("intra_node_bytes_per_s", _GIGA),
     "inter_node_gbps": ("inter_node_bytes_per_s", _GIGA),
     "gpus_per_node": ("gpus_per_node", None),
@@ -60,6 +61,8 @@ class Hardware:
     """Dense float8 tensor-core peak, FLOP/s; 0 where the device has none."""
     fp32_flops: float
     """Plain float32 peak (no TF32), FLOP/s."""
+    hbm_bytes_per_s: float
+    """Device memory bandwidth (datasheet), bytes/s: the rate of memory-bound kernels."""
     intra_node_bytes_per_s: float
     """Per-GPU NVLink/xGMI/PCIe bandwidth inside a node, one direction, bytes/s."""
     inter_node_bytes_per_s: float
@@ -68,6 +71,11 @@ class Hardware:
     """GPUs sharing the intra-node fabric."""
     source: str
     """Where the figures come from."""
+
+    @property
+    def peak_known(self) -> bool:
+        """False for a device the table does not know (`unknown_device`): no speed, no MFU."""
+        return self.bf16_flops > 0 or self.fp32_flops > 0
 
 
 def _read(path: Path) -> dict[str, dict]:
@@ -142,13 +150,40 @@ def kind_of_device(device_name: str) -> str | None:
     return next((kind for pattern, kind in _DEVICE_NAMES if re.search(pattern, device_name)), None)
 
 
+def unknown_device(name: str, memory_bytes: float) -> Hardware:
+    """A device the table has no row for: its real memory (so what fits can still be told)
+    and no peak, no bandwidths: "unknown peak" rather than another device's figures."""
+    return Hardware(kind="unknown", name=name, memory_bytes=float(memory_bytes), bf16_flops=0.0, fp8_flops=0.0,
+                    fp32_flops=0.0, hbm_bytes_per_s=0.0, intra_node_bytes_per_s=0.0, inter_node_bytes_per_s=0.0,
+                    gpus_per_node=8, source=f"not in forja's hardware table (unknown peak): {UNKNOWN_FIX}")
+
+
+UNKNOWN_FIX = (f"add a [kind] row with its peaks and bandwidths to a TOML file named by ${ENV_VAR} (fields as in "
+               "forja/plan/hardware.toml), or plan a known kind with --gpu KIND --gpu-memory GB")
+
+
+def hardware_for_device(device_name: str, memory_bytes: float, *, path: str | Path | None = None) -> Hardware:
+    """The planner's view of a CUDA device named `device_name` (torch.cuda.get_device_name or
+    nvidia-smi) with `memory_bytes` of memory: its table row with that memory, or, for a name
+    the table (and $FORJA_HARDWARE) does not know, `unknown_device` -- never another device's
+    peaks. A user's row matches when its `name` is the device name, or its kind is a part
+    of it ("[rtx6000]" for "NVIDIA RTX6000 Ada"), both case-insensitive."""
+    table = load_hardware(path)
+    lowered = device_name.strip().lower()
+    kind = kind_of_device(device_name) or next((k for k, hw in table.items() if hw.name.lower() == lowered), None) \
+        or next((k for k in sorted(table, key=len, reverse=True) if k != "cpu" and k in lowered), None)
+    if kind is None:
+        return unknown_device(device_name, memory_bytes)
+    return replace(table[kind], memory_bytes=float(memory_bytes))
+
+
 def get_hardware(kind: str, *, memory_gb: float | None = None, path: str | Path | None = None) -> Hardware:
     """The device `kind` (case-insensitive); `memory_gb` replaces its memory (decimal GB)."""
     table = load_hardware(path)
     hw = table.get(kind.lower())
     if hw is None:
-        raise ForjaError(f"unknown hardware kind {kind!r}; use one of {', '.join(sorted(table))} "
-                         f"or add it to a file named by ${ENV_VAR}.")
+        raise ForjaError(f"unknown hardware kind {kind!r}: unknown peak; use one of {', '.join(sorted(table))}, "
+                         f"or {UNKNOWN_FIX}.")
     if memory_gb is not None:
         if not memory_gb > 0:
             raise ForjaError(f"memory_gb must be a positive number of GB, got {memory_gb!r}.")

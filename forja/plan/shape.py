@@ -36,6 +36,9 @@ class BlockShape:
     """torch's LayerNorm (one kernel that saves its input and statistics) rather than RMSNorm."""
     flops_per_token: float
     """Training FLOPs (forward + backward) per token: 6 x active weights + attention scores."""
+    matrices: tuple[tuple[int, int], ...] = ()
+    """(rows, columns) of each 2-D+ parameter, whole, leading dimensions merged (as SOAP,
+    Adafactor and Muon see them); routed experts as one (E x rows, columns) stack."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class ModelShape:
     final_norm: int
     output_flops_per_token: float
     """6 x the output projection (and final norm): the logits' matmuls."""
+    root_matrices: tuple[tuple[int, int], ...] = ()
+    """(rows, columns) of the embeddings and the output projection, whole."""
 
     @property
     def n_params(self) -> int:
@@ -65,29 +70,50 @@ def _numel(module: nn.Module | None) -> int:
 
 
 def model_shape(args: TransformerArgs, seq_len: int) -> ModelShape:
+    attention_flops = 12 * args.n_heads * args.head_dim * seq_len  # as Transformer.flops_per_token
+    counted, embedding, output, final_norm, output_matmul, root_matrices = _counts(args)
+    blocks = tuple(BlockShape(split, replicated, experts, moe, gated, layer_norm,
+                              float(6 * (split + replicated + experts * active) + attention_flops), matrices)
+                   for split, replicated, experts, moe, gated, layer_norm, active, matrices in counted)
+    return ModelShape(args, blocks, embedding, output, final_norm, 6.0 * output_matmul, root_matrices)
+
+
+_COUNTS: dict[str, tuple] = {}
+
+
+def _counts(args: TransformerArgs) -> tuple:
+    """The model's parameter counts by how they split, from the model built on the meta device
+    (remembered per argument set: a 671B model has thousands of modules to build)."""
+    key = repr(args)
+    if key in _COUNTS:
+        return _COUNTS[key]
     model: Transformer = build_from_args(args, device="meta")
     plan = spec_of(args).tp_plan(args, True)
-    attention_flops = 12 * args.n_heads * args.head_dim * seq_len  # as Transformer.flops_per_token
-    blocks = []
+    counted = []
     for block in model.layers.values():
         moe = hasattr(block.feed_forward, "active_fraction")
         styles = plan.block_plan(moe)
         split = replicated = experts = 0
+        matrices = []
         for name, p in block.named_parameters():
             module = name.rsplit(".", 1)[0]
+            if p.dim() >= 2:  # as the optimizers see it: leading dimensions merged
+                matrices.append((p.numel() // p.shape[-1], p.shape[-1]))
             if ".experts." in f".{name}" and moe:
                 experts += p.numel()
             elif isinstance(styles.get(module), _SPLIT_STYLES):
                 split += p.numel()
             else:
                 replicated += p.numel()
-        active_experts = experts * block.feed_forward.active_fraction() if moe else 0
-        flops = 6 * (split + replicated + active_experts) + attention_flops
+        active = block.feed_forward.active_fraction() if moe else 0.0
         gated = moe or hasattr(block.feed_forward, "w3")
         layer_norm = isinstance(block.attention_norm, nn.LayerNorm)
-        blocks.append(BlockShape(split, replicated, experts, moe, gated, layer_norm, float(flops)))
+        counted.append((split, replicated, experts, moe, gated, layer_norm, active, tuple(matrices)))
     output = 0 if args.tie_embeddings else _numel(model.output)
     # Whatever else the root holds is input side: token (and learned position) embeddings.
     embedding = _numel(model) - _numel(model.layers) - _numel(model.norm) - output
     output_matmul = model.output.weight.numel() if model.output is not None else 0
-    return ModelShape(args, tuple(blocks), embedding, output, _numel(model.norm), 6.0 * output_matmul)
+    root = [(p.numel() // p.shape[-1], p.shape[-1]) for name, p in model.named_parameters()
+            if p.dim() >= 2 and not name.startswith("layers.")]
+    _COUNTS[key] = (counted, embedding, output, _numel(model.norm), output_matmul, tuple(root))
+    return _COUNTS[key]

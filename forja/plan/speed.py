@@ -10,6 +10,7 @@ GPU has its own NIC (inter_node_bytes_per_s).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from forja.plan.hardware import Hardware
@@ -17,22 +18,38 @@ from forja.plan.job import Job
 from forja.plan.layout import Layout
 from forja.plan.memory import Breakdown, end_ranks, rank_elements
 
-# The fraction of peak a well-shaped transformer step reaches in its matmuls and attention
-# (Megatron-Core's H100 runs report 41-49% MFU with every overlap on, torchtitan's 33-39%).
-MATMUL_EFFICIENCY = 0.5
-# CPU offload: one GPU's share of its host's memory bandwidth, and its PCIe link.
+# Every constant below comes from a datasheet or a published microbenchmark, never from the
+# training runs the model is validated against (bench/plan_published.py); docs/planner.md
+# ("Calibration") lists each with its source. bench/calibrate.py measures the same figures
+# on a GPU machine; until it has run on one, these stand.
+#
+# Achieved / peak of a large bf16 matmul: Stas Bekman's "Maximum Achievable Matmul FLOPS"
+# table (stas00/ml-engineering, compute/accelerator/README.md, mamf-finder.py): H100 SXM
+# 792.1 of 989 TFLOP/s (80.1%, CUDA 12.1), A100 SXM 267.9 of 312 (85.9%), MI300X 781.9 of
+# 1300 (60.1%, ROCm 6.2), GH200 821 of 989 (83.0%). Kinds the table lacks take H100's figure.
+GEMM_EFFICIENCY = {"h100": 0.801, "h100-pcie": 0.801, "h200": 0.830, "a100": 0.859, "a100-40gb": 0.859,
+                   "mi300x": 0.601}
+DEFAULT_GEMM_EFFICIENCY = 0.801
+# Rows (or columns) at which a matmul runs at half its large-size rate: Hopper's and Ampere's
+# cuBLAS/CUTLASS bf16 kernels compute 128-wide output tiles, so a dimension of 128 fills one
+# tile per SM wave at best (wave quantization; mamf-finder's shape sweeps show the fall-off).
+HALF_RATE_SIZE = 128
+# Attention (FlashAttention-2 class kernels, as PyTorch's SDPA runs on Hopper): the
+# FlashAttention-3 paper (Shah et al. 2024, arXiv 2407.08608) reports FA3 at up to 740 TFLOP/s
+# (75% of H100's peak) and 1.5-2.0x FA2, i.e. FA2 at 37-50% forward; its backward is slower.
+# 0.35 of peak on the causal FLOPs (half of the full-score count forja reports), forward and
+# backward together.
+ATTENTION_EFFICIENCY = 0.35
+# Memory-bound kernels (norms, RoPE, activations, residual adds, casts, the loss) stream at
+# this fraction of the datasheet HBM bandwidth: an assumption (copy kernels typically reach
+# ~90%), to be replaced by bench/calibrate.py's copy measurement.
+HBM_EFFICIENCY = 0.9
+# float8 Linear layers (torchao): the matmul at the fp8 peak with the bf16 efficiency (no
+# published fp8 MAMF for H100 was found), plus the casts' memory traffic (`_float8_cast_bytes`).
+# CPU offload: one GPU's share of its host's memory bandwidth, and PCIe Gen4/5 x16 one-way
+# (32 / 64 GB/s datasheet) at about 80%, shared by two GPUs per switch in HGX boards.
 HOST_BYTES_PER_S = 12e9
 PCIE_BYTES_PER_S = 25e9
-# Rows (or columns) at which a matmul runs at half its large-size rate.
-HALF_RATE_SIZE = 128
-# float8 Linear layers: scaling and casts keep the gain over bf16 near 1.4x, not the 2x of the
-# peak ratio (torchtitan's 8B: 1.28x end to end).
-FLOAT8_GAIN = 1.4
-# Without torch.compile every norm, activation and residual add is its own kernel reading and
-# writing HBM (torchtitan's 8B: 1.16x faster compiled).
-EAGER_OVERHEAD = 1.15
-# Async TP overlaps part of the TP collectives with the matmuls (torchtitan: 1.09-1.16x on 70B).
-ASYNC_TP_HIDDEN = 0.5
 
 
 @dataclass
@@ -73,11 +90,16 @@ def peak_flops(job: Job, hw: Hardware) -> float:
     return hw.bf16_flops if job.bf16 else hw.fp32_flops
 
 
-def matmul_efficiency(rows: float, width: float) -> float:
+def gemm_efficiency(hw: Hardware) -> float:
+    return GEMM_EFFICIENCY.get(hw.kind, DEFAULT_GEMM_EFFICIENCY)
+
+
+def matmul_efficiency(rows: float, width: float, hw: Hardware | None = None) -> float:
     """The achievable fraction of peak for matmuls of `rows` tokens and `width` columns per
-    rank: tiles of a small matrix leave the GPU's units idle (a matmul of 128 rows runs at
-    about half the rate of a large one)."""
-    return MATMUL_EFFICIENCY * rows / (rows + HALF_RATE_SIZE) * width / (width + HALF_RATE_SIZE)
+    rank: a large matmul's measured fraction, less where tiles of a small one leave the GPU's
+    units idle (a dimension of 128 runs at about half the large-size rate)."""
+    large = gemm_efficiency(hw) if hw is not None else DEFAULT_GEMM_EFFICIENCY
+    return large * rows / (rows + HALF_RATE_SIZE) * width / (width + HALF_RATE_SIZE)
 
 
 def recompute_factor(lay: Layout) -> float:
@@ -86,12 +108,78 @@ def recompute_factor(lay: Layout) -> float:
         return 4 / 3
     if lay.ac == "selective" and lay.ac_every:
         return 1 + 1 / (3 * lay.ac_every)
-    return 1.02 if lay.ac == "selective" else 1.0  # op level: elementwise ops only
+    return 1.0  # op level: only elementwise ops rerun (their traffic is in elementwise_bytes)
+
+
+def elementwise_bytes(job: Job, lay: Layout, block) -> float:
+    """HBM bytes per token of one block's memory-bound kernels, forward and backward (and the
+    recomputed forward under AC): pre-norms, residual adds, RoPE, the gated activation, an
+    MoE layer's token shuffles. Eager PyTorch runs each op as its own kernel (RMSNorm: cast,
+    square-mean, scale, weight: ~4 passes); torch.compile, or forja's fused Triton kernels, make
+    each group one pass. Backward reads the saved inputs and the gradient and writes one: ~2x."""
+    a = job.args
+    lin, res = (2 if job.bf16 else 4), (2 if job.bf16_params else 4)
+    sp = lay.tp if (lay.tp > 1 and lay.sequence_parallel) else 1
+    q, kv = a.n_heads * a.head_dim / lay.tp, a.n_kv_heads * a.head_dim / lay.tp
+    if block.moe:
+        f = a.top_k * a.moe_ffn_dim + a.n_shared_experts * a.moe_ffn_dim
+    else:
+        f = a.ffn_dim / lay.tp
+    norm_fused = job.compiled or "rms_norm" in job.fused or block.layer_norm
+    act_fused = job.compiled or "swiglu" in job.fused
+    norms = 2 * a.dim * (res + lin if norm_fused else 4 * res + lin) / sp
+    adds = 2 * 3 * a.dim * res / sp
+    rope = (2 if job.compiled or "rope" in job.fused else 6) * (q + kv) * lin
+    act = (3 if act_fused else 5) * f * lin if block.gated else (2 if act_fused else 4) * f * lin
+    shuffle = 4 * a.top_k * a.dim * lin if block.moe else 0.0  # permute in, unpermute, weight, combine
+    forward = norms + adds + rope + act + shuffle
+    rerun = 1.0 if lay.ac in ("full", "selective") and not lay.ac_every else (1 / lay.ac_every if lay.ac_every else 0)
+    return forward * (3 + rerun)
+
+
+def loss_bytes(job: Job, lay: Layout) -> float:
+    """HBM bytes per token of the loss: log-softmax and its backward pass over the fp32 logits
+    a few times (write, read for the max and sum, gradient written and read by the matmul)."""
+    return 5 * 4 * job.args.vocab_size / lay.tp
+
+
+def float8_cast_bytes(job: Job, lay: Layout, block, tokens_mb: float) -> float:
+    """HBM bytes per token of torchao's float8 casts (tensorwise): each Linear's input is read
+    for its amax and again to write its fp8 copy (forward), and the output gradient the same
+    (backward); the weights are cast once per micro-batch (amortized over its tokens)."""
+    a = job.args
+    inputs = 4 * a.dim + (a.ffn_dim / lay.tp if not block.moe else 0) + a.n_heads * a.head_dim / lay.tp
+    per_token = 2 * inputs * (2 + 2 + 1)  # read for amax, read + write fp8 (1 byte), forward and backward
+    weights = (block.tp_split / lay.tp + block.replicated) * (2 + 2 + 1) * 2 / max(tokens_mb, 1.0)
+    return per_token + weights
 
 
 def predict_time(job: Job, lay: Layout, hw: Hardware) -> TimeBreakdown:
-    """The step time of the slowest pipeline rank."""
+    """The step time of the slowest pipeline rank (inf on a device of unknown peak)."""
+    if not hw.peak_known:
+        return TimeBreakdown(compute=math.inf)
     return max((_rank_time(job, lay, hw, rm) for rm in end_ranks(job, lay)), key=lambda t: t.total)
+
+
+def _compute_time(job: Job, lay: Layout, hw: Hardware, rm, tokens_mb: float, tokens: float) -> tuple[float, float]:
+    """(seconds of compute on this rank per step, of which matmuls feeding TP collectives)."""
+    a = job.args
+    peak = peak_flops(job, hw)
+    rate = peak * matmul_efficiency(tokens_mb, min(a.dim, a.n_heads * a.head_dim / lay.tp), hw)
+    fp8 = job.float8 and hw.fp8_flops > 0
+    linear_rate = rate * (hw.fp8_flops / peak if fp8 else 1.0)
+    attention = 12 * a.n_heads * a.head_dim * job.seq_len  # per token and block, as reported (full scores)
+    attn_rate = peak * ATTENTION_EFFICIENCY * 2  # causal: half the counted FLOPs are computed
+    hbm = hw.hbm_bytes_per_s * HBM_EFFICIENCY
+    linear = attn = memory = 0.0
+    for b, idx in rm.groups:
+        n = len(idx)
+        linear += n * (b.flops_per_token - attention) * recompute_factor(lay) / lay.tp / linear_rate
+        attn += n * attention * recompute_factor(lay) / lay.tp / attn_rate
+        memory += n * (elementwise_bytes(job, lay, b) + (float8_cast_bytes(job, lay, b, tokens_mb) if fp8 else 0.0))
+    out = job.shape.output_flops_per_token / lay.tp / linear_rate if rm.last else 0.0
+    memory += loss_bytes(job, lay) if rm.last else 0.0
+    return tokens * (linear + attn + out + memory / hbm), tokens * linear
 
 
 def _rank_time(job: Job, lay: Layout, hw: Hardware, rm) -> TimeBreakdown:
@@ -99,27 +187,23 @@ def _rank_time(job: Job, lay: Layout, hw: Hardware, rm) -> TimeBreakdown:
     micro = lay.microbatches(job.global_batch_size)
     tokens_mb = lay.sequences_per_microbatch(job.global_batch_size) * job.seq_len / lay.cp  # per micro-batch
     tokens = tokens_mb * micro
-    rate = peak_flops(job, hw) * matmul_efficiency(tokens_mb, min(a.dim, a.n_heads * a.head_dim / lay.tp))
-    linear_rate = rate * (FLOAT8_GAIN if job.float8 and hw.fp8_flops else 1.0)
-    attention = 12 * a.n_heads * a.head_dim * job.seq_len
-    n_blocks = sum(len(idx) for _, idx in rm.groups)
-    block_flops = sum(b.flops_per_token * len(idx) for b, idx in rm.groups)
-    attn_flops = attention * n_blocks
-    linear_flops = (block_flops - attn_flops) * recompute_factor(lay) / lay.tp
-    attn_flops = attn_flops * recompute_factor(lay) / lay.tp
-    out_flops = job.shape.output_flops_per_token / lay.tp if rm.last else 0.0
-    compute = tokens * ((linear_flops + out_flops) / linear_rate + attn_flops / rate)
-    compute *= 1.0 if job.compiled else EAGER_OVERHEAD
+    compute, tp_matmuls = _compute_time(job, lay, hw, rm, tokens_mb, tokens)
     t = TimeBreakdown(compute=compute)
     act = 2 if job.bf16 else 4
+    n_blocks = sum(len(idx) for _, idx in rm.groups)
     if lay.tp > 1:  # per block: 2 gathers + 2 reduce-scatters forward, the same backward (+ recompute)
         ops = 8 + (4 if lay.ac == "full" else 0)
         per_op = ring_time(tokens_mb * a.dim * act, lay.tp, link_bandwidth(hw, lay, "tp"))
-        t.tp_comm = ops * per_op * n_blocks * micro * (1 - ASYNC_TP_HIDDEN if job.async_tp else 1.0)
+        comm = ops * per_op * n_blocks * micro
+        # Async TP splits each collective into tp chunks run under the matmul of the chunk
+        # before: what shows is the first chunk and whatever the matmuls cannot cover.
+        t.tp_comm = comm / lay.tp + max(0.0, comm * (1 - 1 / lay.tp) - tp_matmuls) if job.async_tp else comm
+    attention = 12 * a.n_heads * a.head_dim * job.seq_len
+    attn_time = tokens * attention * n_blocks / lay.tp / (peak_flops(job, hw) * ATTENTION_EFFICIENCY * 2)
     if lay.cp > 1:  # ring attention passes K and V around; it overlaps the attention kernels
         kv = 2 * tokens_mb * a.n_kv_heads * a.head_dim * act
         ring = 3 * (lay.cp - 1) * kv / link_bandwidth(hw, lay, "cp") * n_blocks * micro
-        t.cp_comm = max(0.0, ring - tokens * attn_flops / rate)
+        t.cp_comm = max(0.0, ring - attn_time)
     moe_blocks = sum(len(idx) for b, idx in rm.groups if b.moe)
     if lay.ep > 1 and moe_blocks:  # dispatch and combine, forward and backward
         volume = getattr(a, "top_k", 1) * tokens_mb * a.dim * act
@@ -178,7 +262,10 @@ def offload_time(job: Job, lay: Layout, rm) -> float:
 
 
 def throughput(job: Job, lay: Layout, hw: Hardware, step_time: float) -> tuple[float, float, float]:
-    """(tokens/s of the whole job, per device, MFU) at `step_time`."""
+    """(tokens/s of the whole job, per device, MFU) at `step_time`; on a device of unknown
+    peak (0, 0, nan): no speed is predicted there, and MFU is "unknown peak", not a guess."""
+    if not hw.peak_known:
+        return 0.0, 0.0, math.nan
     tokens = job.tokens_per_step / step_time
     per_device = tokens / lay.world_size
     flops = job.shape.flops_per_token * per_device

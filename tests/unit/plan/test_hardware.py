@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from forja.errors import ForjaError
 from forja.metrics.throughput import lookup_peak
-from forja.plan.hardware import ENV_VAR, Hardware, get_hardware, load_hardware
+from forja.plan.layout import Layout
+from forja.plan.hardware import ENV_VAR, Hardware, get_hardware, hardware_for_device, load_hardware
+from forja.plan.planner import evaluate
+from forja.plan.speed import predict_time
 
 # kind -> a name torch.cuda.get_device_name() reports, for throughput.py's table.
 DEVICE_NAMES = {
@@ -73,6 +78,7 @@ memory_gb = 24
 bf16_tflops = 100
 fp8_tflops = 0
 fp32_tflops = 10
+hbm_gbps = 500
 intra_node_gbps = 32
 inter_node_gbps = 3.125
 gpus_per_node = 2
@@ -105,3 +111,43 @@ def test_missing_user_file(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "nope.toml"))
     with pytest.raises(ForjaError, match="does not exist"):
         load_hardware()
+
+
+def test_a_device_the_table_lacks_has_its_memory_and_an_unknown_peak():
+    hw = hardware_for_device("NVIDIA RTX PRO 6000 Blackwell", 96e9)
+    assert hw.kind == "unknown" and not hw.peak_known and hw.memory_bytes == 96e9
+    assert hw.bf16_flops == 0 and "unknown peak" in hw.source and ENV_VAR in hw.source
+    known = hardware_for_device("NVIDIA H100 80GB HBM3", 85e9)  # a known name keeps its row, with its real memory
+    assert known.kind == "h100" and known.memory_bytes == 85e9 and known.peak_known
+
+
+def test_an_unknown_device_plans_memory_but_predicts_no_speed_and_no_mfu():
+    from tests.unit.plan.test_planner import job
+
+    j = job("debug", seq=64, batch=2, gpu=True, bf16=True)
+    c = evaluate(j, Layout(), hardware_for_device("Some Future GPU", 24e9))
+    assert c.memory.total > 0 and c.fits  # what fits is still told from the device's own memory
+    assert c.tokens_per_sec == 0 and math.isnan(c.mfu)
+    assert predict_time(j, Layout(), get_hardware("h100")).total > 0
+
+
+def test_a_user_row_is_found_by_its_device_name(tmp_path):
+    path = write(tmp_path, """
+[rtx6000]
+name = "NVIDIA RTX 6000 Ada Generation"
+memory_gb = 48
+bf16_tflops = 364
+fp8_tflops = 728
+fp32_tflops = 91
+hbm_gbps = 960
+intra_node_gbps = 32
+inter_node_gbps = 12.5
+gpus_per_node = 4
+""")
+    hw = hardware_for_device("NVIDIA RTX 6000 Ada Generation", 50e9, path=path)
+    assert hw.kind == "rtx6000" and hw.bf16_flops == 364e12 and hw.memory_bytes == 50e9
+
+
+def test_an_unknown_kind_says_unknown_peak_and_how_to_add_it():
+    with pytest.raises(ForjaError, match=r"unknown peak.*FORJA_HARDWARE.*--gpu-memory"):
+        get_hardware("rtx-9090")
