@@ -20,7 +20,7 @@ from forja.files import write_atomic
 from forja.models.common.transformer import TransformerArgs
 from forja.parallel.checks import check_layout
 from forja.parallel.dims import ParallelDims
-from forja.plan.hardware import Hardware, get_hardware, kind_of_device
+from forja.plan.hardware import Hardware, get_hardware, hardware_for_device
 from forja.plan.job import Job, job_from_config
 from forja.plan.layout import PARALLEL_KEYS, Layout, from_config
 from forja.plan.planner import Candidate, evaluate, plan, usable_memory
@@ -33,7 +33,7 @@ def device_hardware(device: torch.device) -> Hardware:
     a CPU the host's RAM shared by the ranks on this host."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return get_hardware(kind_of_device(props.name) or "h100", memory_gb=props.total_memory / GB)
+        return hardware_for_device(props.name, props.total_memory)  # an unknown GPU: its memory, "unknown peak"
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return get_hardware("cpu", memory_gb=ram / ranks_here / GB)
