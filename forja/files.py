@@ -6,7 +6,7 @@ later run would read as valid. So everything is written under a temporary name i
 directory (a rename is only atomic within one file system), flushed to disk, and renamed
 into place; the directory is then flushed too, so the rename itself survives a power cut.
 
-    write_atomic(run_dir / "run.json", text)           one file
+    write_atomic(run_dir / "run.json", text)           one file (a full disk: DiskFull, the old file kept)
     check_writable(run_dir, what="run directory", fix="choose another run.dir")
     replace_dir(tmp_dir, out)                           a whole directory built beside `out`
 """
@@ -14,6 +14,7 @@ into place; the directory is then flushed too, so the rename itself survives a p
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -22,8 +23,37 @@ from pathlib import Path
 from forja.errors import ForjaError
 
 
+# A write refused for want of room: the disk is full, the user's quota is spent, or the
+# process's file-size limit (ulimit -f, RLIMIT_FSIZE) is reached. One sentence for all three.
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+class DiskFull(ForjaError, OSError):
+    """No room was left to write `what`; nothing is half-written, and `kept` says what remains.
+
+    Also an OSError with the underlying errno, so that a caller which handles failed writes
+    (the checkpoint manager, which removes its partial directory) still sees one."""
+
+    def __init__(self, what: str | os.PathLike[str], error: OSError, *, kept: str,
+                 fix: str = "free some space on that disk and run again"):
+        detail = "" if error.errno == errno.ENOSPC else f" ({error.strerror or error})"
+        super().__init__(f"no space left on device writing {what}{detail}: nothing is half-written ({kept}); {fix}")
+        self.error, self.errno, self.strerror = error, error.errno, error.strerror
+
+    def __str__(self) -> str:  # the sentence, not OSError's "[Errno 28] ..."
+        return str(self.args[0])
+
+
+def no_room(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc` when it is a write refused for want of room (see DiskFull)."""
+    if isinstance(exc, DiskFull):
+        return exc.error
+    return exc if isinstance(exc, OSError) and exc.errno in _NO_ROOM else None
+
+
 def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
-    """Write `data` (text as UTF-8) to `path` whole or not at all; nothing else is left behind."""
+    """Write `data` (text as UTF-8) to `path` whole or not at all; nothing else is left behind.
+    A full disk raises DiskFull, naming `path` and saying that its previous content is kept."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     raw = data.encode("utf-8") if isinstance(data, str) else data
@@ -33,8 +63,12 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:  # KeyboardInterrupt too: no stray temporary file
+    except BaseException as exc:  # KeyboardInterrupt too: no stray temporary file
         tmp.unlink(missing_ok=True)
+        error = no_room(exc)
+        if error is not None:
+            kept = f"the previous {path.name} is kept whole" if path.exists() else "nothing was left behind"
+            raise DiskFull(path, error, kept=kept) from exc
         raise
     fsync_dir(path.parent)
 

@@ -135,8 +135,21 @@ def export_hf(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool
               dtype: torch.dtype | None = None) -> Path:
     model, run_dir = load_checkpoint_model(src, checksums=True)  # an export is kept: check every byte
     files, token_ids = hf_tokenizer_files(run_dir, model.args.max_seq_len)
-    return save_hf_checkpoint(model, out, overwrite=overwrite, dtype=dtype, extra_files=files,
-                              config_updates=token_ids)
+    out = save_hf_checkpoint(model, out, overwrite=overwrite, dtype=dtype, extra_files=files,
+                             config_updates=token_ids)
+    _umask_modes(out)
+    return out
+
+
+def _umask_modes(folder: Path) -> None:
+    """Give the export's files the mode any new file gets (0666 less the umask: 0644 usually).
+    safetensors creates its files 0600, which hides an export from the rest of a shared
+    machine (another user's `transformers`, a web server) for no reason of forja's."""
+    umask = os.umask(0)  # reading the umask means setting it; put back at once
+    os.umask(umask)
+    for file in folder.iterdir():
+        if file.is_file() and not file.is_symlink():
+            file.chmod(0o666 & ~umask)
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:

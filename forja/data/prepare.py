@@ -44,7 +44,7 @@ from forja.data.shards import (
 from forja.data.sources import Source, SourceStats, parse_mixture, parse_source
 from forja.data.tokenizer import Tokenizer, load_tokenizer
 from forja.errors import ForjaError
-from forja.files import replace_dir
+from forja.files import DiskFull, no_room, replace_dir
 
 DEFAULT_VAL_FRACTION = 0.01
 TOKENIZER = "tokenizer.json"
@@ -89,7 +89,7 @@ def prepare(
         raise ForjaError(f"{out} already exists; choose another --out or pass --overwrite to replace it")
     options = dict(val_fraction=val_fraction, workers=workers or default_workers(), shard_tokens=shard_tokens,
                    progress=progress, batch_chars=batch_chars)
-    with _staging(out, overwrite) as tmp:
+    with _staging(out, overwrite, source) as tmp:
         if len(sources) == 1:
             _prepare_one(sources[0], tok, tmp, **options)
         else:
@@ -112,7 +112,7 @@ def _check_options(tok: Tokenizer, val_fraction: float, shard_tokens: int) -> No
 
 
 @contextlib.contextmanager
-def _staging(out: Path, overwrite: bool) -> Iterator[Path]:
+def _staging(out: Path, overwrite: bool, source: SourceArg) -> Iterator[Path]:
     """A temporary directory beside `out`, renamed to `out` on success and removed on failure."""
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out)
@@ -124,9 +124,16 @@ def _staging(out: Path, overwrite: bool) -> Iterator[Path]:
         # Without overwrite, an `out` that appeared meanwhile is another process's copy of the
         # same inputs (the output is a function of them): it wins and ours is dropped.
         replace_dir(tmp, out, keep_existing=not overwrite)
-    except BaseException:  # KeyboardInterrupt too: leave nothing half-written behind
+    except BaseException as exc:  # KeyboardInterrupt too: leave nothing half-written behind
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        error = no_room(exc)
+        if error is None:
+            raise
+        kept = f"the previous {out.name} is kept whole" if os.path.lexists(out) else "nothing was left behind"
+        if out.resolve().is_relative_to(cache_root().resolve()):  # prepared on first use: say what
+            raise DiskFull(f"the prepared copy of {source} in {out}", error, kept=kept,
+                           fix="free some space, or set FORJA_CACHE to a disk with room") from exc
+        raise DiskFull(out, error, kept=kept, fix="free some space, or give another --out") from exc
 
 
 def _remove_stale(out: Path) -> None:
