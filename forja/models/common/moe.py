@@ -25,7 +25,10 @@ them like the last stage counts the cross-entropy). Per-step statistics (tokens 
 dropped slots, loss values) accumulate in `MoEStats` for the engine to read and reset.
 
 Single-device code: under expert parallelism forja.parallel.ep shards `experts` and moves
-each expert's rows to the rank holding it around `GroupedExperts.forward`.
+each expert's rows to the rank holding it around `GroupedExperts.forward`. Under tensor
+parallelism each rank routes a slice of the micro-batch's tokens (forja/models/common/tp_plan.py);
+the statistics the auxiliary losses and the bias need are of the whole micro-batch, so the
+layer sums them with `token_split_sum`, which the parallel plan sets (None: one device).
 """
 
 from __future__ import annotations
@@ -132,12 +135,21 @@ class MoEStats:
     are used as ratios only: activation checkpointing re-runs a forward and counts twice."""
 
     tokens_per_expert: torch.Tensor | None = None  # (E,) float64: token-slots routed to each expert
-    dropped: float = 0.0  # token-slots dropped by the capacity limit
+    dropped: torch.Tensor | float = 0.0  # token-slots dropped by the capacity limit
     # Sums over forwards of the unweighted losses, kept on the device (0-dim tensors): read as
     # numbers only once a step, by the engine, not with a host sync per layer and micro-batch.
     aux_loss: torch.Tensor | float = 0.0
     z_loss: torch.Tensor | float = 0.0
     forwards: int = 0
+
+
+class RouterGate(nn.Linear):
+    """The router's linear layer, computed in fp32 whatever the weight's and the autocast
+    dtype: top-k picks are sensitive to rounding, and bf16 logits would reorder near-ties."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float())
 
 
 class Router(nn.Module):
@@ -146,7 +158,7 @@ class Router(nn.Module):
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
         self.args = args
-        self.gate = nn.Linear(dim, args.n_experts, bias=False)
+        self.gate = RouterGate(dim, args.n_experts, bias=False)
         if args.expert_bias:
             # A buffer, not a parameter: moved by the update rule, not by gradients; checkpointed.
             self.register_buffer("expert_bias", torch.zeros(args.n_experts, dtype=torch.float32))
@@ -154,11 +166,9 @@ class Router(nn.Module):
             self.expert_bias = None
 
     def forward(self, x: torch.Tensor) -> Routing:
-        """x (N, D) -> Routing. Scores in fp32 whatever the compute dtype: top-k picks are
-        sensitive to rounding, and bf16 logits would reorder near-ties."""
+        """x (N, D) -> Routing; scores in fp32 (`RouterGate`)."""
         a = self.args
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.gate.weight.float())  # (N, E)
+        logits = self.gate(x)  # (N, E) fp32
         scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()  # (N, E)
         choice = scores if self.expert_bias is None else scores + self.expert_bias
         if a.n_expert_groups > 1:
@@ -259,6 +269,9 @@ class MoE(nn.Module):
         self.shared_experts = SwiGLU(dim, shared, fused=fused_swiglu) if shared else None
         self.aux_loss_scale = 1.0  # set by the step engine: this micro-batch's share of the loss
         self.stats = MoEStats()
+        # Sums a small (S,) float64 tensor over the ranks that each route a slice of this
+        # micro-batch's tokens (set by the tensor-parallel plan); None: the whole batch is here.
+        self.token_split_sum = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
@@ -271,13 +284,14 @@ class MoE(nn.Module):
         out = torch.zeros_like(flat).index_add_(0, token_of, y.to(flat.dtype))  # (N, D)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        aux, z = self._aux_losses(route, routed)
+        dropped = route.experts.numel() - slots.numel()
+        aux, z, totals = self._aux_losses(route, routed, dropped)
         if torch.is_grad_enabled() and (aux is not None or z is not None):
             weighted = sum(w * v for w, v in ((self.args.aux_loss_weight, aux), (self.args.z_loss_weight, z))
                            if v is not None)
             out = AddAuxLoss.apply(out, weighted, self.aux_loss_scale)
         if self.training:  # validation and generation forwards neither count nor move the bias
-            self._record(routed, aux, z, dropped=route.experts.numel() - slots.numel())
+            self._record(*totals)
         return out.view(B, T, D)
 
     def _dispatch_order(self, route: Routing, routed: torch.Tensor):
@@ -300,18 +314,36 @@ class MoE(nn.Module):
             counts = routed  # dropless: every routed slot is kept
         return order, order // k, weight_of[order], counts
 
-    def _aux_losses(self, route: Routing, routed: torch.Tensor):
-        """(load-balancing loss, z-loss), each 0-dim fp32 with its graph, or None when its
-        weight is 0."""
-        a = self.args
-        aux = load_balancing_loss(route, a.n_experts, routed) if a.aux_loss_weight > 0 else None
-        z = router_z_loss(route.logits) if a.z_loss_weight > 0 else None
-        return aux, z
+    def _aux_losses(self, route: Routing, routed: torch.Tensor, dropped: int):
+        """(load-balancing loss, z-loss, totals for `_record`). Each loss is 0-dim fp32 with
+        its graph, or None when its weight is 0.
+
+        The statistics are the whole micro-batch's: with its tokens split over ranks,
+        `token_split_sum` adds up the counts, the probability sums and the squared
+        log-partitions (one collective), and each rank's loss is its tokens' share of the
+        whole batch's loss: the shares sum to it, and so do their gradients."""
+        a, E = self.args, self.args.n_experts
+        N, k = route.experts.shape
+        lse2 = torch.logsumexp(route.logits, dim=-1).square() if a.z_loss_weight > 0 else None  # (N,)
+        probs_sum = route.probs.sum(0)  # (E,)
+        lse2_sum = lse2.detach().sum() if lse2 is not None else probs_sum.new_zeros(())
+        local = torch.cat([routed.double(), probs_sum.detach().double(),  # (2E + 3,)
+                           routed.new_tensor([N, dropped], dtype=torch.float64), lse2_sum.double()[None]])
+        with torch.no_grad():
+            whole = local if self.token_split_sum is None else self.token_split_sum(local)
+        routed_all, probs_all = whole[:E], whole[E:2 * E]
+        n_all, dropped_all, lse2_all = whole[2 * E], whole[2 * E + 1], whole[2 * E + 2]
+        f = (routed_all / (n_all * k)).float()  # (E,) share of the batch's slots per expert
+        aux = E * (f * probs_sum).sum() / n_all.float() if a.aux_loss_weight > 0 else None
+        z = lse2.sum() / n_all.float() if lse2 is not None else None
+        aux_value = (E * (f.double() * probs_all).sum() / n_all).float() if aux is not None else None
+        z_value = (lse2_all / n_all).float() if z is not None else None
+        return aux, z, (routed_all, aux_value, z_value, dropped_all)
 
     @torch.no_grad()
-    def _record(self, routed: torch.Tensor, aux: torch.Tensor | None, z: torch.Tensor | None, dropped: int) -> None:
+    def _record(self, routed: torch.Tensor, aux: torch.Tensor | None, z: torch.Tensor | None,
+                dropped: torch.Tensor) -> None:
         s = self.stats
-        routed = routed.double()
         s.tokens_per_expert = routed if s.tokens_per_expert is None else s.tokens_per_expert + routed
         s.dropped += dropped
         if aux is not None:
