@@ -51,7 +51,7 @@ def resolve_checkpoint(src: str | os.PathLike, *, checksums: bool = False) -> tu
                              "a new one")
         if pick.path is None:
             raise ForjaError(f"run {path} has no complete checkpoint yet; train it first (forja train)")
-        if pick.damaged:
+        if pick.damaged and not (dist.is_initialized() and dist.get_rank() > 0):  # model.init_from: every rank
             print(f"forja: {pick.notice('using')}", file=sys.stderr, flush=True)
         return path, pick.path
     raise ForjaError(f"{path} is neither a forja run directory (with config.toml) nor a checkpoint "
