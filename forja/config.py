@@ -27,7 +27,7 @@ from forja.errors import ForjaError
 from forja.eval.config import EvalConfig
 from forja.metrics.sinks import MetricsConfig
 from forja.models.config import ModelConfig
-from forja.optim.config import OptimConfig, ScheduleConfig
+from forja.optim.config import DEFAULT_LR, OptimConfig, ScheduleConfig
 from forja.parallel.config import ParallelConfig
 from forja.train.config import DebugConfig, RunConfig, TrainConfig
 
@@ -95,8 +95,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ForjaError:
                 continue
     elif origin in (list, tuple):
-        if isinstance(value, (list, tuple)):  # a single value falls through to the error below
-            inner = typing.get_args(tp)[0]
+        inner = typing.get_args(tp)[0]
+        if isinstance(value, str) and inner is str:
+            # `--set 'debug.inject="nan@15"'` means a list of one; any other single value (a
+            # number for a list of numbers) falls through to the error below.
+            value = [value]
+        if isinstance(value, (list, tuple)):
             items = [_coerce(v, inner, key) for v in value]
             return tuple(items) if origin is tuple else items
     elif origin is dict or tp is dict:
@@ -209,10 +213,27 @@ def load_config(name_or_path: str | None, overrides: list[str] = ()) -> Config:
     if cfg.debug.inject:
         raise ForjaError(f"debug.inject is set {where}: drills come only from the command line "
                          "(--set 'debug.inject=[\"kill@10\"]'), so that no run fails on purpose by accident")
-    for text in overrides:
-        parts, value = parse_override(text)
+    parsed = [parse_override(text) for text in overrides]
+    for (parts, value), text in zip(parsed, overrides):
         _apply_override(raw, parts, value, text)
-    return config_from_dict(raw, "from --set") if overrides else cfg
+    if not overrides:
+        return cfg
+    return _optimizer_lr(cfg, config_from_dict(raw, "from --set"), parsed)
+
+
+def _optimizer_lr(recipe: Config, cfg: Config, parsed: list[tuple[list[str], Any]]) -> Config:
+    """`cfg` with the learning rate of its optimizer when --set switched the optimizer
+    and gave no optim.lr: a recipe's lr is tuned for the recipe's optimizer only, so it
+    is carried over by the ratio of the two optimizers' measured defaults (DEFAULT_LR,
+    forja/optim/config.py): lr = recipe lr x DEFAULT_LR[new] / DEFAULT_LR[recipe's]. On a
+    recipe whose lr is its optimizer's default (debug, default) that is the new default;
+    on a recipe tuned lower for a larger model, the new lr is as much lower."""
+    old, new = recipe.optim.name, cfg.optim.name
+    lr_given = any(parts[:2] == ["optim", "lr"] for parts, _ in parsed)
+    if new == old or lr_given or old not in DEFAULT_LR or new not in DEFAULT_LR:
+        return cfg  # an unknown name is refused later, by build_optimizer, with the known ones
+    lr = float(f"{recipe.optim.lr * DEFAULT_LR[new] / DEFAULT_LR[old]:.3g}")
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=lr))
 
 
 # -- saving ---------------------------------------------------------------------------------

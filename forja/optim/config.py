@@ -9,6 +9,22 @@ from typing import Literal
 from forja.errors import ForjaError
 
 
+# Each optimizer's measured best peak learning rate (bench/optimizer_lr.py: configs/debug.toml,
+# 40 steps, a grid a factor ~3 apart; bench/RESULTS.md). `--set optim.name=X` without
+# `--set optim.lr` scales the recipe's lr by DEFAULT_LR[X] / DEFAULT_LR[the recipe's optimizer]
+# (forja/config.py). Lives here, not by the registry in optimizers.py, because config loading
+# may import only the sections' config modules; a test checks it names every optimizer.
+DEFAULT_LR: dict[str, float] = {
+    "adamw": 3e-3,
+    "adam": 3e-3,
+    "sgd": 1e-1,
+    "adafactor": 1e-1,
+    "lion": 1e-3,
+    "muon": 1e-2,
+    "soap": 3e-3,
+}
+
+
 @dataclass(kw_only=True)
 class MuonConfig:
     """[optim.muon]: Muon (Jordan et al. 2024) for the 2-D hidden matrices; every other

@@ -82,6 +82,9 @@ def _muon(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
                 betas=tuple(cfg.betas), eps=cfg.eps)
 
 
+# Each optimizer's default learning rate, taken when `--set optim.name` switches to it without
+# `--set optim.lr`, is DEFAULT_LR in forja/optim/config.py (config loading may import only the
+# sections' config modules, so the table lives there); a test checks it names every one here.
 OPTIMIZERS: dict[str, Callable[[list[dict], OptimConfig], torch.optim.Optimizer]] = {
     "adamw": _adamw,
     "adam": _adam,
