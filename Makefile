@@ -7,20 +7,26 @@ TORCH  := torch==2.13.0
 
 .PHONY: venv train test gpu-check clean
 
-$(VENV)/.installed: pyproject.toml
+# Two stamps: `make train` installs only what training needs (torch and the core dependencies,
+# about 1 GB); `make test` adds the test extra (transformers, lm-eval, trackers: about 3 GB) on top.
+$(VENV)/.installed-train: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned, so the project's `torch>=2.10` range never pulls a CUDA build.
 	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed-train
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed-train
 
-train: venv
+train: $(VENV)/.installed-train
 	$(VENV)/bin/forja train
 
-test: venv
+test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
 
 # No venv target here: a GPU machine may reach no package registry, so this runs with the
