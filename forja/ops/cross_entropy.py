@@ -300,7 +300,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     hidden, targets = _checked(hidden, weight, targets)
     _check_target_ids(targets, ignore_index, vocab)
     if backend is None:
-        backend = "triton" if use_triton(hidden, weight) else "torch"
+        backend = "triton" if use_triton(hidden, weight, op="cross_entropy") else "torch"
     if backend not in ("torch", "triton"):
         raise ForjaError(f"fused_linear_cross_entropy backend={backend!r} is not 'torch' or 'triton'")
     if backend == "triton" and not (triton_available() and (hidden.is_cuda or interpreting())):

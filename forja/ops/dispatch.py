@@ -8,6 +8,13 @@ otherwise (CPU, DTensors, no triton). The environment variable `FORJA_OPS` overr
   (`TRITON_INTERPRET=1`) can run kernels on CPU tensors; this is how the kernels are tested
   on machines without a GPU.
 
+Fallbacks: a fused op that does not run its kernel where the rule above promised it (CUDA
+tensors but no triton, `FORJA_OPS=reference` on CUDA, inputs a kernel cannot take) records
+it once in forja's fallback record (`forja/fallbacks.py`): the trainer prints one line and
+keeps it in run.json. CPU tensors without the interpreter take the reference by the rule
+itself: that is no fallback. DTensors (tensor and sequence parallelism) are handed to the
+kernels as their local shards where the op allows it (`local_shards`).
+
 `TRITON_INTERPRET=1` must be in the environment before triton is first imported: Triton
 decides when it jits a function (its own `tl.sum` included, at `import triton`) whether
 it builds a compiled or an interpreted kernel. Tests therefore run the interpreter in a
@@ -20,7 +27,9 @@ import os
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor, Partial, Shard
 
+from forja import fallbacks
 from forja.errors import ForjaError
 
 OPS_ENV = "FORJA_OPS"
@@ -63,24 +72,116 @@ def ops_mode() -> str:
 
 
 def _is_plain(t: torch.Tensor) -> bool:
-    # A DTensor (tensor/sequence parallel) has no single storage a kernel could address; the
-    # reference runs on it through DTensor's own op rules.
-    return not hasattr(t, "placements")
+    # A DTensor has no single storage a kernel could address: the op hands over its local shard
+    # (`local_shards`) or, where it cannot, runs the reference through DTensor's own op rules.
+    return not isinstance(t, DTensor)
 
 
-def use_triton(*tensors: torch.Tensor) -> bool:
-    """Whether the fused ops should run their Triton kernels on these tensors."""
+_INSTEAD = {"cross_entropy": "the per-chunk softmax in PyTorch (still chunked, no logits kept)"}
+
+
+def record_fallback(op: str, why: str, *, fix: str = "") -> None:
+    """Record that fused op `op` runs without its Triton kernel, and why."""
+    asked = "FORJA_OPS=triton" if ops_mode() == "triton" else f"model.fused_ops ({op})"
+    instead = _INSTEAD.get(op, f"the PyTorch reference of {op}")
+    fallbacks.record(f"ops.{op}", asked=asked, instead=instead, why=why, fix=fix)
+
+
+def use_triton(*tensors: torch.Tensor, op: str | None = None) -> bool:
+    """Whether the fused ops should run their Triton kernels on these tensors. With `op` (the
+    op's name), a kernel the rule promised but that cannot run is recorded as a fallback."""
     mode = ops_mode()
+    on_cuda = all(t.is_cuda for t in tensors)
     if mode == "reference":
+        if op is not None and on_cuda:  # on CPU the reference is what auto picks anyway
+            record_fallback(op, f"{OPS_ENV}=reference forces it", fix=f"unset {OPS_ENV}")
         return False
+    plain = all(_is_plain(t) for t in tensors)
     if mode == "triton":
         if not triton_available():
             raise ForjaError(f"{OPS_ENV}=triton but triton does not import; install triton or unset {OPS_ENV}")
-        if not all(t.is_cuda for t in tensors) and not (interpreting() and _jitted_interpreted):
+        if not on_cuda and not (interpreting() and _jitted_interpreted):
             raise ForjaError(f"{OPS_ENV}=triton on CPU tensors needs Triton's interpreter: set "
                              f"TRITON_INTERPRET=1 in the environment the process starts with, or unset {OPS_ENV}")
-        return True
-    return all(t.is_cuda and _is_plain(t) for t in tensors) and triton_available()
+        if not plain and op is not None:
+            record_fallback(op, _dtensor_why(tensors))
+        return plain
+    if not on_cuda:
+        return False
+    if not triton_available():
+        if op is not None:
+            record_fallback(op, "triton does not import", fix="install triton (pip install triton)")
+        return False
+    if not plain:
+        if op is not None:
+            record_fallback(op, _dtensor_why(tensors))
+        return False
+    return True
+
+
+def _dtensor_why(tensors: tuple[torch.Tensor, ...]) -> str:
+    placements = [tuple(t.placements) for t in tensors if isinstance(t, DTensor)]
+    return f"its DTensor inputs (placements {placements}) have no local shard the kernel can take"
+
+
+def local_shards(tensors: tuple[torch.Tensor | None, ...], *, keep_dims: tuple[int, ...]
+                 ) -> tuple[list[torch.Tensor | None], DTensor] | None:
+    """The local shards of DTensor inputs to a fused op that computes each element from its own
+    row or position (RMSNorm over the last dimension, SwiGLU, RoPE per token and head), so that
+    each rank runs the kernel on its shard: (plain tensors, the first DTensor input, whose mesh
+    and placements the output takes with `as_output`). None when they cannot be taken: tensors
+    on different meshes, a Partial value, or a tensor split along one of `keep_dims` (dims of
+    the first tensor the op needs whole, e.g. the normalized dimension; negative from the end).
+
+    `tensors[0]` is the activation; the others are either shaped like it with the same
+    placements, or parameters/tables replicated on the mesh (plain tensors: the same on every
+    rank). Autograd flows through `to_local`: an activation's gradient is its local shard's; a
+    replicated parameter's gradient is a partial sum wherever the activation is sharded (each
+    rank saw some rows), which DTensor reduces as it does for the reference's own ops."""
+    first = tensors[0]
+    if not isinstance(first, DTensor):
+        return None
+    mesh, placements = first.device_mesh, tuple(first.placements)
+    keep = {d % first.ndim for d in keep_dims}
+    if any(isinstance(p, Partial) or (isinstance(p, Shard) and p.dim % first.ndim in keep) for p in placements):
+        return None
+    # Per mesh dimension: the activation is split there (a parameter's gradient is partial) or not.
+    grad_of_replicated = [Partial() if isinstance(p, Shard) else p for p in placements]
+    out: list[torch.Tensor | None] = []
+    for t in tensors:
+        if not isinstance(t, DTensor):
+            out.append(t)
+        elif t.device_mesh != mesh:
+            return None
+        elif t.shape == first.shape:  # another activation: it must be split as the first one is
+            if tuple(t.placements) != placements:
+                return None
+            out.append(t.to_local())
+        elif all(p.is_replicate() for p in t.placements):
+            out.append(t.to_local(grad_placements=grad_of_replicated))
+        else:
+            return None
+    return out, first
+
+
+def waited(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` as a tensor a kernel can address. A DTensor's local shard, or the gradient DTensor
+    hands back, may be the result of a collective not yet waited for (torch's
+    AsyncCollectiveTensor, a wrapper without storage of its own): wait for it. For use inside
+    an autograd Function's forward and backward, where no graph is being recorded."""
+    if t is None or type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
+        return t
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor  # no public name
+
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+def as_output(local: torch.Tensor, like: DTensor) -> DTensor:
+    """A kernel's output on the local shard of `like`, as a DTensor laid out like it (the
+    global shape is `like`'s; the output is contiguous)."""
+    stride = torch.empty(like.shape, device="meta").stride()
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=stride)
 
 
 def jit(fn: Callable) -> Callable:

@@ -19,9 +19,10 @@ dweight is deterministic. Same plan as Liger Kernel's RMSNorm (linkedin/Liger-Ke
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from forja.errors import ForjaError
-from forja.ops.dispatch import jit, program_count, row_block, use_triton
+from forja.ops.dispatch import as_output, jit, local_shards, program_count, record_fallback, row_block, use_triton, waited
 
 try:
     import triton.language as tl
@@ -115,7 +116,7 @@ def _backward(dy: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, rstd: 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        weight = weight.contiguous()
+        x, weight = waited(x), waited(weight).contiguous()
         y, rows, rstd = _forward(x, weight, eps)
         ctx.save_for_backward(rows, weight, rstd)
         ctx.x_shape = x.shape
@@ -124,7 +125,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         rows, weight, rstd = ctx.saved_tensors
-        dx, dw = _backward(dy, rows, weight, rstd)
+        dx, dw = _backward(waited(dy), rows, weight, rstd)
         dx = dx.view(ctx.x_shape) if ctx.needs_input_grad[0] else None
         return dx, dw if ctx.needs_input_grad[1] else None, None
 
@@ -138,10 +139,22 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """RMSNorm of x (..., D) with weight (D,); the Triton kernel on CUDA, else the reference."""
+    """RMSNorm of x (..., D) with weight (D,); the Triton kernel on CUDA, else the reference.
+    A DTensor x split along its rows (sequence parallelism) runs the kernel on each rank's rows."""
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ForjaError(f"rms_norm: weight of shape {tuple(weight.shape)} does not fit inputs of shape "
                          f"{tuple(x.shape)}; it must be ({x.shape[-1]},)")
-    if use_triton(x, weight):
+    if isinstance(x, DTensor):
+        # Sequence parallelism: rows split over ranks, each normalized alone on its rank.
+        shards = local_shards((x, weight), keep_dims=(-1,))
+        if shards is None:
+            if x.is_cuda:
+                record_fallback("rms_norm", f"its input's placements {tuple(x.placements)} split the "
+                                "normalized dimension or hold partial sums")
+        elif use_triton(*shards[0], op="rms_norm"):
+            (x_local, w_local), like = shards
+            return as_output(_RMSNormFunction.apply(x_local, w_local, eps), like)
+        return rms_norm_reference(x, weight, eps)
+    if use_triton(x, weight, op="rms_norm"):
         return _RMSNormFunction.apply(x, weight, eps)
     return rms_norm_reference(x, weight, eps)

@@ -22,9 +22,10 @@ accepted as long as the head dimension is contiguous (the `.view` of a linear ou
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from forja.errors import ForjaError
-from forja.ops.dispatch import jit, next_power_of_2, use_triton
+from forja.ops.dispatch import as_output, jit, local_shards, next_power_of_2, record_fallback, use_triton, waited
 
 try:
     import triton.language as tl
@@ -97,13 +98,13 @@ class _RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _rotate(q, cos, sin, False), _rotate(k, cos, sin, False)
+        return _rotate(waited(q), cos, sin, False), _rotate(waited(k), cos, sin, False)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        dq = _rotate(dq, cos, sin, True) if ctx.needs_input_grad[0] else None
-        dk = _rotate(dk, cos, sin, True) if ctx.needs_input_grad[1] else None
+        dq = _rotate(waited(dq), cos, sin, True) if ctx.needs_input_grad[0] else None
+        dk = _rotate(waited(dk), cos, sin, True) if ctx.needs_input_grad[1] else None
         return dq, dk, None, None
 
 
@@ -139,9 +140,36 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, T, H, hd) and k (B, T, Hkv, hd) rotated by cos/sin (T, hd); Triton on CUDA."""
     _check(q, k, cos, sin)
-    # Gradients to the tables, or q and k of two dtypes, are left to the reference.
-    if (use_triton(q, k, cos, sin) and q.dtype == k.dtype
-            and not (cos.requires_grad or sin.requires_grad)):
+    if isinstance(q, DTensor) or isinstance(k, DTensor):
+        # Split by heads (or batch), each token's positions whole: each rank rotates its own heads.
+        # forja's plans hand q and k over as local tensors already (column-parallel projections).
+        qs = local_shards((q, cos, sin), keep_dims=(1, 3))
+        ks = local_shards((k, cos, sin), keep_dims=(1, 3))
+        if qs is not None and ks is not None and tuple(q.placements) == tuple(k.placements):
+            (q_local, cos_local, sin_local), (k_local, _, _) = qs[0], ks[0]
+            if _fused(q_local, k_local, cos_local, sin_local):
+                qo, ko = _RopeFunction.apply(q_local, k_local, cos_local.contiguous(), sin_local.contiguous())
+                return as_output(qo, q), as_output(ko, k)
+        elif q.is_cuda:
+            record_fallback("rope", "q and k are not DTensors split alike along batch or heads with whole "
+                            "sequences")
+        return rope_reference(q, k, cos, sin)
+    if _fused(q, k, cos, sin):
         # Contiguous (a no-op for forja's tables) so one row stride serves both.
         return _RopeFunction.apply(q, k, cos.contiguous(), sin.contiguous())
     return rope_reference(q, k, cos, sin)
+
+
+def _fused(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the kernels take these plain tensors; gradients to the tables, or q and k of two
+    dtypes, are left to the reference (and recorded)."""
+    if not use_triton(q, k, cos, sin, op="rope"):
+        return False
+    if q.dtype != k.dtype:
+        record_fallback("rope", f"q ({q.dtype}) and k ({k.dtype}) differ in dtype", fix="give q and k one dtype")
+        return False
+    if cos.requires_grad or sin.requires_grad:
+        record_fallback("rope", "the cos/sin tables require gradients, which the kernel does not compute",
+                        fix="detach the tables")
+        return False
+    return True

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from forja.errors import ForjaError
-from forja.ops.dispatch import jit, use_triton
+from forja.ops.dispatch import as_output, jit, local_shards, record_fallback, use_triton, waited
 
 try:
     import triton.language as tl
@@ -60,7 +61,7 @@ def _grid(n: int) -> tuple[int]:
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
-        gate, up = gate.contiguous(), up.contiguous()
+        gate, up = waited(gate).contiguous(), waited(up).contiguous()
         y = torch.empty_like(gate)
         n = gate.numel()
         if n:
@@ -71,7 +72,7 @@ class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        dy = dy.contiguous()
+        dy = waited(dy).contiguous()
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
         if n:
@@ -88,6 +89,22 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for two tensors of the same shape; the Triton kernel on CUDA."""
     if gate.shape != up.shape:
         raise ForjaError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
-    if use_triton(gate, up) and gate.dtype == up.dtype:
+    shards = local_shards((gate, up), keep_dims=()) if isinstance(gate, DTensor) else None
+    if shards is not None:  # elementwise: each rank computes its own shard
+        (gate_local, up_local), like = shards
+        if _fused(gate_local, up_local):
+            return as_output(_SwiGLUFunction.apply(gate_local, up_local), like)
+        return swiglu_reference(gate, up)
+    if _fused(gate, up):
         return _SwiGLUFunction.apply(gate, up)
     return swiglu_reference(gate, up)
+
+
+def _fused(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    if not use_triton(gate, up, op="swiglu"):
+        return False
+    if gate.dtype != up.dtype:
+        record_fallback("swiglu", f"gate ({gate.dtype}) and up ({up.dtype}) differ in dtype",
+                        fix="give both projections one dtype")
+        return False
+    return True

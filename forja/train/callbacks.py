@@ -23,6 +23,7 @@ from forja.checkpoint.states import TrainerCounters
 from forja.config import Config
 from forja.metrics.throughput import Throughput, memory_stats, peak_flops
 from forja.parallel import ParallelDims
+from forja.train.run_dir import report_fallbacks
 from forja.train.stragglers import stragglers
 
 
@@ -228,13 +229,29 @@ class StragglerCallback(Callback):
                       f"{gathered[r][1]:.3f} s per step)", file=sys.stderr, flush=True)
 
 
+class FallbackCallback(Callback):
+    """The fallbacks first recorded while the launch's first step ran (a fused op deciding at
+    its first call, on the tensors it gets) are printed and added to run.json right after it;
+    the ones recorded while the model was built were reported by the trainer before step 1."""
+
+    def __init__(self) -> None:
+        self._done = False
+
+    def on_step_end(self, trainer: TrainerView, record: StepRecord) -> None:
+        if self._done:
+            return
+        self._done = True  # every rank passes here at its first step: the gather is collective
+        report_fallbacks(trainer.run_dir, rank=trainer.rank, group=trainer.dims.cpu_group)
+
+
 def default_callbacks(cfg: Config, *, flops_per_token: int, num_devices: int, device: torch.device,
                       compute_dtype: torch.dtype | None) -> list[Callback]:
     """The callbacks every run has, from its config."""
     metrics = MetricsCallback(flops_per_token=flops_per_token, num_devices=num_devices, device=device,
                               compute_dtype=compute_dtype or torch.float32, interval=cfg.metrics.interval,
                               peak_tflops=cfg.metrics.peak_tflops)
-    callbacks: list[Callback] = [metrics, SampleCallback(), GCCallback(cfg.train.gc_interval), PreemptionCallback()]
+    callbacks: list[Callback] = [metrics, SampleCallback(), GCCallback(cfg.train.gc_interval), PreemptionCallback(),
+                                 FallbackCallback()]
     if num_devices > 1 and cfg.metrics.straggler_factor > 0:
         callbacks.append(StragglerCallback(interval=cfg.metrics.interval, factor=cfg.metrics.straggler_factor))
     if cfg.train.profile_at > 0:

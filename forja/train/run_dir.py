@@ -1,7 +1,7 @@
 """The run directory: what a run leaves behind, and the guard against mixing runs.
 
     <run.dir>/config.toml       the resolved config (rerun it with `forja train <run.dir>/config.toml`)
-    <run.dir>/run.json          code revision, library versions, hardware, command of each launch
+    <run.dir>/run.json          code revision, library versions, hardware, command and fallbacks of each launch
     <run.dir>/tokenizer.json    the tokenizer, so the run can be exported or sampled alone
     <run.dir>/checkpoints/      see forja/checkpoint/manager.py
     <run.dir>/metrics.jsonl     one line per logged step
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import forja
+from forja import fallbacks
 from forja.config import Config, config_from_dict, dump_toml
 
 if sys.version_info >= (3, 11):
@@ -142,3 +143,31 @@ def environment() -> dict[str, object]:
     return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": sys.argv, "git": _git_revision(),
             "versions": _versions(), "hardware": _hardware(),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+
+
+def report_fallbacks(run_dir: Path, *, rank: int, group: dist.ProcessGroup | None = None) -> list[fallbacks.Fallback]:
+    """Every rank's recorded fallbacks (forja/fallbacks.py) brought to rank 0, which prints each
+    one not printed yet as one line and keeps them all in this launch's entry of run.json
+    ("fallbacks": a list of {key, asked, instead, why, fix}). A collective over `group` when
+    several ranks run: every rank calls it at the same point. Returns rank 0's full list."""
+    mine = [f.as_json() for f in fallbacks.recorded()]
+    gathered = [mine]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        # A pipeline's last stage or an expert-parallel rank may take decisions rank 0 never sees.
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+    if rank != 0:
+        return []
+    for entries in gathered:
+        for entry in entries:
+            fallbacks.record(**entry)  # another rank's entries join this record (first one kept)
+    for fallback in fallbacks.unreported():
+        print(fallback.line(), file=sys.stderr, flush=True)
+    everything = fallbacks.recorded()
+    info_path = run_dir / "run.json"
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {"launches": [environment()]}
+    listed = [f.as_json() for f in everything]
+    if info["launches"][-1].get("fallbacks") != listed:
+        info["launches"][-1]["fallbacks"] = listed
+        write_atomic(info_path, json.dumps(info, indent=2) + "\n")
+    return everything

@@ -27,6 +27,7 @@ from forja.checkpoint.manager import CheckpointManager, loadable_state
 from forja.checkpoint.states import ModelState, OptimizerState, RNGState, TrainerCounters
 from forja.config import Config
 from forja.errors import ForjaError
+from forja.fallbacks import clear as clear_fallbacks
 from forja.generate import SamplingConfig, generate
 from forja.metrics.sinks import build_sinks
 from forja.models import build_from_args
@@ -45,7 +46,7 @@ from forja.train.goodput import Goodput
 from forja.train.health import Anomaly, Health
 from forja.train.preflight import Preflight
 from forja.train.probes import ActivationSizes
-from forja.train.run_dir import RunDir
+from forja.train.run_dir import RunDir, report_fallbacks
 from forja.train.scaler import check_fp16, loss_scaler
 from forja.train.watchdog import Watchdog, grace_s
 
@@ -62,6 +63,7 @@ class Trainer:
     def setup(self) -> None:
         c = self.cfg
         launched = time.time()
+        clear_fallbacks()  # this run's decisions only, not those of an earlier run in this process
         evaluation = [EvalCallback(c)] if c.eval.tasks else []  # bad task files stop before any work
         check_fp16(c.train, c.parallel)
         # Collectives wait a grace longer than the watchdog, so that a hang is reported (every
@@ -92,6 +94,7 @@ class Trainer:
                                   load_weights=initial_weights(c.model.init_from, identity), seq_len=c.train.seq_len,
                                   float8=c.train.float8, float8_min_features=c.train.float8_min_features)
         self.parts = built.parts
+        report_fallbacks(self.run_dir, rank=self.rank, group=self.dims.cpu_group)  # one line each, and run.json
         self.optimizers = OptimizerGroup(self.parts, c.optim)
         self.scheduler = SchedulerGroup(self.optimizers.optimizers, c.schedule, c.train.steps)
         self.engine = build_engine(self.parts, built.pipeline, self.optimizers, self.scheduler, self.dims,

@@ -9,7 +9,8 @@ and shared by every layer:
 - several documents (or a sliding window), backend "sdpa": SDPA with an explicit boolean
   (B, 1, T, T) mask;
 - backend "flex" on CUDA: FlexAttention with a block mask, which skips fully masked
-  tiles. FlexAttention has no CPU backward, so on CPU "flex" falls back to SDPA.
+  tiles. FlexAttention has no CPU backward, so on CPU "flex" falls back to SDPA (recorded in
+  forja's fallback record: one line at start, and run.json).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forja import fallbacks
 from forja.models.common.norms import RMSNorm
 from forja.models.common.rope import apply_rope
 
@@ -50,8 +52,11 @@ def build_mask(
             raise ValueError("document_ids cannot be combined with a KV cache")
         device = document_ids.device
     device = device or torch.device("cpu")
-    if backend == "flex" and device.type == "cuda" and offset == 0 and (document_ids is not None or window):
-        return AttentionMask(block_mask=_flex_block_mask(document_ids, q_len, window, device))
+    if backend == "flex" and offset == 0 and (document_ids is not None or window):
+        if device.type == "cuda":
+            return AttentionMask(block_mask=_flex_block_mask(document_ids, q_len, window, device))
+        fallbacks.record("attention.flex", asked='model.attention = "flex"', instead="SDPA",
+                         why=f"FlexAttention has no backward on {device.type}", fix="train on CUDA")
     one_document = document_ids is None or bool((document_ids == document_ids[:, :1]).all())
     if one_document and window is None:
         if offset == 0:
