@@ -107,7 +107,7 @@ def _build(world_size: int, family: str, flavor: str, parallel: dict, micro: int
     from forja.optim import OptimizerGroup, SchedulerGroup
     from forja.optim.config import OptimConfig, ScheduleConfig
     from forja.parallel import ParallelConfig, ParallelDims
-    from forja.parallel.checks import check_layout
+    from forja.parallel.checks import LayoutRequest, check_layout
     from forja.train.build import build_model_parts
     from forja.train.config import TrainConfig
     from forja.train.engine import build_engine
@@ -120,8 +120,9 @@ def _build(world_size: int, family: str, flavor: str, parallel: dict, micro: int
     model_cfg = ModelConfig(family=family, flavor=flavor)  # document_mask on, the default
     args = run_model_args(model_cfg, model_args(family, flavor).vocab_size)  # the flavor's own vocabulary
     device = torch.device("cpu")
-    check_layout(args, dims, pcfg, seq_len=seq_len, device=device, global_batch_size=global_batch,
-                 micro_batch_size=micro, document_mask=model_cfg.document_mask)
+    check_layout(LayoutRequest(args=args, parallel=pcfg, world_size=world_size, seq_len=seq_len, device_type="cpu",
+                               global_batch_size=global_batch, micro_batch_size=micro,
+                               document_mask=model_cfg.document_mask))
     built = build_model_parts(args, dims, pcfg, device=device, seed=train.seed, seq_len=seq_len)
     optimizers = OptimizerGroup(built.parts, OptimConfig())
     scheduler = SchedulerGroup(optimizers.optimizers, ScheduleConfig(), total_steps=10)

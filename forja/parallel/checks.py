@@ -1,12 +1,21 @@
-"""Checks of a parallel layout against the model and the batch, before anything starts.
+"""The one layout validator: whether forja can run a layout, and every reason it cannot.
 
-Each failure names the keys involved and a fix, so a bad layout costs seconds, not a
-cluster allocation.
+    errors = layout_errors(LayoutRequest(args=..., parallel=..., world_size=..., ...))
+    check_layout(request)   # raises ForjaError with the reasons, for forja train
+
+`forja train`'s preflight (before anything is written, and in the launcher before torchrun
+starts), `parallel.auto`, the memory check's suggestions and `forja plan`'s search all ask
+this module and nothing else, so a layout the planner ranks is a layout train accepts.
+Each reason names the keys involved and a fix: a bad layout costs seconds, not a cluster
+allocation. Nothing here builds a model or touches a device: the checks are arithmetic on
+the model's args, the degrees and the run's settings, cheap enough for a search over
+thousands of layouts.
 """
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+from collections.abc import Callable
 
 from forja.errors import ForjaError
 from forja.models.common.transformer import TransformerArgs
@@ -15,13 +24,73 @@ from forja.parallel.dims import ParallelDims
 from forja.parallel.pp import check_pipeline
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayoutRequest:
+    """A layout as a run would launch it: the model, the `[parallel]` section (degrees and
+    options), the world it runs on and the settings of the run the checks read."""
+
+    args: TransformerArgs
+    parallel: ParallelConfig
+    world_size: int
+    seq_len: int
+    global_batch_size: int
+    micro_batch_size: int
+    device_type: str = "cpu"
+    """"cuda" or "cpu": the kind of device the ranks run on (the planner passes its hardware's)."""
+    document_mask: bool = False
+    float8: str = "none"
+    precision: str = "auto"
+
+
+Check = Callable[[LayoutRequest, ParallelDims], None]
+
+
 def _divides(a: int, b: int, what: str, fix: str) -> None:
     if b % a:
         raise ForjaError(f"{what} is not divisible by {a}; {fix}")
 
 
-def _check_ep(args: TransformerArgs, dims: ParallelDims) -> None:
-    n_experts = getattr(args, "n_experts", 0)
+def _check_tp(r: LayoutRequest, dims: ParallelDims) -> None:
+    args, tp = r.args, dims.tp
+    if tp > 1:
+        fix = "choose a parallel.tp that divides it, or change the model (model.overrides)"
+        _divides(tp, args.n_heads, f"model n_heads = {args.n_heads} (parallel.tp = {tp})", fix)
+        _divides(tp, args.n_kv_heads, f"model n_kv_heads = {args.n_kv_heads} (parallel.tp = {tp})", fix)
+        _divides(tp, args.ffn_dim, f"model ffn_dim = {args.ffn_dim} (parallel.tp = {tp})", fix)
+
+
+def _check_vocab(r: LayoutRequest, dims: ParallelDims) -> None:
+    if dims.tp > 1:
+        _divides(dims.tp, r.args.vocab_size, f"vocab_size = {r.args.vocab_size} (parallel.tp = {dims.tp})",
+                 "pad it with model.overrides.vocab_size (a multiple of 64 or 128 is also faster)")
+
+
+def _check_sequence_parallel(r: LayoutRequest, dims: ParallelDims) -> None:
+    tp, cfg, seq_len = dims.tp, r.parallel, r.seq_len
+    if tp > 1:
+        if cfg.sequence_parallel:
+            _divides(tp, seq_len, f"train.seq_len = {seq_len} (parallel.tp = {tp} with sequence parallelism)",
+                     "change train.seq_len or set parallel.sequence_parallel = false")
+        if cfg.async_tp and r.device_type != "cuda":
+            raise ForjaError("parallel.async_tp needs CUDA (symmetric memory); set it to false on CPU")
+        if cfg.async_tp and not cfg.compile:
+            raise ForjaError("parallel.async_tp works through torch.compile's micro-pipelining; "
+                             "set parallel.compile = true as well")
+
+
+def _check_float8(r: LayoutRequest, dims: ParallelDims) -> None:
+    tp, float8 = dims.tp, r.float8
+    if tp > 1:
+        if float8 not in ("none", "tensorwise"):
+            raise ForjaError(f"train.float8 = '{float8}' with parallel.tp > 1 is not supported (torchao's float8 "
+                             "tensor-parallel styles scale tensorwise); set train.float8 = 'tensorwise', or "
+                             "parallel.tp = 1")
+
+
+def _check_ep(r: LayoutRequest, dims: ParallelDims) -> None:
+    if dims.ep == 1:
+        return
+    n_experts = getattr(r.args, "n_experts", 0)
     if n_experts == 0:
         raise ForjaError(f"parallel.ep = {dims.ep} needs a mixture-of-experts model, but this model has no "
                          "experts; set parallel.ep = 1 or choose an MoE flavor (e.g. qwen3 debug-moe)")
@@ -29,45 +98,75 @@ def _check_ep(args: TransformerArgs, dims: ParallelDims) -> None:
              "choose a parallel.ep that divides the number of experts")
 
 
-def check_layout(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfig, *, seq_len: int,
-                 global_batch_size: int, micro_batch_size: int, device: torch.device,
-                 document_mask: bool = False, float8: str = "none") -> None:
-    tp = dims.tp
-    if tp > 1:
-        fix = "choose a parallel.tp that divides it, or change the model (model.overrides)"
-        _divides(tp, args.n_heads, f"model n_heads = {args.n_heads} (parallel.tp = {tp})", fix)
-        _divides(tp, args.n_kv_heads, f"model n_kv_heads = {args.n_kv_heads} (parallel.tp = {tp})", fix)
-        _divides(tp, args.ffn_dim, f"model ffn_dim = {args.ffn_dim} (parallel.tp = {tp})", fix)
-        _divides(tp, args.vocab_size, f"vocab_size = {args.vocab_size} (parallel.tp = {tp})",
-                 "pad it with model.overrides.vocab_size (a multiple of 64 or 128 is also faster)")
-        if cfg.sequence_parallel:
-            _divides(tp, seq_len, f"train.seq_len = {seq_len} (parallel.tp = {tp} with sequence parallelism)",
-                     "change train.seq_len or set parallel.sequence_parallel = false")
-        if cfg.async_tp and device.type != "cuda":
-            raise ForjaError("parallel.async_tp needs CUDA (symmetric memory); set it to false on CPU")
-        if cfg.async_tp and not cfg.compile:
-            raise ForjaError("parallel.async_tp works through torch.compile's micro-pipelining; "
-                             "set parallel.compile = true as well")
-        if float8 != "none":
-            raise ForjaError("train.float8 with parallel.tp > 1 is not supported yet (float8 needs its own "
-                             "tensor-parallel styles); use FSDP for data parallelism, or train.float8 = 'none'")
-    if dims.ep > 1:
-        _check_ep(args, dims)
-    if dims.cp > 1:
-        if device.type != "cuda":
-            raise ForjaError("parallel.cp > 1 needs CUDA: PyTorch's context parallelism runs only on CUDA "
-                             "attention kernels; set parallel.cp = 1 on CPU")
-        _divides(2 * dims.cp, seq_len, f"train.seq_len = {seq_len} (2 x parallel.cp = {2 * dims.cp}, for load "
-                 "balancing)", "change train.seq_len or parallel.cp")
-        if document_mask:
-            raise ForjaError("parallel.cp > 1 runs causal ring attention, without document masks; set "
-                             "model.document_mask = false")
-    local = global_batch_size // max(1, dims.dp)
-    if global_batch_size % dims.dp:
-        raise ForjaError(f"train.global_batch_size = {global_batch_size} is not divisible by the data-parallel "
+def _check_cp(r: LayoutRequest, dims: ParallelDims) -> None:
+    if dims.cp == 1:
+        return
+    if r.device_type != "cuda":
+        raise ForjaError("parallel.cp > 1 needs CUDA: PyTorch's context parallelism runs only on CUDA "
+                         "attention kernels; set parallel.cp = 1 on CPU")
+    _divides(2 * dims.cp, r.seq_len, f"train.seq_len = {r.seq_len} (2 x parallel.cp = {2 * dims.cp}, for load "
+             "balancing)", "change train.seq_len or parallel.cp")
+    if r.document_mask:
+        raise ForjaError("parallel.cp > 1 runs causal ring attention, without document masks; set "
+                         "model.document_mask = false, or parallel.cp = 1")
+
+
+def _check_batch(r: LayoutRequest, dims: ParallelDims) -> None:
+    local = r.global_batch_size // max(1, dims.dp)
+    if r.global_batch_size % dims.dp:
+        raise ForjaError(f"train.global_batch_size = {r.global_batch_size} is not divisible by the data-parallel "
                          f"degree {dims.dp} (dp_replicate x dp_shard); change one of them")
-    if local % micro_batch_size:
+    if local % r.micro_batch_size:
         raise ForjaError(f"train.global_batch_size / data-parallel degree = {local} is not divisible by "
-                         f"train.micro_batch_size = {micro_batch_size}; change one of them")
-    check_pipeline(args, dims, cfg, device=device, global_batch_size=global_batch_size,
-                   micro_batch_size=micro_batch_size)
+                         f"train.micro_batch_size = {r.micro_batch_size}; change one of them")
+
+
+def _check_pipeline(r: LayoutRequest, dims: ParallelDims) -> None:
+    check_pipeline(r.args, dims, r.parallel, device_type=r.device_type, global_batch_size=r.global_batch_size,
+                   micro_batch_size=r.micro_batch_size)
+
+
+def _check_precision(r: LayoutRequest, dims: ParallelDims) -> None:
+    """What fp16 does not combine with: one run has one compute precision, and float8's scaled
+    matmuls are made for bf16 (fp16's range would need a second scaling scheme inside theirs)."""
+    if r.precision != "fp16":
+        return
+    if r.parallel.mixed_precision == "bf16":
+        raise ForjaError("train.precision = 'fp16' computes in float16, but parallel.mixed_precision = 'bf16' "
+                         "casts FSDP's parameters to bfloat16; set parallel.mixed_precision = 'fp32' (autocast "
+                         "then casts to float16 per op), or train.precision = 'bf16'")
+    if r.float8 != "none":
+        raise ForjaError(f"train.float8 = '{r.float8}' runs its matmuls in float8 from bf16 or fp32 "
+                         "activations, not under fp16 loss scaling; set train.precision = 'bf16', or "
+                         "train.float8 = 'none'")
+
+
+# Each check stops at its own first problem; the validator runs them all, so a layout with
+# several problems hears of each (a planner's table shows the first).
+CHECKS: tuple[Check, ...] = (_check_tp, _check_vocab, _check_sequence_parallel, _check_float8, _check_ep,
+                             _check_cp, _check_batch, _check_pipeline, _check_precision)
+
+
+def layout_errors(r: LayoutRequest) -> list[str]:
+    """Every reason forja would refuse to run `r`, each one sentence; [] when it runs."""
+    try:
+        dims = ParallelDims.from_config(r.parallel, r.world_size)
+    except ForjaError as exc:
+        return [str(exc)]  # without consistent degrees nothing else can be judged
+    errors = []
+    for check in CHECKS:
+        try:
+            check(r, dims)
+        except ForjaError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def check_layout(r: LayoutRequest) -> None:
+    """Raise one ForjaError holding every reason `r` is refused (nothing when it runs)."""
+    errors = layout_errors(r)
+    if len(errors) == 1:
+        raise ForjaError(errors[0])
+    if errors:
+        raise ForjaError(f"this layout is refused for {len(errors)} reasons: "
+                         + " ".join(f"({i}) {e}" for i, e in enumerate(errors, 1)))

@@ -103,19 +103,20 @@ def check_microbatches(cfg: ParallelConfig, dims: ParallelDims, *, global_batch_
         raise ForjaError(error)
 
 
-def check_pipeline(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfig, *, device: torch.device,
+def check_pipeline(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfig, *, device_type: str,
                    global_batch_size: int, micro_batch_size: int) -> None:
     """Every check of a pipeline layout that needs no model built, for before anything starts
     (build_pipeline repeats those of the model, and the pipeline those of the batch)."""
     if dims.pp == 1:
         return
-    check_schedule(cfg, device)
+    check_schedule(cfg, device_type)
     check_layers(args.n_layers, pp=dims.pp, schedule=cfg.pp_schedule, pp_layers=cfg.pp_layers)
     check_microbatches(cfg, dims, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
 
 
-def check_schedule(cfg: ParallelConfig, device: torch.device) -> None:
-    if cfg.pp_schedule in V_SCHEDULES and device.type == "cpu" and torch_version() < (2, 12):
+def check_schedule(cfg: ParallelConfig, device_type: str) -> None:
+    """`device_type`: "cuda" or "cpu", the ranks' kind of device."""
+    if cfg.pp_schedule in V_SCHEDULES and device_type == "cpu" and torch_version() < (2, 12):
         # Before 2.12 the schedule's start-up handshake sends from a rank to itself (the bottom
         # of the V), which NCCL allows and Gloo does not.
         raise ForjaError(f"parallel.pp_schedule = '{cfg.pp_schedule}' on CPU (Gloo) needs PyTorch >= 2.12, "
@@ -243,8 +244,8 @@ class Pipeline:
 def build_pipeline(model: Transformer, *, dims: ParallelDims, cfg: ParallelConfig, device: torch.device,
                    prepare: Callable[[Transformer], None], seq_len: int = 0) -> Pipeline:
     """This rank's stages of `model` (whole, on the meta device), each prepared by
-    `prepare` (parallelized and materialized), in the `Pipeline` that runs them."""
-    check_schedule(cfg, device)
+    `prepare` (parallelized and materialized), in the `Pipeline` that runs them. The layout
+    was checked by the validator (forja/parallel/checks.py) before anything was built."""
     counts = layers_per_stage(model, pp=dims.pp, schedule=cfg.pp_schedule, pp_layers=cfg.pp_layers,
                               seq_len=seq_len)
     stage_ids = rank_stages(dims.pp_mesh.get_local_rank(), dims.pp, cfg.pp_schedule)

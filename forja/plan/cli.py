@@ -33,7 +33,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--layout", default=None, metavar="KEY=V,...",
-                   help="predict this layout only, e.g. 'parallel.dp_shard=2,parallel.tp=2'")
+                   help="hold these keys and search the rest, e.g. 'parallel.dp_shard=2,parallel.tp=2' "
+                        "(give every degree and option to predict one layout)")
     p.add_argument("--check", default=None, metavar="RUN_DIR",
                    help="compare a finished run's peak memory and tokens/s with the prediction for its layout")
     p.set_defaults(func=_run_cli)
@@ -51,8 +52,8 @@ def hardware_for(args: argparse.Namespace):
 def _run_cli(args: argparse.Namespace) -> int:
     from forja.config import load_config
     from forja.plan.job import job_from_config
-    from forja.plan.layout import from_config, parse_layout
-    from forja.plan.planner import evaluate, plan
+    from forja.plan.layout import parse_fixed
+    from forja.plan.planner import default_space, plan
 
     if args.check:
         return check_run(Path(args.check), args)
@@ -63,31 +64,39 @@ def _run_cli(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     hw = hardware_for(args)
     job = job_from_config(cfg, gpu=hw.kind != "cpu")
-    if args.layout is not None:
-        base = from_config(cfg.parallel, cfg.train.micro_batch_size, args.gpus)
-        lay = parse_layout(args.layout, base)
-        if lay.world_size != args.gpus:
-            raise ForjaError(f"--layout {args.layout!r} spans {lay.world_size} ranks, not --gpus {args.gpus}; "
-                             "make the degrees multiply to it")
-        candidates = [evaluate(job, lay, hw)]
-    else:
-        candidates = plan(job, hw, args.gpus)
-        if not candidates:
-            raise ForjaError(f"no layout of {args.gpus} ranks divides this job (global batch "
-                             f"{job.global_batch_size}, {job.args.n_heads} heads, {job.args.n_layers} layers)")
+    space = default_space(hw)
+    if args.layout is not None:  # a partial layout: the keys given are held, the rest searched
+        space = space.with_fixed(parse_fixed(args.layout))
+    candidates = plan(job, hw, args.gpus, space=space)
+    if not candidates:
+        held = f" with {args.layout}" if args.layout else ""
+        raise ForjaError(f"no layout of {args.gpus} ranks{held} divides this job (global batch "
+                         f"{job.global_batch_size}, {job.args.n_heads} heads, {job.args.n_kv_heads} KV heads, "
+                         f"{job.args.n_layers} layers); change --gpus or the keys held")
     if args.json:
+        from forja.plan.planner import usable_memory
+
         print(json.dumps({"hardware": hw.kind, "gpus": args.gpus, "params": job.shape.n_params,
+                          "usable_memory_bytes": round(usable_memory(hw)),
                           "candidates": [c.as_json() for c in candidates]}, indent=1))
         return 0
     print_plan(candidates, hw, args.gpus, args.top, job)
     return 0
 
 
+def set_line(layout) -> str:
+    """The `--set` arguments that select `layout` in forja train."""
+    return " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in layout.overrides().items())
+
+
 def print_plan(candidates, hw, gpus: int, top: int, job, console: Console | None = None) -> None:
+    from forja.plan.planner import usable_memory
+
     console = console or Console(width=None if sys.stdout.isatty() else 200)
     fits = [c for c in candidates if c.fits]
-    table = Table(title=f"{job.shape.n_params / 1e9:.2f}B parameters on {gpus} x {hw.name}: "
-                        f"{len(fits)} of {len(candidates)} layouts fit", title_justify="left")
+    table = Table(title=f"{job.shape.n_params / 1e9:.2f}B parameters on {gpus} x {hw.name} "
+                        f"({hw.memory_bytes / GB:.1f} GB, {usable_memory(hw) / GB:.1f} GB usable per device): "
+                        f"{len(fits)} of {len(candidates)} layouts run and fit", title_justify="left")
     for col in ("#", "layout", "peak GB", "step s", "tokens/s", "tok/s/dev", "MFU", "fits"):
         table.add_column(col, justify="left" if col in ("layout", "fits") else "right", no_wrap=col != "fits")
     shown = fits[:top] + [c for c in candidates if not c.fits][: max(0, min(3, top - len(fits[:top])) or 3)]
@@ -98,9 +107,12 @@ def print_plan(candidates, hw, gpus: int, top: int, job, console: Console | None
     console.print(table)
     if candidates:
         best = candidates[0]
-        console.print(f"[bold]{'best' if best.fits else 'closest'}:[/bold] " + " ".join(
-            f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in best.layout.overrides().items()),
-            highlight=False)
+        # One line, never wrapped, whatever the terminal's width, so that it can be copied whole.
+        console.file.flush()
+        if best.runs:
+            print(f"{'best' if best.fits else 'closest'}: " + set_line(best.layout), flush=True)
+        else:
+            print(f"no layout of these runs in forja train: {best.why_not}", flush=True)
         mem = ", ".join(f"{k} {v / GB:.2f}" for k, v in best.memory.as_dict().items() if v)
         times = ", ".join(f"{k} {v:.3f}" for k, v in best.time.as_dict().items() if v)
         console.print(f"memory at its peak ({best.memory.phase}, GB): {mem}", highlight=False)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from forja.config import Config
 from forja.models.common.transformer import TransformerArgs
+from forja.parallel.config import ParallelConfig
 from forja.plan.shape import ModelShape, model_shape
 
 # Optimizer state per parameter, in fp32 elements (AdamW: two moments). Muon keeps one
@@ -39,6 +40,14 @@ class Job:
     """parallel.compile: elementwise ops fused into the matmuls' neighbours."""
     async_tp: bool = False
     """parallel.async_tp (with compile, on GPUs): part of the TP collectives hides behind matmuls."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, compare=False, repr=False)
+    """The recipe's [parallel] section: the options a layout does not set (compile, async_tp,
+    pp_layers, mixed_precision), which the layout validator reads with the layout's keys."""
+    document_mask: bool = False
+    float8_recipe: str = "none"
+    """train.float8 as the recipe names it (the validator tells recipes apart)."""
+    precision: str = "auto"
+    """train.precision, as the recipe gives it."""
     memo: dict = field(default_factory=dict, compare=False, repr=False)
     """What a search computes once per job and reuses over its thousands of layouts (the
     pipeline split of the blocks, a block's activations per layout setting)."""
@@ -68,4 +77,6 @@ def job_from_config(cfg: Config, *, gpu: bool, args: TransformerArgs | None = No
                global_batch_size=cfg.train.global_batch_size, optimizer=cfg.optim.name, gpu=gpu, bf16=bf16,
                bf16_params=cfg.parallel.mixed_precision == "bf16",
                fused=frozenset(args.fused_ops) if gpu else frozenset(), float8=cfg.train.float8 != "none",
-               compiled=cfg.parallel.compile, async_tp=gpu and cfg.parallel.async_tp and cfg.parallel.compile)
+               compiled=cfg.parallel.compile, async_tp=gpu and cfg.parallel.async_tp and cfg.parallel.compile,
+               parallel=cfg.parallel, document_mask=cfg.model.document_mask, float8_recipe=cfg.train.float8,
+               precision=precision)

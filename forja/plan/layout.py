@@ -21,6 +21,7 @@ from forja.parallel.pp_split import stages_per_rank
 PARALLEL_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "reshard_after_forward", "cpu_offload",
                  "sequence_parallel", "ac", "ac_every", "pp_schedule", "pp_microbatches")
 AC_MODES = (("none", 0), ("selective", 0), ("full", 0))
+DEGREE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +110,12 @@ def from_config(parallel: ParallelConfig, micro_batch_size: int, world_size: int
 
 def parse_layout(text: str, base: Layout) -> Layout:
     """'parallel.dp_shard=2,parallel.tp=2,train.micro_batch_size=4' on top of `base`."""
-    known = {f.name: f.type for f in fields(Layout)}
+    return replace(base, **parse_fixed(text, base))
+
+
+def parse_fixed(text: str, like: Layout = Layout()) -> dict[str, Any]:
+    """The keys a `--layout` text gives, as Layout field -> value (the rest is left to the search)."""
+    known = {f.name for f in fields(Layout)}
     values: dict[str, Any] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = item.partition("=")
@@ -117,8 +123,8 @@ def parse_layout(text: str, base: Layout) -> Layout:
         if not sep or name not in known:
             raise ForjaError(f"--layout item {item!r}: expected KEY=VALUE with KEY one of parallel.{{"
                              f"{', '.join(PARALLEL_KEYS)}}} or train.micro_batch_size")
-        values[name] = _parse_value(value.strip(), getattr(base, name), item)
-    return replace(base, **values)
+        values[name] = _parse_value(value.strip(), getattr(like, name), item)
+    return values
 
 
 def _parse_value(value: str, like: Any, item: str) -> Any:
@@ -151,17 +157,52 @@ class SearchSpace:
     allow_offload: bool = True
     degrees: tuple[tuple[str, int], ...] = ()
     """Degrees held fixed, e.g. (("tp", 8), ("pp", 4)): only the rest is searched."""
+    fixed: tuple[tuple[str, Any], ...] = ()
+    """Any Layout keys held fixed (a partial `forja plan --layout`), degrees or options alike,
+    e.g. (("dp_shard", 8), ("ac", "full")): the search varies only the others."""
 
-    def allows(self, **degrees: int) -> bool:
-        return all(degrees.get(k, v) == v for k, v in self.degrees)
+    def allows(self, **values: Any) -> bool:
+        return all(values.get(k, v) == v for k, v in self.degrees + self.fixed)
+
+    def options(self) -> dict[str, Any]:
+        """The fixed keys that are not degrees nor searched lists: applied to every layout."""
+        return {k: v for k, v in self.fixed if k not in DEGREE_KEYS + ("micro_batch_size", "pp_schedule")}
+
+    def with_fixed(self, fixed: dict[str, Any]) -> SearchSpace:
+        """This space with `fixed` held: a micro-batch size or schedule outside the default
+        lists is searched as the only choice."""
+        space = replace(self, fixed=tuple(fixed.items()))
+        if "micro_batch_size" in fixed:
+            space = replace(space, micro_batch_sizes=(fixed["micro_batch_size"],))
+        if "pp_schedule" in fixed:
+            space = replace(space, pp_schedules=(fixed["pp_schedule"],))
+        if fixed.get("cp", 1) > 1:
+            space = replace(space, allow_cp=True)
+        if fixed.get("cpu_offload"):
+            space = replace(space, allow_offload=True)
+        return space
 
 
 def enumerate_layouts(world: int, *, n_layers: int, n_heads: int, n_kv_heads: int, n_experts: int,
                       global_batch_size: int, seq_len: int, space: SearchSpace) -> Iterator[Layout]:
     """Every layout of `world` ranks whose degrees divide what they split: TP the heads (and KV
-    heads), PP the layers, CP the sequence, EP the experts and dp_shard, DP the global batch."""
-    tps = [t for t in divisors(min(world, space.max_tp, space.gpus_per_node))
-           if n_heads % t == 0 and (n_kv_heads % t == 0 or t % n_kv_heads == 0)]
+    heads), PP the layers, CP the sequence, EP the experts and dp_shard, DP the global batch.
+    Each appears once; the layout validator then judges it (forja/parallel/checks.py)."""
+    seen: set[Layout] = set()
+    for lay in _layouts(world, n_layers, n_heads, n_kv_heads, n_experts, global_batch_size, seq_len, space):
+        lay = replace(lay, **space.options())  # a fixed option holds for every layout
+        if lay not in seen:
+            seen.add(lay)
+            yield lay
+
+
+def _layouts(world: int, n_layers: int, n_heads: int, n_kv_heads: int, n_experts: int, global_batch_size: int,
+             seq_len: int, space: SearchSpace) -> Iterator[Layout]:
+    # TP shards whole heads and whole KV heads (forja does not replicate KV heads over TP ranks).
+    tps = [t for t in divisors(min(world, space.max_tp, space.gpus_per_node)) if n_heads % t == 0 and n_kv_heads % t == 0]
+    held = dict(space.degrees + space.fixed).get("tp")
+    if held is not None and world % held == 0:
+        tps = [held]  # a TP degree the user holds is judged (and refused, if so) by the validator, with its reason
     for tp, pp in itertools.product(tps, divisors(world)):
         if (world % (tp * pp)) or pp > n_layers or not space.allows(tp=tp, pp=pp):
             continue

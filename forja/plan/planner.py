@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from forja.parallel.pp import microbatch_error
+from forja.parallel.checks import LayoutRequest, layout_errors
 from forja.plan.hardware import Hardware
 from forja.plan.job import Job
-from forja.plan.layout import Layout, SearchSpace, enumerate_layouts
+from forja.plan.layout import PARALLEL_KEYS, Layout, SearchSpace, enumerate_layouts
 from forja.plan.memory import MemoryBreakdown, predict_memory
 from forja.plan.speed import TimeBreakdown, predict_time, throughput
 
@@ -40,6 +40,8 @@ class Candidate:
     mfu: float
     fits: bool
     why_not: str = ""
+    runs: bool = True
+    """Whether forja train accepts the layout (the validator); fits also needs the memory."""
 
     def as_json(self) -> dict:
         return {
@@ -54,34 +56,25 @@ class Candidate:
             "tokens_per_sec_per_device": self.tokens_per_sec_per_device,
             "mfu": self.mfu,
             "fits": self.fits,
+            "runs": self.runs,
             "why_not": self.why_not,
         }
 
 
+def layout_request(job: Job, lay: Layout, hw: Hardware) -> LayoutRequest:
+    """`lay` for `job` as forja train would launch it on `hw`: the recipe's `[parallel]`
+    section with the layout's keys, on ranks of the hardware's kind."""
+    parallel = replace(job.parallel, **{k: getattr(lay, k) for k in PARALLEL_KEYS})
+    return LayoutRequest(args=job.args, parallel=parallel, world_size=lay.world_size, seq_len=job.seq_len,
+                         global_batch_size=job.global_batch_size, micro_batch_size=lay.micro_batch_size,
+                         device_type="cpu" if hw.kind == "cpu" else "cuda", document_mask=job.document_mask,
+                         float8=job.float8_recipe, precision=job.precision)
+
+
 def layout_error(job: Job, lay: Layout, hw: Hardware) -> str | None:
-    """Why forja train would refuse `lay` for `job`, in one sentence; None if it runs."""
-    a = job.args
-    dp = lay.dp
-    if job.global_batch_size % dp:
-        return f"train.global_batch_size = {job.global_batch_size} is not divisible by the {dp} data-parallel ranks"
-    if (job.global_batch_size // dp) % lay.micro_batch_size:
-        return f"the local batch {job.global_batch_size // dp} is not divisible by micro_batch_size {lay.micro_batch_size}"
-    if a.n_heads % lay.tp:
-        return f"tp = {lay.tp} does not divide the {a.n_heads} attention heads"
-    if lay.pp * lay.stages_per_rank > a.n_layers:
-        return f"pp = {lay.pp} x {lay.stages_per_rank} stages is more than the {a.n_layers} layers"
-    if lay.cp > 1 and (hw.kind == "cpu" or lay.ep > 1):
-        return "context parallelism needs CUDA and no expert parallelism"
-    n_experts = getattr(a, "n_experts", 0)
-    if lay.ep > 1 and (not n_experts or n_experts % lay.ep or lay.dp_shard % lay.ep):
-        return f"ep = {lay.ep} must divide the experts ({n_experts}) and dp_shard ({lay.dp_shard})"
-    if lay.pp > 1:
-        local = job.global_batch_size // dp
-        micro = lay.microbatches(job.global_batch_size)
-        error = microbatch_error(lay.pp_schedule, lay.pp, micro, local, "the plan")
-        if error:
-            return error
-    return None
+    """Why forja train would refuse `lay` for `job` (the validator's first reason); None if it runs."""
+    errors = layout_errors(layout_request(job, lay, hw))
+    return errors[0] if errors else None
 
 
 def evaluate(job: Job, lay: Layout, hw: Hardware) -> Candidate:
@@ -94,14 +87,18 @@ def evaluate(job: Job, lay: Layout, hw: Hardware) -> Candidate:
     fits = error is None and memory.total <= limit
     why = error or ("" if fits else f"needs {memory.total / 1e9:.1f} GB at its peak ({memory.phase}); "
                                     f"{limit / 1e9:.1f} GB usable")
-    return Candidate(lay, memory, time, tokens, per_device, mfu, fits, why)
+    return Candidate(lay, memory, time, tokens, per_device, mfu, fits, why, runs=error is None)
+
+
+def default_space(hw: Hardware) -> SearchSpace:
+    """What the search varies on `hw`: no context parallelism or offload on CPUs."""
+    return SearchSpace(gpus_per_node=hw.gpus_per_node, allow_cp=hw.kind != "cpu", allow_offload=hw.kind != "cpu")
 
 
 def plan(job: Job, hw: Hardware, world: int, *, space: SearchSpace | None = None) -> list[Candidate]:
     """Every layout of `world` ranks, the fitting ones first (fastest first), then the others
-    (smallest peak first)."""
-    space = space or SearchSpace(gpus_per_node=hw.gpus_per_node, allow_cp=hw.kind != "cpu",
-                                 allow_offload=hw.kind != "cpu")
+    (smallest peak first). A layout fits when the validator accepts it and its peak fits."""
+    space = space or default_space(hw)
     a = job.args
     layouts = enumerate_layouts(world, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
                                 n_experts=getattr(a, "n_experts", 0), global_batch_size=job.global_batch_size,

@@ -98,13 +98,32 @@ def launch(cmd: list[str], *, restarts: bool = False) -> int:
             signal.signal(sig, handler)
 
 
+def launcher_preflight(cfg, *, nproc: int, nnodes: int) -> None:
+    """The workers' preflight, run once here before torchrun starts: a bad launch stops with
+    one sentence (exit code 2), not once per rank inside torchrun's traceback, and leaves no
+    run directory or restart behind. The workers run it again (it writes nothing) and also
+    check the GPU's memory where nvidia-smi could not tell it here."""
+    import torch
+
+    from forja.train.preflight import Preflight
+
+    choice = cfg.train.device
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ForjaError("train.device = 'cuda' but PyTorch sees no CUDA GPU; use train.device = 'auto' or 'cpu'")
+    cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
+    Preflight(cfg, world_size=nproc * nnodes, device_type="cuda" if cuda else "cpu", ranks_here=nproc,
+              in_worker=False).run()
+
+
 def run(args: argparse.Namespace) -> int:
     from forja.config import load_config
 
     overrides = list(args.overrides) + (["run.start_over=true"] if args.start_over else [])
     cfg = load_config(args.config, overrides)  # errors surface before any process starts
     if launch_needed(args):
-        return launch(torchrun_command(args, str(cfg.run.dir)), restarts=args.max_restarts > 0)
+        cmd = torchrun_command(args, str(cfg.run.dir))
+        launcher_preflight(cfg, nproc=args.nproc or 1, nnodes=args.nnodes)
+        return launch(cmd, restarts=args.max_restarts > 0)
     from forja.train.trainer import Trainer
 
     Trainer(cfg).run()

@@ -72,6 +72,43 @@ def _check_sources(spec: str) -> None:
             raise ForjaError(f"data.path: {exc}; or give a directory written by `forja prepare`") from None
 
 
+def check_data(cfg: Config) -> int:
+    """The preflight's data checks, before any work on the data: the source exists, a given
+    tokenizer exists. Returns the vocabulary the model will have: the tokenizer's when it
+    exists, else data.vocab_size (the size a tokenizer is trained to)."""
+    path = Path(cfg.data.path).expanduser()
+    prepared = _is_prepared(path)
+    if not prepared:
+        _check_sources(cfg.data.path)
+    tok_path = _tokenizer_path(cfg, path)
+    if cfg.data.tokenizer is not None and not tok_path.is_file():
+        raise ForjaError(f"data.tokenizer {tok_path} does not exist; give the tokenizer.json the data was "
+                         "prepared with, or leave data.tokenizer unset to train one")
+    if not tok_path.is_file():
+        return cfg.data.vocab_size
+    return load_tokenizer(tok_path).vocab_size
+
+
+def check_splits(cfg: Config) -> None:
+    """Prepared data opens with its tokenizer (the fingerprints agree), and each split the run
+    reads holds at least one sample of train.seq_len + 1 tokens. (A source string is checked
+    when it is prepared: forja/data keeps a validation document whenever there are two.)"""
+    from forja.data.loader import Samples, as_mixture
+
+    path = Path(cfg.data.path).expanduser()
+    if not _is_prepared(path):
+        return
+    dataset = open_dataset(cfg.data.path, load_tokenizer(_tokenizer_path(cfg, path)))
+    t = cfg.train
+    splits = ["train"] + (["val"] if t.val_interval > 0 and t.val_batches > 0 else [])
+    for split in splits:
+        try:
+            Samples(as_mixture(dataset, None), split, t.seq_len)
+        except ForjaError as exc:
+            fix = " (or set train.val_interval = 0 to train without validation)" if split == "val" else ""
+            raise ForjaError(f"data.path {cfg.data.path}: {exc}{fix}") from None
+
+
 def data(cfg: Config, *, rank: int, run_dir: Path) -> tuple[Tokenizer, Any]:
     """(tokenizer, dataset) of the run; the tokenizer is also saved into the run directory."""
     path = Path(cfg.data.path).expanduser()

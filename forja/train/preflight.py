@@ -1,55 +1,86 @@
-"""Before anything is allocated: choose the layout (`parallel.auto`) and check the layout's
-predicted peak memory per rank against the device's (`parallel.memory_check`), with forja
-plan's model (forja/plan). A run that would not fit stops here, in seconds, with the
-predicted breakdown and the layouts that would fit, instead of out of memory after the
-queue and the build."""
+"""The preflight: every check that can fail a launch, run before anything is written or
+computed, and with `--nproc`/`--nnodes` in the launcher before torchrun starts.
+
+    pre = Preflight(cfg, world_size=8, device_type="cuda").run()   # raises ForjaError
+    cfg = pre.cfg                                                    # parallel.auto's layout applied
+
+It checks, in this order: the run directory (writable, not another run's), the data source
+and tokenizer exist, the layout (the one validator, forja/parallel/checks.py;
+`parallel.auto` chooses among the layouts it accepts), the layout's predicted peak memory
+per rank against the device's (forja plan's model), and prepared data (it matches its
+tokenizer and both splits hold a sample).
+A launch that fails any of them costs seconds and leaves nothing behind: no run directory,
+no restart counted, no tokenizer trained.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
-
-import torch
 
 from forja.config import Config
 from forja.errors import ForjaError
 from forja.files import write_atomic
 from forja.models.common.transformer import TransformerArgs
-from forja.parallel.checks import check_layout
-from forja.parallel.dims import ParallelDims
+from forja.models.config import run_model_args
+from forja.parallel.checks import LayoutRequest, check_layout
 from forja.plan.hardware import Hardware, get_hardware, hardware_for_device
 from forja.plan.job import Job, job_from_config
 from forja.plan.layout import PARALLEL_KEYS, Layout, from_config
 from forja.plan.planner import Candidate, evaluate, plan, usable_memory
+from forja.train.data import check_data, check_splits
+from forja.train.run_dir import RunDir
 
 GB = 1e9
 
 
-def device_hardware(device: torch.device) -> Hardware:
-    """This machine's device as the planner sees it, with its real memory: a GPU's own, or on
-    a CPU the host's RAM shared by the ranks on this host."""
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return hardware_for_device(props.name, props.total_memory)  # an unknown GPU: its memory, "unknown peak"
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return get_hardware("cpu", memory_gb=ram / ranks_here / GB)
+def layout_request(cfg: Config, args: TransformerArgs, world_size: int, device_type: str) -> LayoutRequest:
+    """The run's layout as the validator reads it."""
+    t = cfg.train
+    return LayoutRequest(args=args, parallel=cfg.parallel, world_size=world_size, seq_len=t.seq_len,
+                         global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                         device_type=device_type, document_mask=cfg.model.document_mask, float8=t.float8,
+                         precision=t.precision)
 
 
-def _runs(cfg: Config, args: TransformerArgs, lay: Layout, world: int, device: torch.device) -> bool:
-    """Whether forja's own checks accept `lay` (the planner does not know every one of them)."""
-    c = with_layout(cfg, lay)
+def _nvidia_smi_device() -> tuple[str, float] | None:
+    """(name, memory in bytes) of GPU 0, asked of nvidia-smi: the launcher must not create a
+    CUDA context of its own on a GPU its workers need."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
     try:
-        dims = ParallelDims.from_config(c.parallel, world)
-        check_layout(args, dims, c.parallel, seq_len=c.train.seq_len, device=device,
-                     global_batch_size=c.train.global_batch_size, micro_batch_size=c.train.micro_batch_size,
-                     document_mask=c.model.document_mask, float8=c.train.float8)
-    except ForjaError:
-        return False
-    return True
+        out = subprocess.run([exe, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        name, mib = out.splitlines()[0].rsplit(",", 1)
+        return name.strip(), float(mib) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def device_hardware(device_type: str, *, ranks_here: int | None = None, in_worker: bool = True) -> Hardware | None:
+    """This machine's device as the planner sees it, with its real memory: a GPU's own, or on
+    a CPU the host's RAM shared by the ranks on this host; None when it cannot be told
+    (the memory check is then left to the workers)."""
+    if device_type == "cuda":
+        if in_worker:
+            import torch
+
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            name, memory = props.name, props.total_memory
+        else:
+            found = _nvidia_smi_device()
+            if found is None:
+                return None
+            name, memory = found
+        return hardware_for_device(name, memory)  # an unknown GPU: its memory, "unknown peak"
+    ranks = ranks_here or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return get_hardware("cpu", memory_gb=ram / ranks / GB)
 
 
 def with_layout(cfg: Config, lay: Layout) -> Config:
@@ -59,59 +90,82 @@ def with_layout(cfg: Config, lay: Layout) -> Config:
     return dataclasses.replace(cfg, parallel=parallel, train=train)
 
 
+@dataclasses.dataclass
 class Preflight:
-    """This run as forja plan sees it, made once for both uses: the device (with its real
-    memory) and the job. The job reads no key a layout sets (degrees, ZeRO stage, AC,
-    micro-batch), so the layout `auto_layout` chooses is checked against the same job."""
+    """One launch's checks. `device_type` is "cuda" or "cpu"; `in_worker` is False in the
+    launcher (torchrun has not started), where the GPU is asked of nvidia-smi."""
 
-    def __init__(self, cfg: Config, args: TransformerArgs, device: torch.device, world: int):
-        self.cfg, self.args, self.device, self.world = cfg, args, device, world
+    cfg: Config
+    world_size: int
+    device_type: str
+    rank: int = 0
+    ranks_here: int | None = None
+    in_worker: bool = True
+    args: TransformerArgs | None = None
+    chosen: Candidate | None = None
+    """parallel.auto's choice, once run() has made it."""
+    hw: Hardware | None = None
 
-    @functools.cached_property
-    def hw(self) -> Hardware:
-        return device_hardware(self.device)
+    def run(self) -> Preflight:
+        """Every check; raises the first failure as one ForjaError. Writes nothing."""
+        RunDir(self.cfg, rank=self.rank).check()
+        vocab_size = check_data(self.cfg)
+        self.args = run_model_args(self.cfg.model, vocab_size)
+        hw = self.hw = device_hardware(self.device_type, ranks_here=self.ranks_here, in_worker=self.in_worker)
+        if self.cfg.parallel.auto:
+            self.cfg = self._auto_layout(hw)
+        check_layout(layout_request(self.cfg, self.args, self.world_size, self.device_type))
+        if hw is not None:
+            self._check_memory(hw)
+        check_splits(self.cfg)
+        return self
 
-    @functools.cached_property
-    def job(self) -> Job:
-        return job_from_config(self.cfg, gpu=self.hw.kind != "cpu", args=self.args)
+    def job(self, hw: Hardware) -> Job:
+        return job_from_config(self.cfg, gpu=hw.kind != "cpu", args=self.args)
 
-    def auto_layout(self, run_dir: Path, rank: int) -> Config:
-        """The config with the fastest layout predicted to fit (parallel.auto); its choice and
-        prediction are written to <run.dir>/plan.json. The search is deterministic, so every
-        rank reaches the same choice."""
-        hw, world = self.hw, self.world
-        ranked = plan(self.job, hw, world)
-        chosen = next((c for c in ranked if c.fits and _runs(self.cfg, self.args, c.layout, world, self.device)),
-                      None)
-        if chosen is None:
+    def _auto_layout(self, hw: Hardware | None) -> Config:
+        """The config with the fastest layout predicted to fit (parallel.auto). The search is
+        deterministic, so every rank reaches the same choice; its candidates passed the validator."""
+        if hw is None:
+            raise ForjaError("parallel.auto needs to know the device's memory, and nvidia-smi could not tell it "
+                             "here; set the layout's parallel keys yourself, or run forja train without --nproc")
+        ranked = plan(self.job(hw), hw, self.world_size)
+        self.chosen = next((c for c in ranked if c.fits), None)
+        if self.chosen is None:
             closest = ranked[0].why_not if ranked else "no layout divides the job"
-            raise ForjaError(f"parallel.auto found no layout of {world} ranks that fits {hw.name} "
+            raise ForjaError(f"parallel.auto found no layout of {self.world_size} ranks that fits {hw.name} "
                              f"({closest}); add devices, shorten train.seq_len or shrink the model")
-        if rank == 0:
-            write_atomic(run_dir / "plan.json", json.dumps({"hardware": hw.kind, "world_size": world,
-                                                            "chosen": chosen.as_json()}, indent=1).encode())
-            print(f"forja: parallel.auto chose {chosen.layout.describe()} (predicted peak "
-                  f"{chosen.memory.total / GB:.2f} GB of {hw.memory_bytes / GB:.1f} GB; plan.json)", flush=True)
-        return with_layout(self.cfg, chosen.layout)
+        return with_layout(self.cfg, self.chosen.layout)
 
-    def check_memory(self, cfg: Config, rank: int) -> Candidate | None:
-        """Stop (or warn) when `cfg`'s layout's predicted peak per rank exceeds the device's memory."""
+    def write_plan(self, run_dir: Path) -> None:
+        """parallel.auto's choice and its prediction, into <run.dir>/plan.json (rank 0)."""
+        if self.chosen is None or self.rank != 0:
+            return
+        c = self.chosen
+        write_atomic(run_dir / "plan.json", json.dumps({"hardware": self.hw.kind, "world_size": self.world_size,
+                                                        "chosen": c.as_json()}, indent=1).encode())
+        print(f"forja: parallel.auto chose {c.layout.describe()} (predicted peak {c.memory.total / GB:.2f} GB of "
+              f"{self.hw.memory_bytes / GB:.1f} GB; plan.json)", flush=True)
+
+    def _check_memory(self, hw: Hardware) -> None:
+        """Stop (or warn) when the layout's predicted peak per rank exceeds the device's memory."""
+        cfg = self.cfg
         if cfg.parallel.memory_check == "off":
-            return None
-        own = evaluate(self.job, from_config(cfg.parallel, cfg.train.micro_batch_size, self.world), self.hw)
-        if own.memory.total <= usable_memory(self.hw):
-            return own
-        message = over_memory_message(own, self.job, self.hw, self.world)
+            return
+        job = self.job(hw)
+        own = evaluate(job, from_config(cfg.parallel, cfg.train.micro_batch_size, self.world_size), hw)
+        if own.memory.total <= usable_memory(hw):
+            return
+        message = over_memory_message(own, job, hw, self.world_size)
         if cfg.parallel.memory_check == "stop":
             raise ForjaError(message)
-        if rank == 0:
+        if self.rank == 0:
             print(f"forja: warning: {message}", flush=True)
-        return own
 
 
 def over_memory_message(own: Candidate, job: Job, hw: Hardware, world: int) -> str:
     parts = ", ".join(f"{k.replace('_', ' ')} {v / GB:.2f}" for k, v in own.memory.as_dict().items() if v)
-    fitting = [c for c in plan(job, hw, world) if c.fits][:3]
+    fitting = [c for c in plan(job, hw, world) if c.fits][:3]  # each passed the layout validator
     options = "; ".join(f"{c.layout.describe()} ({c.memory.total / GB:.1f} GB)" for c in fitting)
     return (f"this layout ({own.layout.describe()}) is predicted to need {own.memory.total / GB:.2f} GB per rank "
             f"at its peak ({own.memory.phase}: {parts} GB) but {hw.name} leaves "

@@ -67,20 +67,32 @@ class RunDir:
         self.rank = rank
         self.path = Path(cfg.run.dir).expanduser()
 
-    def prepare(self) -> Path:
-        """Check the directory against the config, then (rank 0) record this launch;
-        returns the directory."""
-        check_writable(self.path, what="run.dir", fix="choose a writable directory", rank=self.rank)
+    def check(self) -> None:
+        """The preflight's part (writes nothing): the directory can be made and written, and
+        holds no other run (unless run.start_over)."""
+        existing = self.path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise ForjaError(f"run.dir {self.path} cannot be written ({existing} is not a writable directory); "
+                             "choose a writable directory")
         saved = self.path / "config.toml"
-        if saved.is_file():
+        if saved.is_file() and not self.cfg.run.start_over:
             old = config_from_dict(tomllib.loads(saved.read_text()), f"in {saved}")
             changed = config_differences(old, self.cfg)
-            if changed and not self.cfg.run.start_over:
+            if changed:
                 more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
                 raise ForjaError(f"run.dir {self.path} holds another run: {changed[0]}{more}. Choose another "
                                  "run.dir, or pass --start-over to delete that run and begin afresh")
-            if self.cfg.run.start_over:
-                self._wipe()
+
+    def prepare(self) -> Path:
+        """Record this launch (rank 0), after the preflight's `check` passed; returns the
+        directory. With run.start_over, what the directory held is deleted first."""
+        self.check()
+        check_writable(self.path, what="run.dir", fix="choose a writable directory", rank=self.rank)
+        saved = self.path / "config.toml"
+        if saved.is_file() and self.cfg.run.start_over:
+            self._wipe()
         barrier()
         if self.rank == 0:
             self.path.mkdir(parents=True, exist_ok=True)

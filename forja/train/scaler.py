@@ -20,8 +20,6 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from forja.errors import ForjaError
-from forja.parallel import ParallelConfig
 from forja.train.config import TrainConfig
 
 # Below this the scale stops halving: a run that overflows at scale 1 has a real fault
@@ -80,19 +78,3 @@ def loss_scaler(cfg: TrainConfig) -> LossScaler | None:
     if cfg.precision != "fp16":
         return None
     return LossScaler(cfg.fp16_init_scale, cfg.fp16_growth_interval)
-
-
-def check_fp16(train: TrainConfig, parallel: ParallelConfig) -> None:
-    """What fp16 does not combine with, refused before any work: one run has one compute
-    precision, and float8's scaled matmuls are made for bf16 (fp16's range would need a
-    second scaling scheme inside theirs)."""
-    if train.precision != "fp16":
-        return
-    if parallel.mixed_precision == "bf16":
-        raise ForjaError("train.precision = 'fp16' computes in float16, but parallel.mixed_precision = 'bf16' "
-                         "casts FSDP's parameters to bfloat16; set parallel.mixed_precision = 'fp32' (autocast "
-                         "then casts to float16 per op), or train.precision = 'bf16'")
-    if train.float8 != "none":
-        raise ForjaError(f"train.float8 = '{train.float8}' runs its matmuls in float8 from bf16 or fp32 "
-                         "activations, not under fp16 loss scaling; set train.precision = 'bf16', or "
-                         "train.float8 = 'none'")

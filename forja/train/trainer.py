@@ -42,12 +42,13 @@ from forja.train.data import data, loaders
 from forja.train.drills import Drills
 from forja.train.engine import build_engine
 from forja.train.evaluation import EvalCallback
+from forja.train.finished import finished
 from forja.train.goodput import Goodput
 from forja.train.health import Anomaly, Health
-from forja.train.preflight import Preflight
+from forja.train.preflight import Preflight, layout_request
 from forja.train.probes import ActivationSizes
 from forja.train.run_dir import RunDir, report_fallbacks
-from forja.train.scaler import check_fp16, loss_scaler
+from forja.train.scaler import loss_scaler
 from forja.train.watchdog import Watchdog, grace_s
 
 
@@ -65,29 +66,25 @@ class Trainer:
         launched = time.time()
         clear_fallbacks()  # this run's decisions only, not those of an earlier run in this process
         evaluation = [EvalCallback(c)] if c.eval.tasks else []  # bad task files stop before any work
-        check_fp16(c.train, c.parallel)
         # Collectives wait a grace longer than the watchdog, so that a hang is reported (every
         # rank's stack, the culprit named) before a timed-out collective ends the process.
         info = init_distributed(c.train.device, c.parallel.timeout_s + grace_s(c.parallel.timeout_s))
         self.rank, self.device = info.rank, info.device
-        if not c.parallel.auto:
-            ParallelDims.from_config(c.parallel, info.world_size)  # a bad layout stops before any write
+        # Every check that can fail the launch, before anything is written or computed.
+        preflight = Preflight(c, world_size=info.world_size, device_type=self.device.type, rank=self.rank).run()
+        c = self.cfg = preflight.cfg  # with parallel.auto's layout
         self.run_dir: Path = RunDir(c, rank=self.rank).prepare()
+        preflight.write_plan(self.run_dir)
         self.goodput = Goodput(self.run_dir, rank=self.rank)
         self.goodput.start(launched)
         self.drills = Drills(c.debug.inject, rank=self.rank, run_dir=self.run_dir)
         self.health = Health(c.train)
         self.tokenizer, dataset = data(c, rank=self.rank, run_dir=self.run_dir)
         args = run_model_args(c.model, self.tokenizer.vocab_size)
-        preflight = Preflight(c, args, self.device, info.world_size)
-        if c.parallel.auto:
-            c = self.cfg = preflight.auto_layout(self.run_dir, self.rank)
+        if args != preflight.args:  # a tokenizer trained just now may hold fewer tokens than asked
+            check_layout(layout_request(c, args, info.world_size, self.device.type))
         self.dims = ParallelDims.from_config(c.parallel, info.world_size)
         self.dims.build_mesh(self.device.type)
-        check_layout(args, self.dims, c.parallel, seq_len=c.train.seq_len, device=self.device,
-                     global_batch_size=c.train.global_batch_size, micro_batch_size=c.train.micro_batch_size,
-                     document_mask=c.model.document_mask, float8=c.train.float8)
-        preflight.check_memory(c, self.rank)
         identity = model_identity(c.model.family, c.model.flavor, args)
         self.flops_per_token = build_from_args(args, device="meta").flops_per_token(c.train.seq_len)
         built = build_model_parts(args, self.dims, c.parallel, device=self.device, seed=c.train.seed,
@@ -391,6 +388,8 @@ class Trainer:
         """setup + fit, always releasing the callbacks, sinks, loaders and process group. A
         collective that timed out (another rank hung or died) stops with a sentence naming
         parallel.timeout_s instead of a backend traceback."""
+        if finished(self.cfg):  # train.steps reached: say so, append nothing (forja/train/finished.py)
+            return
         try:
             self.setup()
             self.fit()

@@ -30,13 +30,26 @@ def test_json_lists_candidates_best_first(capsys):
 def test_table_and_one_layout(capsys):
     assert main(["plan", "llama3-8b", "--gpus", "16", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert "layouts fit" in out and "best:" in out and "--set parallel.dp_shard=" in out
-    assert main(["plan", "llama3-8b", "--gpus", "16", "--json", "--layout",
-                 "parallel.dp_shard=8,parallel.tp=2,parallel.ac=full"]) == 0
+    assert "layouts run and fit" in out and "GB usable per device" in out
+    best = next(line for line in out.splitlines() if line.startswith("best: "))
+    assert best.count("--set ") == 14 and "--set parallel.dp_shard=" in best  # the whole line, unwrapped
+    every_key = "parallel.dp_replicate=1,parallel.dp_shard=8,parallel.tp=2,parallel.pp=1,parallel.cp=1,parallel.ep=1," \
+                "parallel.reshard_after_forward=true,parallel.cpu_offload=false,parallel.ac=full,train.micro_batch_size=1"
+    assert main(["plan", "llama3-8b", "--gpus", "16", "--json", "--layout", every_key]) == 0
     (only,) = json.loads(capsys.readouterr().out)["candidates"]
     assert only["layout"]["parallel.tp"] == 2 and only["layout"]["parallel.ac"] == "full"
-    assert main(["plan", "llama3-8b", "--gpus", "16", "--layout", "parallel.dp_shard=2,parallel.tp=2"]) == 2
-    assert "spans 4 ranks, not --gpus 16" in capsys.readouterr().err
+    assert main(["plan", "llama3-8b", "--gpus", "16", "--layout", "parallel.dp_shard=3,parallel.tp=2"]) == 2
+    assert "no layout of 16 ranks with parallel.dp_shard=3,parallel.tp=2" in capsys.readouterr().err
+
+
+def test_a_partial_layout_holds_its_keys_and_searches_the_rest(capsys):
+    """torchtitan's Llama 3.1 8B on 8 H100s is FSDP 8 with selective AC: given only dp_shard = 8,
+    the search finds the AC that makes it fit instead of fixing every other key to the recipe's."""
+    assert main(["plan", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--json", "--layout", "parallel.dp_shard=8"]) == 0
+    cands = json.loads(capsys.readouterr().out)["candidates"]
+    assert len(cands) > 1 and all(c["layout"]["parallel.dp_shard"] == 8 for c in cands)
+    assert cands[0]["fits"] and cands[0]["layout"]["parallel.ac"] != "none"
+    assert {c["layout"]["parallel.ac"] for c in cands} == {"none", "selective", "full"}
 
 
 def test_check_compares_a_finished_run_with_its_prediction(tmp_path, train_data, capsys):

@@ -6,19 +6,19 @@ import torch
 from forja.errors import ForjaError
 from forja.models import build_model, model_args
 from forja.parallel.ac import apply_ac
-from forja.parallel.checks import check_layout
+from forja.parallel.checks import LayoutRequest, check_layout, layout_errors
 from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
 
-CPU = torch.device("cpu")
+
+def _request(world: int, seq_len: int = 64, gbs: int = 8, mbs: int = 2, model=("llama", "debug"),
+             device_type: str = "cpu", **parallel) -> LayoutRequest:
+    return LayoutRequest(args=model_args(*model), parallel=ParallelConfig(**parallel), world_size=world,
+                         seq_len=seq_len, global_batch_size=gbs, micro_batch_size=mbs, device_type=device_type)
 
 
-def _check(world: int, seq_len: int = 64, gbs: int = 8, mbs: int = 2, model=("llama", "debug"), **parallel):
-    cfg = ParallelConfig(**parallel)
-    dims = ParallelDims.from_config(cfg, world)
-    args = model_args(*model)
-    check_layout(args, dims, cfg, seq_len=seq_len, global_batch_size=gbs,
-                 micro_batch_size=mbs, device=CPU)
+def _check(world: int, **kwargs):
+    check_layout(_request(world, **kwargs))
 
 
 def test_good_layouts_pass():
@@ -40,6 +40,27 @@ def test_good_layouts_pass():
 def test_bad_layouts_name_the_keys(kwargs, message):
     with pytest.raises(ForjaError, match=message):
         _check(kwargs.pop("world"), **kwargs)
+
+
+def test_the_validator_gives_every_reason_at_once():
+    """layout_errors lists each problem (the planner shows the first, train all of them)."""
+    r = _request(8, tp=4, seq_len=63, gbs=7)
+    errors = layout_errors(r)
+    assert len(errors) == 3, errors
+    assert "n_kv_heads = 2" in errors[0] and "train.seq_len = 63" in errors[1] and "global_batch_size = 7" in errors[2]
+    with pytest.raises(ForjaError, match=r"refused for 3 reasons: \(1\) model n_kv_heads"):
+        check_layout(r)
+    assert layout_errors(_request(2, tp=2)) == []
+
+
+def test_the_validator_judges_a_gpu_layout_on_a_cpu_machine():
+    """The planner asks about CUDA ranks from anywhere: device_type, not this machine's device."""
+    assert layout_errors(_request(2, cp=2, device_type="cuda", seq_len=64)) == []
+    assert "needs CUDA" in layout_errors(_request(2, cp=2, device_type="cpu", seq_len=64))[0]
+    r = LayoutRequest(args=model_args("llama", "debug"), parallel=ParallelConfig(cp=2), world_size=2, seq_len=64,
+                      global_batch_size=8, micro_batch_size=2, device_type="cuda", document_mask=True)
+    assert layout_errors(r) == ["parallel.cp > 1 runs causal ring attention, without document masks; set "
+                                "model.document_mask = false, or parallel.cp = 1"]
 
 
 def test_degrees_must_multiply_to_the_world_size():

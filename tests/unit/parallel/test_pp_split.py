@@ -168,7 +168,7 @@ def test_microbatches_checked_from_the_batch_sizes():
 
 
 def test_v_schedules_refuse_what_cannot_split_a_backward():
-    gpu = torch.device("cuda")  # on CPU, torch < 2.12 refuses V schedules before these checks
+    gpu = "cuda"  # on CPU, torch < 2.12 refuses V schedules before these checks
     check_schedule(ParallelConfig(pp=2, pp_schedule="1f1b", compile=True, ac="selective"), gpu)
     check_schedule(ParallelConfig(pp=2, pp_schedule="zero-bubble", ac="selective", ac_every=2), gpu)
     with pytest.raises(ForjaError, match="parallel.compile = false"):
@@ -181,21 +181,21 @@ def test_v_schedules_refuse_what_cannot_split_a_backward():
 def test_v_schedules_on_gloo_need_torch_2_12(monkeypatch, version, refused):
     # The check reads the installed version; give it each side of the boundary.
     monkeypatch.setattr("forja.parallel.pp.torch_version", lambda: version)
-    cfg, cpu = ParallelConfig(pp=2, pp_schedule="zero-bubble"), torch.device("cpu")
+    cfg, cpu = ParallelConfig(pp=2, pp_schedule="zero-bubble"), "cpu"
     if refused:
         with pytest.raises(ForjaError, match="needs PyTorch >= 2.12"):
             check_schedule(cfg, cpu)
     else:
         check_schedule(cfg, cpu)
     check_schedule(ParallelConfig(pp=2, pp_schedule="1f1b"), cpu)  # only V schedules need it
-    check_schedule(cfg, torch.device("cuda"))  # NCCL sends to itself
+    check_schedule(cfg, "cuda")  # NCCL sends to itself
 
 
 def test_whole_layout_checked_before_the_model_is_built():
     """check_pipeline (called by forja/parallel/checks.py) gives each error without a model."""
-    dims, gpu = ParallelDims(2, 1, 1, 1, 1), torch.device("cuda")
+    dims, gpu = ParallelDims(2, 1, 1, 1, 1), "cuda"
     untied = _llama(4).args
-    sizes = {"device": gpu, "global_batch_size": 8, "micro_batch_size": 2}
+    sizes = {"device_type": gpu, "global_batch_size": 8, "micro_batch_size": 2}
     check_pipeline(untied, dims, ParallelConfig(pp=2), **sizes)
     check_pipeline(build_model("llama", "debug", device="meta").args, dims, ParallelConfig(pp=2), **sizes)  # tied
     cases = [

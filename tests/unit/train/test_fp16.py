@@ -18,7 +18,8 @@ from forja.parallel import ParallelConfig
 from forja.train.build import build_model_parts
 from forja.train.config import TrainConfig
 from forja.train.engine import build_engine
-from forja.train.scaler import LossScaler, check_fp16, loss_scaler
+from forja.parallel.checks import LayoutRequest, check_layout
+from forja.train.scaler import LossScaler, loss_scaler
 
 from .test_engine import _batches
 
@@ -76,13 +77,20 @@ def test_only_fp16_gets_a_scaler_and_the_config_checks_its_keys():
         TrainConfig(fp16_growth_interval=0)
 
 
+def _check_fp16(precision: str, float8: str = "none", mixed_precision: str = "fp32") -> None:
+    """The layout validator's precision checks, on one process."""
+    check_layout(LayoutRequest(args=model_args("llama", "debug"), parallel=ParallelConfig(mixed_precision=mixed_precision),
+                               world_size=1, seq_len=64, global_batch_size=8, micro_batch_size=8,
+                               precision=precision, float8=float8))
+
+
 def test_fp16_refuses_bf16_parameters_and_float8_by_name():
-    check_fp16(TrainConfig(precision="fp16"), ParallelConfig())  # plain fp16 is fine
-    check_fp16(TrainConfig(precision="bf16", float8="tensorwise"), ParallelConfig(mixed_precision="bf16"))
+    _check_fp16("fp16")  # plain fp16 is fine
+    _check_fp16("bf16", float8="tensorwise", mixed_precision="bf16")
     with pytest.raises(ForjaError, match="parallel.mixed_precision = 'bf16' casts FSDP's parameters"):
-        check_fp16(TrainConfig(precision="fp16"), ParallelConfig(mixed_precision="bf16"))
+        _check_fp16("fp16", mixed_precision="bf16")
     with pytest.raises(ForjaError, match="train.float8 = 'rowwise' runs its matmuls in float8"):
-        check_fp16(TrainConfig(precision="fp16", float8="rowwise"), ParallelConfig())
+        _check_fp16("fp16", float8="rowwise")
 
 
 def _fp16_engine(dims, init_scale: float):
