@@ -19,25 +19,30 @@ both, so checkpointing and the learning-rate schedule see an ordinary optimizer.
 
 Distributed (FSDP, TP, EP): a parameter is a DTensor, its momentum buffer a DTensor of the
 same layout (the momentum is elementwise, so it stays sharded). The orthogonalization needs
-the whole matrix: the update is gathered over every mesh dimension but "ep" (experts on
-different EP ranks are different matrices), one rank of the gathered group orthogonalizes it,
-and a broadcast gives it to the others; the matrices of a step are dealt round-robin to the
-ranks of their group, so each rank orthogonalizes about 1 / group-size of them. Each rank
-then keeps its own shard of the result (a local slice: no communication).
+whole matrices: each matrix of a step has one owner among the ranks of its mesh, balanced by
+size; the blocks of the matrices travel to their owners only, in buckets of
+`bucket_bytes` (one all_to_all a bucket), each owner orthogonalizes its matrices, and a
+second all_to_all returns each rank its block of each result (forja/optim/exchange.py). A
+rank that holds a matrix whole (an expert, under expert parallelism) orthogonalizes it where
+it is. `NS_COUNT` counts this rank's Newton-Schulz calls and matrices, for tests and benches.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor
+
+from forja.optim.exchange import Layouts, Unit, buckets, exchange_bucket, mesh_group, plan_units
 
 NS_EPS = 1e-7  # floor of ||U||_F: a zero update stays zero rather than dividing by zero
 UPDATE_SCALES = ("rms_match", "spectral", "none")
+BUCKET_BYTES = 64 * 2**20  # a bucket's matrices, whole: a few collectives a step, bounded memory
+NS_COUNT: Counter = Counter()  # this rank's Newton-Schulz work: "calls", "matrices"
 
 
 def update_scale(mode: str, rows: int, cols: int) -> float:
@@ -61,6 +66,8 @@ def newton_schulz(update: torch.Tensor, coefficients: tuple[float, ...], steps: 
     """The approximate orthogonal factor of each matrix of `update` ((m, n) or (E, m, n)),
     computed in `dtype` and returned in `update`'s dtype."""
     a, b, c = coefficients
+    NS_COUNT["calls"] += 1
+    NS_COUNT["matrices"] += update.numel() // max(update.shape[-2] * update.shape[-1], 1)
     x = update.to(dtype)
     tall = x.shape[-2] > x.shape[-1]
     if tall:
@@ -87,12 +94,13 @@ class Muon(torch.optim.Optimizer):
     """Muon on the groups with `use_muon=True`, AdamW on the others.
 
     Group keys: lr, weight_decay, use_muon; Muon's momentum, nesterov, ns_steps,
-    ns_coefficients, update_scale; AdamW's betas, eps. `ns_dtype` None: `default_ns_dtype`."""
+    ns_coefficients, update_scale; AdamW's betas, eps. `ns_dtype` None: `default_ns_dtype`.
+    `bucket_bytes`: the whole matrices one exchange of a distributed step moves, at most about."""
 
     def __init__(self, params: Iterable, *, lr: float = 0.02, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5, ns_coefficients: tuple[float, ...] = (3.4445, -4.775, 2.0315),
                  update_scale: str = "rms_match", betas: tuple[float, ...] = (0.9, 0.95), eps: float = 1e-8,
-                 ns_dtype: torch.dtype | None = None):
+                 ns_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES):
         if len(ns_coefficients) != 3:
             raise ValueError(f"ns_coefficients {ns_coefficients} must be three numbers (a, b, c)")
         if update_scale not in UPDATE_SCALES:
@@ -102,6 +110,9 @@ class Muon(torch.optim.Optimizer):
                         betas=tuple(betas), eps=eps)
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype
+        self.bucket_bytes = bucket_bytes
+        self._layouts = Layouts()  # every rank's block of each parameter, exchanged at the first step
+        self._plans: dict[tuple, list[Unit]] = {}  # per parameter set: its matrices and their owners
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -109,18 +120,27 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        owners = _Owners()  # the same order on every rank that shares a mesh: same owners
+        sharded: list[tuple[torch.Tensor, DTensor, dict]] = []
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                if group["use_muon"]:
-                    self._muon_step(param, group, owners)
-                else:
+                if not group["use_muon"]:
                     self._adamw_step(param, group)
+                    continue
+                update = self._momentum(param, group)
+                if isinstance(update, DTensor):
+                    sharded.append((param, update, group))
+                else:
+                    self._apply(param, group, self._orthogonalize(group, update))
+        by_mesh: dict[tuple, list] = {}  # one exchange per mesh and dtype, in parameter order
+        for item in sharded:
+            by_mesh.setdefault((item[1].device_mesh, item[1].dtype), []).append(item)
+        for items in by_mesh.values():
+            self._step_sharded(items)
         return loss
 
-    def _muon_step(self, param: torch.Tensor, group: dict, owners: _Owners) -> None:
+    def _momentum(self, param: torch.Tensor, group: dict) -> torch.Tensor:
         if param.dim() not in (2, 3):
             raise ValueError(f"Muon takes 2-D or 3-D parameters; got shape {tuple(param.shape)}")
         state = self.state[param]
@@ -128,20 +148,64 @@ class Muon(torch.optim.Optimizer):
             state["momentum_buffer"] = torch.zeros_like(param)
         buf, grad, momentum = state["momentum_buffer"], param.grad, group["momentum"]
         buf.lerp_(grad, 1 - momentum)
-        update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-        dtype = self.ns_dtype or default_ns_dtype(param.device)
+        return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
-        def orthogonalize(full: torch.Tensor) -> torch.Tensor:
-            return newton_schulz(full, group["ns_coefficients"], group["ns_steps"], dtype)
+    def _orthogonalize(self, group: dict, update: torch.Tensor) -> torch.Tensor:
+        dtype = self.ns_dtype or default_ns_dtype(update.device)
+        return newton_schulz(update, group["ns_coefficients"], group["ns_steps"], dtype)
 
-        if isinstance(update, DTensor):
-            ortho = _orthogonalize_distributed(update, orthogonalize, owners)
-        else:
-            ortho = orthogonalize(update)
+    def _apply(self, param: torch.Tensor, group: dict, ortho: torch.Tensor) -> None:
         rows, cols = param.shape[-2:]
         lr = group["lr"]
         param.mul_(1 - lr * group["weight_decay"])  # decoupled weight decay
         param.add_(ortho, alpha=-lr * update_scale(group["update_scale"], rows, cols))
+
+    def _step_sharded(self, items: list[tuple[torch.Tensor, DTensor, dict]]) -> None:
+        """Orthogonalize the DTensor updates of one mesh (module docstring), then step."""
+        mesh = items[0][1].device_mesh
+        pg, ranks = mesh_group(mesh)
+        n, me = len(ranks), ranks.index(dist.get_rank())
+        key = tuple(id(p) for p, _, _ in items)
+        boxes = self._layouts.boxes(key, [u for _, u, _ in items], pg, n)  # (n, P, 6)
+        if key not in self._plans:
+            shapes = [tuple(u.shape) if u.dim() == 3 else (1, *u.shape) for _, u, _ in items]
+            self._plans[key] = plan_units(shapes, boxes)
+        units = self._plans[key]
+        offsets = [tuple(boxes[me, i, :3].tolist()) for i in range(len(items))]
+        locals_ = [u.to_local().contiguous().view(boxes[me, i, 3:].tolist()) for i, (_, u, _) in enumerate(items)]
+        outputs = [torch.empty_like(t) for t in locals_]
+        groups = [g for _, _, g in items]
+
+        def orthogonalize(mine: list[Unit], fulls: list[torch.Tensor]) -> list[torch.Tensor]:
+            return self._orthogonalize_many([groups[u.index] for u in mine], fulls)
+
+        moving = buckets(units, max(self.bucket_bytes // locals_[0].element_size(), 1))
+        in_buckets = {id(u) for bucket in moving for u in bucket}
+        here = [u for u in units if u.owner == me and id(u) not in in_buckets]  # held whole, by this rank only
+        for u, result in zip(here, orthogonalize(here, [locals_[u.index][u.expert - offsets[u.index][0]]
+                                                        for u in here])):
+            outputs[u.index][u.expert - offsets[u.index][0]] = result
+        for bucket in moving:
+            exchange_bucket(bucket, locals_, offsets, outputs, me, n, pg, orthogonalize)
+        for (param, update, group), out in zip(items, outputs):
+            ortho = DTensor.from_local(out.view(update.to_local().shape), mesh, update.placements,
+                                       run_check=False, shape=update.shape, stride=update.stride())
+            self._apply(param, group, ortho)
+
+    def _orthogonalize_many(self, groups: list[dict], fulls: list[torch.Tensor]) -> list[torch.Tensor]:
+        """NS of each matrix, those of one shape and group stacked into one batched call."""
+        results: list[torch.Tensor | None] = [None] * len(fulls)
+        batches: dict[tuple, list[int]] = {}
+        for i, (group, full) in enumerate(zip(groups, fulls)):
+            batches.setdefault((tuple(full.shape), id(group)), []).append(i)
+        for indices in batches.values():
+            if len(indices) == 1:  # as one process computes it: 2-D, the same kernels
+                results[indices[0]] = self._orthogonalize(groups[indices[0]], fulls[indices[0]])
+                continue
+            stacked = torch.stack([fulls[i] for i in indices])  # (k, m, n)
+            for i, o in zip(indices, self._orthogonalize(groups[indices[0]], stacked)):
+                results[i] = o
+        return results
 
     def _adamw_step(self, param: torch.Tensor, group: dict) -> None:
         """torch.optim.AdamW's step, written per parameter (the non-Muon parameters are the few
@@ -159,58 +223,3 @@ class Muon(torch.optim.Optimizer):
         bias1, bias2 = 1 - beta1**step, 1 - beta2**step
         denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(group["eps"])
         param.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
-
-
-class _Owners:
-    """Deals the matrices of one step round-robin to the ranks of the group that gathers them."""
-
-    def __init__(self) -> None:
-        self._next: dict[tuple, int] = {}
-
-    def next(self, key: tuple, size: int) -> int:
-        index = self._next.get(key, 0)
-        self._next[key] = index + 1
-        return index % size
-
-
-def _orthogonalize_distributed(update: DTensor, orthogonalize: Callable[[torch.Tensor], torch.Tensor],
-                               owners: _Owners) -> DTensor:
-    """`orthogonalize` of the whole matrices of `update`, laid out as `update`.
-
-    Gathers over every mesh dimension but "ep" (this rank's experts stay its own), lets one
-    rank of that gathered group compute, broadcasts its result along each gathered dimension,
-    and takes this rank's slice back (Replicate -> Shard is local)."""
-    mesh = update.device_mesh
-    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
-    gathered = [i for i, name in enumerate(names) if name != "ep" and mesh.size(i) > 1]
-    placements = [p if i not in gathered else Replicate() for i, p in enumerate(update.placements)]
-    full = update.redistribute(mesh, placements).to_local()  # (m, n) or (E_local, m, n)
-    sizes = [mesh.size(i) for i in gathered]
-    owner = owners.next((id(mesh), tuple(gathered)), math.prod(sizes))
-    coordinate = mesh.get_coordinate()
-    owner_coords = _unravel(owner, sizes)
-    mine = all(coordinate[d] == c for d, c in zip(gathered, owner_coords))
-    # contiguous: a collective sends the storage as laid out, and NS returns tall matrices transposed.
-    result = orthogonalize(full).contiguous() if mine or not gathered else torch.empty_like(full)
-    _broadcast_from(result, mesh, gathered, owner_coords)
-    if "ep" not in names:
-        # Every rank holds the same whole matrix: keep this rank's slice, no communication.
-        return distribute_tensor(result, mesh, update.placements, src_data_rank=None)
-    whole = DTensor.from_local(result, mesh, placements, run_check=False)
-    return whole.redistribute(mesh, update.placements)  # Replicate -> Shard: a local slice
-
-
-def _unravel(index: int, sizes: list[int]) -> list[int]:
-    coords = []
-    for size in reversed(sizes):
-        coords.append(index % size)
-        index //= size
-    return coords[::-1]
-
-
-def _broadcast_from(tensor: torch.Tensor, mesh: DeviceMesh, dims: list[int], coords: list[int]) -> None:
-    """Broadcast from the rank at `coords` (on mesh dimensions `dims`) to all of them, one
-    dimension at a time, innermost first: after the broadcast along dimension d, every rank
-    whose coordinates on the dimensions before d match the owner's holds the result."""
-    for dim, coord in reversed(list(zip(dims, coords))):
-        dist.broadcast(tensor, group=mesh.get_group(dim), group_src=coord)
