@@ -180,8 +180,8 @@ def _prepare_one(src: Source, tok: Tokenizer, directory: Path, *, val_fraction: 
         val.add(moved, np.array([len(moved)], dtype=np.int64))
         splits["val"] = val.close()
     if splits["train"]["documents"] == 0:
-        raise ForjaError(f"every document of {src.spec!r} went to the validation split; "
-                         f"lower --val-fraction or add documents")
+        raise ForjaError(f"every document of {src.spec!r} went to the validation split; lower the validation "
+                         f"fraction (--val-fraction, or data.val_fraction in a config) or add documents")
     write_json(directory / META, {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

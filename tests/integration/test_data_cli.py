@@ -112,6 +112,8 @@ def test_invalid_utf8_is_replaced_not_fatal(work: Path) -> None:
     done = forja("prepare", "--source", "latin", "--tokenizer", "tok.json", "--out", "latin-out", cwd=work)
     assert done.returncode == 0, done.stderr
     assert "1 binary files skipped" in done.stdout and "1 documents with invalid UTF-8 replaced" in done.stdout
+    assert ("\nno validation split (a single document, which went to training): train on it with "
+            "train.val_interval = 0, or add documents so that one goes to validation\n") in done.stdout
     tok, ds = load_tokenizer(work / "tok.json"), open_prepared(work / "latin-out")
     assert tok.decode(ds.document("train", 0)[:-1]) == "d\ufffdj\ufffd vu"
 

@@ -20,9 +20,11 @@ from pathlib import Path
 import pytest
 
 from forja.checkpoint.export import export_hf
-from forja.data import open_prepared, train_tokenizer
+from forja.config import load_config
+from forja.data import cache_key, load_tokenizer, open_prepared, train_tokenizer
 from forja.errors import ForjaError
 from forja.files import write_atomic
+from forja.train.finished import completed_step, finished
 
 # Six small Python files: at the default 1%, none of them hashes into validation.
 FILES = {f"m{i}.py": "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(4 + i))
@@ -35,14 +37,18 @@ QUICKSTART = {"data.vocab_size": "300", "model.flavor": '"debug"', "train.steps"
 
 def forja(*args: str, cwd: Path, file_limit: int | None = None) -> subprocess.CompletedProcess:
     """Run `forja ARGS` in a child; `file_limit`: its largest writable file, in bytes."""
+    return python("-m", "forja", *args, cwd=cwd, file_limit=file_limit)
+
+
+def python(*args: str, cwd: Path, file_limit: int | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONIOENCODING": "utf-8", "FORJA_CACHE": str(cwd / "cache")}
 
     def limit() -> None:  # runs in the child: the write fails with EFBIG instead of a SIGXFSZ kill
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
 
-    return subprocess.run([sys.executable, "-m", "forja", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600, preexec_fn=limit if file_limit is not None else None)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600, preexec_fn=limit if file_limit is not None else None)
 
 
 def error_line(done: subprocess.CompletedProcess, command: str) -> str:
@@ -51,9 +57,13 @@ def error_line(done: subprocess.CompletedProcess, command: str) -> str:
     return line.removeprefix(f"forja {command}: error: ")
 
 
+def quickstart(**changes: str) -> list[str]:
+    sets = {"run.dir": '"runs/mine"', "data.path": '"code/*.py"', **QUICKSTART, **changes}
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
 def train(work: Path) -> subprocess.CompletedProcess:
-    sets = {"run.dir": '"runs/mine"', "data.path": '"code/*.py"', **QUICKSTART}
-    return forja("train", *(a for k, v in sets.items() for a in ("--set", f"{k}={v}")), cwd=work)
+    return forja("train", *(a for item in quickstart() for a in ("--set", item)), cwd=work)
 
 
 def write_code(folder: Path) -> None:
@@ -101,6 +111,19 @@ def test_a_finished_run_says_so_and_appends_nothing(work: Path) -> None:
     assert snapshot(run) == before
 
 
+def test_only_the_same_run_at_its_steps_is_complete(work: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.chdir(work)
+    assert completed_step(load_config("default", quickstart())) == 2
+    assert completed_step(load_config("default", quickstart(**{"train.steps": "3"}))) is None  # trains on
+    assert completed_step(load_config("default", quickstart(**{"run.start_over": "true"}))) is None
+    # Another run in that directory: RunDir.prepare refuses it, naming the difference.
+    assert completed_step(load_config("default", quickstart(**{"train.seed": "7"}))) is None
+    assert finished(load_config("default", quickstart(**{"train.steps": "1"})))
+    assert capsys.readouterr().out == ("forja: runs/mine is complete at step 2 (train.steps = 1); give more "
+                                       "train.steps to train further\n")
+
+
 def test_an_export_is_readable_by_others(work: Path) -> None:
     old = os.umask(0o022)
     try:
@@ -127,7 +150,7 @@ def test_write_atomic_on_a_full_disk_keeps_the_previous_file(tmp_path: Path) -> 
     assert target.read_text() == "previous\n" and os.listdir(tmp_path) == ["run.json"]
 
 
-def test_prepare_and_tokenizer_on_a_full_disk(tmp_path: Path) -> None:
+def test_prepare_and_tokenizer_on_a_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real EFBIG: RLIMIT_FSIZE caps the child's files at 4 KiB (SIGXFSZ ignored, so the write
     that crosses the cap fails with EFBIG, as a full disk's fails with ENOSPC, instead of killing
     it). The tokens of six files and a 300-token tokenizer.json are each larger than that."""
@@ -144,6 +167,16 @@ def test_prepare_and_tokenizer_on_a_full_disk(tmp_path: Path) -> None:
     again = forja(*args, "--out", "data", "--overwrite", cwd=tmp_path, file_limit=4096)
     assert "(the previous data is kept whole)" in error_line(again, "prepare")
     assert snapshot(tmp_path / "data") == before
+
+    # Prepared on first use (forja train's way): the cache is named, and how to move it.
+    cached = python("-c", "from forja.data import open_dataset\ntry:\n open_dataset('code', 'tok.json')\n"
+                    "except OSError as e:\n print(e)", cwd=tmp_path, file_limit=4096)
+    monkeypatch.chdir(tmp_path)  # the key of the spec 'code' as the child saw it
+    key = cache_key("code", load_tokenizer(tmp_path / "tok.json"))
+    assert cached.stdout == (f"no space left on device writing the prepared copy of code in {tmp_path}/cache/"
+                             f"prepared/{key} (File too large): nothing is half-written (nothing was left behind); "
+                             "free some space, or set FORJA_CACHE to a disk with room\n"), cached.stderr
+    assert list((tmp_path / "cache" / "prepared").iterdir()) == []
 
     tok_before = (tmp_path / "tok.json").read_bytes()
     done = forja("tokenizer", "train", "--source", "code", "--vocab-size", "300", "--out", "tok.json",
