@@ -138,7 +138,8 @@ class CheckpointManager:
                              "to begin the run afresh")
         if self.rank == 0:
             names = ", ".join(f"{p.name}.damaged" for p, _ in pick.damaged)
-            print(f"forja: {pick.notice('resuming from')} (the damaged one is set aside as {names})",
+            what = "one is" if len(pick.damaged) == 1 else "ones are"
+            print(f"forja: {pick.notice('resuming from')} (the damaged {what} set aside as {names})",
                   file=sys.stderr, flush=True)
             for path, _ in pick.damaged:
                 set_aside(path)
