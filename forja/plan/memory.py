@@ -2,8 +2,10 @@
 activations, logits and buffers, walked through one training step.
 
 How (docs/planner.md has the formulas):
-- Parameters, gradients and optimizer state (fp32) are the rank's shard: what TP, EP and
-  PP leave of the model, divided by the FSDP degree.
+- Parameters and gradients (fp32) are the rank's shard: what TP, EP and PP leave of the
+  model, divided by the FSDP degree; the optimizer's state and step temporaries are counted
+  as each optimizer holds them (forja/plan/optimizer_memory.py: SOAP and Adafactor keep
+  whole-matrix state on every rank, Muon gathers each matrix to one owner).
 - Activations are counted tensor by tensor: what autograd saves for backward in each op
   of a block (read off forja's own blocks; `tests/unit/plan` checks the count against the
   tensors autograd really saves). Activation checkpointing keeps the block inputs (full), or
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field, fields
 from forja.parallel.pp_split import StageCosts, balanced_layers, rank_stages
 from forja.plan.job import Job
 from forja.plan.layout import Layout
+from forja.plan.optimizer_memory import optimizer_memory
 from forja.plan.shape import BlockShape
 
 FP32 = 4
@@ -259,7 +262,8 @@ def rank_peak(job: Job, lay: Layout, rm: RankModel) -> MemoryBreakdown:
     held = (elements - experts) / shard + experts / max(1, shard // lay.ep)
     on_host = lay.cpu_offload and job.gpu  # offloaded state lives in host memory
     params = 0.0 if on_host else held * FP32
-    state = 0.0 if on_host else held * FP32 * job.state_per_param
+    state, optimizer_temps = optimizer_memory(job, lay, rm, held, elements)
+    state = 0.0 if on_host else state
     grads = 0.0 if on_host else held * FP32
     gathered_width = 2 if job.bf16_params else FP32
     tokens = lay.sequences_per_microbatch(job.global_batch_size) * job.seq_len / lay.cp
@@ -308,14 +312,6 @@ def rank_peak(job: Job, lay: Layout, rm: RankModel) -> MemoryBreakdown:
         snap("first block backward", acts=kept + working, logits=0.0,
              grads_now=accumulated + output_grad + unsharded_grad),
         snap("optimizer step", acts=0.0, logits=0.0, grads_now=max(grads, accumulated),
-             temps=optimizer_temporaries(job, held)),
+             temps=optimizer_temps),
     ]
     return max(candidates, key=lambda m: m.total)
-
-
-def optimizer_temporaries(job: Job, shard_elements: float) -> float:
-    """Bytes the optimizer step allocates for a moment: the foreach implementation (CPUs)
-    makes a parameter-sized sqrt of the second moment; the fused one (GPUs) makes none."""
-    if job.gpu or job.optimizer not in ("adamw", "adam"):
-        return 0.0
-    return shard_elements * FP32

@@ -36,9 +36,9 @@ class BlockShape:
     """torch's LayerNorm (one kernel that saves its input and statistics) rather than RMSNorm."""
     flops_per_token: float
     """Training FLOPs (forward + backward) per token: 6 x active weights + attention scores."""
-    matrices: tuple[tuple[int, int], ...] = ()
-    """(rows, columns) of each 2-D+ parameter, whole, leading dimensions merged (as SOAP,
-    Adafactor and Muon see them); routed experts as one (E x rows, columns) stack."""
+    matrices: tuple[tuple[int, int, int], ...] = ()
+    """(stack, rows, columns) of each 2-D+ parameter, whole: routed experts are one stack of
+    E matrices (Muon orthogonalizes each; SOAP and Adafactor see E x rows by columns)."""
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,8 @@ class ModelShape:
     final_norm: int
     output_flops_per_token: float
     """6 x the output projection (and final norm): the logits' matmuls."""
-    root_matrices: tuple[tuple[int, int], ...] = ()
-    """(rows, columns) of the embeddings and the output projection, whole."""
+    root_matrices: tuple[tuple[str, int, int], ...] = ()
+    """(name, rows, columns) of the embeddings and the output projection, whole."""
 
     @property
     def n_params(self) -> int:
@@ -97,8 +97,8 @@ def _counts(args: TransformerArgs) -> tuple:
         matrices = []
         for name, p in block.named_parameters():
             module = name.rsplit(".", 1)[0]
-            if p.dim() >= 2:  # as the optimizers see it: leading dimensions merged
-                matrices.append((p.numel() // p.shape[-1], p.shape[-1]))
+            if p.dim() >= 2:  # (stack, rows, columns): a 3-D expert stack is `stack` matrices
+                matrices.append((p.numel() // (p.shape[-2] * p.shape[-1]), p.shape[-2], p.shape[-1]))
             if ".experts." in f".{name}" and moe:
                 experts += p.numel()
             elif isinstance(styles.get(module), _SPLIT_STYLES):
@@ -113,7 +113,7 @@ def _counts(args: TransformerArgs) -> tuple:
     # Whatever else the root holds is input side: token (and learned position) embeddings.
     embedding = _numel(model) - _numel(model.layers) - _numel(model.norm) - output
     output_matmul = model.output.weight.numel() if model.output is not None else 0
-    root = [(p.numel() // p.shape[-1], p.shape[-1]) for name, p in model.named_parameters()
-            if p.dim() >= 2 and not name.startswith("layers.")]
+    root = [(name, p.shape[-2], p.shape[-1]) for name, p in model.named_parameters()
+            if p.dim() == 2 and not name.startswith("layers.")]
     _COUNTS[key] = (counted, embedding, output, _numel(model.norm), output_matmul, tuple(root))
     return _COUNTS[key]
