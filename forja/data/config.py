@@ -22,7 +22,7 @@ class DataConfig:
     vocab_size: int = 8192
     """Vocabulary of the tokenizer trained on the source when `tokenizer` is None."""
     val_fraction: float = 0.01
-    """Share of documents in the validation split when a source is prepared on first use (at least one of two or more)."""
+    """Share of documents in the validation split when a source is prepared on first use (one at least, of two)."""
     workers: int = 0
     """Tokenizer processes when preparing on first use; 0 means every core."""
     prefetch: int = 2

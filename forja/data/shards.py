@@ -269,11 +269,12 @@ class PreparedDataset:
         if tokenizer.vocab_size != recorded["vocab_size"]:
             raise ForjaError(f"the tokenizer has {tokenizer.vocab_size} tokens but {self.name} was prepared "
                              f"with {recorded['vocab_size']}; use the tokenizer it was prepared with "
-                             f"or prepare the data again")
+                             f"or {self.redo}")
         if tokenizer.fingerprint != recorded["fingerprint"]:
+            where = self.name if self.cached else self.path / META
             raise ForjaError(f"the tokenizer's fingerprint {tokenizer.fingerprint[:12]} differs from "
-                             f"{recorded['fingerprint'][:12]} recorded in {self.name if self.cached else self.path / META}; use the "
-                             f"tokenizer it was prepared with or prepare the data again")
+                             f"{recorded['fingerprint'][:12]} recorded in {where}; use the "
+                             f"tokenizer it was prepared with or {self.redo}")
 
     def __repr__(self) -> str:
         return f"PreparedDataset({str(self.path)!r}, train={self.num_tokens('train')} tokens)"
@@ -295,7 +296,8 @@ def _read_meta(path: Path, redo: str) -> dict[str, Any]:
     return meta
 
 
-def open_prepared(path: str | os.PathLike[str], tokenizer: Any = None, *, source: str | None = None) -> PreparedDataset:
+def open_prepared(path: str | os.PathLike[str], tokenizer: Any = None, *,
+                  source: str | None = None) -> PreparedDataset:
     """Open a directory written by `forja prepare`; with a tokenizer, check it matches the data.
     `source`: the spec of a cached copy, named in errors instead of its directory."""
     dataset = PreparedDataset(path, source=source)
