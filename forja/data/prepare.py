@@ -114,12 +114,12 @@ def _check_options(tok: Tokenizer, val_fraction: float, shard_tokens: int) -> No
 @contextlib.contextmanager
 def _staging(out: Path, overwrite: bool, source: SourceArg) -> Iterator[Path]:
     """A temporary directory beside `out`, renamed to `out` on success and removed on failure."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # on a full disk, even a directory may not fit
+        _remove_stale(out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         yield tmp
         # Without overwrite, an `out` that appeared meanwhile is another process's copy of the
         # same inputs (the output is a function of them): it wins and ours is dropped.
