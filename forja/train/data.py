@@ -105,8 +105,7 @@ def check_splits(cfg: Config) -> None:
         try:
             Samples(as_mixture(dataset, None), split, t.seq_len)
         except ForjaError as exc:
-            fix = " (or set train.val_interval = 0 to train without validation)" if split == "val" else ""
-            raise ForjaError(f"data.path {cfg.data.path}: {exc}{fix}") from None
+            raise ForjaError(f"data.path {cfg.data.path}: {exc}") from None
 
 
 def data(cfg: Config, *, rank: int, run_dir: Path) -> tuple[Tokenizer, Any]:
