@@ -87,6 +87,13 @@ def record_fallback(op: str, why: str, *, fix: str = "") -> None:
     fallbacks.record(f"ops.{op}", asked=asked, instead=instead, why=why, fix=fix)
 
 
+def kernel_promised(*tensors: torch.Tensor) -> bool:
+    """Whether the rule promises the kernels for tensors on these devices (FORJA_OPS=triton, or
+    CUDA when not forced to the reference): the reference running there instead is a fallback."""
+    mode = ops_mode()
+    return mode == "triton" or (mode == "auto" and all(t.is_cuda for t in tensors))
+
+
 def use_triton(*tensors: torch.Tensor, op: str | None = None) -> bool:
     """Whether the fused ops should run their Triton kernels on these tensors. With `op` (the
     op's name), a kernel the rule promised but that cannot run is recorded as a fallback."""

@@ -22,7 +22,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from forja.errors import ForjaError
-from forja.ops.dispatch import as_output, jit, local_shards, program_count, record_fallback, row_block, use_triton, waited
+from forja.ops.dispatch import (as_output, jit, kernel_promised, local_shards, program_count, record_fallback,
+                                 row_block, use_triton, waited)
 
 try:
     import triton.language as tl
@@ -148,7 +149,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
         # Sequence parallelism: rows split over ranks, each normalized alone on its rank.
         shards = local_shards((x, weight), keep_dims=(-1,))
         if shards is None:
-            if x.is_cuda:
+            if kernel_promised(x):
                 record_fallback("rms_norm", f"its input's placements {tuple(x.placements)} split the "
                                 "normalized dimension or hold partial sums")
         elif use_triton(*shards[0], op="rms_norm"):

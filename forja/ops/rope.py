@@ -25,7 +25,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from forja.errors import ForjaError
-from forja.ops.dispatch import as_output, jit, local_shards, next_power_of_2, record_fallback, use_triton, waited
+from forja.ops.dispatch import (as_output, jit, kernel_promised, local_shards, next_power_of_2, record_fallback,
+                                 use_triton, waited)
 
 try:
     import triton.language as tl
@@ -150,7 +151,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
             if _fused(q_local, k_local, cos_local, sin_local):
                 qo, ko = _RopeFunction.apply(q_local, k_local, cos_local.contiguous(), sin_local.contiguous())
                 return as_output(qo, q), as_output(ko, k)
-        elif q.is_cuda:
+        elif kernel_promised(q, k):
             record_fallback("rope", "q and k are not DTensors split alike along batch or heads with whole "
                             "sequences")
         return rope_reference(q, k, cos, sin)
