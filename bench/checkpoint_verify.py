@@ -5,9 +5,11 @@
 One process, the real CheckpointManager on the model and AdamW state of bench/async_checkpoint.py.
 Saves with the manifest and without it (the hashing replaced by nothing: what a save cost
 before) alternate round by round, sync and async, so that a busy machine slows both alike.
-Reports the mean, over rounds, of
+Reports the median, over rounds, of
   - the stall per save (`last_blocking_s`) and the time from a save's start to its
     finalization (`last_total_s`), with / without the manifest,
+  - the time spent hashing itself (timed inside the save: less noisy on a busy machine than the
+    difference of two save times), against the save without the manifest,
   - checking a checkpoint at load: sizes only, sizes + checksums, against loading it (dcp.load).
 """
 
@@ -36,11 +38,20 @@ from forja.checkpoint.verify import damage  # noqa: E402
 from forja.parallel.process_group import init_distributed, shutdown_distributed  # noqa: E402
 
 HASHING = manager_module.digests
+HASH_S: list[float] = []  # seconds each save spent in the hashing itself (its own thread for async)
+
+
+def timed_hashing(folder, names):
+    start = time.perf_counter()
+    try:
+        return HASHING(folder, names)
+    finally:
+        HASH_S.append(time.perf_counter() - start)
 
 
 def timed_save(state: dict, folder: Path, step: int, *, async_save: bool, manifest: bool) -> tuple[float, float]:
     """(stall, start-to-finalized) seconds of one save."""
-    manager_module.digests = HASHING if manifest else (lambda folder, names: {})
+    manager_module.digests = timed_hashing if manifest else (lambda folder, names: {})
     try:
         manager = CheckpointManager(CheckpointConfig(async_save=async_save, keep=1), folder)
         manager.save(step, state)
@@ -97,13 +108,17 @@ def main() -> None:
         print("| save | figure | no manifest | manifest | ratio |\n|---|---|---:|---:|---:|")
         for mode in ("sync", "async"):
             for j, name in ((0, "stall per save, s"), (1, "save start to finalized, s")):
-                off = statistics.fmean(f[j] for f in figures[(mode, False)])
-                on = statistics.fmean(f[j] for f in figures[(mode, True)])
-                print(f"| {mode} | {name} | {off:.3f} | {on:.3f} | {on / off:.2f}x |")
-        load = statistics.fmean(checks["load"])
-        print("| check at load | s (mean) | against dcp.load |\n|---|---:|---:|")
+                off = statistics.median(f[j] for f in figures[(mode, False)])
+                on = statistics.median(f[j] for f in figures[(mode, True)])
+                print(f"| {mode} | {name} (median) | {off:.3f} | {on:.3f} | {on / off:.2f}x |")
+        no_manifest = statistics.median(f[1] for f in figures[("sync", False)])
+        hashing = statistics.median(HASH_S)
+        print(f"hashing itself: {hashing:.3f} s per save (median of {len(HASH_S)}; all: "
+              f"{', '.join(f'{t:.2f}' for t in HASH_S)}), {hashing / no_manifest:.3f}x of a sync save without it")
+        load = statistics.median(checks["load"])
+        print("| check at load | s (median) | against dcp.load |\n|---|---:|---:|")
         for name in ("sizes", "checksums"):
-            t = statistics.fmean(checks[name])
+            t = statistics.median(checks[name])
             print(f"| {name} | {t:.4f} | {t / load:.3f}x of {load:.3f} s |")
     finally:
         shutdown_distributed()
