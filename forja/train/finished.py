@@ -4,7 +4,7 @@ Rerunning the command of a finished run (the README's quickstart, twice) must no
 sample, a goodput launch, metrics or a run.json launch as if it had trained. So the trainer
 asks first, before it starts a process group, builds a model or writes anything: the step of
 the run's latest checkpoint is read from the checkpoint folder's names (forja.json marks a
-complete one) and its files' sizes are checked, all without building the model.
+complete one) and its files are checked against their checksums, all without building the model.
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ def completed_step(cfg: Config) -> int | None:
     if config_differences(old, cfg) or not found or found[-1][0] < cfg.train.steps:
         return None
     step, latest = found[-1]
-    # A damaged newest checkpoint is set aside at resume and an older one trained on from.
-    return step if damage(latest, checksums=False) is None else None
+    # A damaged newest checkpoint is set aside at resume and the run trained on from an older
+    # one: then there is work. Its checksums are read, as a resume would (only here, when the
+    # run looks complete), so that `forja export` never refuses a checkpoint this called final.
+    return step if damage(latest, checksums=True) is None else None
 
 
 def finished(cfg: Config) -> bool:

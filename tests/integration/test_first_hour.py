@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import resource
+import shutil
 import signal
 import stat
 import subprocess
@@ -119,6 +120,13 @@ def test_only_the_same_run_at_its_steps_is_complete(work: Path, monkeypatch: pyt
     assert completed_step(load_config("default", quickstart(**{"run.start_over": "true"}))) is None
     # Another run in that directory: RunDir.prepare refuses it, naming the difference.
     assert completed_step(load_config("default", quickstart(**{"train.seed": "7"}))) is None
+    # A byte flipped in the newest checkpoint (its size unchanged): resume goes back, so not complete.
+    copy = shutil.copytree(work / "runs" / "mine", work / "runs" / "flipped")
+    shard = copy / "checkpoints" / "step-00000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert completed_step(load_config("default", quickstart(**{"run.dir": '"runs/flipped"'}))) is None
     assert finished(load_config("default", quickstart(**{"train.steps": "1"})))
     assert capsys.readouterr().out == ("forja: runs/mine is complete at step 2 (train.steps = 1); give more "
                                        "train.steps to train further\n")
