@@ -186,9 +186,12 @@ def waited(t: torch.Tensor | None) -> torch.Tensor | None:
 def as_output(local: torch.Tensor, like: DTensor) -> DTensor:
     """A kernel's output on the local shard of `like`, as a DTensor laid out like it (the
     global shape is `like`'s; the output is contiguous)."""
-    stride = torch.empty(like.shape, device="meta").stride()
+    stride, step = [], 1
+    for size in reversed(like.shape):  # a contiguous tensor's strides
+        stride.insert(0, step)
+        step *= max(size, 1)
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=stride)
+                              shape=like.shape, stride=tuple(stride))
 
 
 def jit(fn: Callable) -> Callable:
