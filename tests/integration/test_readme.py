@@ -78,6 +78,8 @@ def make_targets(text: str) -> list[str]:
 
 
 COMMANDS = readme_commands(README.read_text())
+# The commands run once, in the first test's setup: on a busy 2-core machine that took 223 s.
+pytestmark = pytest.mark.timeout(900)
 
 
 def shape(line: str) -> str:
