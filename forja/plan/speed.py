@@ -86,6 +86,17 @@ def ring_time(bytes_: float, n: int, bw: float, *, all_reduce: bool = False) -> 
     return (2.0 if all_reduce else 1.0) * (n - 1) / n * bytes_ / bw
 
 
+def all_to_all_time(bytes_: float, n: int, hw: Hardware, stride: int) -> float:
+    """An all-to-all of `bytes_` per rank over n ranks `stride` apart: the share bound for
+    peers in this node crosses NVLink, the rest the GPU's NIC, both at once."""
+    if n <= 1:
+        return 0.0
+    in_node = max(1, min(n, hw.gpus_per_node // max(1, stride)))
+    intra = (in_node - 1) / n * bytes_ / hw.intra_node_bytes_per_s
+    inter = (n - in_node) / n * bytes_ / hw.inter_node_bytes_per_s
+    return max(intra, inter)
+
+
 def peak_flops(job: Job, hw: Hardware) -> float:
     return hw.bf16_flops if job.bf16 else hw.fp32_flops
 
@@ -207,7 +218,7 @@ def _rank_time(job: Job, lay: Layout, hw: Hardware, rm) -> TimeBreakdown:
     moe_blocks = sum(len(idx) for b, idx in rm.groups if b.moe)
     if lay.ep > 1 and moe_blocks:  # dispatch and combine, forward and backward
         volume = getattr(a, "top_k", 1) * tokens_mb * a.dim * act
-        t.ep_comm = 4 * moe_blocks * micro * ring_time(volume, lay.ep, link_bandwidth(hw, lay, "dp_shard"))
+        t.ep_comm = 4 * moe_blocks * micro * all_to_all_time(volume, lay.ep, hw, lay.tp * lay.cp)
     t.fsdp_comm_exposed = _fsdp_exposed(job, lay, hw, rm, compute)
     t.offload = offload_time(job, lay, rm)
     if lay.pp > 1:
