@@ -315,7 +315,7 @@ def summary(rows: list[Result]) -> dict[str, tuple[int, float, float, float]]:
 
 def main() -> None:
     rows = results()
-    print("| run | source | GPUs | GPU | published tok/s/GPU | predicted | log(pred/pub) | passes forja's validator "
+    print("| run | source | GPUs | GPU | published tok/s/GPU | predicted | log(pred/pub) | fits (forja's validator and memory) "
           "| assumed |")
     print("|---|---|---:|---|---:|---:|---:|---|---|")
     for r in rows:
