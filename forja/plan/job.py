@@ -10,11 +10,10 @@ from forja.models.common.transformer import TransformerArgs
 from forja.parallel.config import ParallelConfig
 from forja.plan.shape import ModelShape, model_shape
 
-# Optimizer state per parameter, in fp32 elements (AdamW: two moments). Muon keeps one
-# momentum for its matrices (most of the parameters) and two moments for the rest;
-# Adafactor's factored second moment is rows + columns, about nothing per element;
-# SOAP adds two preconditioners and their eigenbases per matrix (about 4 elements per
-# element for matrices near square).
+# Optimizer state per parameter, in fp32 elements, for the elementwise optimizers (AdamW: two
+# moments). The memory model counts SOAP, Adafactor and Muon as they hold their state
+# (forja/plan/optimizer_memory.py: whole matrices on every rank, not per element); these
+# averages only size CPU offload's host traffic.
 STATE_PER_PARAM = {"adamw": 2.0, "adam": 2.0, "sgd": 1.0, "lion": 1.0, "muon": 1.1, "adafactor": 0.05,
                    "soap": 6.0}
 
