@@ -9,8 +9,8 @@ datasheets and microbenchmarks (forja/plan/speed.py, docs/planner.md "Calibratio
 these rows, so the table measures a prediction, not a fit.
 
 What a source does not state is filled with a stated default, never chosen per row to make it
-agree: micro-batch 1, no recomputation, 1F1B (Megatron's defaults); such rows say so in their
-`assumed` column. A setting forja cannot express (a virtual-pipeline size other than 2, a model
+agree (Megatron-LM's table: micro-batch 1; no recomputation and 1F1B, Megatron's defaults);
+such rows say so in their `assumed` column. A setting forja cannot express (a virtual-pipeline size other than 2, a model
 family forja lacks) makes the row `inexpressible`: listed with the reason, left out of the
 statistics. The sources, each at the commit read, are in SOURCES; docs/planner.md lists them.
 """
@@ -157,7 +157,7 @@ def megatron_gpt_flops(h: int, layers: int, seq: int = 4096, vocab: int = 131072
     return 12 * layers * h * h * (6 + seq / h) + 6 * h * vocab
 
 
-MEGATRON_ASSUMED = ("micro-batch, recomputation and schedule not published: mbs 1, no AC, 1F1B (Megatron's "
+MEGATRON_ASSUMED = ("micro-batch, recomputation and schedule not published: mbs 1; no AC and 1F1B (Megatron's "
                     "defaults); distributed optimizer over DP expressed as DDP (same traffic)")
 for size, heads, h, layers, tp, pp, gpus, batch, tflops in (
         ("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
