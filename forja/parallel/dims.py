@@ -217,4 +217,6 @@ def _expert_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh | None:
     # Known to DTensor, the flattened (efsdp, ep) group lets it reduce an expert gradient's
     # norm in one all-reduce instead of one per dimension.
     _flatten(expert, ("efsdp", "ep"), "efsdp_ep")
+    if dims.tp > 1:  # with TP the experts are spread over ("ep", "tp"), their rows moved in one group
+        _flatten(expert, ("ep", "tp"), "ep_tp")
     return expert

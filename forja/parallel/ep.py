@@ -13,6 +13,13 @@ every MoE layer moves each routed token-slot to the rank holding its expert and 
 `torch.distributed.all_to_all_single` with split sizes runs on NCCL and on Gloo, so EP is
 tested on CPU. The router, the shared experts and attention stay data-parallel.
 
+Under tensor parallelism the TP ranks split each MoE layer's tokens between them
+(`SplitTokens` in forja/models/common/tp_plan.py): for the experts they are data-parallel
+ranks too, so the experts are spread over them the same way (`expert_layout`): over "tp"
+alone, or over ("ep", "tp") with EP, each rank holding n_experts / (ep x tp). Each
+expert's rows then come from every rank of that group, its gradient is whole on its rank,
+and no expert's work is repeated on two TP ranks.
+
 The experts' stacked weights become DTensors sharded on dim 0 over the expert mesh's "ep"
 dimension; FSDP then shards each rank's experts over the remaining data-parallel ranks
 ("efsdp", see dims.py), as its own FSDP unit. An expert's gradient sums the contributions
@@ -26,9 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Placement, Shard, distribute_tensor
 
 from forja.models.common.moe import GroupedExperts, moe_layers
+from forja.parallel.dims import ParallelDims
 
 
 class _AllToAll(torch.autograd.Function):
@@ -99,14 +107,32 @@ def _by_expert(received: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(first, sizes, output_size=total) + offset_in_block
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Shard every MoE layer's routed experts over `ep_mesh` and route tokens to them
-    (the model may be on the meta device)."""
-    ep = ep_mesh.size()
+def expert_layout(dims: ParallelDims) -> tuple[DeviceMesh, tuple[Placement, ...], dist.ProcessGroup] | None:
+    """(mesh of the experts' weights, their placements, the group their rows move in), or
+    None when every rank holds every expert (no EP, no TP)."""
+    if dims.ep > 1 and dims.tp > 1:
+        mesh = dims.groups.expert_mesh
+        # Sharded over ep, then each ep shard over tp: rank (e, t) holds block e * tp + t,
+        # which is its index in the flattened ("ep", "tp") group the rows move in.
+        return mesh["ep", "tp"], (Shard(0), Shard(0)), mesh["ep_tp"].get_group()
+    if dims.ep > 1:
+        return dims.ep_mesh, (Shard(0),), dims.ep_mesh.get_group()
+    if dims.tp > 1:
+        return dims.tp_mesh, (Shard(0),), dims.tp_mesh.get_group()
+    return None
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, placements: tuple[Placement, ...] = (Shard(0),),
+             group: dist.ProcessGroup | None = None) -> None:
+    """Shard every MoE layer's routed experts over `ep_mesh` (`placements`: Shard(0) on each
+    of its dimensions) and route tokens to them through `group` (default: the 1-D mesh's);
+    the model may be on the meta device."""
+    group = group if group is not None else ep_mesh.get_group()
+    ranks = dist.get_world_size(group)
     for _, moe in moe_layers(model):
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             # src_data_rank=None: each rank keeps its slice, no scatter (weights are initialized later).
-            shard = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            shard = distribute_tensor(param.data, ep_mesh, list(placements), src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
-        ExpertDispatch(experts, ep_mesh.get_group(), ep)
+        ExpertDispatch(experts, group, ranks)

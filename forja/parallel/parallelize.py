@@ -20,7 +20,7 @@ from forja.parallel.ac import apply_ac
 from forja.parallel.compile import apply_compile
 from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
-from forja.parallel.ep import apply_ep
+from forja.parallel.ep import apply_ep, expert_layout
 from forja.parallel.fsdp import apply_fsdp, wants_fsdp
 from forja.parallel.tp import apply_tp, enable_async_tp, wait_for_embedding_output
 
@@ -35,8 +35,9 @@ def parallelize(model: Transformer, plan: TPPlan, dims: ParallelDims, cfg: Paral
             wait_for_embedding_output(model)
         if cfg.async_tp:
             enable_async_tp(dims.tp_mesh)
-    if dims.ep > 1:
-        apply_ep(model, dims.ep_mesh)
+    experts = expert_layout(dims)  # under TP too: its ranks split an MoE layer's tokens
+    if experts is not None:
+        apply_ep(model, *experts)
     apply_ac(model, cfg)
     if cfg.compile:
         apply_compile(model)

@@ -36,6 +36,15 @@ LAYOUTS = {
     "EP 2 x FSDP 2": (4, {**MOE, "parallel.ep": "2", "parallel.dp_shard": "4"}),
     "EP 2 x TP 2 + SP": (4, {**EP2, "parallel.tp": "2"}),
     "PP 2 x EP 2": (4, {**EP2, "parallel.pp": "2"}),
+    # TP splits each MoE layer's tokens over its ranks and spreads the experts over them. (Qwen3
+    # without SP is left out: its replicated QK-norm weights are DTensors beside plain norm
+    # weights in one optimizer group, which torch's foreach AdamW refuses, MoE or dense.)
+    "TP 2 + SP (MoE tokens split)": (2, {**MOE, "parallel.tp": "2", "parallel.dp_shard": "1"}),
+    "TP 2, DeepSeek-V3 (MoE tokens split, shared expert)": (2, {**DEEPSEEK, "parallel.tp": "2",
+                                                                "parallel.dp_shard": "1",
+                                                                "parallel.sequence_parallel": "false"}),
+    "TP 2 + SP, DeepSeek-V3 (MoE tokens split, shared expert)": (2, {**DEEPSEEK, "parallel.tp": "2",
+                                                                     "parallel.dp_shard": "1"}),
 }
 
 
@@ -127,3 +136,55 @@ def test_kill_9_of_a_rank_then_resume_is_bit_identical_under_ep(tmp_path, train_
     assert resumed.returncode == 0, out[-3000:]
     assert "resumed from" in out
     assert losses(run) == losses(reference)  # every step, bit for bit
+
+
+def _expert_rows(rank: int, world: int, tp: int, sp: bool):
+    """One forward and backward of qwen3 debug-moe (fp32) over `world` ranks with parallel.tp
+    = tp: (loss, rows entering each MoE layer's experts on this rank, router gradient)."""
+    import torch
+
+    from forja.models import model_args
+    from forja.models.common.moe import moe_layers
+    from forja.parallel.config import ParallelConfig
+    from forja.parallel.dims import ParallelDims
+    from forja.parallel.tp import local_value, loss_context
+    from forja.train.build import build_model_parts
+
+    dims = ParallelDims(1, 1, world // tp, 1, tp)
+    dims.build_mesh("cpu")
+    cfg = ParallelConfig(tp=tp, dp_shard=world // tp, sequence_parallel=sp)
+    args = model_args("qwen3", "debug-moe")
+    model = build_model_parts(args, dims, cfg, device=torch.device("cpu"), seed=0).parts[0]
+    rows: dict[int, int] = {}
+    for i, moe in moe_layers(model):  # registered after any dispatch hook: the rows this rank computes
+        moe.experts.register_forward_pre_hook(lambda m, inp, i=i: rows.__setitem__(i, rows.get(i, 0) + len(inp[0])))
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    with loss_context(tp):
+        loss = model(tokens, labels=tokens.roll(-1, 1))
+        loss.backward()
+    gate = model.layers["1"].feed_forward.router.gate.weight.grad
+    gate = gate.full_tensor() if hasattr(gate, "full_tensor") else gate
+    return float(local_value(loss)), rows, gate
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_splits_the_expert_work_over_its_ranks(sp):
+    from forja.testing import run_distributed
+
+    [(loss1, rows1, gate1)] = run_distributed(_expert_rows, 1, 1, False, timeout_s=120)
+    results = run_distributed(_expert_rows, 2, 2, sp, timeout_s=120)
+    tokens_k = 2 * 32 * 2  # B x T x top_k token-slots per layer (dropless)
+    assert rows1 and all(r == tokens_k for r in rows1.values())
+    for layer in rows1:
+        per_rank = [rows[layer] for _, rows, _ in results]
+        assert sum(per_rank) == tokens_k  # every slot computed once over the TP group: 1/tp per rank on average
+        assert max(per_rank) < tokens_k  # (replicated, each TP rank would compute all tokens_k)
+    for loss, _, gate in results:
+        assert abs(loss - loss1) < 1e-5
+        torch_close(gate, gate1)
+
+
+def torch_close(a, b):
+    import torch
+
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Replicate, Shard
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -43,18 +46,80 @@ class TPPlan:
     def block_plan(self, moe: bool) -> dict[str, ParallelStyle]:
         """The plan of one block; `moe`: its feed-forward is a mixture of experts.
 
-        An MoE layer is not split over the tensor-parallel ranks: each computes it whole for
-        all tokens (its experts are spread by expert parallelism instead, whose groups lie
-        across data-parallel ranks). Under sequence parallelism it receives the gathered
-        sequence and hands back this rank's slice."""
+        An MoE layer is split over the tensor-parallel ranks by its tokens (`SplitTokens`):
+        each rank routes and computes its slice; its routed experts are spread over those
+        ranks by forja.parallel.ep, as under expert parallelism."""
         if not moe:
             return self.block
         plan = {k: v for k, v in self.block.items() if not k.startswith("feed_forward")}
-        if self.sequence_parallel:
-            plan["feed_forward"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+        plan["feed_forward"] = SplitTokens(self.sequence_parallel)
         return plan
+
+
+class SplitTokens(ParallelStyle):
+    """A mixture-of-experts layer computed by each tensor-parallel rank on a slice of the
+    tokens, instead of by every rank on all of them (which would repeat the experts' work
+    tp times): the (B, T, dim) input is split along T, and the output gathered back.
+
+    Under sequence parallelism the input is this rank's slice already: no communication.
+    Without it the input is replicated: the split is a local slice (its backward gathers
+    the gradient) and the output is all-gathered (its backward takes the local slice).
+    The router and the shared experts keep their weights whole on every rank, as
+    replicated DTensors computing on the rank's tokens (Shard(0) of the (N, dim) rows), so
+    their gradients are partial sums that DTensor (or FSDP) reduces over the ranks. The
+    layer's load statistics are summed over the ranks through `token_split_sum`, so its
+    auxiliary losses and bias see the whole micro-batch."""
+
+    def __init__(self, sequence_parallel: bool):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        whole = Shard(1) if self.sequence_parallel else Replicate()
+        PrepareModuleInputOutput(
+            input_layouts=(whole,), desired_input_layouts=(Shard(1),), use_local_input=True,
+            output_layouts=(Shard(1),), desired_output_layouts=(whole,), use_local_output=True,
+        )._apply(module, device_mesh)
+        for part in (module.router.gate, module.shared_experts):
+            if part is not None:
+                distribute_module(part, device_mesh, _replicate_params, _rows_in, _local_out)
+        module.token_split_sum = _Summed(device_mesh)
+        return module
+
+
+def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for key, p in list(module.named_parameters(recurse=False)):
+        # src_data_rank=None: no broadcast; every rank initializes the weights alike later.
+        whole = nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()], src_data_rank=None),
+                             requires_grad=p.requires_grad)
+        # The gradient of the rank's tokens is a partial sum: all-reduce it as it arrives, so
+        # the optimizer's foreach steps see a replicated gradient (FSDP, which replaces the
+        # parameter, reduces it to the weight's placement itself).
+        whole.register_hook(_replicated)
+        module.register_parameter(key, whole)
+
+
+def _replicated(grad: DTensor) -> DTensor:
+    return grad.redistribute(placements=[Replicate()]) if grad.placements[0].is_partial() else grad
+
+
+def _rows_in(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    # (N_local, dim): this rank's token rows of the layer's (N, dim) input.
+    return (DTensor.from_local(inputs[0], mesh, [Shard(0)], run_check=False), *inputs[1:])
+
+
+def _local_out(module: nn.Module, out: DTensor, mesh: DeviceMesh):
+    return out.to_local()
+
+
+class _Summed:
+    """Sums a small tensor over the mesh's ranks (no gradient: statistics only)."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(t, self.mesh, [Partial()], run_check=False).full_tensor()
 
 
 def dense_tp_plan(sequence_parallel: bool, *, gated_mlp: bool = True, qk_norm: bool = False) -> TPPlan:
