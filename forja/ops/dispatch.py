@@ -27,6 +27,7 @@ import os
 from collections.abc import Callable
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor  # no public name for it
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from forja import fallbacks
@@ -176,10 +177,6 @@ def waited(t: torch.Tensor | None) -> torch.Tensor | None:
     hands back, may be the result of a collective not yet waited for (torch's
     AsyncCollectiveTensor, a wrapper without storage of its own): wait for it. For use inside
     an autograd Function's forward and backward, where no graph is being recorded."""
-    if t is None or type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
-        return t
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor  # no public name
-
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
