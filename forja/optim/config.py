@@ -48,6 +48,9 @@ class MuonConfig:
     """Parameter-name patterns (fnmatch, e.g. "*.attention.wo.weight") sent to AdamW though 2-D."""
     muon_patterns: list[str] = field(default_factory=list)
     """Parameter-name patterns sent to Muon though the rule would send them to AdamW."""
+    bucket_bytes: int = 64 * 2**20
+    """Distributed: the whole matrices one exchange moves to their owners and back, at most about
+    (2 collectives a bucket; an owner holds its share of a bucket's matrices at once)."""
 
 
 @dataclass(kw_only=True)
@@ -99,6 +102,13 @@ class OptimConfig:
     """Decoupled weight decay, applied to matrices only (not to norms or biases)."""
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
     """Kernel: auto = fused on GPU, foreach elsewhere."""
+    qk_clip_tau: float = 0.0
+    """QK-clip (MuonClip with Muon; Kimi K2, arXiv 2507.20534): after each step, every attention
+    head whose largest logit q.k/sqrt(d) in the step exceeded this has its query/key weights
+    scaled so that it falls to this (forja/optim/qk_clip.py); any optimizer. 0 = off; Kimi K2: 100."""
+    max_logit_metric: bool = False
+    """Log attn/max_logit (over layers and heads, and per layer) every step without clipping; on
+    whenever qk_clip_tau > 0. Costs one more q k^T product per layer."""
     muon: MuonConfig = field(default_factory=MuonConfig)
     """Options of optim.name = "muon"."""
     lion: LionConfig = field(default_factory=LionConfig)
@@ -113,6 +123,11 @@ class OptimConfig:
             raise ForjaError(f"optim.lr = {self.lr} must be > 0")
         if len(self.betas) != 2:
             raise ForjaError(f"optim.betas = {list(self.betas)} must be two numbers, e.g. [0.9, 0.95]")
+        if self.muon.bucket_bytes <= 0:
+            raise ForjaError(f"optim.muon.bucket_bytes = {self.muon.bucket_bytes} must be > 0, e.g. 67108864 (64 MiB)")
+        if not self.qk_clip_tau >= 0:
+            raise ForjaError(f"optim.qk_clip_tau = {self.qk_clip_tau} must be >= 0 (0 turns QK-clip off; "
+                             "Kimi K2 used 100)")
 
 
 @dataclass(kw_only=True)

@@ -79,7 +79,7 @@ def _muon(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     m = cfg.muon  # groups: from muon_param_groups (GROUPINGS), each with its use_muon flag and lr
     return Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
                 ns_steps=m.ns_steps, ns_coefficients=tuple(m.ns_coefficients), update_scale=m.update_scale,
-                betas=tuple(cfg.betas), eps=cfg.eps)
+                betas=tuple(cfg.betas), eps=cfg.eps, bucket_bytes=m.bucket_bytes)
 
 
 # Each optimizer's default learning rate, taken when `--set optim.name` switches to it without
@@ -120,7 +120,7 @@ class OptimizerGroup:
     """
 
     def __init__(self, parts: list[nn.Module], cfg: OptimConfig):
-        self.parts = parts
+        self.parts, self.cfg = parts, cfg  # cfg: also read around the step (QK-clip, train/attention_logits.py)
         self.optimizers = [build_optimizer(part, cfg) for part in parts]
 
     def step(self) -> None:

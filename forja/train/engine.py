@@ -47,6 +47,7 @@ from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import ParallelDims, local_value, loss_context
 from forja.parallel.cp import cp_context
 from forja.parallel.pp import Pipeline
+from forja.train.attention_logits import AttentionLogits
 from forja.train.drills import SPIKE_FACTOR
 from forja.train.experts import ExpertBalance
 from forja.train.scaler import LossScaler
@@ -95,6 +96,7 @@ class StepEngine:
         self.grad_clip, self.document_mask = grad_clip, document_mask
         self._norm_params = _each_weight_once(parts)
         self.experts = ExpertBalance(parts, dims, device)
+        self.attention_logits = AttentionLogits(parts, dims, optimizers.cfg)  # attn/ metrics, QK-clip
         self._fault: str | None = None  # a drill's fault for the step in progress (forja/train/drills.py)
 
     @property
@@ -130,6 +132,7 @@ class StepEngine:
         skipped = overflow or anomaly is not None or not (math.isfinite(loss_value) and math.isfinite(norm_value))
         self._finish_step(skipped)
         metrics = self.experts.end_step(stepped=not skipped)  # after the step: the bias follows it
+        metrics |= self.attention_logits.end_step(stepped=not skipped)  # QK-clip after the step
         metrics |= self._scaler_metrics(overflow, skipped)
         tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
         return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=tokens, lr=lr, skipped=skipped,

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forja import fallbacks
+from forja.models.common.max_logit import MaxLogitTracking
 from forja.models.common.norms import RMSNorm
 from forja.models.common.rope import apply_rope
 
@@ -146,7 +147,7 @@ class KVCache:
         self.length += n
 
 
-class Attention(nn.Module):
+class Attention(MaxLogitTracking, nn.Module):
     """Multi-head self-attention with n_kv_heads <= n_heads (grouped-query when fewer).
 
     Optional per-head RMSNorm of queries and keys (QK-norm) before RoPE. When cos/sin
@@ -183,5 +184,6 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
         if cache is not None:
             k, v = cache.update(layer, k, v)
+        self.track_logits(q, k, mask, self.head_dim**-0.5)
         out = attend(q, k, v, mask)  # (B, H, T, hd)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from forja.models.common.attention import AttentionMask, KVCache, attend
+from forja.models.common.max_logit import MaxLogitTracking
 from forja.models.common.norms import RMSNorm
 from forja.models.common.rope import apply_rope
 
@@ -47,7 +48,7 @@ class SharedKeyHead(nn.Module):
         return k_rope.expand(B, T, heads, dr)  # (B, T, H, dr)
 
 
-class MLA(nn.Module):
+class MLA(MaxLogitTracking, nn.Module):
     """Multi-head latent attention over n_heads heads; `q_lora_rank=0` projects queries
     directly (DeepSeek-V2-Lite), above 0 through a normalized latent (V2, V3)."""
 
@@ -110,5 +111,6 @@ class MLA(nn.Module):
             # k_rope (r + dr numbers a token instead of H (2 dn + dr + dv)) with wkv_b
             # absorbed into the query and output -- is not implemented.
             k, v = cache.update(layer, k, v)
+        self.track_logits(q, k, mask, self.softmax_scale)
         out = attend(q, k, v, mask, scale=self.softmax_scale)  # (B, H, T, dv)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
