@@ -9,6 +9,9 @@ casts (torchtitan measures the crossover around 1-2k features on H100), so layer
 fewer input or output features than `min_features` stay as they are, as does the output
 projection (precision matters most at the logits). On CPU, torchao emulates float8,
 which is how it is tested without a GPU.
+
+float8 that converts no layer is refused rather than run silently in high precision: the
+planner and the run's throughput would count on float8 matmuls that never happen.
 """
 
 from __future__ import annotations
@@ -45,4 +48,21 @@ def apply_float8(model: nn.Module, recipe: str, *, device: torch.device, min_fea
         config = dataclasses.replace(config, emulate=True)
     before = sum(isinstance(m, nn.Linear) for m in model.modules())
     convert_to_float8_training(model, config=config, module_filter_fn=float8_filter(min_features))
-    return before - sum(type(m) is nn.Linear for m in model.modules())
+    converted = before - sum(type(m) is nn.Linear for m in model.modules())
+    if converted == 0:
+        raise ForjaError(_nothing_converted(model, recipe, min_features))
+    return converted
+
+
+def _nothing_converted(model: nn.Module, recipe: str, min_features: int) -> str:
+    """The sentence for a model none of whose Linear layers passed `float8_filter`."""
+    layers = {name: (m.in_features, m.out_features) for name, m in model.named_modules()
+              if isinstance(m, nn.Linear) and name.split(".")[-1] != "output"}
+    if not layers:
+        return (f"train.float8 = '{recipe}' converts no Linear layer: this model has none but its output "
+                "projection, which stays high precision; set train.float8 = 'none'")
+    name, (n_in, n_out) = max(layers.items(), key=lambda kv: min(kv[1]))
+    return (f"train.float8 = '{recipe}' converts no Linear layer: the largest, {name}, has {n_in} input and "
+            f"{n_out} output features, and a layer needs both divisible by 16 and at least "
+            f"train.float8_min_features = {min_features}; set train.float8_min_features = {min(n_in, n_out)} "
+            "(float8 gains little on layers this small) or train.float8 = 'none'")

@@ -16,20 +16,39 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, loss_parallel, parallelize_module
 
+from forja import fallbacks
 from forja.models.common.moe import moe_layers
-from forja.models.common.tp_plan import TPPlan
+from forja.models.common.tp_plan import TPPlan, float8_styles
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
     """Apply `plan.root` to the model's own modules (those it has: a pipeline stage may
     lack the embedding) and `plan.block` to every block."""
+    float8 = plan.float8 and _float8_styles_run(plan, tp_mesh)
     present = {k: v for k, v in plan.root.items() if _has(model, k)}
-    parallelize_module(model, tp_mesh, present)
+    parallelize_module(model, tp_mesh, float8_styles(present, model) if float8 else present)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan.block_plan(moe=bool(moe_layers(block))))
+        block_plan = plan.block_plan(moe=bool(moe_layers(block)))
+        parallelize_module(block, tp_mesh, float8_styles(block_plan, block) if float8 else block_plan)
     model.tie_weights()  # both halves of a tied pair are sharded alike; make them one again
     if plan.sequence_parallel and model.tok_embeddings is None:  # a later pipeline stage
         mark_sequence_split_input(model, tp_mesh)
+
+
+def _float8_styles_run(plan: TPPlan, tp_mesh: DeviceMesh) -> bool:
+    """Whether the float8 layers can take torchao's float8 styles on this mesh.
+
+    Under sequence parallelism those styles gather float8 tensors (activations forward,
+    gradients backward), which NCCL moves and Gloo refuses ("Invalid scalar type"). There
+    the float8 layers keep torch's styles instead: they still compute in float8, and TP's
+    collectives move high precision, as torchtitan's rowwise float8 does."""
+    if not plan.sequence_parallel or tp_mesh.device_type == "cuda":
+        return True
+    fallbacks.record("parallel.tp.float8", asked="train.float8 with parallel.sequence_parallel",
+                     instead="torch's tensor-parallel styles: all-gathers in high precision",
+                     why=f"Gloo ({tp_mesh.device_type}) has no float8 collectives",
+                     fix="run on CUDA (NCCL) for float8 all-gathers")
+    return False
 
 
 def wait_for_embedding_output(model: nn.Module) -> None:

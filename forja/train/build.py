@@ -16,6 +16,7 @@ trainer's `setup`, which reads as the list of them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,9 +46,11 @@ def build_model_parts(args: TransformerArgs, dims: ParallelDims, cfg: ParallelCo
                       float8: str = "none", float8_min_features: int = 1024) -> ModelParts:
     """This rank's model, parallelized, with weights from `seed` or from `load_weights`."""
     model = build_from_args(args, device="meta")
-    if float8 != "none":
-        apply_float8(model, float8, device=device, min_features=float8_min_features)
     plan = spec_of(args).tp_plan(args, cfg.sequence_parallel and dims.tp > 1)
+    if float8 != "none":
+        # Before TP, so that the plan's styles for the converted layers are torchao's float8 ones.
+        apply_float8(model, float8, device=device, min_features=float8_min_features)
+        plan = dataclasses.replace(plan, float8=True)
 
     def prepare(part: Transformer) -> None:
         parallelize(part, plan, dims, cfg, device)

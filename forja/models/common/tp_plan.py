@@ -11,6 +11,11 @@ sequence parallelism the residual stream and the norms between blocks hold (B, T
 per rank instead of the whole (B, T, dim) (Korthikanti et al. 2022), and each block
 gathers the sequence before its projections. The output projection stays split over the
 vocabulary: the loss runs vocabulary-parallel, so no rank holds the full logits.
+
+Under float8 (`float8_styles`), the projections forja/ops/float8.py converted take
+torchao's float8 styles in place of torch's, as torchtitan composes them: the same
+sharding, with activations cast to float8 before they are gathered, so TP's all-gathers
+move float8, and each gradient cast to float8 as it enters the layer's backward.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class TPPlan:
     """Every transformer block's modules, by name within the block."""
     sequence_parallel: bool
     """Whether the residual stream between blocks is split along the sequence."""
+    float8: bool = False
+    """Whether layers converted to float8 take torchao's float8 styles (`float8_styles`)."""
 
     def block_plan(self, moe: bool) -> dict[str, ParallelStyle]:
         """The plan of one block; `moe`: its feed-forward is a mixture of experts.
@@ -161,3 +168,40 @@ def dense_tp_plan(sequence_parallel: bool, *, gated_mlp: bool = True, qk_norm: b
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
     return TPPlan(root, block, sequence_parallel)
+
+
+def float8_styles(plan: dict[str, ParallelStyle], module: nn.Module) -> dict[str, ParallelStyle]:
+    """`plan` (for `module`, a block or the model) with torchao's float8 styles for the
+    layers that are Float8Linear (tensorwise scaling: parallel/checks.py refuses the rest).
+
+    Column- and row-parallel layers keep their layouts. A module whose input is gathered
+    (`PrepareModuleInput`, under sequence parallelism) casts it to float8 before the
+    all-gather only when every column-parallel layer under it is float8: those layers are
+    the input's consumers, and a high-precision one would be handed a float8 tensor."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    def is_float8(name: str) -> bool:
+        try:
+            return isinstance(module.get_submodule(name), Float8Linear)
+        except AttributeError:  # a name this module (a pipeline stage) lacks
+            return False
+
+    out = dict(plan)
+    for name, style in plan.items():
+        if type(style) in (ColwiseParallel, RowwiseParallel) and is_float8(name):
+            cls = Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
+            out[name] = cls(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                            use_local_output=style.use_local_output)
+    for name, style in plan.items():
+        consumers = [k for k, v in plan.items() if k.startswith(name + ".") and type(v) is ColwiseParallel]
+        if (type(style) is PrepareModuleInput and not style.use_local_output and not style.with_kwargs
+                and consumers and all(is_float8(k) for k in consumers)):
+            out[name] = PrepareFloat8ModuleInput(input_layouts=style.input_layouts,
+                                                 desired_input_layouts=style.desired_input_layouts)
+    return out
+

@@ -4,8 +4,12 @@ import pytest
 import torch
 from torch import nn
 
-from forja.models import build_model
+from forja.errors import ForjaError
+from forja.models import build_model, model_args
+from forja.models.common.tp_plan import dense_tp_plan, float8_styles
 from forja.ops.float8 import apply_float8
+from forja.parallel import ParallelConfig
+from forja.parallel.checks import LayoutRequest, layout_errors
 
 torchao = pytest.importorskip("torchao")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
@@ -40,4 +44,44 @@ def test_small_layers_are_skipped():
         return apply_float8(model, "tensorwise", device=torch.device("cpu"), min_features=min_features)
 
     assert swapped(128) == 4 * 5  # wk and wv have 64 output features: too small
-    assert swapped(129) == 0
+
+
+def test_float8_that_converts_no_layer_is_an_error():
+    # The debug Llama's largest layers have 128 features on their smaller side.
+    model = build_model("llama", "debug", device="meta")
+    with pytest.raises(ForjaError, match=r"converts no Linear layer: the largest, layers\.0\.attention\.wq, has "
+                                         r"128 input and 128 output .* train\.float8_min_features = 1024; set "
+                                         r"train\.float8_min_features = 128"):
+        apply_float8(model, "tensorwise", device=torch.device("cpu"), min_features=1024)
+
+
+def test_tensor_parallel_plan_takes_float8_styles_for_converted_layers():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    model = build_model("llama", "debug", device="meta")
+    apply_float8(model, "tensorwise", device=torch.device("cpu"), min_features=128)  # wk, wv stay (64 wide)
+    plan = float8_styles(dense_tp_plan(sequence_parallel=True).block, model.layers["0"])
+    assert type(plan["attention.wq"]) is Float8ColwiseParallel and type(plan["attention.wk"]) is ColwiseParallel
+    assert type(plan["feed_forward.w2"]) is Float8RowwiseParallel
+    assert plan["feed_forward.w2"].output_layouts == (Shard(1),)  # the layouts are kept
+    # The MLP's input is gathered in float8 (w1 and w3 are float8); attention's is not (wk, wv are not).
+    assert type(plan["feed_forward"]) is PrepareFloat8ModuleInput
+    assert type(plan["attention"]) is PrepareModuleInput
+
+
+def test_float8_with_tensor_parallelism_needs_tensorwise_scaling():
+    def errors(recipe):
+        request = LayoutRequest(args=model_args("llama", "debug"), parallel=ParallelConfig(tp=2, dp_shard=1),
+                                world_size=2, seq_len=64, global_batch_size=2, micro_batch_size=1, float8=recipe)
+        return [e for e in layout_errors(request) if "float8" in e]
+
+    assert errors("tensorwise") == []
+    assert errors("rowwise") == ["train.float8 = 'rowwise' with parallel.tp > 1 is not supported (torchao's float8 "
+                                 "tensor-parallel styles scale tensorwise); set train.float8 = 'tensorwise', or "
+                                 "parallel.tp = 1"]
