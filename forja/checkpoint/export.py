@@ -1,6 +1,6 @@
 """From a forja run or checkpoint to a model in memory, or to a Hugging Face directory.
 
-    forja export runs/default --hf out/          # latest checkpoint of the run
+    forja export runs/default --hf out/          # newest intact checkpoint of the run
     forja export runs/default/checkpoints/step-00000200 --hf out/
 
 A checkpoint's forja.json records the model's exact arguments, and the run directory
@@ -156,7 +156,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory",
                        description="Write a run's checkpoint as a Hugging Face model directory (config.json, "
                                    "model.safetensors, the tokenizer) that transformers loads (docs/generation.md).")
-    p.add_argument("source", help="a run directory (its latest checkpoint) or a checkpoint directory")
+    p.add_argument("source", help="a run directory (its newest intact checkpoint) or a checkpoint directory")
     p.add_argument("--hf", required=True, metavar="OUT_DIR", help="the Hugging Face directory to write")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                    help="cast the weights (default: as trained, float32)")

@@ -1,4 +1,4 @@
-"""`forja eval`: score a run's latest checkpoint, or a Hugging Face directory, on task files.
+"""`forja eval`: score a run's newest intact checkpoint, or a Hugging Face directory, on task files.
 
     forja eval runs/default --task python_mc --task python_text        (the shipped samples, by name)
     forja eval hf_dir/ --task tasks/python-text.jsonl --limit 100 --json
@@ -36,7 +36,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="score a model on downstream task files",
                        description="Multiple-choice accuracy and perplexity / bits per byte on JSONL task "
                                    "files (see docs/evaluation.md).")
-    p.add_argument("source", help="a forja run directory (its latest checkpoint), a checkpoint, "
+    p.add_argument("source", help="a forja run directory (its newest intact checkpoint), a checkpoint, "
                                   "or a Hugging Face model directory")
     p.add_argument("--task", action="append", required=True, metavar="FILE_OR_NAME",
                    help="a JSONL task file, or a task's name (looked up in $FORJA_TASK_PATH, then among the "
