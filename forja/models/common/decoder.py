@@ -13,12 +13,14 @@ import math
 import torch
 from torch import nn
 
+from forja import fallbacks
 from forja.models.common.attention import Attention
 from forja.models.common.mlp import SwiGLU
 from forja.models.common.moe import MoE
 from forja.models.common.norms import RMSNorm
 from forja.models.common.rope import rope_cos_sin
 from forja.models.common.transformer import Transformer, TransformerArgs, TransformerBlock
+from forja.ops.dispatch import ops_mode
 
 # Parameters that write into the residual stream, whose initialization shrinks with depth.
 RESIDUAL_OUT = ("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared_experts.w2.weight")
@@ -55,6 +57,11 @@ class RotaryDecoder(Transformer):
         fused = "swiglu" in a.fused_ops
         is_moe = getattr(a, "is_moe_layer", None)
         if is_moe is not None and is_moe(layer):
+            if fused and (torch.cuda.is_available() or ops_mode() == "triton"):  # where the kernel is promised
+                fallbacks.record("ops.swiglu.experts", asked="model.fused_ops (swiglu)",
+                                 instead="silu(gate) * up unfused in the routed experts",
+                                 why="the grouped experts compute their activation in PyTorch; only the shared "
+                                 "experts take the fused op")
             return MoE(a.dim, a, fused_swiglu=fused)
         return SwiGLU(a.dim, a.ffn_dim, fused=fused)
 
