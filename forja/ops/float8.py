@@ -43,26 +43,29 @@ def apply_float8(model: nn.Module, recipe: str, *, device: torch.device, min_fea
     except ImportError:
         raise ForjaError("train.float8 needs torchao: pip install 'forja[float8]' (or set train.float8 = 'none')") \
             from None
+    check_float8(model, recipe, min_features)
     config = Float8LinearConfig.from_recipe_name(recipe)
     if device.type != "cuda":
         config = dataclasses.replace(config, emulate=True)
     before = sum(isinstance(m, nn.Linear) for m in model.modules())
     convert_to_float8_training(model, config=config, module_filter_fn=float8_filter(min_features))
-    converted = before - sum(type(m) is nn.Linear for m in model.modules())
-    if converted == 0:
-        raise ForjaError(_nothing_converted(model, recipe, min_features))
-    return converted
+    return before - sum(type(m) is nn.Linear for m in model.modules())
 
 
-def _nothing_converted(model: nn.Module, recipe: str, min_features: int) -> str:
-    """The sentence for a model none of whose Linear layers passed `float8_filter`."""
-    layers = {name: (m.in_features, m.out_features) for name, m in model.named_modules()
+def check_float8(model: nn.Module, recipe: str, min_features: int) -> None:
+    """Stop if float8 would convert none of `model`'s Linear layers (a meta model will do,
+    so a preflight can ask before anything is built)."""
+    keep = float8_filter(min_features)
+    named = list(model.named_modules())
+    if any(keep(m, name) for name, m in named):
+        return
+    layers = {name: (m.in_features, m.out_features) for name, m in named
               if isinstance(m, nn.Linear) and name.split(".")[-1] != "output"}
     if not layers:
-        return (f"train.float8 = '{recipe}' converts no Linear layer: this model has none but its output "
-                "projection, which stays high precision; set train.float8 = 'none'")
+        raise ForjaError(f"train.float8 = '{recipe}' converts no Linear layer: this model has none but its "
+                         "output projection, which stays high precision; set train.float8 = 'none'")
     name, (n_in, n_out) = max(layers.items(), key=lambda kv: min(kv[1]))
-    return (f"train.float8 = '{recipe}' converts no Linear layer: the largest, {name}, has {n_in} input and "
-            f"{n_out} output features, and a layer needs both divisible by 16 and at least "
-            f"train.float8_min_features = {min_features}; set train.float8_min_features = {min(n_in, n_out)} "
-            "(float8 gains little on layers this small) or train.float8 = 'none'")
+    raise ForjaError(f"train.float8 = '{recipe}' converts no Linear layer: the largest, {name}, has {n_in} input "
+                     f"and {n_out} output features, and a layer needs both divisible by 16 and at least "
+                     f"train.float8_min_features = {min_features}; set train.float8_min_features = "
+                     f"{min(n_in, n_out)} (float8 gains little on layers this small) or train.float8 = 'none'")
