@@ -98,6 +98,19 @@ def _check_ep(r: LayoutRequest, dims: ParallelDims) -> None:
              "choose a parallel.ep that divides the number of experts")
 
 
+def _check_moe_tp(r: LayoutRequest, dims: ParallelDims) -> None:
+    """Under TP each rank computes an MoE layer on its slice of the sequence and holds
+    n_experts / (ep x tp) of the routed experts (forja/parallel/ep.py `expert_layout`)."""
+    n_experts = getattr(r.args, "n_experts", 0)
+    if dims.tp == 1 or n_experts == 0:
+        return
+    ranks = dims.ep * dims.tp
+    _divides(ranks, n_experts, f"model n_experts = {n_experts} (parallel.ep x parallel.tp = {ranks}, the ranks "
+             "sharing the routed experts)", "choose parallel.ep and parallel.tp whose product divides it")
+    _divides(dims.tp, r.seq_len, f"train.seq_len = {r.seq_len} (parallel.tp = {dims.tp}, whose ranks split each "
+             "mixture-of-experts layer's sequence)", "change train.seq_len or parallel.tp")
+
+
 def _check_cp(r: LayoutRequest, dims: ParallelDims) -> None:
     if dims.cp == 1:
         return
@@ -144,7 +157,7 @@ def _check_precision(r: LayoutRequest, dims: ParallelDims) -> None:
 # Each check stops at its own first problem; the validator runs them all, so a layout with
 # several problems hears of each (a planner's table shows the first).
 CHECKS: tuple[Check, ...] = (_check_tp, _check_vocab, _check_sequence_parallel, _check_float8, _check_ep,
-                             _check_cp, _check_batch, _check_pipeline, _check_precision)
+                             _check_moe_tp, _check_cp, _check_batch, _check_pipeline, _check_precision)
 
 
 def layout_errors(r: LayoutRequest) -> list[str]:

@@ -143,3 +143,24 @@ def test_experts_under_bf16_autocast_take_the_grouped_path_and_match_the_loop(im
     assert out.dtype == torch.bfloat16
     assert _took_grouped(out) == (impl != "loop" and supported)
     torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize(("parallel", "seq_len", "message"), [
+    (dict(tp=2, ep=4), 64, None),  # 8 experts over ep 4 x tp 2 = 8 ranks: accepted
+    (dict(tp=4, ep=4), 64, r"model n_experts = 8 \(parallel.ep x parallel.tp = 16, the ranks sharing"),
+    (dict(tp=2, sequence_parallel=False), 63, r"train.seq_len = 63 \(parallel.tp = 2, whose ranks split each"),
+])
+def test_moe_under_tp_needs_experts_and_sequence_to_split(parallel, seq_len, message):
+    import re
+
+    from forja.models import model_args
+    from forja.parallel.checks import LayoutRequest, layout_errors
+    from forja.parallel.config import ParallelConfig
+
+    r = LayoutRequest(args=model_args("qwen3", "debug-moe"), parallel=ParallelConfig(**parallel), world_size=16,
+                      seq_len=seq_len, global_batch_size=16, micro_batch_size=1)
+    found = [e for e in layout_errors(r) if "mixture-of-experts" in e or "ep x parallel.tp" in e]
+    if message is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and re.search(message, found[0])
