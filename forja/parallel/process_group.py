@@ -37,6 +37,9 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    owned: bool = True
+    """Whether this call created the process group (and so its caller destroys it); a host
+    program's group (a test, a notebook training several runs) outlives each run."""
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
@@ -57,7 +60,7 @@ def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0) -> D
     global _timeout
     _timeout = timeout = datetime.timedelta(seconds=timeout_s)
     if dist.is_initialized():  # the host program's world group keeps the timeout it chose
-        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, owned=False)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if "MASTER_ADDR" in os.environ and world_size > 1:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
@@ -68,6 +71,7 @@ def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0) -> D
 
 
 def shutdown_distributed() -> None:
+    _members_only.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -83,8 +87,22 @@ def new_group(ranks: list[int] | None = None, *, backend: str | None = None,
     """`dist.new_group` with the run's collective timeout rather than torch's default.
     `members_only`: only the ranks in `ranks` call it (torch's local synchronization), so a
     group of a few ranks costs the others nothing; each rank must then create such groups
-    in one global order, and none may overlap another made the same way."""
-    return dist.new_group(ranks, timeout=_timeout, backend=backend, use_local_synchronization=members_only)
+    in one global order, and none may overlap another made the same way.
+
+    torch names a members-only group after its ranks alone, so making the same one twice in
+    one world group (a host program training run after run) would meet the first one's keys
+    in the store and hang: such a group is made once per world group and then reused."""
+    if not members_only:
+        return dist.new_group(ranks, timeout=_timeout, backend=backend)
+    key = (id(dist.group.WORLD), tuple(ranks or ()), backend)
+    if key not in _members_only:
+        _members_only[key] = dist.new_group(ranks, timeout=_timeout, backend=backend, use_local_synchronization=True)
+    group = _members_only[key]
+    set_group_timeout(group)
+    return group
+
+
+_members_only: dict[tuple, dist.ProcessGroup] = {}
 
 
 def set_group_timeout(group: dist.ProcessGroup) -> None:

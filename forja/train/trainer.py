@@ -70,6 +70,7 @@ class Trainer:
         # rank's stack, the culprit named) before a timed-out collective ends the process.
         info = init_distributed(c.train.device, c.parallel.timeout_s + grace_s(c.parallel.timeout_s))
         self.rank, self.device = info.rank, info.device
+        self.owns_process_group = info.owned
         # Every check that can fail the launch, before anything is written or computed.
         preflight = Preflight(c, world_size=info.world_size, device_type=self.device.type, rank=self.rank).run()
         c = self.cfg = preflight.cfg  # with parallel.auto's layout
@@ -410,4 +411,5 @@ class Trainer:
             self.sinks.close()
         if getattr(self, "loader", None) is not None:
             self.loader.close()  # stops its prefetch thread
-        shutdown_distributed()
+        if getattr(self, "owns_process_group", True):  # a host program's group outlives the run
+            shutdown_distributed()
