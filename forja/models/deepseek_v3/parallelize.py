@@ -14,8 +14,8 @@ ranks. `SumGradients` on `attention.shared_key` sums it (Megatron-LM's "f": iden
 forward, all-reduce backward), a (B, T, qk_rope_head_dim) all-reduce per layer.
 
 Dense blocks' MLPs are Llama's (column-parallel w1/w3, row-parallel w2); mixture-of-experts
-blocks take the attention part of this plan (`TPPlan.block_plan`), their experts being
-expert parallelism's business.
+blocks take the attention part of this plan, their MoE layer split by tokens over the TP
+ranks, router and shared expert replicated, routed experts spread over them (`TPPlan.block_plan`).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Qwen3 is the dense decoder of forja/models/common/tp_plan.py (column-parallel q/k/v and
 gate/up, row-parallel o and down) with QK-norm, whose per-head norms keep their weights
 replicated with the gradients summed over the TP group (see `dense_tp_plan`).
-Mixture-of-experts blocks (Qwen3-MoE) share the attention part of this plan; their experts
-are spread by expert parallelism, not by this plan (`TPPlan.block_plan`).
+Mixture-of-experts blocks (Qwen3-MoE) share the attention part of this plan; their MoE layer
+is split by tokens over the TP ranks, its experts spread over them (`TPPlan.block_plan`).
 """
 
 from __future__ import annotations
