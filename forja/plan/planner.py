@@ -110,7 +110,8 @@ def plan(job: Job, hw: Hardware, world: int, *, space: SearchSpace | None = None
         out.append(evaluate(job, lay, hw))
         if out[-1].fits:
             fitting.add(lay)
-    best = max((c.tokens_per_sec for c in out if c.fits), default=1.0)
+    # An unknown peak predicts no speed (0 tokens/s): the fitting layouts then rank by simplicity and memory.
+    best = max((c.tokens_per_sec for c in out if c.fits), default=0.0) or 1.0
 
     def rank(c: Candidate) -> tuple:
         # Within 0.5% of each other layouts are as fast: prefer the simpler one (fewer kinds

@@ -122,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)  # errors surface before any process starts
     if launch_needed(args):
         cmd = torchrun_command(args, str(cfg.run.dir))
+        from forja.train.finished import finished
+
+        if finished(cfg):  # complete already: say so here rather than start torchrun to say it
+            return 0
         launcher_preflight(cfg, nproc=args.nproc or 1, nnodes=args.nnodes)
         return launch(cmd, restarts=args.max_restarts > 0)
     from forja.train.trainer import Trainer

@@ -129,6 +129,10 @@ class Preflight:
         if hw is None:
             raise ForjaError("parallel.auto needs to know the device's memory, and nvidia-smi could not tell it "
                              "here; set the layout's parallel keys yourself, or run forja train without --nproc")
+        if not hw.peak_known:
+            raise ForjaError(f"parallel.auto ranks layouts by predicted speed, but {hw.name} has an unknown peak; "
+                             "add the device to a hardware file named by $FORJA_HARDWARE (docs/planner.md), or set "
+                             "the layout's parallel keys yourself")
         ranked = plan(self.job(hw), hw, self.world_size)
         self.chosen = next((c for c in ranked if c.fits), None)
         if self.chosen is None:
