@@ -66,7 +66,8 @@ def mesh_group(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, list[int]]:
     """One process group over every rank of `mesh`, and those global ranks in group order."""
     ranks = mesh.mesh.flatten().tolist()
     if mesh.ndim == 1:
-        return mesh.get_group(0), ranks
+        group = mesh.get_group(0)
+        return group, dist.get_process_group_ranks(group)
     if len(ranks) == dist.get_world_size():
         # Group rank = global rank, not the mesh's order: the world group, ordered by rank.
         return dist.group.WORLD, list(range(len(ranks)))
