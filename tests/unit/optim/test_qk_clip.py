@@ -9,7 +9,7 @@ import torch
 
 from forja.errors import ForjaError
 from forja.models.common import max_logit
-from forja.models.common.attention import Attention, build_mask
+from forja.models.common.attention import Attention, AttentionMask, _flex_block_mask, build_mask
 from forja.models.common.mla import MLA
 from forja.models.common.rope import rope_cos_sin, rope_frequencies
 from forja.models import model_args
@@ -64,6 +64,9 @@ def test_max_logits_match_the_masked_scores(monkeypatch):
         expected = scores.masked_fill(~dense, -torch.inf).amax(dim=(0, 2, 3))
         got = max_logit.max_logits(q, k, mask, 0.5)
         assert torch.allclose(got, expected, atol=1e-5), (got, expected)
+    # FlexAttention's block mask (CUDA's path) is read through its mask_mod: the same maxima.
+    flex = AttentionMask(block_mask=_flex_block_mask(docs, T, 6, torch.device("cpu")))
+    assert torch.equal(max_logit.max_logits(q, k, flex, 0.5), got)
 
 
 @pytest.mark.parametrize("kind", ["mha", "gqa", "mla"])
