@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -42,13 +43,19 @@ def _float8_styles_run(plan: TPPlan, tp_mesh: DeviceMesh) -> bool:
     gradients backward), which NCCL moves and Gloo refuses ("Invalid scalar type"). There
     the float8 layers keep torch's styles instead: they still compute in float8, and TP's
     collectives move high precision, as torchtitan's rowwise float8 does."""
-    if not plan.sequence_parallel or tp_mesh.device_type == "cuda":
+    if not plan.sequence_parallel or _backend(tp_mesh) != "gloo":
         return True
     fallbacks.record("parallel.tp.float8", asked="train.float8 with parallel.sequence_parallel",
                      instead="torch's tensor-parallel styles: all-gathers in high precision",
-                     why=f"Gloo ({tp_mesh.device_type}) has no float8 collectives",
-                     fix="run on CUDA (NCCL) for float8 all-gathers")
+                     why="Gloo has no float8 collectives", fix="run on CUDA (NCCL) for float8 all-gathers")
     return False
+
+
+def _backend(mesh: DeviceMesh) -> str:
+    """The backend of the mesh's group for the mesh's device ("cpu:gloo,cuda:nccl" on GPUs)."""
+    name = dist.get_backend(mesh.get_group())
+    per_device = dict(part.split(":", 1) for part in name.split(",")) if ":" in name else {}
+    return per_device.get(mesh.device_type, name)
 
 
 def wait_for_embedding_output(model: nn.Module) -> None:

@@ -85,3 +85,39 @@ def test_float8_with_tensor_parallelism_needs_tensorwise_scaling():
     assert errors("rowwise") == ["train.float8 = 'rowwise' with parallel.tp > 1 is not supported (torchao's float8 "
                                  "tensor-parallel styles scale tensorwise); set train.float8 = 'tensorwise', or "
                                  "parallel.tp = 1"]
+
+
+def test_float8_styles_run_forward_and_backward_under_sequence_parallelism():
+    """Gloo cannot gather float8, so the CPU parity runs (tests/distributed/test_float8_tp.py)
+    take torch's styles under SP; here torch's fake process group (collectives that move
+    nothing) runs the float8 styles' own path, float8 all-gathers included: its plumbing, not
+    its numbers."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from forja import fallbacks
+    from forja.models import spec_of
+    from forja.parallel.tp import apply_tp, loss_context
+
+    args = model_args("llama", "debug", tie_embeddings=False)
+    model = build_model("llama", "debug", device="meta", tie_embeddings=False)
+    apply_float8(model, "tensorwise", device=torch.device("cpu"), min_features=0)
+    fallbacks.clear()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        apply_tp(model, init_device_mesh("cpu", (2,)), dataclasses.replace(spec_of(args).tp_plan(args, True),
+                                                                          float8=True))
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+        tokens = torch.randint(0, args.vocab_size, (2, 64))
+        with loss_context(2):
+            model(tokens, labels=tokens).backward()
+    finally:
+        dist.destroy_process_group()
+    assert [f.key for f in fallbacks.recorded()] == []  # the float8 styles, not the Gloo fallback
+    w2 = model.layers["0"].feed_forward.w2
+    assert isinstance(w2, Float8Linear) and isinstance(w2.weight.grad, DTensor)
