@@ -101,6 +101,12 @@ class Drills:
         write_atomic(self.ledger, json.dumps(sorted(self.fired)))
 
 
+def loss_factor(fault: str | None) -> float:
+    """What a fault returned by `Drills.before_step` multiplies this rank's loss by (the step
+    engine's StepScales.fault): NaN for "nan", SPIKE_FACTOR for "spike", 1 for none."""
+    return {"nan": float("nan"), "spike": SPIKE_FACTOR}.get(fault, 1.0)
+
+
 def hang_forever() -> None:
     """A rank stuck outside any collective, as one waiting on a dead disk or driver would be.
     Sleeping releases the GIL, so the watchdog thread can still report where it is."""

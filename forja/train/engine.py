@@ -4,7 +4,8 @@ Built once from the config (`build_engine`): the model parts, their optimizers a
 schedule, the compute dtype, the loss settings and the process groups of `ParallelDims`.
 The trainer then makes two calls and never asks how the model is laid out:
 
-    engine.train_step(batches) -> StepOutput    forward + backward of the step's micro-batches,
+    engine.train_step(batches, scales=StepScales(...)) -> StepOutput
+                                                 forward + backward of the step's micro-batches,
                                                  tied copies summed, clip, optimizer + schedule step
     engine.eval_loss(batch)   -> 0-dim tensor    one micro-batch's mean loss, forward only
     engine.logits(tokens)     -> (B, T, V) | None   forward only, for downstream evaluation
@@ -20,9 +21,11 @@ gradients with the same share, forja/train/experts.py), and averaging over the d
 gradient reduction, and `loss_group` for the reported value) makes it the global mean: any
 layout computes the loss and gradients of one process.
 
-Under train.precision = "fp16", `microbatch_loss` also multiplies by the loss scale
-(forja/train/scaler.py) and the step divides the gradients and the reported loss by it
-again before the norm: the guard, the clipping and the logs see unscaled values. A finite
+What scales a step comes from its caller, in one `StepScales`: the loss scale (fp16's,
+forja/train/scaler.py; the MoE auxiliary losses get it too), a drill's fault on this rank's
+loss (forja/train/drills.py) and a factor on the learning rate (a rollback's,
+forja/train/recovery.py). `microbatch_loss` multiplies by the loss scale and the step divides
+the gradients and the reported loss by it again before the norm: the guard, the clipping and the logs see unscaled values. A finite
 loss with an inf/NaN gradient norm is then an overflow, the scaler's business: the step is
 skipped, the scale halved, and the guard (forja/train/health.py) is not asked.
 """
@@ -48,9 +51,22 @@ from forja.parallel import ParallelDims, local_value, loss_context
 from forja.parallel.cp import cp_context
 from forja.parallel.pp import Pipeline
 from forja.train.attention_logits import AttentionLogits
-from forja.train.drills import SPIKE_FACTOR
 from forja.train.experts import ExpertBalance
-from forja.train.scaler import LossScaler
+from forja.train.scaler import LossScaler, current_scale, unscale_
+
+
+@dataclass(frozen=True)
+class StepScales:
+    """What one step is scaled by, computed by the caller for each step."""
+
+    loss: float = 1.0
+    """Multiplies every micro-batch's loss and auxiliary losses (fp16's loss scale, a power of two);
+    divided out of the gradients and the loss before the norm."""
+    fault: float = 1.0
+    """A drill's factor on this rank's loss (NaN, or forja/train/drills.py's SPIKE_FACTOR); kept, so the
+    guard sees it."""
+    lr: float = 1.0
+    """Multiplies every learning rate for this step (the schedule sets them afresh at its next step)."""
 
 
 @dataclass
@@ -97,7 +113,9 @@ class StepEngine:
         self._norm_params = _each_weight_once(parts)
         self.experts = ExpertBalance(parts, dims, device)
         self.attention_logits = AttentionLogits(parts, dims, optimizers.cfg)  # attn/ metrics, QK-clip
-        self._fault: str | None = None  # a drill's fault for the step in progress (forja/train/drills.py)
+        # The scales of the step in progress: a pipeline schedule keeps the loss function it was
+        # built with, so microbatch_loss reads them here rather than from its arguments.
+        self._scales = StepScales()
 
     @property
     def model(self) -> Transformer | None:
@@ -106,22 +124,27 @@ class StepEngine:
 
     # -- one step ----------------------------------------------------------------------------
     def train_step(self, batches: Sequence, *, guard: Callable[[float, float], Any] | None = None,
-                   fault: str | None = None) -> StepOutput:
+                   scales: StepScales | None = None) -> StepOutput:
         """Forward and backward of `batches` (this rank's micro-batches of one step), then
         the optimizer step unless the loss or gradient norm is not finite or `guard(loss,
-        grad_norm)` returns an anomaly. `fault` ("nan", "spike") is a drill's, applied to this
-        rank's loss. Under fp16 an overflow skips the step without asking `guard`."""
+        grad_norm)` returns an anomaly. `scales` defaults to the scaler's loss scale alone.
+        Under fp16 an overflow skips the step without asking `guard`."""
+        scales = scales or StepScales(loss=current_scale(self.scaler))
         self.optimizers.zero_grad(set_to_none=True)
-        self.experts.begin_step(len(batches), loss_scale=self._loss_scale)
-        self._fault = fault
+        if scales.lr != 1.0:
+            for opt in self.optimizers.optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = group["lr"] * scales.lr
+        self.experts.begin_step(len(batches), loss_scale=scales.loss)
+        self._scales = scales
         try:
             loss = self.forward_backward(batches)
         finally:
-            self._fault = None
+            self._scales = StepScales()
         self.sync_tied_copies()
-        if self.scaler is not None:  # unscaled before the norm: it, clipping and the guard see true values
-            loss = loss / self.scaler.scale
-            self.scaler.unscale_(self._local_grads())
+        if scales.loss != 1.0:  # unscaled before the norm: it, clipping and the guard see true values
+            loss = loss / scales.loss
+            unscale_(self._local_grads(), scales.loss)
         norm = self.clip_gradients()
         loss = self._mean_over_data(loss)  # the norm is already global
         # The one host sync of the step: whether to step depends on the values.
@@ -133,7 +156,7 @@ class StepEngine:
         self._finish_step(skipped)
         metrics = self.experts.end_step(stepped=not skipped)  # after the step: the bias follows it
         metrics |= self.attention_logits.end_step(stepped=not skipped)  # QK-clip after the step
-        metrics |= self._scaler_metrics(overflow, skipped)
+        metrics |= self._scaler_metrics(overflow, skipped, scales.loss)
         tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
         return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=tokens, lr=lr, skipped=skipped,
                           anomaly=anomaly, metrics=metrics)
@@ -152,22 +175,17 @@ class StepEngine:
             self.scheduler.step()
 
     # -- fp16 loss scaling (forja/train/scaler.py) ---------------------------------------------
-    @property
-    def _loss_scale(self) -> float:
-        return 1.0 if self.scaler is None else self.scaler.scale
-
     def _overflowed(self, loss: float, norm: float) -> bool:
         """A finite loss whose scaled gradients overflowed on some rank: the global norm is
         inf/NaN. At the scale's floor it is a real fault instead, the guard's to judge."""
         return (self.scaler is not None and math.isfinite(loss) and not math.isfinite(norm)
                 and self.scaler.can_back_off())
 
-    def _scaler_metrics(self, overflow: bool, skipped: bool) -> dict[str, float]:
+    def _scaler_metrics(self, overflow: bool, skipped: bool, scale: float) -> dict[str, float]:
         """The step's scale and overflow, then the scale's update. A step the guard refused
         (a NaN loss, a spike) says nothing about the scale: it is left as it is."""
         if self.scaler is None:
             return {}
-        scale = self.scaler.scale
         if overflow or not skipped:
             self.scaler.update(overflow)
         return {"loss_scale": scale, "overflow": float(overflow), "overflows": float(self.scaler.overflows)}
@@ -181,15 +199,14 @@ class StepEngine:
     def microbatch_loss(self, loss: torch.Tensor, n: int) -> torch.Tensor:
         """What one of a step's `n` micro-batches adds to the step's loss, from its mean
         next-token cross-entropy `loss`. A mixture of experts' auxiliary losses enter the
-        gradients with this same share, set per layer by `ExpertBalance.begin_step`. A drill's
-        fault changes it here, on this rank: gradients and the reported loss both follow. Under
-        fp16 it is multiplied by the loss scale (train_step divides the sum by it again)."""
-        if self._fault == "nan":
-            loss = loss * float("nan")
-        elif self._fault == "spike":
-            loss = loss * SPIKE_FACTOR
+        gradients with this same share, set per layer by `ExpertBalance.begin_step`. The step's
+        scales (`StepScales`) apply here: a drill's fault on this rank (gradients and the reported
+        loss both follow), then the loss scale (train_step divides the sum by it again)."""
+        scales = self._scales
+        if scales.fault != 1.0:
+            loss = loss * scales.fault
         loss = loss / n
-        return loss if self.scaler is None else self.scaler.scale_loss(loss)
+        return loss if scales.loss == 1.0 else loss * scales.loss
 
     def forward_backward(self, batches: Sequence) -> torch.Tensor:
         """Accumulate the gradients of `batches`; returns this rank's mean loss (0-dim)."""

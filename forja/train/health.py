@@ -162,20 +162,11 @@ class Health:
 
     def lr_scale(self, step: int) -> float:
         """The learning-rate factor of `step`: lowered for rollback.lr_steps steps from the
-        step that caused the last rollback."""
+        step that caused the last rollback. The step engine multiplies the rates by it for the
+        step (StepScales.lr); the schedule sets them afresh from its base at its next step
+        (LambdaLR is not chained), so nothing lingers."""
         rb = self.cfg.rollback
         start = self.replay_until + 1
         if self.rollbacks and rb.lr_steps and start <= step < start + rb.lr_steps:
             return rb.lr_scale
         return 1.0
-
-    def scale_lr(self, step: int, optimizers: list) -> float:
-        """Multiply every param group's learning rate by `lr_scale(step)` for this step; returns
-        the factor. The schedule sets the rate afresh from its base at its next step (LambdaLR
-        is not chained), so nothing lingers."""
-        factor = self.lr_scale(step)
-        if factor != 1.0:
-            for opt in optimizers:
-                for group in opt.param_groups:
-                    group["lr"] = group["lr"] * factor
-        return factor

@@ -39,14 +39,9 @@ class LossScaler(Stateful):
         self.overflows = 0
         """Overflow steps (skipped) in the run so far."""
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scale
-
-    @torch.no_grad()
     def unscale_(self, grads: list[torch.Tensor]) -> None:
         """Divide `grads` (plain local tensors: a DTensor's local shard) by the scale, in place."""
-        if grads:
-            torch._foreach_mul_(grads, 1.0 / self.scale)
+        unscale_(grads, self.scale)
 
     def can_back_off(self) -> bool:
         """Whether an inf/NaN gradient norm with a finite loss is an overflow the scale can cure."""
@@ -71,6 +66,18 @@ class LossScaler(Stateful):
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.overflows = int(state["overflows"])
+
+
+def current_scale(scaler: LossScaler | None) -> float:
+    """The loss scale of the next step: the scaler's, or 1 without one."""
+    return 1.0 if scaler is None else scaler.scale
+
+
+@torch.no_grad()
+def unscale_(grads: list[torch.Tensor], scale: float) -> None:
+    """Divide `grads` (plain local tensors: a DTensor's local shard) by `scale`, in place."""
+    if grads:
+        torch._foreach_mul_(grads, 1.0 / scale)
 
 
 def loss_scaler(cfg: TrainConfig) -> LossScaler | None:

@@ -1,7 +1,8 @@
 """The training loop. It reads like the algorithm:
 
     for each step: take a global batch -> the engine's train_step (forward/backward with
-    accumulation, clip, optimizer and schedule step); validate and checkpoint at their
+    accumulation, clip, optimizer and schedule step) -> recovery's verdict on it (go on,
+    skipped, rolled back: forja/train/recovery.py); validate and checkpoint at their
     intervals.
 
 Setup follows one order on every layout: process group and mesh, run directory, data,
@@ -26,7 +27,6 @@ from forja.checkpoint.identity import check_model_identity, initial_weights, mod
 from forja.checkpoint.manager import CheckpointManager, loadable_state
 from forja.checkpoint.states import ModelState, OptimizerState, RNGState, TrainerCounters
 from forja.config import Config
-from forja.errors import ForjaError
 from forja.fallbacks import clear as clear_fallbacks
 from forja.generate import SamplingConfig, generate
 from forja.metrics.sinks import build_sinks
@@ -39,16 +39,16 @@ from forja.parallel.process_group import init_distributed, shutdown_distributed,
 from forja.train.build import build_model_parts
 from forja.train.callbacks import Callback, StepRecord, default_callbacks
 from forja.train.data import data, loaders
-from forja.train.drills import Drills
-from forja.train.engine import build_engine
+from forja.train.drills import Drills, loss_factor
+from forja.train.engine import StepScales, build_engine
 from forja.train.evaluation import EvalCallback
 from forja.train.finished import finished
 from forja.train.goodput import Goodput
-from forja.train.health import Anomaly, Health
 from forja.train.preflight import Preflight, layout_request
 from forja.train.probes import ActivationSizes
+from forja.train.recovery import Outcome, Recovery
 from forja.train.run_dir import RunDir, report_fallbacks
-from forja.train.scaler import loss_scaler
+from forja.train.scaler import current_scale, loss_scaler
 from forja.train.watchdog import Watchdog, grace_s
 
 
@@ -79,7 +79,6 @@ class Trainer:
         self.goodput = Goodput(self.run_dir, rank=self.rank)
         self.goodput.start(launched)
         self.drills = Drills(c.debug.inject, rank=self.rank, run_dir=self.run_dir)
-        self.health = Health(c.train)
         self.tokenizer, dataset = data(c, rank=self.rank, run_dir=self.run_dir)
         args = run_model_args(c.model, self.tokenizer.vocab_size)
         if args != preflight.args:  # a tokenizer trained just now may hold fewer tokens than asked
@@ -108,6 +107,9 @@ class Trainer:
         self.callbacks += evaluation + self.extra_callbacks
         self.watchdog = Watchdog(self.run_dir, rank=self.rank, world_size=info.world_size,
                                  timeout_s=c.parallel.timeout_s)
+        self.recovery = Recovery(c.train, checkpoints=self.checkpoints, counters=self.counters, loader=self.loader,
+                                 sinks=self.sinks, reload=self._load, beat=self.watchdog.beat,
+                                 rolled_back=lambda: self.goodput.beat(rollback=True), rank=self.rank)
         self._resume()
 
     @property
@@ -118,7 +120,7 @@ class Trainer:
     def checkpoint_state(self) -> dict:
         state = {"model": ModelState(self.parts), "optim": OptimizerState(self.parts, self.optimizers.optimizers),
                  "scheduler": self.scheduler, "dataloader": self.loader, "trainer": self.counters,
-                 "health": self.health.detector, f"rng.rank{self.rank}": RNGState()}
+                 "health": self.recovery.detector, f"rng.rank{self.rank}": RNGState()}
         if self.engine.scaler is not None:  # fp16: the loss scale the run has found
             state["scaler"] = self.engine.scaler
         return state
@@ -154,7 +156,7 @@ class Trainer:
         while self.counters.step < cfg.train.steps and self.train_one_step():
             step = self.counters.step
             self.checkpoints.poll()  # an async save every rank finished becomes the latest checkpoint
-            if self.health.is_replay(step):
+            if self.recovery.is_replay(step):
                 continue  # validated and saved the first time round
             if cfg.train.val_interval and (step % cfg.train.val_interval == 0 or step == cfg.train.steps):
                 self.validate()
@@ -181,90 +183,22 @@ class Trainer:
             self.loader.rewind_step()  # not taken: a resume must train on it
             return False
         sync_wait = time.perf_counter() - agreed  # waiting for slower ranks (forja/train/stragglers.py)
-        self.health.scale_lr(step, self.optimizers.optimizers)
-        out = self.engine.train_step(batches, guard=self.health.check, fault=fault)
-        if out.anomaly is not None and self._on_anomaly(step, out.anomaly):
-            return True  # rolled back: the counters are the checkpoint's now
+        scales = StepScales(loss=current_scale(self.engine.scaler), fault=loss_factor(fault),
+                            lr=self.recovery.lr_scale(step))
+        out = self.engine.train_step(batches, guard=self.recovery.check, scales=scales)
+        # Skip, roll back or stop on an anomaly (forja/train/recovery.py).
+        if self.recovery.step(step, out) is Outcome.ROLLED_BACK:
+            return True  # the counters are the checkpoint's now
         self.counters.step = step
         self.counters.tokens_seen += out.tokens
         step_time = time.perf_counter() - start
         if not out.skipped:
-            self.health.accepted(step, out.loss, out.grad_norm)
             self.counters.productive_s += step_time
-            self._replay_verdict(step)
         record = StepRecord(step=step, loss=out.loss, grad_norm=out.grad_norm, lr=out.lr, tokens=out.tokens,
                             step_time=step_time, data_wait=data_wait, sync_wait=sync_wait, skipped=out.skipped,
-                            replay=self.health.is_replay(step), extra=out.metrics)
+                            replay=self.recovery.is_replay(step), extra=out.metrics)
         self._call("on_step_end", record)
         return True
-
-    # -- anomalies: skip, stop or roll back (forja/train/health.py) -------------------------------
-    def _on_anomaly(self, step: int, anomaly: Anomaly) -> bool:
-        """Act on a step the engine did not take; True when the run rolled back."""
-        if self.health.verdict(step, anomalous=True):  # it came back on replay: the batch is bad
-            skip = self.cfg.train.rollback.skip_steps
-            self._event(step, anomaly, "skip", verdict="bad batch", **{"health/skipped_batches": skip})
-            self.loader.skip_steps(skip - 1)  # this step's batch is already passed over
-            self.counters.skipped_steps += 1
-            return False
-        action = self.health.action(anomaly)
-        if action == "skip":
-            self.counters.skipped_steps += 1
-            self._event(step, anomaly, "skip")
-            return False
-        if action == "rollback" and self._can_roll_back(step, anomaly):
-            self._roll_back(step, anomaly)
-            return True
-        self._event(step, anomaly, "stop")
-        raise ForjaError(f"step {step}: {anomaly.describe()}: training stopped and {self._kept()}. Lower "
-                         "optim.lr, raise schedule.warmup_steps, or set train.on_nonfinite / train.spike.action "
-                         "to 'skip' or 'rollback'")
-
-    def _can_roll_back(self, step: int, anomaly: Anomaly) -> bool:
-        limit = self.cfg.train.rollback.max
-        self.checkpoints.wait()  # a save in flight is the one to go back to
-        why = ("no checkpoint was written yet" if self.checkpoints.latest() is None else
-               f"the run rolled back {self.health.rollbacks} times already (train.rollback.max = {limit})"
-               if self.health.rollbacks >= limit else None)
-        if why is None:
-            return True
-        self._event(step, anomaly, "stop")
-        raise ForjaError(f"step {step}: {anomaly.describe()}, and {why}: training stopped; {self._kept()}. "
-                         f"Look at the data near step {step}, lower optim.lr, or raise train.rollback.max")
-
-    def _roll_back(self, step: int, anomaly: Anomaly) -> None:
-        """Back to the latest checkpoint; the steps after it are replayed exactly."""
-        latest = self.checkpoints.latest()
-        self.watchdog.beat("rollback", step)
-        self.health.rolled_back(step)
-        self._event(step, anomaly, "rollback", **{"health/rollback_to": int(latest.name.split("-")[-1])})
-        self._load(latest)
-        self.goodput.beat(rollback=True)
-        if self.rank == 0:
-            print(f"forja: step {step}: {anomaly.describe()}; rolled back to {latest.name} "
-                  f"(rollback {self.health.rollbacks} of at most {self.cfg.train.rollback.max}), replaying from "
-                  f"step {self.counters.step + 1}", flush=True)
-
-    def _replay_verdict(self, step: int) -> None:
-        """At the replayed bad step, when it went through: the fault was transient."""
-        if self.health.verdict(step, anomalous=False):
-            self.log(step, {"event": "replay", "verdict": "transient", "health/replay_max_diff": self.health.replay_diff})
-            self.log_text(step, "health", f"step {step} replayed cleanly: the fault was transient "
-                          f"(replayed steps differ from the first run by at most {self.health.replay_diff:g})")
-
-    def _event(self, step: int, anomaly: Anomaly, action: str, **extra: Any) -> None:
-        """An anomaly and what was done, to metrics.jsonl (names and numbers) and the trackers."""
-        fields = {**anomaly.fields(), "action": action, **extra, "health/rollbacks": self.health.rollbacks,
-                  "health/skipped_steps": self.counters.skipped_steps}
-        if anomaly.kind == "spike" or extra.get("verdict"):
-            fields["health/replay_max_diff"] = self.health.replay_diff
-        self.log(step, fields)
-        text = f"step {step}: {anomaly.describe()}; action: {action}"
-        self.log_text(step, "health", text + (f" ({extra['verdict']})" if "verdict" in extra else ""))
-
-    def _kept(self) -> str:
-        latest = self.checkpoints.latest()
-        return f"the last checkpoint, {latest}, is intact" if latest else "no checkpoint was written yet"
 
     @torch.no_grad()
     def validate(self) -> float | None:
@@ -292,7 +226,7 @@ class Trainer:
         path = self.checkpoints.save(self.counters.step, self.checkpoint_state(),
                                      {"tokens_seen": self.counters.tokens_seen})
         self.goodput.beat(checkpoint_s=time.perf_counter() - started)  # the loop stood still this long
-        self.health.checkpointed(self.counters.step)
+        self.recovery.checkpointed(self.counters.step)
         self._call("on_checkpoint", self.counters.step, path)
 
     def _finish(self) -> None:

@@ -17,7 +17,7 @@ from forja.optim.config import OptimConfig, ScheduleConfig
 from forja.parallel import ParallelConfig
 from forja.train.build import build_model_parts
 from forja.train.config import TrainConfig
-from forja.train.engine import build_engine
+from forja.train.engine import StepScales, build_engine
 from forja.parallel.checks import LayoutRequest, check_layout
 from forja.train.scaler import LossScaler, loss_scaler
 
@@ -140,6 +140,6 @@ def test_an_overflow_is_skipped_without_asking_the_guard_and_halves_the_scale(di
 def test_a_nan_loss_under_fp16_is_the_guards_and_leaves_the_scale(dims):
     engine = _fp16_engine(dims, 2.0 ** 12)
     guard = _Guard()
-    out = engine.train_step(_batches(), guard=guard, fault="nan")
+    out = engine.train_step(_batches(), guard=guard, scales=StepScales(loss=engine.scaler.scale, fault=float("nan")))
     assert out.skipped and len(guard.calls) == 1 and guard.calls[0][0] != guard.calls[0][0]  # NaN
     assert out.metrics["overflow"] == 0.0 and engine.scaler.scale == 2.0 ** 12 and engine.scaler.clean_steps == 0
