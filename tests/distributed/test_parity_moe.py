@@ -21,6 +21,7 @@ from tests.integration.conftest import forja_process, losses, train_args
 MOE = {"model.family": '"qwen3"', "model.flavor": '"debug-moe"',
        "model.overrides": "{aux_loss_weight=0.01, z_loss_weight=0.001}"}
 EP2 = {**MOE, "parallel.ep": "2", "parallel.dp_shard": "2"}
+TP2_PLAIN = {"parallel.tp": "2", "parallel.dp_shard": "1", "optim.implementation": '"for-loop"'}
 # DeepSeek-V3's routing: sigmoid scores, expert groups, a shared expert, and the
 # auxiliary-loss-free bias moving every step (its update sums the counts over the ranks).
 DEEPSEEK = {"model.family": '"deepseek_v3"', "model.flavor": '"debug"',
@@ -36,15 +37,16 @@ LAYOUTS = {
     "EP 2 x FSDP 2": (4, {**MOE, "parallel.ep": "2", "parallel.dp_shard": "4"}),
     "EP 2 x TP 2 + SP": (4, {**EP2, "parallel.tp": "2"}),
     "PP 2 x EP 2": (4, {**EP2, "parallel.pp": "2"}),
-    # TP splits each MoE layer's tokens over its ranks and spreads the experts over them. (Qwen3
-    # without SP is left out: its replicated QK-norm weights are DTensors beside plain norm
-    # weights in one optimizer group, which torch's foreach AdamW refuses, MoE or dense.)
+    # TP splits each MoE layer's tokens over its ranks and spreads the experts over them.
     "TP 2 + SP (MoE tokens split)": (2, {**MOE, "parallel.tp": "2", "parallel.dp_shard": "1"}),
-    "TP 2, DeepSeek-V3 (MoE tokens split, shared expert)": (2, {**DEEPSEEK, "parallel.tp": "2",
-                                                                "parallel.dp_shard": "1",
+    # Without FSDP, a TP model holds plain and DTensor parameters side by side in one optimizer
+    # group (Qwen3's norms beside its replicated QK-norm weights; DeepSeek-V3's whole latent
+    # projections beside its split ones), which torch's foreach AdamW refuses, MoE or dense:
+    # these layouts step parameter by parameter.
+    "TP 2 (MoE tokens split)": (2, {**MOE, **TP2_PLAIN, "parallel.sequence_parallel": "false"}),
+    "TP 2, DeepSeek-V3 (MoE tokens split, shared expert)": (2, {**DEEPSEEK, **TP2_PLAIN,
                                                                 "parallel.sequence_parallel": "false"}),
-    "TP 2 + SP, DeepSeek-V3 (MoE tokens split, shared expert)": (2, {**DEEPSEEK, "parallel.tp": "2",
-                                                                     "parallel.dp_shard": "1"}),
+    "TP 2 + SP, DeepSeek-V3 (MoE tokens split, shared expert)": (2, {**DEEPSEEK, **TP2_PLAIN}),
 }
 
 
