@@ -43,10 +43,10 @@ LAYOUTS = {
     # group (Qwen3's norms beside its replicated QK-norm weights; DeepSeek-V3's whole latent
     # projections beside its split ones), which torch's foreach AdamW refuses, MoE or dense:
     # these layouts step parameter by parameter.
+    # (DeepSeek-V3 with SP is EP 2 x TP 2 + SP above; alone it measured 9.5e-07, docs/parallelism.md.)
     "TP 2 (MoE tokens split)": (2, {**MOE, **TP2_PLAIN, "parallel.sequence_parallel": "false"}),
     "TP 2, DeepSeek-V3 (MoE tokens split, shared expert)": (2, {**DEEPSEEK, **TP2_PLAIN,
                                                                 "parallel.sequence_parallel": "false"}),
-    "TP 2 + SP, DeepSeek-V3 (MoE tokens split, shared expert)": (2, {**DEEPSEEK, **TP2_PLAIN}),
 }
 
 
@@ -169,9 +169,12 @@ def _expert_rows(rank: int, world: int, tp: int, sp: bool):
     return float(local_value(loss)), rows, gate
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_tp_splits_the_expert_work_over_its_ranks(sp):
+def test_tp_splits_the_expert_work_over_its_ranks():
+    """Without sequence parallelism: the layer slices its replicated input and gathers its
+    output (with SP the input arrives split; the same counts, measured, and the parity above)."""
     from forja.testing import run_distributed
+
+    sp = False
 
     [(loss1, rows1, gate1)] = run_distributed(_expert_rows, 1, 1, False, timeout_s=120)
     results = run_distributed(_expert_rows, 2, 2, sp, timeout_s=120)
