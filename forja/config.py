@@ -13,7 +13,6 @@ the key's name and what would be valid, before any work is done.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import sys
 import types
 import typing
@@ -23,7 +22,7 @@ from typing import Any, Literal, Union
 
 from forja.checkpoint.config import CheckpointConfig
 from forja.data.config import DataConfig
-from forja.errors import ForjaError
+from forja.errors import ForjaError, unknown_key
 from forja.eval.config import EvalConfig
 from forja.metrics.sinks import MetricsConfig
 from forja.models.config import ModelConfig
@@ -126,20 +125,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ForjaError(f"{key} = {value!r} is not valid: it must be {_describe(tp)}")
 
 
-def _unknown_key(key: str, valid: list[str], where: str) -> ForjaError:
-    close = difflib.get_close_matches(key.split(".")[-1], valid, n=1)
-    hint = f"did you mean {key.rsplit('.', 1)[0]}.{close[0]}? " if close and "." in key else (
-        f"did you mean {close[0]}? " if close else "")
-    return ForjaError(f"unknown key {key} {where}; {hint}valid keys: {', '.join(valid)}")
-
-
 def _build_section(cls: type, values: dict[str, Any], section: str, where: str) -> Any:
     hints = typing.get_type_hints(cls)
     valid = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in values.items():
         if key not in hints:
-            raise _unknown_key(f"{section}.{key}", valid, where)
+            raise unknown_key(f"{section}.{key}", valid, where)
         kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
     try:
         return cls(**kwargs)
@@ -153,7 +145,7 @@ def config_from_dict(raw: dict[str, Any], where: str = "") -> Config:
     built = {}
     for name, values in raw.items():
         if name not in sections:
-            raise _unknown_key(name, list(sections), where)
+            raise unknown_key(name, list(sections), where)
         if not isinstance(values, dict):
             raise ForjaError(f"{name} {where} must be a [{name}] table of keys, not {values!r}")
         built[name] = _build_section(hints[name], values, name, where)

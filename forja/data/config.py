@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from forja.data.tokenizer import MIN_VOCAB_SIZE
 from forja.errors import ForjaError
+
+# Byte-level BPE starts from the 256 byte symbols; forja adds its 3 special tokens. Here, not in
+# tokenizer.py, so that loading a config does not import the tokenizers library.
+MIN_VOCAB_SIZE = 256 + 3
 
 
 @dataclass(kw_only=True)

@@ -20,12 +20,11 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from forja.data.config import MIN_VOCAB_SIZE
 from forja.errors import ForjaError
 from forja.files import write_atomic
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
-# Byte-level BPE starts from the 256 byte symbols; forja adds its 3 special tokens.
-MIN_VOCAB_SIZE = 256 + 3
 # Names other tokenizers use for the same roles, tried when no config says which is which.
 _KNOWN = {
     "bos": (BOS, "<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"),

@@ -1,11 +1,13 @@
-"""The [eval] section: downstream tasks scored while training (forja/train/evaluation.py)."""
+"""The [eval] section: downstream tasks scored while training (forja/train/evaluation.py).
+
+Values only: whether each task exists is the preflight's question (forja/eval/tasks.py's
+check_tasks), as a file's existence is no property of the config."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from forja.errors import ForjaError
-from forja.eval.tasks import resolve_task
 
 
 @dataclass(kw_only=True)
@@ -25,11 +27,3 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.interval < 0 or self.limit < 0 or self.batch_size < 1:
             raise ForjaError("eval.interval and eval.limit must be >= 0 and eval.batch_size >= 1")
-        for task in self.tasks:
-            try:
-                path = resolve_task(task)
-            except ForjaError as exc:
-                raise ForjaError(f"eval.tasks: {exc}") from None
-            if not path.is_file():
-                raise ForjaError(f"eval.tasks: {task} is not a file; give JSONL task files or task names "
-                                 "(docs/evaluation.md)")

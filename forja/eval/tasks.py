@@ -158,6 +158,18 @@ def resolve_task(path_or_name: str | os.PathLike) -> Path:
     return known[str(path_or_name)]
 
 
+def check_tasks(tasks: list[str]) -> None:
+    """That each of eval.tasks names a task file (the preflight's check, before any work)."""
+    for task in tasks:
+        try:
+            path = resolve_task(task)
+        except ForjaError as exc:
+            raise ForjaError(f"eval.tasks: {exc}") from None
+        if not path.is_file():
+            raise ForjaError(f"eval.tasks: {task} is not a file; give JSONL task files or task names "
+                             "(docs/evaluation.md)")
+
+
 def load_task(path_or_name: str | os.PathLike, *, limit: int | None = None) -> Task:
     """Parse a JSONL task file, given by path or by name; `limit` keeps its first examples only."""
     path = resolve_task(path_or_name)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from forja.errors import ForjaError
+from forja.errors import ForjaError, unknown_key
 from forja.ops.names import FUSED_OPS
 
 if TYPE_CHECKING:
@@ -44,6 +45,20 @@ class ModelConfig:
         unknown = sorted(set(self.fused_ops_overrides) - set(FUSED_OPS))
         if unknown:
             raise ForjaError(f"model.fused_ops_overrides has no op {unknown[0]!r}; ops: {', '.join(FUSED_OPS)}")
+        self._check_overrides()
+
+    def _check_overrides(self) -> None:
+        """Every key of model.overrides must be a field of the family's args, caught at load rather
+        than when the model is built. An unknown family is left to the registry's own error."""
+        from forja.models.registry import FAMILIES  # the registry imports every family: only when asked
+
+        spec = FAMILIES.get(self.family)
+        if spec is None or not self.overrides:
+            return
+        fields = sorted(f.name for f in dataclasses.fields(spec.args_cls))
+        for key in self.overrides:
+            if key not in fields:
+                raise unknown_key(f"model.overrides.{key}", fields, f"(the fields of {self.family}'s model)")
 
     def enabled_fused_ops(self) -> tuple[str, ...]:
         """The ops to fuse: fused_ops for every op, except where fused_ops_overrides says."""

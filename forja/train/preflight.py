@@ -4,8 +4,8 @@ computed, and with `--nproc`/`--nnodes` in the launcher before torchrun starts.
     pre = Preflight(cfg, world_size=8, device_type="cuda").run()   # raises ForjaError
     cfg = pre.cfg                                                    # parallel.auto's layout applied
 
-It checks, in this order: the run directory (writable, not another run's), the data source
-and tokenizer exist, the layout (the one validator, forja/parallel/checks.py;
+It checks, in this order: the run directory (writable, not another run's), the eval task
+files and the data source and tokenizer exist, the layout (the one validator, forja/parallel/checks.py;
 `parallel.auto` chooses among the layouts it accepts), the layout's predicted peak memory
 per rank against the device's (forja plan's model), and prepared data (it matches its
 tokenizer and both splits hold a sample).
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from forja.config import Config
 from forja.errors import ForjaError
+from forja.eval.tasks import check_tasks
 from forja.files import write_atomic
 from forja.models.common.transformer import TransformerArgs
 from forja.models.config import run_model_args
@@ -109,6 +110,7 @@ class Preflight:
     def run(self) -> Preflight:
         """Every check; raises the first failure as one ForjaError. Writes nothing."""
         RunDir(self.cfg, rank=self.rank).check()
+        check_tasks(self.cfg.eval.tasks)
         vocab_size = check_data(self.cfg)
         self.args = run_model_args(self.cfg.model, vocab_size)
         hw = self.hw = device_hardware(self.device_type, ranks_here=self.ranks_here, in_worker=self.in_worker)

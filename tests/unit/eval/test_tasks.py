@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from forja.errors import ForjaError
-from forja.eval.tasks import MULTIPLE_CHOICE, PERPLEXITY, SHIPPED, TASK_PATH, Choice, Text, load_task
+from forja.eval.config import EvalConfig
+from forja.eval.tasks import MULTIPLE_CHOICE, PERPLEXITY, SHIPPED, TASK_PATH, Choice, Text, check_tasks, load_task
 
 DATA = SHIPPED
 
@@ -78,3 +79,12 @@ def test_each_bad_input_names_the_line_and_the_fix(tmp_path, lines, message):
 def test_a_missing_file_says_so(tmp_path):
     with pytest.raises(ForjaError, match="task file .*nope.jsonl does not exist; give a JSONL task file"):
         load_task(tmp_path / "nope.jsonl")
+
+
+def test_the_config_holds_task_names_and_the_preflight_checks_they_exist(tmp_path):
+    assert EvalConfig(tasks=["no_such_task"]).tasks == ["no_such_task"]  # a value: no filesystem at load
+    check_tasks(["python_mc", str(SHIPPED / "python_text.jsonl")])
+    with pytest.raises(ForjaError, match="eval.tasks: task 'no_such_task' is neither a file nor a known task"):
+        check_tasks(["no_such_task"])
+    with pytest.raises(ForjaError, match="eval.tasks: .*sub is not a file; give JSONL task files or task names"):
+        check_tasks([str(tmp_path / "sub")])

@@ -29,6 +29,8 @@ def test_defaults_without_a_recipe():
 @pytest.mark.parametrize(("override", "message"), [
     ("train.stpes=1", "unknown key train.stpes from --set; did you mean train.steps?"),
     ("trian.steps=1", "unknown key trian from --set; did you mean train?"),
+    ("model.overrides={n_layer = 2}", "unknown key model.overrides.n_layer (the fields of llama's model); "
+                                      "did you mean model.overrides.n_layers?"),
     ("train.steps=1.5", "train.steps = 1.5 is not valid: it must be an integer"),
     ("train.steps=0", "train.steps = 0 must be at least 1"),
     ("train.precision=fp64", "train.precision = 'fp64' is not valid: it must be one of 'auto', 'fp32', 'bf16', 'fp16'"),
