@@ -1,9 +1,11 @@
 """Muon under data, tensor and pipeline parallelism reproduces the single-process Muon losses
 (CPU, Gloo, fp32), and its sharded state resumes in one process.
 
-Muon orthogonalizes whole matrices: under FSDP and TP each matrix's update is gathered, one
-rank orthogonalizes it and broadcasts it (forja/optim/muon.py). The measured differences are
-printed (pytest -s).
+Muon orthogonalizes whole matrices: under FSDP and TP each matrix's blocks are gathered to
+its owner, which orthogonalizes it and sends each rank its block back (forja/optim/muon.py,
+exchange.py); a test holds each rank to its share of that work and traffic. MuonClip (QK-clip
+after each step) under FSDP matches one process too. The measured differences are printed
+(pytest -s).
 """
 
 from __future__ import annotations
@@ -146,3 +148,26 @@ def test_each_rank_orthogonalizes_its_share_and_receives_about_what_it_owns():
     diff = max((results[0][3][n] - w).abs().max().item() for n, w in single.items())
     print(f"muon FSDP {world} vs one process after 2 steps: max |weight diff| = {diff:.2e}")
     assert diff < 1e-6
+
+
+# -- MuonClip: QK-clip after each Muon step, under FSDP --------------------------------------
+# A fresh debug Llama's logits are about 0.2: tau 0.15 clips heads at every step.
+CLIP = {**MUON, "optim.qk_clip_tau": "0.15"}
+
+
+def _attn(run):
+    from tests.integration.conftest import read_metrics
+
+    return {r["step"]: r for r in read_metrics(run) if "attn/max_logit" in r}
+
+
+def test_muonclip_fsdp_matches_single_process(tmp_path, train_data):
+    reference = single_process_losses(tmp_path / "ref", train_data, **CLIP)
+    fsdp = layout_losses(tmp_path / "run", train_data, 2, **CLIP, **{"parallel.dp_shard": "2"})
+    diff = max_difference(reference, fsdp)
+    one, two = _attn(tmp_path / "ref"), _attn(tmp_path / "run")
+    logit_diff = max(abs(one[s]["attn/max_logit"] - two[s]["attn/max_logit"]) for s in one)
+    print(f"MuonClip parity FSDP 2: max |loss diff| = {diff:.2e}, max |max-logit diff| = {logit_diff:.2e}")
+    assert diff < MUON_TOL and logit_diff < 1e-4
+    assert all(one[s]["attn/clipped_heads"] == two[s]["attn/clipped_heads"] for s in one)
+    assert sum(r["attn/clipped_heads"] for r in one.values()) > 0
