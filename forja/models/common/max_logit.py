@@ -62,10 +62,13 @@ class MaxLogitTracking:
     track_max_logit: bool = False
     max_logit: torch.Tensor | None = None  # (H,) float32
 
-    @torch.compiler.disable  # state kept across forwards: eager, outside compiled graphs
     def track_logits(self, q: torch.Tensor, k: torch.Tensor, mask, scale: float) -> None:
-        if not (self.track_max_logit and self.training):  # validation does not count
-            return
+        # Off, this is a branch a compiled block folds away; on, the recording runs eagerly.
+        if self.track_max_logit and self.training:  # validation does not count
+            self._record_max_logit(q, k, mask, scale)
+
+    @torch.compiler.disable  # state kept across forwards: eager, outside compiled graphs
+    def _record_max_logit(self, q: torch.Tensor, k: torch.Tensor, mask, scale: float) -> None:
         new = max_logits(q.detach(), k.detach(), mask, scale)
         self.max_logit = new if self.max_logit is None else torch.maximum(self.max_logit, new)
 
