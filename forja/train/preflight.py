@@ -27,7 +27,9 @@ from forja.errors import ForjaError
 from forja.eval.tasks import check_tasks
 from forja.files import write_atomic
 from forja.models.common.transformer import TransformerArgs
+from forja.models import build_from_args
 from forja.models.config import run_model_args
+from forja.ops.float8 import check_float8
 from forja.parallel.checks import LayoutRequest, check_layout
 from forja.plan.hardware import Hardware, get_hardware, hardware_for_device
 from forja.plan.job import Job, job_from_config
@@ -117,6 +119,9 @@ class Preflight:
         if self.cfg.parallel.auto:
             self.cfg = self._auto_layout(hw)
         check_layout(layout_request(self.cfg, self.args, self.world_size, self.device_type))
+        if self.cfg.train.float8 != "none":  # float8 that would convert no layer (a meta model tells)
+            check_float8(build_from_args(self.args, device="meta"), self.cfg.train.float8,
+                         self.cfg.train.float8_min_features)
         if hw is not None:
             self._check_memory(hw)
         check_splits(self.cfg)

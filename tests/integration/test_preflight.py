@@ -52,6 +52,8 @@ def test_bad_inputs_stop_before_any_write(tmp_path, train_data, other_tokenizer,
         (no_val_data, {}, "the validation split"),
         (train_data, {"train.global_batch_size": "6"}, "is not divisible by train.micro_batch_size = 4"),
         (train_data, {"model.flavor": '"3.1-8b"'}, "is predicted to need"),
+        (train_data, {"train.float8": '"tensorwise"', "train.float8_min_features": "1024"},
+         "converts no Linear layer"),
     ]
     if nproc:
         cases.append((train_data, {"train.global_batch_size": "5", "train.micro_batch_size": "1"},
