@@ -38,8 +38,12 @@ def _inputs(head_dim: int, seed: int = 0):
 def _module(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "mla":
-        return MLA(D, 4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                   v_head_dim=16, softmax_scale=24**-0.5)
+        mla = MLA(D, 4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                  v_head_dim=16, softmax_scale=24**-0.5)
+        with torch.no_grad():  # the latent norms' gains are left for init_weights: set them here
+            mla.q_norm.weight.fill_(1.0)
+            mla.kv_norm.weight.fill_(1.0)
+        return mla
     return Attention(D, 4, 4 if kind == "mha" else 2, 16, bias=kind == "mha")
 
 
