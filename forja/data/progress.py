@@ -17,8 +17,9 @@ class PrepareProgress:
         self._start = time.perf_counter()
         self._progress: Progress | None = None
         if enabled:
-            self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                                      console=Console(stderr=True), transient=False)
+            # No markup: a source such as "stdlib:email" would otherwise print as an emoji.
+            self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False),
+                                      TimeElapsedColumn(), console=Console(stderr=True), transient=False)
             self._task = self._progress.add_task(self._text())
 
     @property
