@@ -168,3 +168,23 @@ def test_after_an_engine_step_with_a_tiny_tau_the_next_forward_stays_below_it(on
     assert second["attn/layer0/max_logit"] <= 0.05 * (1 + 1e-5)
     assert second["attn/max_logit"] <= 0.05 * 1.02
     assert engine.train_step(batches).metrics["attn/max_logit"] <= 0.05 * (1 + 1e-5)  # one more clip: exact
+
+
+def test_qk_norm_layers_are_measured_but_not_clipped_and_the_fallback_says_so():
+    from forja import fallbacks
+    from forja.models import build_from_args
+    from forja.train.attention_logits import AttentionLogits
+
+    fallbacks.clear()
+    model = build_from_args(model_args("qwen3", "debug"), device="cpu")  # QK-norm in every layer
+    dims = ParallelDims.from_config(ParallelConfig(), 1)
+    logits = AttentionLogits([model], dims, OptimConfig(qk_clip_tau=1e-3))
+    assert all(head_rows(m) is None and m.track_max_logit for _, m in logits.layers)
+    assert [f.key for f in fallbacks.recorded()] == ["optim.qk_clip"]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.train()
+    model(torch.randint(0, 100, (1, 16)))
+    metrics = logits.end_step(stepped=True)
+    assert metrics["attn/max_logit"] > 1e-3 and metrics["attn/clipped_heads"] == 0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    fallbacks.clear()
