@@ -10,7 +10,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from forja import fallbacks
 from forja.errors import ForjaError
 from forja.optim.adafactor import Adafactor
 from forja.optim.config import OptimConfig
@@ -33,10 +35,20 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def _kernel_flags(cfg: OptimConfig, params: Iterable[torch.Tensor]) -> dict:
+    params = list(params)
     choice = cfg.implementation
     if choice == "auto":
         on_gpu = all(p.is_cuda for p in params)
         choice = "fused" if on_gpu else "foreach"
+    kinds = {isinstance(p, DTensor) for p in params}
+    if choice != "for-loop" and len(kinds) > 1:
+        # torch's multi-tensor kernels group by device and dtype only, and refuse a group that
+        # mixes DTensors with plain tensors (TP without FSDP: sharded matrices beside whole norms).
+        fallbacks.record("optim.implementation", asked=f"optim.implementation = '{cfg.implementation}' "
+                         f"({choice} {cfg.name})", instead="the for-loop step",
+                         why="the model mixes DTensor and plain parameters (tensor parallelism without FSDP)",
+                         fix="shard the rest with FSDP (parallel.dp_shard > 1) to step every parameter in one kernel")
+        choice = "for-loop"
     return {"fused": choice == "fused", "foreach": choice == "foreach"} if choice != "for-loop" else \
         {"foreach": False}
 
