@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Callable
 
 from forja.errors import ForjaError
+from forja.models.common.moe import MoEArgs
 from forja.models.common.transformer import TransformerArgs
 from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
@@ -87,10 +88,14 @@ def _check_float8(r: LayoutRequest, dims: ParallelDims) -> None:
                              "parallel.tp = 1")
 
 
+def _n_experts(args: TransformerArgs) -> int:
+    return args.n_experts if isinstance(args, MoEArgs) else 0
+
+
 def _check_ep(r: LayoutRequest, dims: ParallelDims) -> None:
     if dims.ep == 1:
         return
-    n_experts = getattr(r.args, "n_experts", 0)
+    n_experts = _n_experts(r.args)
     if n_experts == 0:
         raise ForjaError(f"parallel.ep = {dims.ep} needs a mixture-of-experts model, but this model has no "
                          "experts; set parallel.ep = 1 or choose an MoE flavor (e.g. qwen3 debug-moe)")
@@ -101,7 +106,7 @@ def _check_ep(r: LayoutRequest, dims: ParallelDims) -> None:
 def _check_moe_tp(r: LayoutRequest, dims: ParallelDims) -> None:
     """Under TP each rank computes an MoE layer on its slice of the sequence and holds
     n_experts / (ep x tp) of the routed experts (forja/parallel/ep.py `expert_layout`)."""
-    n_experts = getattr(r.args, "n_experts", 0)
+    n_experts = _n_experts(r.args)
     if dims.tp == 1 or n_experts == 0:
         return
     ranks = dims.ep * dims.tp

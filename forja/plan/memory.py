@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, fields
 
+from forja.models.common.mla import LatentAttentionArgs
 from forja.parallel.pp_split import StageCosts, balanced_layers, rank_stages
 from forja.plan.job import Job
 from forja.plan.layout import Layout
@@ -89,14 +90,15 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
     """(saved bytes per token of one block's attention half, of which matmul/attention outputs)."""
     a, t = job.args, lay.tp
     hq, hkv, heads = a.n_heads * a.head_dim / t, a.n_kv_heads * a.head_dim / t, a.n_heads / t
-    if hasattr(a, "kv_lora_rank"):  # latent attention: every head's keys and values expanded from a latent
+    latent = isinstance(a, LatentAttentionArgs)
+    if latent:  # latent attention: every head's keys and values expanded from a latent
         k_width, v_width = hq, a.v_head_dim * a.n_heads / t
         extra = 3 * (a.kv_lora_rank + a.qk_rope_head_dim + 2 * a.q_lora_rank) * w.lin
     else:
         k_width, v_width, extra = hkv, hkv, 0.0
-    out_width = v_width * a.n_heads / a.n_kv_heads if not hasattr(a, "kv_lora_rank") else v_width
+    out_width = v_width * a.n_heads / a.n_kv_heads if not latent else v_width
     norm = norm_saved(job, lay, block, w)
-    qk_norm = 2 * (hq + hkv) * w.lin if getattr(a, "qk_norm", False) else 0.0
+    qk_norm = 2 * (hq + hkv) * w.lin if a.qk_norm else 0.0
     sdpa = (hq + k_width + v_width + out_width) * w.lin + heads * FP32  # q, k, v, out; log-sum-exp
     # Op-level AC keeps the projections' outputs (q, k, v before RoPE; wo's) and attention's.
     matmuls = (hq + k_width + v_width + a.dim + out_width) * w.lin + heads * FP32

@@ -14,6 +14,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from forja.models import build_from_args, spec_of
+from forja.models.common.mlp import SwiGLU
+from forja.models.common.moe import MoE
 from forja.models.common.transformer import Transformer, TransformerArgs
 
 _SPLIT_STYLES = (ColwiseParallel, RowwiseParallel)
@@ -91,7 +93,7 @@ def _counts(args: TransformerArgs) -> tuple:
     plan = spec_of(args).tp_plan(args, True)
     counted = []
     for block in model.layers.values():
-        moe = hasattr(block.feed_forward, "active_fraction")
+        moe = isinstance(block.feed_forward, MoE)
         styles = plan.block_plan(moe)
         split = replicated = experts = 0
         matrices = []
@@ -106,7 +108,7 @@ def _counts(args: TransformerArgs) -> tuple:
             else:
                 replicated += p.numel()
         active = block.feed_forward.active_fraction() if moe else 0.0
-        gated = moe or hasattr(block.feed_forward, "w3")
+        gated = moe or isinstance(block.feed_forward, SwiGLU)
         layer_norm = isinstance(block.attention_norm, nn.LayerNorm)
         counted.append((split, replicated, experts, moe, gated, layer_norm, active, tuple(matrices)))
     output = 0 if args.tie_embeddings else _numel(model.output)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from forja.models.common.moe import MoEArgs
 from forja.plan.hardware import Hardware
 from forja.plan.job import Job
 from forja.plan.layout import Layout
@@ -217,7 +218,7 @@ def _rank_time(job: Job, lay: Layout, hw: Hardware, rm) -> TimeBreakdown:
         t.cp_comm = max(0.0, ring - attn_time)
     moe_blocks = sum(len(idx) for b, idx in rm.groups if b.moe)
     if lay.ep > 1 and moe_blocks:  # dispatch and combine, forward and backward
-        volume = getattr(a, "top_k", 1) * tokens_mb * a.dim * act
+        volume = (a.top_k if isinstance(a, MoEArgs) else 1) * tokens_mb * a.dim * act
         t.ep_comm = 4 * moe_blocks * micro * all_to_all_time(volume, lay.ep, hw, lay.tp * lay.cp)
     t.fsdp_comm_exposed = _fsdp_exposed(job, lay, hw, rm, compute)
     t.offload = offload_time(job, lay, rm)

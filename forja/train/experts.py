@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from forja.models.common.moe import moe_layers
+from forja.models.common.moe import MoEArgs, moe_layers
 from forja.models.common.transformer import Transformer
 from forja.parallel import ParallelDims
 
@@ -34,7 +34,8 @@ class ExpertBalance:
         self.layers = sorted((i, m) for part in parts for i, m in moe_layers(part))
         self.dims, self.device = dims, device
         # The same on every rank (a pipeline stage may hold only dense layers).
-        self.enabled = getattr(parts[0].args, "n_experts", 0) > 0
+        args = parts[0].args
+        self.enabled = isinstance(args, MoEArgs) and args.n_experts > 0
 
     def begin_step(self, n_microbatches: int, loss_scale: float = 1.0) -> None:
         """`loss_scale`: fp16's loss scale (forja/train/scaler.py), which multiplies every loss term alike."""

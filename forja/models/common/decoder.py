@@ -3,7 +3,7 @@ rotary positions, a SwiGLU or mixture-of-experts feed-forward, and Llama's initi
 
 A family subclasses `RotaryDecoder` and defines its attention (`build_attention`) and its
 rotary frequencies (`rope_frequencies`); which blocks hold a mixture of experts is the
-args' `is_moe_layer` (dense families have none).
+args' `is_moe_layer` (MoEArgs; dense families' args are not MoEArgs).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from forja import fallbacks
 from forja.models.common.attention import Attention
 from forja.models.common.mlp import SwiGLU
-from forja.models.common.moe import MoE
+from forja.models.common.moe import MoE, MoEArgs
 from forja.models.common.norms import RMSNorm
 from forja.models.common.rope import rope_cos_sin
 from forja.models.common.transformer import Transformer, TransformerArgs, TransformerBlock
@@ -55,8 +55,7 @@ class RotaryDecoder(Transformer):
     def build_feed_forward(self, layer: int) -> nn.Module:
         a = self.args
         fused = "swiglu" in a.fused_ops
-        is_moe = getattr(a, "is_moe_layer", None)
-        if is_moe is not None and is_moe(layer):
+        if isinstance(a, MoEArgs) and a.is_moe_layer(layer):
             if fused and (torch.cuda.is_available() or ops_mode() == "triton"):  # where the kernel is promised
                 fallbacks.record("ops.swiglu.experts", asked="model.fused_ops (swiglu)",
                                  instead="silu(gate) * up unfused in the routed experts",

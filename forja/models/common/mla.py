@@ -39,6 +39,17 @@ LATENT_NORM_EPS = 1e-6
 norms at their default whatever the model's rms_norm_eps, so forja does too."""
 
 
+class LatentAttentionArgs:
+    """Marks a family's args whose attention is MLA, so that planners and checks can tell it by
+    type (the family's dataclass holds the fields; this adds none)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
 class SharedKeyHead(nn.Module):
     """The rotated key part k_rope (B, T, 1, dr), shared by every head, repeated for `heads`
     heads (a view, no copy). A module only so that a tensor-parallel plan can hook it."""

@@ -20,6 +20,7 @@ from torch import nn
 from forja.errors import ForjaError
 from forja.models.common.attention import ATTENTION_BACKENDS, Attention, KVCache, build_mask
 from forja.models.common.init import InitRule, init_parameters
+from forja.models.common.moe import MoE
 from forja.names import named_unique_parameters
 
 
@@ -266,7 +267,7 @@ class Transformer(nn.Module):
         the share of them each token is sent to (top_k / n_experts)."""
         n = self.num_params(exclude_embeddings=exclude_embeddings)
         for module in self.modules():
-            if hasattr(module, "active_fraction"):
+            if isinstance(module, MoE):
                 routed = sum(p.numel() for p in module.experts.parameters())
                 n -= round(routed * (1 - module.active_fraction()))
         return n

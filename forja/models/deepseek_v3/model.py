@@ -30,14 +30,14 @@ import torch
 from forja.errors import ForjaError
 from forja.models.common.attention import KVCache
 from forja.models.common.decoder import RotaryDecoder
-from forja.models.common.mla import MLA
+from forja.models.common.mla import MLA, LatentAttentionArgs
 from forja.models.common.moe import MoEArgs
 from forja.models.common.rope import YarnScaling, rope_frequencies
 from forja.models.common.transformer import TransformerArgs
 
 
 @dataclass(kw_only=True)
-class DeepSeekV3Args(TransformerArgs, MoEArgs):
+class DeepSeekV3Args(TransformerArgs, MoEArgs, LatentAttentionArgs):
     """A DeepSeek-V2/V3 model's shape; `flavors.py` holds the published sizes. `head_dim` is
     the query/key width qk_nope_head_dim + qk_rope_head_dim; `ffn_dim` the dense blocks' MLP."""
 
