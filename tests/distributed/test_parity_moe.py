@@ -21,7 +21,9 @@ from tests.integration.conftest import forja_process, losses, train_args
 MOE = {"model.family": '"qwen3"', "model.flavor": '"debug-moe"',
        "model.overrides": "{aux_loss_weight=0.01, z_loss_weight=0.001}"}
 EP2 = {**MOE, "parallel.ep": "2", "parallel.dp_shard": "2"}
-TP2_PLAIN = {"parallel.tp": "2", "parallel.dp_shard": "1", "optim.implementation": '"for-loop"'}
+# TP without FSDP: sharded matrices beside whole norms, stepped by the for-loop AdamW that
+# forja takes itself for such a mix (forja/optim/optimizers.py, a recorded fallback).
+TP2_PLAIN = {"parallel.tp": "2", "parallel.dp_shard": "1"}
 # DeepSeek-V3's routing: sigmoid scores, expert groups, a shared expert, and the
 # auxiliary-loss-free bias moving every step (its update sums the counts over the ranks).
 DEEPSEEK = {"model.family": '"deepseek_v3"', "model.flavor": '"debug"',
