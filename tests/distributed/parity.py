@@ -52,3 +52,85 @@ def layout_losses(run: Path, data: Path, nproc: int, **changes: str) -> dict[int
 def max_difference(reference: dict[int, float], other: dict[int, float]) -> float:
     assert sorted(other) == sorted(reference) == list(range(1, PARITY_STEPS + 1))
     return max(abs(reference[s] - other[s]) for s in reference)
+
+
+def _train_one_after_another(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> dict[str, str | None]:
+    """Every rank trains the runs in order in the host's process group. One thread a rank,
+    as torchrun gives several workers (OMP_NUM_THREADS=1). A run that raises ends the
+    sequence (the group may be out of step): its traceback is returned, later runs not tried."""
+    import traceback
+
+    import torch
+
+    from forja.config import load_config
+    from forja.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    outcome: dict[str, str | None] = {}
+    for run, overrides in runs:
+        torch._dynamo.reset()  # each compiled layout compiles its own model, as in a process of its own
+        try:
+            Trainer(load_config("debug", overrides)).run()
+        except Exception:
+            outcome[run] = traceback.format_exc()
+            break
+        outcome[run] = None
+    return outcome
+
+
+def shared_layout_runs(root: Path, data: Path, nproc: int, layouts: dict[str, dict[str, str]]) -> dict[str, Path]:
+    """Train each layout (name -> changes, as for `layout_losses`) for PARITY_STEPS steps,
+    one after another in one group of `nproc` Gloo processes, to save a torchrun start-up
+    (most of a layout's time on CPU) per layout. Returns name -> run directory for the
+    layouts that trained; a layout missing from it failed or was not reached, and its test
+    trains it alone with `layout_losses` (and so fails on its own, with its own output)."""
+    from forja.testing import run_distributed
+    from tests.integration.conftest import base_overrides
+
+    runs = {name: root / f"layout-{i}" for i, name in enumerate(layouts)}
+    jobs = [(str(runs[name]), base_overrides(runs[name], data, **{**COMMON, **changes}))
+            for name, changes in layouts.items()]
+    try:
+        # The group's collective timeout is the runs' own (COMMON's parallel.timeout_s); the wait for
+        # the processes is 4 times that.
+        outcomes = run_distributed(_train_one_after_another, nproc, jobs, timeout_s=float(COMMON["parallel.timeout_s"]))
+    except RuntimeError as e:  # a rank died or hung: every layout is trained alone
+        print(f"shared process group of {nproc} failed, layouts train alone:\n{e}")
+        return {}
+    trained = {}
+    for name, run in runs.items():
+        errors = [f"rank {r}: {o[str(run)]}" for r, o in enumerate(outcomes) if o.get(str(run)) is not None]
+        if errors:
+            print(f"layout {name} failed in the shared process group, trains alone:\n" + "\n".join(errors))
+        elif all(str(run) in o for o in outcomes):
+            trained[name] = run
+    return trained
+
+
+class SharedLayouts:
+    """Layouts (name -> (nproc, changes)) trained in shared process groups, one group per
+    rank count (compiled layouts in one of their own), each when one of its layouts is first
+    asked for: one start-up a group rather than one torchrun a layout. Tests only read the
+    runs they get (a test that changes one copies it first)."""
+
+    def __init__(self, tmp_path_factory, data: Path, layouts: dict[str, tuple[int, dict[str, str]]]):
+        self.factory, self.data, self.layouts = tmp_path_factory, data, layouts
+        self.groups: dict[tuple[int, bool], dict[str, Path]] = {}
+
+    def _group(self, name: str) -> tuple[int, bool]:
+        nproc, changes = self.layouts[name]
+        return nproc, changes.get("parallel.compile") == "true"
+
+    def run(self, name: str, alone: Path) -> Path:
+        """The layout's run directory from its shared group, or, where it failed there,
+        `alone` after training it there alone under torchrun."""
+        group = self._group(name)
+        if group not in self.groups:
+            members = {n: self.layouts[n][1] for n in self.layouts if self._group(n) == group}
+            root = self.factory.mktemp(f"layouts-{group[0]}{'-compile' if group[1] else ''}")
+            self.groups[group] = shared_layout_runs(root, self.data, group[0], members)
+        if name in self.groups[group]:
+            return self.groups[group][name]
+        nproc, changes = self.layouts[name]
+        layout_losses(alone, self.data, nproc, **changes)
+        return alone

@@ -6,10 +6,11 @@ PP layouts are in test_parity_pp.py. The measured differences are in docs/parall
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
-from tests.distributed.parity import COMPILE_TOL, PARITY_TOL, layout_losses, max_difference
+from tests.distributed.parity import COMPILE_TOL, PARITY_TOL, SharedLayouts, layout_losses, max_difference
 from tests.integration.conftest import losses
 
 FSDP2 = {"parallel.dp_shard": "2"}
@@ -38,10 +39,33 @@ LAYOUTS = {
 }
 
 
+BF16 = {**FSDP2, "parallel.mixed_precision": '"bf16"'}
+SAVE_AT_5 = {"checkpoint.interval": "5", "checkpoint.keep": "0"}
+# The layouts train one after another in a few shared process groups (one start-up each
+# rather than one torchrun each): by rank count, compiled ones apart; FSDP 2 saving at step 5
+# is the run the resharding tests resume from (each a copy).
+SHARED = {**LAYOUTS, "FSDP 2 + bf16": (2, BF16), "FSDP 2, saved at step 5": (2, {**FSDP2, **SAVE_AT_5})}
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory, train_data):
+    return SharedLayouts(tmp_path_factory, train_data, SHARED)
+
+
+def _losses_of(name: str, shared_runs, run: Path) -> dict[int, float]:
+    """The layout's losses from its shared group (or, if it failed there, trained alone)."""
+    return losses(shared_runs.run(name, run))
+
+
+# The first test of a shared group trains the whole group (under a minute a layout on a busy CPU).
+GROUP_TIMEOUT = pytest.mark.timeout(600)
+
+
+@GROUP_TIMEOUT
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, tmp_path, train_data, reference_losses):
-    nproc, changes = LAYOUTS[name]
-    diff = max_difference(reference_losses, layout_losses(tmp_path / "run", train_data, nproc, **changes))
+def test_layout_matches_single_process(name, tmp_path, train_data, reference_losses, shared_runs):
+    changes = LAYOUTS[name][1]
+    diff = max_difference(reference_losses, _losses_of(name, shared_runs, tmp_path / "run"))
     print(f"parity {name}: max |loss diff| = {diff:.2e}")
     assert diff < (COMPILE_TOL if changes.get("parallel.compile") == "true" else PARITY_TOL)
 
@@ -49,23 +73,27 @@ def test_layout_matches_single_process(name, tmp_path, train_data, reference_los
 BF16_TOL = 2e-2  # bf16 parameters and activations (fp32 reduction): ~3 significant digits
 
 
-def test_bf16_mixed_precision_within_a_looser_bound(tmp_path, train_data, reference_losses):
-    run = layout_losses(tmp_path / "run", train_data, 2, **{**FSDP2, "parallel.mixed_precision": '"bf16"'})
+@GROUP_TIMEOUT
+def test_bf16_mixed_precision_within_a_looser_bound(tmp_path, train_data, reference_losses, shared_runs):
+    run = _losses_of("FSDP 2 + bf16", shared_runs, tmp_path / "run")
     diff = max_difference(reference_losses, run)
     print(f"parity FSDP 2 + bf16 mixed precision: max |loss diff| = {diff:.2e}")
     assert diff < BF16_TOL
 
 
-def _save_at_5_under(tmp_path, train_data, nproc, changes):
+def _save_at_5_under(tmp_path, shared_runs):
+    """A copy of the FSDP 2 run with checkpoints at steps 5 and 10, as if it had stopped at step 5."""
     run = tmp_path / "run"
-    layout_losses(run, train_data, nproc, **{**changes, "checkpoint.interval": "5", "checkpoint.keep": "0"})
+    shutil.copytree(shared_runs.run("FSDP 2, saved at step 5", tmp_path / "alone"), run)  # each test its own
     shutil.rmtree(run / "checkpoints" / "step-00000010")  # as if the run had stopped at step 5
     return run
 
 
+@GROUP_TIMEOUT
 @pytest.mark.parametrize(("target", "nproc"), [("TP 2 x FSDP 2", 4), ("1 process", 1)])
-def test_fsdp_checkpoint_resumes_under_another_layout(tmp_path, train_data, reference_losses, target, nproc):
-    run = _save_at_5_under(tmp_path, train_data, 2, FSDP2)
+def test_fsdp_checkpoint_resumes_under_another_layout(tmp_path, train_data, reference_losses, target, nproc,
+                                                      shared_runs):
+    run = _save_at_5_under(tmp_path, shared_runs)
     changes = {"parallel.tp": "2", "parallel.dp_shard": "2"} if nproc == 4 else {}
     if nproc == 1:
         from forja.cli import main
