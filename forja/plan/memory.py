@@ -116,13 +116,15 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
     if not block.moe:
         f = a.ffn_dim / t
         return norm + gated * f * w.lin, (2 * f + a.dim) * w.lin
-    # An MoE layer runs whole on every TP rank, for every token of the sequence.
+    # Under TP each rank routes and computes the MoE layer for its 1/tp of the tokens
+    # (forja/models/common/tp_plan.py, SplitTokens): per token of the sequence, 1/tp of it.
     k, h = a.top_k, a.moe_ffn_dim
     cf = a.capacity_factor if a.capacity_factor > 0 else 1.0
     routed = cf * k * (3 * a.dim + gated * h) * w.lin  # tokens sorted in, out, weighted; expert FFN
     shared = a.n_shared_experts * h * gated * w.lin
     router = a.n_experts * FP32 * 2 + k * 24  # logits, scores; indices
-    return norm + routed + shared + router, cf * k * (2 * h + a.dim) * w.lin + a.n_shared_experts * 2 * h * w.lin
+    matmuls = cf * k * (2 * h + a.dim) * w.lin + a.n_shared_experts * 2 * h * w.lin
+    return norm + (routed + shared + router) / t, matmuls / t
 
 
 def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> tuple[float, float]:
@@ -134,7 +136,8 @@ def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> t
     full = attn + ffn
     sp = 1 / lay.tp if (lay.tp > 1 and lay.sequence_parallel) else 1.0
     block_input = job.args.dim * sp * w.res
-    ffn_width = (job.args.ffn_dim / lay.tp) if not block.moe else job.args.top_k * job.args.moe_ffn_dim
+    ffn_width = job.args.ffn_dim if not block.moe else job.args.top_k * job.args.moe_ffn_dim
+    ffn_width /= lay.tp  # the dense FFN's columns, or the MoE layer's tokens, split over TP
     working = (3 * ffn_width + 2 * job.args.dim) * w.lin  # d(product), d(gate), d(up); d(x) twice
     if lay.ac == "full" or (lay.ac == "selective" and lay.ac_every and index % lay.ac_every == 0):
         return block_input, full + working
@@ -232,7 +235,9 @@ def rank_elements(job: Job, lay: Layout, rm: RankModel) -> tuple[float, float, f
     if rm.last:
         tied_copy = s.args.tie_embeddings and (lay.pp > 1 or not rm.first)
         root += s.final_norm + (s.output / t if s.output else (s.embedding / t if tied_copy else 0.0))
-    sizes = [(b.tp_split / t + b.replicated + b.experts / lay.ep, b.experts / lay.ep, len(idx)) for b, idx in rm.groups]
+    # Routed experts are spread over ep x tp ranks (forja/parallel/ep.py, expert_layout).
+    sizes = [(b.tp_split / t + b.replicated + b.experts / (lay.ep * t), b.experts / (lay.ep * t), len(idx))
+             for b, idx in rm.groups]
     return (root, max((e for e, _, _ in sizes), default=0.0), sum(e * n for e, _, n in sizes),
             sum(x * n for _, x, n in sizes))
 

@@ -133,8 +133,8 @@ def elementwise_bytes(job: Job, lay: Layout, block) -> float:
     lin, res = (2 if job.bf16 else 4), (2 if job.bf16_params else 4)
     sp = lay.tp if (lay.tp > 1 and lay.sequence_parallel) else 1
     q, kv = a.n_heads * a.head_dim / lay.tp, a.n_kv_heads * a.head_dim / lay.tp
-    if block.moe:
-        f = a.top_k * a.moe_ffn_dim + a.n_shared_experts * a.moe_ffn_dim
+    if block.moe:  # under TP each rank runs the MoE layer for its 1/tp of the tokens
+        f = (a.top_k * a.moe_ffn_dim + a.n_shared_experts * a.moe_ffn_dim) / lay.tp
     else:
         f = a.ffn_dim / lay.tp
     norm_fused = job.compiled or "rms_norm" in job.fused or block.layer_norm
@@ -143,7 +143,7 @@ def elementwise_bytes(job: Job, lay: Layout, block) -> float:
     adds = 2 * 3 * a.dim * res / sp
     rope = (2 if job.compiled or "rope" in job.fused else 6) * (q + kv) * lin
     act = (3 if act_fused else 5) * f * lin if block.gated else (2 if act_fused else 4) * f * lin
-    shuffle = 4 * a.top_k * a.dim * lin if block.moe else 0.0  # permute in, unpermute, weight, combine
+    shuffle = 4 * a.top_k * a.dim * lin / lay.tp if block.moe else 0.0  # permute in, unpermute, weight, combine
     forward = norms + adds + rope + act + shuffle
     rerun = 1.0 if lay.ac in ("full", "selective") and not lay.ac_every else (1 / lay.ac_every if lay.ac_every else 0)
     return forward * (3 + rerun)
