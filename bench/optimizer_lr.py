@@ -15,9 +15,10 @@ and every loss tried.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
+
+from forja.files import read_records
 
 STEPS = 40
 VAL_BATCHES = 4
@@ -41,7 +42,7 @@ def final_val_loss(run_dir: Path) -> float | None:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_records(path)
     vals = [r["val_loss"] for r in rows if "val_loss" in r and r.get("step") == STEPS]
     return vals[-1] if vals else None
 

@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from forja.files import read_records
+
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = str(REPO / "configs" / "default.toml")
 COMMON = ["train.steps=150", "train.seq_len=128", "train.val_interval=25", "train.val_batches=4",
@@ -57,8 +59,7 @@ def sweep(sweep_dir: Path, grids: list[str], common: list[str], parallel: int) -
 def read_run(run_dir: Path) -> dict:
     """val loss by step and the median step time of one trial."""
     val, times = {}, []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in read_records(run_dir / "metrics.jsonl"):
         if "val_loss" in rec:
             val[rec["step"]] = rec["val_loss"]
         elif "step_time" in rec and rec["step"] > 10:  # the first steps warm up allocators

@@ -165,18 +165,22 @@ def _remove(path: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-def read_records(path: str | os.PathLike[str]) -> list[dict]:
-    """The JSON objects of a JSONL file such as a run's metrics.jsonl, in order; a line that
-    does not parse (torn by a kill, anywhere in a run that was resumed) is skipped, and a
-    missing file has none."""
+def read_records(path: str | os.PathLike[str], *, strict: bool = False) -> list[dict]:
+    """The JSON objects of a JSONL file such as a run's metrics.jsonl, in order: the one reader
+    of metrics.jsonl. A line that does not parse (torn by a kill, anywhere in a run that was
+    resumed) is skipped, and a missing file has none. `strict`: only a torn last line is skipped;
+    any other line that does not parse is a ForjaError naming its number (blank lines not counted)."""
     path = Path(path)
     if not path.is_file():
         return []
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as exc:
+            if strict and number < len(lines):
+                raise ForjaError(f"{path} line {number} is not JSON ({exc}); fix or remove that line") from exc
             continue
         if isinstance(record, dict):
             records.append(record)

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from forja.errors import ForjaError
-from forja.files import write_atomic
+from forja.files import read_records, write_atomic
 
 try:
     import tomllib
@@ -112,17 +112,7 @@ def load_run(run_dir: str | os.PathLike[str]) -> Run:
     if not path.is_file():
         raise ForjaError(f"{path} does not exist; give a run directory that forja train wrote "
                          "with the jsonl metrics sink (metrics.sinks includes \"jsonl\")")
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == len(lines):
-                break
-            raise ForjaError(f"{path} line {number} is not JSON ({exc}); fix or remove that line") from exc
-        if isinstance(record, dict):
-            records.append(record)
+    records = read_records(path, strict=True)
     if not any("step" in r for r in records):
         raise ForjaError(f"{path} holds no metrics yet; report on it once the run has logged a step")
     return Run(name=run_name(run_dir), path=run_dir, records=records)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from forja.data import prepare, train_tokenizer
+from forja.files import read_records
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +60,7 @@ def forja_process(args: list[str], **kwargs) -> subprocess.Popen:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_records(run_dir / "metrics.jsonl", strict=True)
 
 
 def losses(run_dir: Path) -> dict[int, float]:

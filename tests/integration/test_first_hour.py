@@ -8,7 +8,6 @@ finished run (says so, appends nothing), an export readable by others (0644), an
 from __future__ import annotations
 
 import errno
-import json
 import os
 import resource
 import shutil
@@ -24,7 +23,7 @@ from forja.checkpoint.export import export_hf
 from forja.config import load_config
 from forja.data import cache_key, load_tokenizer, open_prepared, train_tokenizer
 from forja.errors import ForjaError
-from forja.files import write_atomic
+from forja.files import read_records, write_atomic
 from forja.train.finished import completed_step, finished
 
 # Six small Python files: at the default 1%, none of them hashes into validation.
@@ -85,7 +84,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_code(root / "code")
     done = train(root)
     assert done.returncode == 0, done.stdout + done.stderr
-    records = [json.loads(line) for line in (root / "runs" / "mine" / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(root / "runs" / "mine" / "metrics.jsonl", strict=True)
     assert [r["step"] for r in records if "val_loss" in r] == [1, 2]
     return root
 

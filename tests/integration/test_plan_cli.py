@@ -8,6 +8,7 @@ import json
 import pytest
 
 from forja.cli import main
+from forja.files import read_records
 
 from .conftest import train_args
 
@@ -71,7 +72,7 @@ def test_auto_writes_its_choice_and_the_run_trains_with_it(tmp_path, train_data)
     assert main(train_args(run, train_data, **{"train.steps": "2", "parallel.auto": "true"})) == 0
     chosen = json.loads((run / "plan.json").read_text())["chosen"]
     assert chosen["fits"] and chosen["layout"]["parallel.tp"] == 1
-    assert any("loss" in json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
+    assert any("loss" in r for r in read_records(run / "metrics.jsonl"))
 
 
 def test_a_run_that_cannot_fit_stops_before_allocating(tmp_path, train_data, capsys):

@@ -6,7 +6,7 @@ import pytest
 
 from forja import files
 from forja.errors import ForjaError
-from forja.files import check_writable, replace_dir, write_atomic
+from forja.files import check_writable, read_records, replace_dir, write_atomic
 
 
 def _names(folder):
@@ -162,3 +162,14 @@ def test_replace_dir_flushes_every_file_before_the_rename(tmp_path, monkeypatch)
     replace_dir(new, tmp_path / "out")
     assert {str(new / "top.bin"), str(new / "sub" / "f.txt")} <= set(synced)
     assert str(tmp_path) in synced  # the rename itself
+
+
+def test_read_records_skips_torn_lines_and_strict_names_a_bad_one_inside(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert read_records(path) == []  # no file: no records
+    path.write_text('{"step": 1}\n\n[3]\ngarbage\n{"step": 2}\n{"step": 3, "lo')
+    assert read_records(path) == [{"step": 1}, {"step": 2}]  # torn, foreign and blank lines skipped
+    with pytest.raises(ForjaError, match=r"metrics.jsonl line 3 is not JSON .*; fix or remove that line"):
+        read_records(path, strict=True)  # blank lines are not counted
+    path.write_text('{"step": 1}\n{"step": 2, "lo')
+    assert read_records(path, strict=True) == [{"step": 1}]  # a torn last line is a run that died

@@ -10,12 +10,13 @@ import torch
 from rich.console import Console
 
 from forja.errors import ForjaError
+from forja.files import read_records
 from forja.metrics.console import ConsoleSink
 from forja.metrics.sinks import JsonlSink, MetricsConfig, Sink, SinkGroup, build_sinks, tracker_key
 
 
 def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_records(path, strict=True)
 
 
 # -- config -----------------------------------------------------------------------------------
