@@ -1,15 +1,15 @@
 """Is a step healthy? Non-finite values and spikes, and what the run does about them.
 
 Every step's loss and gradient norm are checked before the optimizer steps (the engine
-calls `Health.check` as its guard, after its one host sync of the step):
+calls `Recovery.check`, this `Health.check`, as its guard, after its one host sync of the step):
 
 - a NaN or inf in either is a "nonfinite" anomaly, handled by `train.on_nonfinite`;
 - with `train.spike.action` set, a value more than `threshold` standard deviations above
   the mean of the last `window` accepted steps is a "spike" (the rolling bound OLMo-core
   skips steps by). Only upward moves count: a loss falling fast is no fault.
 
-An anomalous step never reaches the weights. Its action is then `skip` (count the step and
-go on), `stop`, or `rollback`: reload the last checkpoint and replay from there. Replay is
+An anomalous step never reaches the weights. Its action (forja/train/recovery.py takes it) is
+then `skip` (count the step and go on), `stop`, or `rollback`: reload the last checkpoint and replay from there. Replay is
 exact (data, RNG and reductions are deterministic), so the steps up to the bad one come out
 bit for bit as before (checked, and reported), and the bad step itself tells a bad batch
 (the anomaly comes back) from a transient fault (it does not). A bad batch is skipped with
