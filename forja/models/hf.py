@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from forja.errors import ForjaError
-from forja.files import replace_dir
+from forja.files import DiskFull, no_room, replace_dir
 from forja.models.common.hf_rules import HFAdapter, TensorRule
 from forja.models.common.transformer import Transformer
 from forja.models.registry import FAMILIES, build_from_args, family_of
@@ -203,7 +203,21 @@ def save_hf_checkpoint(model: Transformer, out: str | os.PathLike, *, overwrite:
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
         replace_dir(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = _out_of_room(exc)
+        if full is not None:
+            kept = "the existing export is kept whole" if out.exists() else "nothing was left behind"
+            raise DiskFull(out, full, kept=kept, fix="free some space, or export to another disk") from None
         raise
     return out
+
+
+def _out_of_room(exc: BaseException) -> OSError | None:
+    """The refused write behind `exc`: an OSError, or safetensors' own error, which carries the
+    OS error only in its text ("No space left on device (os error 28)")."""
+    found = no_room(exc)
+    code = re.search(r"\(os error (\d+)\)", str(exc))
+    if found is None and code is not None:
+        found = no_room(OSError(int(code.group(1)), os.strerror(int(code.group(1)))))
+    return found
