@@ -50,7 +50,7 @@ from forja.checkpoint.config import CheckpointConfig
 from forja.checkpoint.verify import (MANIFEST_KEY, META_FILE, complete_checkpoints, digests, newest_intact,
                                      own_files, set_aside)
 from forja.errors import ForjaError
-from forja.files import check_writable, fsync_dir, write_atomic
+from forja.files import check_writable, fsync_dir, no_room, write_atomic
 from forja.parallel.process_group import barrier, new_group
 
 # A rank's state of an async save, agreed across ranks as the minimum: all written only
@@ -177,6 +177,10 @@ class CheckpointManager:
                 dcp.save(state, checkpoint_id=str(partial))
                 files = digests(partial, own_files(partial, self.rank))
         except (OSError, CheckpointException) as exc:
+            self._abandon(partial, exc)
+        except RuntimeError as exc:  # torch.save's stream writer on a full disk: no errno, "unexpected pos"
+            if "unexpected pos" not in str(exc):
+                raise
             self._abandon(partial, exc)
         if not self.cfg.async_save:
             self._finalize(partial, meta, files)
@@ -326,5 +330,9 @@ def _reason(exc: Exception) -> str:
     if isinstance(exc, CheckpointException) and exc.failures:
         failure = next(iter(exc.failures.values()))  # a WrappedException: (exception, traceback)
         exc = failure[0] if isinstance(failure, tuple) else failure
+    if no_room(exc) is not None:
+        return "no space left on device"
     text = getattr(exc, "strerror", None) or str(exc)
+    if "unexpected pos" in text:  # PyTorch's stream writer saw a short write, not an errno
+        return "a write was cut short: no space left on device, or a file-size limit"
     return text.strip().splitlines()[-1] if text.strip() else type(exc).__name__
