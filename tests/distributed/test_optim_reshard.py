@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from forja.cli import main
-from tests.distributed.parity import COMMON, PARITY_STEPS, layout_losses, max_difference, single_process_losses
+from tests.distributed.parity import COMMON, PARITY_STEPS, SharedLayouts, max_difference, single_process_losses
 from tests.integration.conftest import losses, train_args
 
 TOL = 1e-5
@@ -27,11 +27,20 @@ OPTIMIZERS = {
 }
 
 
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory, train_data):
+    """The three FSDP 2 runs, trained one after another in one process group of 2."""
+    layouts = {name: (2, {**optim, **SAVE_AT_5, "parallel.dp_shard": "2"}) for name, optim in OPTIMIZERS.items()}
+    return SharedLayouts(tmp_path_factory, train_data, layouts)
+
+
+@pytest.mark.timeout(600)  # the first test trains the shared group
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_fsdp_matches_one_process_and_its_state_resumes_there(name, tmp_path, train_data):
-    run = tmp_path / "run"
+def test_fsdp_matches_one_process_and_its_state_resumes_there(name, tmp_path, train_data, shared_runs):
+    run = tmp_path / "run"  # a copy: it resumes
     optim = OPTIMIZERS[name]
-    fsdp = layout_losses(run, train_data, 2, **optim, **SAVE_AT_5, **{"parallel.dp_shard": "2"})
+    shutil.copytree(shared_runs.run(name, tmp_path / "alone"), run)
+    fsdp = losses(run)
     one = single_process_losses(tmp_path / "one", train_data, **optim)
     parity = max_difference(one, fsdp)
     print(f"{name}: FSDP 2 vs 1 process: max |loss diff| = {parity:.2e}")

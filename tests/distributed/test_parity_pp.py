@@ -19,7 +19,8 @@ import torch.distributed.checkpoint as dcp
 
 from forja.cli import main
 from forja.versions import torch_version
-from tests.distributed.parity import PP_COMMON, PP_TOL, UNTIED, layout_losses, max_difference, single_process_losses
+from tests.distributed.parity import (PP_COMMON, PP_TOL, UNTIED, SharedLayouts, layout_losses, max_difference,
+                                      single_process_losses)
 from tests.integration.conftest import losses, read_metrics
 
 PP2 = {**PP_COMMON, "parallel.pp": "2"}
@@ -29,6 +30,26 @@ OLD_TORCH_V = pytest.mark.skipif(torch_version() < (2, 12), reason="V schedules 
 
 def _schedule(name: str) -> dict[str, str]:
     return {"parallel.pp_schedule": f'"{name}"'}
+
+
+SCHEDULES = ["1f1b", "gpipe", "interleaved-1f1b"] + ([] if torch_version() < (2, 12) else ["zero-bubble", "dualpipev"])
+FUSED = {"model.fused_ops_overrides": "{cross_entropy=true}"}
+# The pipeline layouts train one after another in a shared process group per rank count
+# (one start-up each rather than one torchrun each); a test that resumes one copies it.
+LAYOUTS = {
+    **{f"PP 2 ({s})": (2, {**PP2, **_schedule(s)}) for s in SCHEDULES},
+    "PP 2 untied": (2, {**PP2, **UNTIED}),
+    "PP 2 fused loss": (2, {**PP2, **FUSED}),
+    "PP 2 x TP 2": (4, {**PP2, "parallel.tp": "2"}),
+    "PP 2 x FSDP 2": (4, PP2),
+}
+# The first test of a shared group trains the whole group (under a minute a layout on a busy CPU).
+GROUP_TIMEOUT = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory, train_data):
+    return SharedLayouts(tmp_path_factory, train_data, LAYOUTS)
 
 
 def _val_losses(run: Path) -> dict[int, float]:
@@ -56,42 +77,42 @@ def _stored_weights(checkpoint: Path) -> set[str]:
     return {k.removeprefix("model.") for k in keys if k.startswith("model.")}
 
 
+@GROUP_TIMEOUT
 @pytest.mark.parametrize("schedule", [
     "1f1b", "gpipe", "interleaved-1f1b",
     pytest.param("zero-bubble", marks=OLD_TORCH_V), pytest.param("dualpipev", marks=OLD_TORCH_V),
 ])
-def test_pp2_schedule_matches_single_process(schedule, tmp_path, train_data, pp_reference_run):
+def test_pp2_schedule_matches_single_process(schedule, tmp_path, pp_reference_run, shared_runs):
     # 8 sequences in micro-batches of 2: 4 microbatches over 2 (or 4, two per rank) stages.
     # 1f1b, gpipe, interleaved: the tied copies live on two ranks; V schedules: both on rank 0.
-    run = tmp_path / "run"
-    layout_losses(run, train_data, 2, **PP2, **_schedule(schedule))
+    run = shared_runs.run(f"PP 2 ({schedule})", tmp_path / "run")
     _check(f"PP 2 ({schedule}), tied", pp_reference_run, run)
     stored = _stored_weights(run / "checkpoints" / "step-00000010")
     assert "tok_embeddings.weight" in stored and "output.weight" not in stored  # one tensor, as one process
     assert stored == _stored_weights(pp_reference_run / "checkpoints" / "step-00000010")
 
 
-def test_pp2_untied_matches_single_process(tmp_path, train_data):
+@GROUP_TIMEOUT
+def test_pp2_untied_matches_single_process(tmp_path, train_data, shared_runs):
     reference = tmp_path / "reference"
     single_process_losses(reference, train_data, **PP_COMMON, **UNTIED)
-    layout_losses(tmp_path / "run", train_data, 2, **PP2, **UNTIED)
-    _check("PP 2 (1f1b), untied", reference, tmp_path / "run")
-    assert "output.weight" in _stored_weights(tmp_path / "run" / "checkpoints" / "step-00000010")
+    run = shared_runs.run("PP 2 untied", tmp_path / "run")
+    _check("PP 2 (1f1b), untied", reference, run)
+    assert "output.weight" in _stored_weights(run / "checkpoints" / "step-00000010")
 
 
-def test_pp2_computes_the_fused_loss_on_the_last_stage(tmp_path, train_data):
-    fused = {"model.fused_ops_overrides": "{cross_entropy=true}"}
+@GROUP_TIMEOUT
+def test_pp2_computes_the_fused_loss_on_the_last_stage(tmp_path, train_data, shared_runs):
     reference = tmp_path / "reference"
-    single_process_losses(reference, train_data, **PP_COMMON, **fused)
-    layout_losses(tmp_path / "run", train_data, 2, **PP2, **fused)
-    _check("PP 2 (1f1b) + fused cross-entropy", reference, tmp_path / "run")
+    single_process_losses(reference, train_data, **PP_COMMON, **FUSED)
+    _check("PP 2 (1f1b) + fused cross-entropy", reference, shared_runs.run("PP 2 fused loss", tmp_path / "run"))
 
 
-def test_pp2_x_tp2_matches_single_process(tmp_path, train_data, pp_reference_run):
+@GROUP_TIMEOUT
+def test_pp2_x_tp2_matches_single_process(tmp_path, pp_reference_run, shared_runs):
     # Sequence parallelism (the default) hands later stages a (B, T/tp, dim) slice, and the
     # tied copies are split over the vocabulary on both ends.
-    layout_losses(tmp_path / "run", train_data, 4, **PP2, **{"parallel.tp": "2"})
-    _check("PP 2 x TP 2 (1f1b, SP), tied", pp_reference_run, tmp_path / "run")
+    _check("PP 2 x TP 2 (1f1b, SP), tied", pp_reference_run, shared_runs.run("PP 2 x TP 2", tmp_path / "run"))
 
 
 def _resume_from_step_5(run: Path, data: Path, nproc: int, **changes: str) -> None:
@@ -103,9 +124,11 @@ def _resume_from_step_5(run: Path, data: Path, nproc: int, **changes: str) -> No
     assert relogged[5] == logged[5] and relogged[6] != logged[6]  # it resumed at step 5
 
 
-def test_pp2_x_fsdp2_matches_resumes_under_fsdp4_and_exports_tied(tmp_path, train_data, pp_reference_run):
-    run = tmp_path / "run"
-    layout_losses(run, train_data, 4, **PP2)  # pp 2 x dp_shard 2, 1f1b
+@GROUP_TIMEOUT
+def test_pp2_x_fsdp2_matches_resumes_under_fsdp4_and_exports_tied(tmp_path, train_data, pp_reference_run,
+                                                                   shared_runs):
+    run = tmp_path / "run"  # pp 2 x dp_shard 2, 1f1b; a copy, since it resumes
+    shutil.copytree(shared_runs.run("PP 2 x FSDP 2", tmp_path / "alone"), run)
     _check("PP 2 x FSDP 2 (1f1b), tied", pp_reference_run, run, validation=False)
     _resume_from_step_5(run, train_data, 4, **PP_COMMON)
     _check("PP 2 x FSDP 2 -> FSDP 4 from step 5", pp_reference_run, run, validation=False)
