@@ -275,12 +275,16 @@ def _tp_run(rank: int, world: int) -> list:
     from torch.distributed.device_mesh import init_device_mesh
 
     from forja.models.deepseek_v3.parallelize import deepseek_v3_tp_plan
+    from forja.parallel.ep import apply_ep
     from forja.parallel.tp import apply_tp
 
     mesh, out = init_device_mesh("cpu", (world,)), []
     for sequence_parallel, q_lora_rank in _TP_CASES:
         model = build_model("deepseek_v3", "debug", seed=0, q_lora_rank=q_lora_rank)
         apply_tp(model, mesh, deepseek_v3_tp_plan(model.args, sequence_parallel))
+        # As forja/parallel/parallelize.py does: the TP ranks split an MoE layer's tokens, so
+        # its routed experts are spread over them (each expert's gradient whole on its rank).
+        apply_ep(model, mesh)
         out.append(_loss_and_grads(model, world))
     return out
 
