@@ -109,28 +109,24 @@ def shared_layout_runs(root: Path, data: Path, nproc: int, layouts: dict[str, di
 
 class SharedLayouts:
     """Layouts (name -> (nproc, changes)) trained in shared process groups, one group per
-    rank count (compiled layouts in one of their own), each when one of its layouts is first
-    asked for: one start-up a group rather than one torchrun a layout. Tests only read the
-    runs they get (a test that changes one copies it first)."""
+    rank count, each when one of its layouts is first asked for: one start-up a group rather
+    than one torchrun a layout. Compiled layouts train after the eager ones of their group.
+    Tests only read the runs they get (a test that changes one copies it first)."""
 
     def __init__(self, tmp_path_factory, data: Path, layouts: dict[str, tuple[int, dict[str, str]]]):
         self.factory, self.data, self.layouts = tmp_path_factory, data, layouts
-        self.groups: dict[tuple[int, bool], dict[str, Path]] = {}
-
-    def _group(self, name: str) -> tuple[int, bool]:
-        nproc, changes = self.layouts[name]
-        return nproc, changes.get("parallel.compile") == "true"
+        self.groups: dict[int, dict[str, Path]] = {}
 
     def run(self, name: str, alone: Path) -> Path:
         """The layout's run directory from its shared group, or, where it failed there,
         `alone` after training it there alone under torchrun."""
-        group = self._group(name)
-        if group not in self.groups:
-            members = {n: self.layouts[n][1] for n in self.layouts if self._group(n) == group}
-            root = self.factory.mktemp(f"layouts-{group[0]}{'-compile' if group[1] else ''}")
-            self.groups[group] = shared_layout_runs(root, self.data, group[0], members)
-        if name in self.groups[group]:
-            return self.groups[group][name]
         nproc, changes = self.layouts[name]
+        if nproc not in self.groups:
+            members = [n for n in self.layouts if self.layouts[n][0] == nproc]
+            members.sort(key=lambda n: self.layouts[n][1].get("parallel.compile") == "true")  # stable: eager first
+            root = self.factory.mktemp(f"layouts-{nproc}")
+            self.groups[nproc] = shared_layout_runs(root, self.data, nproc, {n: self.layouts[n][1] for n in members})
+        if name in self.groups[nproc]:
+            return self.groups[nproc][name]
         layout_losses(alone, self.data, nproc, **changes)
         return alone

@@ -42,7 +42,7 @@ LAYOUTS = {
 BF16 = {**FSDP2, "parallel.mixed_precision": '"bf16"'}
 SAVE_AT_5 = {"checkpoint.interval": "5", "checkpoint.keep": "0"}
 # The layouts train one after another in a few shared process groups (one start-up each
-# rather than one torchrun each): by rank count, compiled ones apart; FSDP 2 saving at step 5
+# rather than one torchrun each): one a rank count, compiled ones last; FSDP 2 saving at step 5
 # is the run the resharding tests resume from (each a copy).
 SHARED = {**LAYOUTS, "FSDP 2 + bf16": (2, BF16), "FSDP 2, saved at step 5": (2, {**FSDP2, **SAVE_AT_5})}
 
