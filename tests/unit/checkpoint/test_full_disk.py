@@ -5,8 +5,7 @@ so the writes fail as on a full disk (PyTorch's stream writer reports only 'unex
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from tests.helpers import child_stdout
 
 CHILD = """
 import resource, signal, sys
@@ -31,9 +30,7 @@ except ForjaError as exc:
 
 def test_a_checkpoint_on_a_full_disk_says_so_and_keeps_the_previous(tmp_path):
     folder = tmp_path / "checkpoints"
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(folder)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    out = child_stdout(CHILD, str(folder))
     assert out.startswith("ForjaError: could not write checkpoint step-00000002"), out
     assert "no space left on device" in out and "step-00000001 is intact" in out, out
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000001"]

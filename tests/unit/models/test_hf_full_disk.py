@@ -4,8 +4,7 @@ the weights, with SIGXFSZ ignored, so safetensors' write fails with EFBIG as on 
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from tests.helpers import child_stdout
 
 CHILD = """
 import resource, signal, sys
@@ -23,8 +22,7 @@ except ForjaError as exc:
 
 def test_an_export_onto_a_full_disk_says_so_and_leaves_nothing(tmp_path):
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(out)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith(f"ForjaError: no space left on device writing {out}"), proc.stdout
-    assert "nothing was left behind" in proc.stdout
+    printed = child_stdout(CHILD, str(out))
+    assert printed.startswith(f"ForjaError: no space left on device writing {out}"), printed
+    assert "nothing was left behind" in printed
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no export, no temporary directory
