@@ -53,6 +53,18 @@ class Run:
             getattr(self, name).extend(getattr(other, name))
 
 
+def model_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of the checkpointed model and batch (what `build` reads), and --dir."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32_000)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--dir", default=None, help="where the temporary checkpoint folder goes (default: the system's)")
+    return p
+
+
 def build(args: argparse.Namespace):
     model = build_model("llama", "tiny", seed=0, dim=args.dim, n_layers=args.layers, ffn_dim=3 * args.dim,
                         vocab_size=args.vocab)
@@ -124,16 +136,10 @@ def report(args: argparse.Namespace, n_params: int, sync: Run, asyn: Run, load: 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32_000)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=64)
+    p = model_parser(__doc__)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--interval", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--dir", default=None, help="where the temporary checkpoint folder goes (default: the system's)")
     args = p.parse_args()
     init_distributed("cpu")
     try:

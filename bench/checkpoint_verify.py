@@ -15,7 +15,6 @@ Reports the median, over rounds, of
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import forja.checkpoint.manager as manager_module  # noqa: E402
-from async_checkpoint import build, train_step  # noqa: E402
+from async_checkpoint import build, model_parser, train_step  # noqa: E402
 from forja.checkpoint.config import CheckpointConfig  # noqa: E402
 from forja.checkpoint.manager import CheckpointManager  # noqa: E402
 from forja.checkpoint.states import ModelState, OptimizerState  # noqa: E402
@@ -68,14 +67,8 @@ def timed(fn) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32_000)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=64)
+    p = model_parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dir", default=None, help="where the temporary checkpoint folder goes (default: the system's)")
     args = p.parse_args()
     init_distributed("cpu")
     try:

@@ -42,11 +42,18 @@ class DistInfo:
     program's group (a test, a notebook training several runs) outlives each run."""
 
 
-def pick_device(choice: str, local_rank: int) -> torch.device:
+def device_type(choice: str) -> str:
+    """"cuda" or "cpu": what train.device = `choice` runs on here (no device is touched)."""
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
+        return "cpu"
     if not torch.cuda.is_available():
         raise ForjaError("train.device = 'cuda' but PyTorch sees no CUDA GPU; use train.device = 'auto' or 'cpu'")
+    return "cuda"
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if device_type(choice) == "cpu":
+        return torch.device("cpu")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 

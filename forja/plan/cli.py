@@ -84,9 +84,14 @@ def _run_cli(args: argparse.Namespace) -> int:
     return 0
 
 
+def set_items(layout) -> list[str]:
+    """The `--set` values (KEY=VALUE) that select `layout` in forja train."""
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in layout.overrides().items()]
+
+
 def set_line(layout) -> str:
     """The `--set` arguments that select `layout` in forja train."""
-    return " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in layout.overrides().items())
+    return " ".join(f"--set {item}" for item in set_items(layout))
 
 
 def print_plan(candidates, hw, gpus: int, top: int, job, console: Console | None = None) -> None:

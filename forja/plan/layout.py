@@ -155,14 +155,12 @@ class SearchSpace:
     pp_schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b", "zero-bubble")
     allow_cp: bool = True
     allow_offload: bool = True
-    degrees: tuple[tuple[str, int], ...] = ()
-    """Degrees held fixed, e.g. (("tp", 8), ("pp", 4)): only the rest is searched."""
     fixed: tuple[tuple[str, Any], ...] = ()
     """Any Layout keys held fixed (a partial `forja plan --layout`), degrees or options alike,
     e.g. (("dp_shard", 8), ("ac", "full")): the search varies only the others."""
 
     def allows(self, **values: Any) -> bool:
-        return all(values.get(k, v) == v for k, v in self.degrees + self.fixed)
+        return all(values.get(k, v) == v for k, v in self.fixed)
 
     def options(self) -> dict[str, Any]:
         """The fixed keys that are not degrees nor searched lists: applied to every layout."""
@@ -200,7 +198,7 @@ def _layouts(world: int, n_layers: int, n_heads: int, n_kv_heads: int, n_experts
              seq_len: int, space: SearchSpace) -> Iterator[Layout]:
     # TP shards whole heads and whole KV heads (forja does not replicate KV heads over TP ranks).
     tps = [t for t in divisors(min(world, space.max_tp, space.gpus_per_node)) if n_heads % t == 0 and n_kv_heads % t == 0]
-    held = dict(space.degrees + space.fixed).get("tp")
+    held = dict(space.fixed).get("tp")
     if held is not None and world % held == 0:
         tps = [held]  # a TP degree the user holds is judged (and refused, if so) by the validator, with its reason
     for tp, pp in itertools.product(tps, divisors(world)):

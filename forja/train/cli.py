@@ -103,15 +103,10 @@ def launcher_preflight(cfg, *, nproc: int, nnodes: int) -> None:
     one sentence (exit code 2), not once per rank inside torchrun's traceback, and leaves no
     run directory or restart behind. The workers run it again (it writes nothing) and also
     check the GPU's memory where nvidia-smi could not tell it here."""
-    import torch
-
+    from forja.parallel.process_group import device_type
     from forja.train.preflight import Preflight
 
-    choice = cfg.train.device
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ForjaError("train.device = 'cuda' but PyTorch sees no CUDA GPU; use train.device = 'auto' or 'cpu'")
-    cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
-    Preflight(cfg, world_size=nproc * nnodes, device_type="cuda" if cuda else "cpu", ranks_here=nproc,
+    Preflight(cfg, world_size=nproc * nnodes, device_type=device_type(cfg.train.device), ranks_here=nproc,
               in_worker=False).run()
 
 

@@ -72,10 +72,10 @@ def _check_sources(spec: str) -> None:
             raise ForjaError(f"data.path: {exc}; or give a directory written by `forja prepare`") from None
 
 
-def check_data(cfg: Config) -> int:
+def check_data(cfg: Config) -> Tokenizer | None:
     """The preflight's data checks, before any work on the data: the source exists, a given
-    tokenizer exists. Returns the vocabulary the model will have: the tokenizer's when it
-    exists, else data.vocab_size (the size a tokenizer is trained to)."""
+    tokenizer exists. Returns the run's tokenizer when it exists already (None: it is trained
+    on first use, to data.vocab_size tokens)."""
     path = Path(cfg.data.path).expanduser()
     prepared = _is_prepared(path)
     if not prepared:
@@ -84,21 +84,18 @@ def check_data(cfg: Config) -> int:
     if cfg.data.tokenizer is not None and not tok_path.is_file():
         raise ForjaError(f"data.tokenizer {tok_path} does not exist; give the tokenizer.json the data was "
                          "prepared with, or leave data.tokenizer unset to train one")
-    if not tok_path.is_file():
-        return cfg.data.vocab_size
-    return load_tokenizer(tok_path).vocab_size
+    return load_tokenizer(tok_path) if tok_path.is_file() else None
 
 
-def check_splits(cfg: Config) -> None:
+def check_splits(cfg: Config, tokenizer: Tokenizer | None) -> None:
     """Prepared data opens with its tokenizer (the fingerprints agree), and each split the run
     reads holds at least one sample of train.seq_len + 1 tokens. (A source string is checked
     when it is prepared: forja/data keeps a validation document whenever there are two.)"""
     from forja.data.loader import Samples, as_mixture
 
-    path = Path(cfg.data.path).expanduser()
-    if not _is_prepared(path):
-        return
-    dataset = open_dataset(cfg.data.path, load_tokenizer(_tokenizer_path(cfg, path)))
+    if tokenizer is None or not _is_prepared(Path(cfg.data.path).expanduser()):
+        return  # prepared data always has its tokenizer (check_data stops otherwise)
+    dataset = open_dataset(cfg.data.path, tokenizer)
     t = cfg.train
     splits = ["train"] + (["val"] if t.val_interval > 0 and t.val_batches > 0 else [])
     for split in splits:

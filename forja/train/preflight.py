@@ -113,8 +113,8 @@ class Preflight:
         """Every check; raises the first failure as one ForjaError. Writes nothing."""
         RunDir(self.cfg, rank=self.rank).check()
         check_tasks(self.cfg.eval.tasks)
-        vocab_size = check_data(self.cfg)
-        self.args = run_model_args(self.cfg.model, vocab_size)
+        tokenizer = check_data(self.cfg)
+        self.args = run_model_args(self.cfg.model, tokenizer.vocab_size if tokenizer else self.cfg.data.vocab_size)
         hw = self.hw = device_hardware(self.device_type, ranks_here=self.ranks_here, in_worker=self.in_worker)
         if self.cfg.parallel.auto:
             self.cfg = self._auto_layout(hw)
@@ -124,7 +124,7 @@ class Preflight:
                          self.cfg.train.float8_min_features)
         if hw is not None:
             self._check_memory(hw)
-        check_splits(self.cfg)
+        check_splits(self.cfg, tokenizer)
         return self
 
     def job(self, hw: Hardware) -> Job:

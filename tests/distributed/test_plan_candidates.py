@@ -14,6 +14,8 @@ from forja.config import load_config
 from forja.data import load_tokenizer
 from forja.models.config import run_model_args
 from forja.plan import job_from_config
+from forja.plan.cli import set_items
+from forja.plan.layout import Layout
 from forja.plan.planner import plan
 from forja.testing import run_distributed
 from forja.train.preflight import device_hardware
@@ -25,30 +27,27 @@ SETS = {"train.steps": "2", "train.val_interval": "0", "train.sample_tokens": "0
 MODELS = {"llama": {}, "moe": {"model.family": '"qwen3"', "model.flavor": '"debug-moe"'}}
 
 
-def _overrides(run, data, model: str, layout: dict | None = None) -> list[str]:
-    sets = {**SETS, **MODELS[model]}
-    for key, value in (layout or {}).items():
-        sets[key] = str(value).lower() if isinstance(value, bool) else (f'"{value}"' if isinstance(value, str)
-                                                                         else str(value))
-    return base_overrides(run, data, **sets)
+def _overrides(run, data, model: str, layout: Layout | None = None) -> list[str]:
+    """The run's --set values, then the candidate's --set line as forja plan prints it."""
+    return base_overrides(run, data, **SETS, **MODELS[model]) + (set_items(layout) if layout else [])
 
 
-def _kinds(layout: dict) -> tuple:
-    kinds = tuple(k for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep") if layout[f"parallel.{k}"] > 1)
+def _kinds(layout: Layout) -> tuple:
+    kinds = tuple(k for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep") if getattr(layout, k) > 1)
     # Every schedule under TP x PP (where MoE once crashed in the optimizer step), else one per combination.
-    return kinds + ((layout["parallel.pp_schedule"],) if {"tp", "pp"} <= set(kinds) else ())
+    return kinds + ((layout.pp_schedule,) if {"tp", "pp"} <= set(kinds) else ())
 
 
-def candidates(data, tmp_path, model: str) -> list[dict]:
+def candidates(data, tmp_path, model: str) -> list[Layout]:
     """The first fitting candidate of each combination of parallelisms (and schedule), as
     `forja plan` ranks them for this run on 4 CPU ranks."""
     cfg = load_config("debug", _overrides(tmp_path / "plan", data, model))
     args = run_model_args(cfg.model, load_tokenizer(data / "tokenizer.json").vocab_size)
     ranked = plan(job_from_config(cfg, gpu=False, args=args), device_hardware("cpu", ranks_here=WORLD), WORLD)
-    chosen: dict[tuple, dict] = {}
+    chosen: dict[tuple, Layout] = {}
     for c in ranked:
         if c.fits:
-            chosen.setdefault(_kinds(c.layout.overrides()), c.layout.overrides())
+            chosen.setdefault(_kinds(c.layout), c.layout)
     return list(chosen.values())
 
 

@@ -17,7 +17,6 @@ from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.optim.config import OptimConfig, ScheduleConfig
 from forja.optim.qk_clip import clip_factors, row_factors, scale_rows
 from forja.parallel import ParallelConfig, ParallelDims
-from forja.parallel.process_group import init_distributed, shutdown_distributed
 from forja.train.attention_logits import head_rows
 from forja.train.build import build_model_parts
 from forja.train.engine import build_engine
@@ -137,19 +136,9 @@ def test_a_train_run_logs_the_max_logit_and_clips(tmp_path, train_data):  # noqa
     assert rows[1]["attn/max_logit"] < rows[0]["attn/max_logit"]
 
 
-@pytest.fixture
-def one_process_dims():
-    init_distributed("cpu")
-    dims = ParallelDims.from_config(ParallelConfig(), 1)
-    dims.build_mesh("cpu")
-    yield dims
-    shutdown_distributed()
-
-
-def test_after_an_engine_step_with_a_tiny_tau_the_next_forward_stays_below_it(one_process_dims):
+def test_after_an_engine_step_with_a_tiny_tau_the_next_forward_stays_below_it(dims):
     from tests.unit.train.test_engine import _batches
 
-    dims = one_process_dims
     parts = build_model_parts(model_args("llama", "debug", n_layers=2), dims, ParallelConfig(),
                               device=torch.device("cpu"), seed=0).parts
     # lr 1e-12: the weights move by the clip alone, so the next forward on the same batch is exact.

@@ -18,6 +18,7 @@ from forja.models.config import run_model_args
 from forja.parallel.checks import layout_errors
 from forja.parallel.config import PP_SCHEDULES
 from forja.plan import get_hardware, job_from_config
+from forja.plan.cli import set_items  # the --set line forja plan prints
 from forja.plan.planner import default_space, plan
 from forja.train.preflight import layout_request, with_layout
 
@@ -35,13 +36,8 @@ JOBS = {
 WORLDS = {"h100": (16,), "cpu": (4,)}
 
 
-def _set_line(layout) -> list[str]:
-    """The candidate's `--set` items as forja plan prints them (forja/plan/cli.py)."""
-    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in layout.overrides().items()]
-
-
 def _train_errors(recipe: str, overrides: list[str], layout, world: int, device_type: str) -> list[str]:
-    cfg = load_config(recipe, overrides + _set_line(layout))
+    cfg = load_config(recipe, overrides + set_items(layout))
     args = run_model_args(cfg.model, cfg.data.vocab_size)
     return layout_errors(layout_request(cfg, args, world, device_type))
 

@@ -1,4 +1,4 @@
-"""Fixtures of the train unit tests."""
+"""Fixtures shared by the unit tests."""
 
 import pytest
 
@@ -9,7 +9,7 @@ from forja.parallel.process_group import init_distributed, shutdown_distributed
 
 @pytest.fixture
 def dims():
-    """The mesh of one CPU process, as the engine tests build their engine on."""
+    """The mesh of one CPU process, as the engine tests (train, optim) build their engine on."""
     init_distributed("cpu")
     dims = ParallelDims.from_config(ParallelConfig(), 1)
     dims.build_mesh("cpu")
