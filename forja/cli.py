@@ -17,7 +17,7 @@ from forja.errors import ForjaError
 # subcommand -> "module:function" that adds its parser. The function sets `func` on
 # its parser; `func(args)` returns an exit code.
 _COMMANDS = {
-    "train": "forja.train.cli:add_cli",
+    "train": "forja.train.launch.cli:add_cli",
     "tokenizer": "forja.data.cli:add_tokenizer_cli",
     "prepare": "forja.data.cli:add_prepare_cli",
     "generate": "forja.generate:add_cli",

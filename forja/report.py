@@ -5,7 +5,7 @@ runs overlaid: loss.png (training loss, and validation loss dashed, on the same 
 lr.png, tokens_per_sec.png and grad_norm.png. Then prints one summary row per run. The
 charts go to the run directory for one run, to ./report for several, or to --out.
 
-A mixture-of-experts run (its log holds the `moe/...` keys of forja/train/experts.py) also
+A mixture-of-experts run (its log holds the `moe/...` keys of forja/train/step/experts.py) also
 gets expert_load.png, one panel each: the busiest expert's load over the mean and the load's
 coefficient of variation; the CV of every MoE layer; and, when non-zero, the share of
 token-slots dropped and the router losses. An "expert load" table then summarizes them. A run with downstream evaluation in the loop

@@ -94,7 +94,7 @@ class MetricsConfig:
     """Directory of the Comet offline archives; None is <run_dir>/comet."""
     straggler_factor: float = 1.5
     """A rank busier than this many times the median rank is named as a straggler in the log, checked
-    every interval (forja/train/stragglers.py); 0 turns it off."""
+    every interval (forja/train/resilience/stragglers.py); 0 turns it off."""
     peak_tflops: float | None = None
     """Dense peak TFLOP/s of one device, for MFU on hardware the built-in table does not know
     (or to override it); None uses the table, and no MFU where the table has no entry."""

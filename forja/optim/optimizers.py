@@ -132,7 +132,7 @@ class OptimizerGroup:
     """
 
     def __init__(self, parts: list[nn.Module], cfg: OptimConfig):
-        self.parts, self.cfg = parts, cfg  # cfg: also read around the step (QK-clip, train/attention_logits.py)
+        self.parts, self.cfg = parts, cfg  # cfg: also read around the step (QK-clip, train/step/attention_logits.py)
         self.optimizers = [build_optimizer(part, cfg) for part in parts]
 
     def step(self) -> None:

@@ -14,7 +14,7 @@ head is multiplied by gamma_h, its max falling to tau:
   shared by several query heads is left alone and each query head takes the whole gamma_h,
   so no head below tau is touched.
 
-This module knows rows and factors, not models: forja/train/attention_logits.py says which
+This module knows rows and factors, not models: forja/train/step/attention_logits.py says which
 rows of which weight belong to which head ("segments") and hands over the step's maxima.
 """
 

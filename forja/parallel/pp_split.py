@@ -9,7 +9,7 @@ the final norm and the output projection to the last. A model that ties its outp
 projection to the embedding keeps the tie inside a stage that holds both (a V schedule's
 rank 0 holds both ends, but as two parts); otherwise the last stage's `output.weight`
 becomes its own copy of the embedding, which `Transformer.tied_parameters` names so that
-it is initialized, checkpointed and kept equal as the embedding (see train/engine.py).
+it is initialized, checkpointed and kept equal as the embedding (see train/step/engine.py).
 
 Stages per rank: one for gpipe and 1f1b; two for interleaved-1f1b (rank r runs stages r
 and r + pp, a loop) and for the V-shaped zero-bubble (ZBV) and dualpipev (rank r runs

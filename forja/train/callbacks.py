@@ -23,8 +23,8 @@ from forja.checkpoint.states import TrainerCounters
 from forja.config import Config
 from forja.metrics.throughput import Throughput, memory_stats, peak_flops
 from forja.parallel import ParallelDims
-from forja.train.run_dir import report_fallbacks
-from forja.train.stragglers import stragglers
+from forja.train.launch.run_dir import report_fallbacks
+from forja.train.resilience.stragglers import stragglers
 
 
 @dataclass
@@ -195,7 +195,7 @@ class PreemptionCallback(Callback):
 
 
 class StragglerCallback(Callback):
-    """Names the ranks that make the others wait (forja/train/stragglers.py says how)."""
+    """Names the ranks that make the others wait (forja/train/resilience/stragglers.py says how)."""
 
     def __init__(self, *, interval: int, factor: float):
         self.interval, self.factor = max(1, interval), factor

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from forja.errors import ForjaError
-from forja.train.drills import parse_drill
+from forja.train.resilience.drills import parse_drill
 
 
 @dataclass(kw_only=True)
@@ -27,7 +27,7 @@ SPIKE_METRICS = ("loss", "grad_norm")
 
 @dataclass(kw_only=True)
 class SpikeConfig:
-    """[train.spike]: a loss or gradient norm far above its recent values (forja/train/health.py)."""
+    """[train.spike]: a loss or gradient norm far above its recent values (forja/train/resilience/health.py)."""
 
     action: Literal["off", "skip", "rollback", "stop"] = "off"
     """What a spike does: off (not watched), skip the optimizer step, rollback to the last checkpoint
@@ -80,7 +80,7 @@ class DebugConfig:
 
     inject: list[str] = field(default_factory=list)
     """Faults to inject, each KIND@STEP[:rank=R][:repeat][:seconds=S] with KIND nan, spike, kill, hang
-    or slow (forja/train/drills.py); empty: none."""
+    or slow (forja/train/resilience/drills.py); empty: none."""
 
     def __post_init__(self) -> None:
         for spec in self.inject:

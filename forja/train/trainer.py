@@ -2,7 +2,7 @@
 
     for each step: take a global batch -> the engine's train_step (forward/backward with
     accumulation, clip, optimizer and schedule step) -> recovery's verdict on it (go on,
-    skipped, rolled back: forja/train/recovery.py); validate and checkpoint at their
+    skipped, rolled back: forja/train/resilience/recovery.py); validate and checkpoint at their
     intervals.
 
 Setup follows one order on every layout: process group and mesh, run directory, data,
@@ -39,17 +39,17 @@ from forja.parallel.process_group import init_distributed, shutdown_distributed,
 from forja.train.build import build_model_parts
 from forja.train.callbacks import Callback, StepRecord, default_callbacks
 from forja.train.data import data, loaders
-from forja.train.drills import Drills, loss_factor
-from forja.train.engine import StepScales, build_engine
+from forja.train.resilience.drills import Drills, loss_factor
+from forja.train.step.engine import StepScales, build_engine
 from forja.train.evaluation import EvalCallback
-from forja.train.finished import finished
-from forja.train.goodput import Goodput
-from forja.train.preflight import Preflight, layout_request
+from forja.train.launch.finished import finished
+from forja.train.resilience.goodput import Goodput
+from forja.train.launch.preflight import Preflight, layout_request
 from forja.train.probes import ActivationSizes
-from forja.train.recovery import Outcome, Recovery
-from forja.train.run_dir import RunDir, report_fallbacks
-from forja.train.scaler import current_scale, loss_scaler
-from forja.train.watchdog import Watchdog, grace_s
+from forja.train.resilience.recovery import Outcome, Recovery
+from forja.train.launch.run_dir import RunDir, report_fallbacks
+from forja.train.step.scaler import current_scale, loss_scaler
+from forja.train.resilience.watchdog import Watchdog, grace_s
 
 
 class Trainer:
@@ -182,11 +182,11 @@ class Trainer:
         if self._should_stop():
             self.loader.rewind_step()  # not taken: a resume must train on it
             return False
-        sync_wait = time.perf_counter() - agreed  # waiting for slower ranks (forja/train/stragglers.py)
+        sync_wait = time.perf_counter() - agreed  # waiting for slower ranks (forja/train/resilience/stragglers.py)
         scales = StepScales(loss=current_scale(self.engine.scaler), fault=loss_factor(fault),
                             lr=self.recovery.lr_scale(step))
         out = self.engine.train_step(batches, guard=self.recovery.check, scales=scales)
-        # Skip, roll back or stop on an anomaly (forja/train/recovery.py).
+        # Skip, roll back or stop on an anomaly (forja/train/resilience/recovery.py).
         if self.recovery.step(step, out) is Outcome.ROLLED_BACK:
             return True  # the counters are the checkpoint's now
         self.counters.step = step
@@ -323,7 +323,7 @@ class Trainer:
         """setup + fit, always releasing the callbacks, sinks, loaders and process group. A
         collective that timed out (another rank hung or died) stops with a sentence naming
         parallel.timeout_s instead of a backend traceback."""
-        if finished(self.cfg):  # train.steps reached: say so, append nothing (forja/train/finished.py)
+        if finished(self.cfg):  # train.steps reached: say so, append nothing (forja/train/launch/finished.py)
             return
         try:
             self.setup()

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from forja.testing import stop_launchers
-from forja.train.watchdog import grace_s
+from forja.train.resilience.watchdog import grace_s
 from tests.distributed.parity import COMMON
 from tests.integration.conftest import forja_process, losses, read_metrics, train_args
 

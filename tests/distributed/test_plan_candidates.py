@@ -18,7 +18,7 @@ from forja.plan.cli import set_items
 from forja.plan.layout import Layout
 from forja.plan.planner import plan
 from forja.testing import run_distributed
-from forja.train.preflight import device_hardware
+from forja.train.launch.preflight import device_hardware
 from tests.integration.conftest import base_overrides, losses
 
 WORLD = 4

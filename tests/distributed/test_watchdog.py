@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from forja.testing import free_port
-from forja.train.watchdog import EXIT_HANG, Watchdog, grace_s
+from forja.train.resilience.watchdog import EXIT_HANG, Watchdog, grace_s
 
 WATCHDOG_S = 1.0
 PG_TIMEOUT_S = 20.0  # far beyond the watchdog: the collective must not be what ends the ranks

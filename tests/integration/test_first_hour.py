@@ -24,7 +24,7 @@ from forja.config import load_config
 from forja.data import cache_key, load_tokenizer, open_prepared, train_tokenizer
 from forja.errors import ForjaError
 from forja.files import read_records, write_atomic
-from forja.train.finished import completed_step, finished
+from forja.train.launch.finished import completed_step, finished
 
 # Six small Python files: at the default 1%, none of them hashes into validation.
 FILES = {f"m{i}.py": "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(4 + i))

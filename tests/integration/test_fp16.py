@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from forja.cli import main
-from forja.train.scaler import LossScaler
+from forja.train.step.scaler import LossScaler
 
 from .conftest import forja_process, read_metrics, train_args
 

@@ -81,7 +81,7 @@ def test_the_default_recipe_runs_on_two_ranks_as_written():
     from forja.config import load_config
     from forja.models.config import run_model_args
     from forja.parallel.checks import layout_errors
-    from forja.train.preflight import layout_request
+    from forja.train.launch.preflight import layout_request
 
     cfg = load_config("default", [])
     args = run_model_args(cfg.model, cfg.data.vocab_size)

@@ -93,7 +93,7 @@ def test_report_needs_a_run_dir(capsys):
 
 
 def write_moe_run(run_dir, *, steps=5, layers=(1, 2, 3), dropped=0.0, aux=0.0):
-    """A run with the expert-load metrics forja/train/experts.py logs (every record also
+    """A run with the expert-load metrics forja/train/step/experts.py logs (every record also
     has the dense keys)."""
     sink = JsonlSink(run_dir)
     sink.start(total_steps=steps * 10, start_step=0)

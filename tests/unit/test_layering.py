@@ -143,7 +143,7 @@ def test_no_import_cycles_between_modules():
 @pytest.mark.parametrize(("importer", "imported"), [
     ("forja.models.llama.model", "forja.parallel.fsdp"),
     ("forja.ops.rope", "forja.models.common.rope"),
-    ("forja.parallel.pp", "forja.train.engine"),
+    ("forja.parallel.pp", "forja.train.step.engine"),
     ("forja.data.loader", "forja.models"),
     ("forja.checkpoint.manager", "forja.train.trainer"),
     ("forja.config", "forja.train.trainer"),

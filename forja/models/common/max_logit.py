@@ -1,7 +1,7 @@
 """The largest attention logit of each head, kept by attention modules for QK-clip.
 
 SDPA and FlexAttention never return their scores, so when asked (`track_max_logit`, set by
-forja/train/attention_logits.py for optim.qk_clip_tau or optim.max_logit_metric) an attention
+forja/train/step/attention_logits.py for optim.qk_clip_tau or optim.max_logit_metric) an attention
 module recomputes max(q . k) * scale per head under no_grad, a chunk of queries at a time,
 honouring its mask (causal, documents, sliding window; a FlexAttention block mask through its
 mask_mod). This costs one more q k^T product per layer, only while it is on. `mask` is an
@@ -56,7 +56,7 @@ def _allowed(mask, B: int, start: int, end: int, Tq: int, Tk: int,
 class MaxLogitTracking:
     """Keeps the per-head max attention logit of the training forwards since the last
     `take_max_logit` when `track_max_logit` is set (QK-clip and the attn/max_logit metric:
-    forja/train/attention_logits.py sets the flag). Heads are this module's: under tensor
+    forja/train/step/attention_logits.py sets the flag). Heads are this module's: under tensor
     parallelism, this rank's."""
 
     track_max_logit: bool = False

@@ -17,9 +17,9 @@ from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.optim.config import OptimConfig, ScheduleConfig
 from forja.optim.qk_clip import clip_factors, row_factors, scale_rows
 from forja.parallel import ParallelConfig, ParallelDims
-from forja.train.attention_logits import head_rows
+from forja.train.step.attention_logits import head_rows
 from forja.train.build import build_model_parts
-from forja.train.engine import build_engine
+from forja.train.step.engine import build_engine
 from tests.integration.conftest import read_metrics, train_args
 from tests.integration.conftest import train_data  # noqa: F401  (the shared prepared corpus)
 
@@ -162,7 +162,7 @@ def test_after_an_engine_step_with_a_tiny_tau_the_next_forward_stays_below_it(di
 def test_qk_norm_layers_are_measured_but_not_clipped_and_the_fallback_says_so():
     from forja import fallbacks
     from forja.models import build_from_args
-    from forja.train.attention_logits import AttentionLogits
+    from forja.train.step.attention_logits import AttentionLogits
 
     fallbacks.clear()
     model = build_from_args(model_args("qwen3", "debug"), device="cpu")  # QK-norm in every layer

@@ -20,7 +20,7 @@ from forja.parallel.config import PP_SCHEDULES
 from forja.plan import get_hardware, job_from_config
 from forja.plan.cli import set_items  # the --set line forja plan prints
 from forja.plan.planner import default_space, plan
-from forja.train.preflight import layout_request, with_layout
+from forja.train.launch.preflight import layout_request, with_layout
 
 PRINTED = 10  # rows of forja plan's table (its default --top)
 

@@ -8,7 +8,7 @@ import json
 import threading
 import time
 
-from forja.train.watchdog import EXIT_HANG, UNRESPONSIVE, Watchdog, grace_s, read_report, summarize
+from forja.train.resilience.watchdog import EXIT_HANG, UNRESPONSIVE, Watchdog, grace_s, read_report, summarize
 
 TIMEOUT_S = 0.3
 
@@ -124,13 +124,13 @@ def summary_of(reports: dict[int, dict], world_size: int) -> str:
 
 
 def test_the_summary_names_the_rank_not_in_a_collective():
-    reports = {0: report(0, 5, "all_reduce", "forja/train/engine.py:80 in clip_gradients"),
+    reports = {0: report(0, 5, "all_reduce", "forja/train/step/engine.py:80 in clip_gradients"),
                1: report(1, 5, None, "forja/data/loader.py:40 in _next_batch"),
-               2: report(2, 5, "all_reduce", "forja/train/engine.py:80 in clip_gradients"),
-               3: report(3, 5, "all_reduce", "forja/train/engine.py:80 in clip_gradients")}
+               2: report(2, 5, "all_reduce", "forja/train/step/engine.py:80 in clip_gradients"),
+               3: report(3, 5, "all_reduce", "forja/train/step/engine.py:80 in clip_gradients")}
     text = summary_of(reports, 4)
     assert "ranks 0, 2-3: step 5, phase train_step, waiting in all_reduce called from " \
-           "forja/train/engine.py:80 in clip_gradients" in text
+           "forja/train/step/engine.py:80 in clip_gradients" in text
     assert "rank 1: step 5, phase train_step, not in a collective: at forja/data/loader.py:40 in _next_batch" in text
     assert "stuck: rank 1 (not in a collective" in text
     assert text.rstrip().endswith("/runs/x/hang/rank<R>.txt")

@@ -1,4 +1,4 @@
-"""debug.inject: the drill grammar and firing once (forja/train/drills.py)."""
+"""debug.inject: the drill grammar and firing once (forja/train/resilience/drills.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from forja.config import load_config
 from forja.errors import ForjaError
-from forja.train.drills import Drill, Drills, parse_drill
+from forja.train.resilience.drills import Drill, Drills, parse_drill
 
 
 def test_the_grammar():

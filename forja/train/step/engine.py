@@ -17,17 +17,17 @@ The loss of a step is the mean next-token cross-entropy over every token of the 
 batch. Every micro-batch has the same number of tokens (packed sequences, no padding), so
 each contributes its mean divided by the number of micro-batches (`microbatch_loss`, the
 one place a micro-batch's loss is composed; a mixture of experts' auxiliary losses enter the
-gradients with the same share, forja/train/experts.py), and averaging over the data-parallel ranks (FSDP's
+gradients with the same share, forja/train/step/experts.py), and averaging over the data-parallel ranks (FSDP's
 gradient reduction, and `loss_group` for the reported value) makes it the global mean: any
 layout computes the loss and gradients of one process.
 
 What scales a step comes from its caller, in one `StepScales`: the loss scale (fp16's,
-forja/train/scaler.py; the MoE auxiliary losses get it too), a drill's fault on this rank's
-loss (forja/train/drills.py) and a factor on the learning rate (a rollback's,
-forja/train/recovery.py). `microbatch_loss` multiplies by the loss scale and the step divides
+forja/train/step/scaler.py; the MoE auxiliary losses get it too), a drill's fault on this rank's
+loss (forja/train/resilience/drills.py) and a factor on the learning rate (a rollback's,
+forja/train/resilience/recovery.py). `microbatch_loss` multiplies by the loss scale and the step divides
 the gradients and the reported loss by it again before the norm: the guard, the clipping and the logs see unscaled values. A finite
 loss with an inf/NaN gradient norm is then an overflow, the scaler's business: the step is
-skipped, the scale halved, and the guard (forja/train/health.py) is not asked.
+skipped, the scale halved, and the guard (forja/train/resilience/health.py) is not asked.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import ParallelDims, local_value, loss_context
 from forja.parallel.cp import cp_context
 from forja.parallel.pp import Pipeline
-from forja.train.attention_logits import AttentionLogits
-from forja.train.experts import ExpertBalance
-from forja.train.scaler import LossScaler, current_scale, unscale_
+from forja.train.step.attention_logits import AttentionLogits
+from forja.train.step.experts import ExpertBalance
+from forja.train.step.scaler import LossScaler, current_scale, unscale_
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class StepScales:
     """Multiplies every micro-batch's loss and auxiliary losses (fp16's loss scale, a power of two);
     divided out of the gradients and the loss before the norm."""
     fault: float = 1.0
-    """A drill's factor on this rank's loss (NaN, or forja/train/drills.py's SPIKE_FACTOR); kept, so the
+    """A drill's factor on this rank's loss (NaN, or forja/train/resilience/drills.py's SPIKE_FACTOR); kept, so the
     guard sees it."""
     lr: float = 1.0
     """Multiplies every learning rate for this step (the schedule sets them afresh at its next step)."""
@@ -85,7 +85,7 @@ class StepOutput:
     """The loss or the norm was not finite (an fp16 overflow among them), or the guard found them wrong:
     the weights were left unchanged."""
     anomaly: Any = None
-    """What the guard found wrong with the step (forja/train/health.py's Anomaly), or None."""
+    """What the guard found wrong with the step (forja/train/resilience/health.py's Anomaly), or None."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Further figures of the step (a mixture of experts' load and auxiliary losses; under fp16
     `loss_scale`, the scale the step ran with, and `overflow`, 1.0 when it overflowed and was skipped)."""
@@ -174,7 +174,7 @@ class StepEngine:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
 
-    # -- fp16 loss scaling (forja/train/scaler.py) ---------------------------------------------
+    # -- fp16 loss scaling (forja/train/step/scaler.py) ---------------------------------------------
     def _overflowed(self, loss: float, norm: float) -> bool:
         """A finite loss whose scaled gradients overflowed on some rank: the global norm is
         inf/NaN. At the scale's floor it is a real fault instead, the guard's to judge."""

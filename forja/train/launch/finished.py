@@ -16,7 +16,7 @@ from pathlib import Path
 from forja.checkpoint.verify import complete_checkpoints, damage
 from forja.config import Config, config_from_dict
 from forja.errors import ForjaError
-from forja.train.run_dir import config_differences
+from forja.train.launch.run_dir import config_differences
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -104,7 +104,7 @@ def launcher_preflight(cfg, *, nproc: int, nnodes: int) -> None:
     run directory or restart behind. The workers run it again (it writes nothing) and also
     check the GPU's memory where nvidia-smi could not tell it here."""
     from forja.parallel.process_group import device_type
-    from forja.train.preflight import Preflight
+    from forja.train.launch.preflight import Preflight
 
     Preflight(cfg, world_size=nproc * nnodes, device_type=device_type(cfg.train.device), ranks_here=nproc,
               in_worker=False).run()
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)  # errors surface before any process starts
     if launch_needed(args):
         cmd = torchrun_command(args, str(cfg.run.dir))
-        from forja.train.finished import finished
+        from forja.train.launch.finished import finished
 
         if finished(cfg):  # complete already: say so here rather than start torchrun to say it
             return 0

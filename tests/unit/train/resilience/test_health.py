@@ -1,4 +1,4 @@
-"""Anomaly detection and the rollback bookkeeping (forja/train/health.py)."""
+"""Anomaly detection and the rollback bookkeeping (forja/train/resilience/health.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from forja.errors import ForjaError
 from forja.train.config import RollbackConfig, SpikeConfig, TrainConfig
-from forja.train.health import Health, SpikeDetector
+from forja.train.resilience.health import Health, SpikeDetector
 
 
 def _filled(action="skip", n=20, **kw) -> SpikeDetector:

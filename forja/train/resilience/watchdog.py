@@ -56,7 +56,7 @@ C10D_OPS = frozenset({
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _DIST_DIR = os.path.join(_TORCH_DIR, "distributed")
 _STDLIB_DIRS = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
-# Shown paths are relative to these, in order: "forja/train/engine.py", "torch/distributed/...".
+# Shown paths are relative to these, in order: "forja/train/step/engine.py", "torch/distributed/...".
 _ROOTS = (os.path.dirname(_TORCH_DIR), os.path.dirname(os.path.dirname(forja.__file__)))
 
 UNRESPONSIVE = "unresponsive (no report: dead, or stuck in native code holding the GIL)"

@@ -36,7 +36,7 @@ from forja.plan.job import Job, job_from_config
 from forja.plan.layout import PARALLEL_KEYS, Layout, from_config
 from forja.plan.planner import Candidate, evaluate, plan, usable_memory
 from forja.train.data import check_data, check_splits
-from forja.train.run_dir import RunDir
+from forja.train.launch.run_dir import RunDir
 
 GB = 1e9
 

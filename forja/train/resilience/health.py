@@ -8,7 +8,7 @@ calls `Recovery.check`, this `Health.check`, as its guard, after its one host sy
   the mean of the last `window` accepted steps is a "spike" (the rolling bound OLMo-core
   skips steps by). Only upward moves count: a loss falling fast is no fault.
 
-An anomalous step never reaches the weights. Its action (forja/train/recovery.py takes it)
+An anomalous step never reaches the weights. Its action (forja/train/resilience/recovery.py takes it)
 is then `skip` (count the step and go on), `stop`, or `rollback`: reload the last checkpoint
 and replay from there. Replay is exact (data, RNG and reductions are deterministic), so the
 steps up to the bad one come out bit for bit as before (checked, and reported), and the bad

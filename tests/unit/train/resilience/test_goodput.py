@@ -1,4 +1,4 @@
-"""Goodput's ledger of launches (forja/train/goodput.py) and the straggler rule."""
+"""Goodput's ledger of launches (forja/train/resilience/goodput.py) and the straggler rule."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from forja.train.goodput import Goodput
-from forja.train.stragglers import stragglers
+from forja.train.resilience.goodput import Goodput
+from forja.train.resilience.stragglers import stragglers
 
 
 def _ledger(tmp_path, segments):
@@ -20,7 +20,7 @@ def test_the_gap_after_a_crash_counts_and_after_a_clean_end_does_not(tmp_path, m
     ledger = _ledger(tmp_path, [{"start": 0.0, "last": 100.0, "clean": False, **seg},   # died at ~100
                                 {"start": 130.0, "last": 200.0, "clean": True, **seg},  # restarted 30 s later
                                 {"start": 10_000.0, "last": 10_050.0, "clean": False, **seg, "rollbacks": 2}])
-    monkeypatch.setattr("forja.train.goodput.time.time", lambda: 10_050.0)
+    monkeypatch.setattr("forja.train.resilience.goodput.time.time", lambda: 10_050.0)
     assert ledger.wall_s() == pytest.approx(100 + 30 + 70 + 50)
     summary = ledger.summary(productive_s=125.0)
     assert summary["goodput"] == pytest.approx(0.5) and summary["restarts"] == 1

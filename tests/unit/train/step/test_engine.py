@@ -13,7 +13,7 @@ from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.optim.config import OptimConfig, ScheduleConfig
 from forja.parallel import ParallelConfig
 from forja.train.build import build_model_parts
-from forja.train.engine import StepEngine, build_engine
+from forja.train.step.engine import StepEngine, build_engine
 
 
 @dataclass

@@ -38,7 +38,7 @@ class ExpertBalance:
         self.enabled = isinstance(args, MoEArgs) and args.n_experts > 0
 
     def begin_step(self, n_microbatches: int, loss_scale: float = 1.0) -> None:
-        """`loss_scale`: fp16's loss scale (forja/train/scaler.py), which multiplies every loss term alike."""
+        """`loss_scale`: fp16's loss scale (forja/train/step/scaler.py), which multiplies every loss term alike."""
         for _, moe in self.layers:
             moe.aux_loss_scale = loss_scale / n_microbatches
 

@@ -1,5 +1,5 @@
 """The trainer's report of forja's fallback record: one line per fallback, once, on rank 0,
-and the whole list in the launch's entry of run.json (forja/train/run_dir.py)."""
+and the whole list in the launch's entry of run.json (forja/train/launch/run_dir.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from forja import fallbacks
-from forja.train.run_dir import report_fallbacks
+from forja.train.launch.run_dir import report_fallbacks
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Recovery: what the run does about a step the health check refused (forja/train/health.py).
+"""Recovery: what the run does about a step the health check refused (forja/train/resilience/health.py).
 
 The loop calls it once per step, after the engine's step:
 
@@ -31,8 +31,8 @@ from forja.data.loader import DataLoader
 from forja.errors import ForjaError
 from forja.metrics.sinks import Sink
 from forja.train.config import TrainConfig
-from forja.train.engine import StepOutput
-from forja.train.health import Anomaly, Health
+from forja.train.step.engine import StepOutput
+from forja.train.resilience.health import Anomaly, Health
 
 
 class Outcome(enum.Enum):

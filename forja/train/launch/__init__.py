@@ -1,0 +1,1 @@
+"""What happens before the loop: the `forja train` command, its preflight, the run directory."""
