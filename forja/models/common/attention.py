@@ -37,6 +37,9 @@ class AttentionMask:
     is_causal: bool = False
     dense: torch.Tensor | None = None  # (B, 1, Tq, Tk) bool, True = may attend
     block_mask: Any = None  # torch.nn.attention.flex_attention.BlockMask
+    document_ids: torch.Tensor | None = None
+    """(B, T) the documents of a packed row, for sequence mixers that carry a state (linear
+    attention resets it where a document starts); None: one document per row."""
 
 
 def build_mask(
@@ -133,6 +136,9 @@ class KVCache:
         self.values = [torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.max_len = max_len
         self.length = 0
+        # layer -> the recurrent state of a sequence mixer that is not attention (linear
+        # attention's convolution window and state), kept by the mixer itself.
+        self.mixer_states: dict[int, Any] = {}
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, Hkv, T, hd) after the cached positions; return all keys and values so far."""
