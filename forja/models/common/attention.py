@@ -44,19 +44,20 @@ class AttentionMask:
 
 def build_mask(
     document_ids: torch.Tensor | None, *, q_len: int, kv_len: int, backend: str = "sdpa",
-    window: int | None = None, device: torch.device | None = None,
+    window: int | None = None, device: torch.device | None = None, flex_causal: bool = False,
 ) -> AttentionMask:
     """The mask for `q_len` queries that follow `kv_len - q_len` cached positions.
 
     `window`: a query sees at most the `window` latest positions, itself included
-    (sliding-window attention)."""
+    (sliding-window attention). `flex_causal`: a block mask under "flex" even for plain
+    causal rows (attention sinks need FlexAttention's log-sum-exp)."""
     offset = kv_len - q_len
     if document_ids is not None:
         if offset != 0:
             raise ValueError("document_ids cannot be combined with a KV cache")
         device = document_ids.device
     device = device or torch.device("cpu")
-    if backend == "flex" and offset == 0 and (document_ids is not None or window):
+    if backend == "flex" and offset == 0 and (document_ids is not None or window or flex_causal):
         if device.type == "cuda":
             return AttentionMask(block_mask=_flex_block_mask(document_ids, q_len, window, device))
         fallbacks.record("attention.flex", asked='model.attention = "flex"', instead="SDPA",
@@ -96,27 +97,70 @@ def _flex_block_mask(document_ids: torch.Tensor | None, T: int, window: int | No
 _compiled_flex = None
 
 
-def _flex_attention(q, k, v, block_mask, scale=None):
+def _flex_attention(q, k, v, block_mask, scale=None, with_lse: bool = False):
+    """FlexAttention's output, and with `with_lse` also the log-sum-exp of each query's
+    scores (B, H, Tq), natural log."""
     # FlexAttention is only fast compiled; compile it once per process, lazily.
     global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
+    if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    aux = AuxRequest(lse=True) if with_lse else None
+    out = _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                         return_aux=aux)
+    return (out[0], out[1].lse) if with_lse else out
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
-           scale: float | None = None) -> torch.Tensor:
+           scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention. q (B, H, Tq, hd); k (B, Hkv, Tk, hd); v (B, Hkv, Tk, hv)
     -> (B, H, Tq, hv). Values may be narrower than keys (latent attention). `scale`
-    multiplies the scores; None means 1/sqrt(hd)."""
+    multiplies the scores; None means 1/sqrt(hd).
+
+    `sinks` (H,): a learned logit per head that joins every query's softmax as one more
+    "key" with no value (gpt-oss; Xiao et al. 2023, "Efficient Streaming Language Models
+    with Attention Sinks"): a head may put weight on nothing. Under FlexAttention it rescales
+    the output by the share the real keys keep, softmax's denominator from the returned
+    log-sum-exp; elsewhere the scores are written out (SDPA cannot add the term)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if sinks is not None and mask.block_mask is not None:
+        out, lse = _flex_attention(q, k, v, mask.block_mask, scale, with_lse=True)  # lse (B, H, Tq)
+        kept = torch.sigmoid(lse - sinks.float()[None, :, None])  # e^lse / (e^lse + e^sink)
+        return out * kept.unsqueeze(-1).to(out.dtype)
+    if sinks is not None:
+        return _attend_with_sinks(q, k, v, mask, scale, sinks)
     if mask.block_mask is not None:
         return _flex_attention(q, k, v, mask.block_mask, scale)
     attn_mask = mask.dense.to(q.device) if mask.dense is not None else None
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=mask.is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
+
+
+def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float,
+                       sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with sink logits, the scores materialized (B, H, Tq, Tk) in fp32."""
+    B, H, Tq, _ = q.shape
+    Tk = k.shape[2]
+    if q.device.type == "cuda":
+        fallbacks.record("attention.sinks", asked="attention sinks", instead="attention with the scores written out",
+                         why="SDPA cannot add a sink to the softmax", fix='model.attention = "flex"')
+    group = H // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, Tk, hd)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, H, Tq, Tk)
+    if mask.dense is not None:
+        allowed = mask.dense.to(q.device)
+    elif mask.is_causal:  # queries are the last Tq positions of the Tk
+        q_pos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
+        allowed = q_pos >= torch.arange(Tk, device=q.device)[None, :]
+    else:
+        allowed = None
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.float().view(1, H, 1, 1).expand(B, H, Tq, 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :Tk]  # the sink's share dropped
+    return (probs @ v.float()).to(q.dtype)
 
 
 class KVCache:
@@ -129,11 +173,17 @@ class KVCache:
     """
 
     def __init__(self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
-                 *, dtype: torch.dtype, device: torch.device | str, value_dim: int | None = None):
+                 *, dtype: torch.dtype, device: torch.device | str, value_dim: int | None = None,
+                 layers: list[int] | None = None):
         shape = (batch, n_kv_heads, max_len, head_dim)
         value_shape = (batch, n_kv_heads, max_len, value_dim or head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.values = [torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        held = set(range(n_layers) if layers is None else layers)  # the attention layers: they need keys
+
+        def buffer(i: int, shape: tuple[int, ...]) -> torch.Tensor | None:
+            return torch.zeros(shape, dtype=dtype, device=device) if i in held else None
+
+        self.keys = [buffer(i, shape) for i in range(n_layers)]
+        self.values = [buffer(i, value_shape) for i in range(n_layers)]
         self.max_len = max_len
         self.length = 0
         # layer -> the recurrent state of a sequence mixer that is not attention (linear
@@ -156,21 +206,26 @@ class KVCache:
 class Attention(MaxLogitTracking, nn.Module):
     """Multi-head self-attention with n_kv_heads <= n_heads (grouped-query when fewer).
 
-    Optional per-head RMSNorm of queries and keys (QK-norm) before RoPE. When cos/sin
-    are None (GPT-2), positions come from learned embeddings instead of rotations.
+    Optional per-head RMSNorm of queries and keys (QK-norm) before RoPE, and learned
+    attention sinks (`attend`). When cos/sin are None (GPT-2), positions come from learned
+    embeddings instead of rotations. `out_bias` differs from `bias` where a family's output
+    projection does (None: the same).
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
-                 bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5, fused_rope: bool = False):
+                 bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5, fused_rope: bool = False,
+                 sinks: bool = False, out_bias: bool | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.fused_rope = fused_rope
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias if out_bias is None else out_bias)
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        # One learned logit per query head (see `attend`); under TP sharded with the heads.
+        self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: AttentionMask, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
@@ -191,5 +246,5 @@ class Attention(MaxLogitTracking, nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)
         self.track_logits(q, k, mask, self.head_dim**-0.5)
-        out = attend(q, k, v, mask)  # (B, H, T, hd)
+        out = attend(q, k, v, mask, sinks=self.sinks)  # (B, H, T, hd)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))

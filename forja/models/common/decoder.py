@@ -71,7 +71,7 @@ class RotaryDecoder(Transformer):
         """Grouped-query attention with the args' heads, QK-norm and fused RoPE settings."""
         a = self.args
         return Attention(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, qk_norm=a.qk_norm, norm_eps=a.norm_eps,
-                         fused_rope="rope" in a.fused_ops)
+                         fused_rope="rope" in a.fused_ops, sinks=a.attention_sinks)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         device = positions.device
@@ -85,6 +85,8 @@ class RotaryDecoder(Transformer):
         bounded. Routers, experts' w1/w3 and attention projections: std 0.02."""
         if name.endswith("norm.weight"):
             return ("ones",)
+        if name.endswith("attention.sinks"):
+            return ("zeros",)
         if name == "tok_embeddings.weight":
             return ("normal", 0.02 if self.args.tie_embeddings else 1.0)
         if name == "output.weight":

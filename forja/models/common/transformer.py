@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forja.errors import ForjaError
-from forja.models.common.attention import ATTENTION_BACKENDS, Attention, KVCache, build_mask
+from forja.models.common.attention import ATTENTION_BACKENDS, Attention, AttentionMask, KVCache, build_mask
 from forja.models.common.init import InitRule, init_parameters
 from forja.models.common.moe import MoE
 from forja.names import named_unique_parameters
@@ -53,7 +53,16 @@ class TransformerArgs:
     attention: str = "sdpa"
     """Attention backend: "sdpa", or "flex" (FlexAttention on CUDA; SDPA elsewhere)."""
     sliding_window: int | None = None
-    """Each token attends to at most this many latest positions (itself included); None: all."""
+    """Each token of a sliding-attention block attends to at most this many latest positions
+    (itself included); None: all."""
+    attention_sinks: bool = False
+    """A learned logit per attention head that joins each softmax with no value, so a head
+    may attend to nothing (gpt-oss)."""
+    layer_types: tuple[str, ...] = ()
+    """Each block's sequence mixer, one of LAYER_TYPES (Hugging Face's `layer_types`):
+    full_attention, sliding_attention (the latest `sliding_window` positions) or
+    linear_attention (a recurrent mixer such as Gated DeltaNet). Empty: every block sliding
+    when `sliding_window` is set, else full."""
     fused_ops: tuple[str, ...] = ()
     """Ops run through forja.ops (Triton on CUDA, the PyTorch reference elsewhere): any of
     rms_norm, rope, swiglu, cross_entropy. An implementation choice: weights are the same."""
@@ -76,10 +85,35 @@ class TransformerArgs:
             raise ForjaError(f"model.attention={self.attention!r} is not one of {ATTENTION_BACKENDS}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ForjaError(f"model sliding_window={self.sliding_window} must be at least 1 (or None for all)")
+        self._check_layer_types()
         self.fused_ops = tuple(self.fused_ops)
         if self.mup_width_mult <= 0:
             raise ForjaError(f"model mup_width_mult={self.mup_width_mult} must be positive (1: muP off)")
 
+    def _check_layer_types(self) -> None:
+        self.layer_types = tuple(self.layer_types)  # a list from TOML or config.json
+        if not self.layer_types:
+            return
+        if len(self.layer_types) != self.n_layers:
+            raise ForjaError(f"model.layer_types names {len(self.layer_types)} blocks but model.n_layers="
+                             f"{self.n_layers}; give one kind per block, or none")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ForjaError(f"model.layer_types holds {unknown[0]!r}; each must be one of {', '.join(LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ForjaError("model.layer_types has sliding_attention blocks but model.sliding_window is None; "
+                             "set the window (in tokens)")
+
+    def layer_type(self, layer: int) -> str:
+        """The kind of block `layer`'s sequence mixer (one of LAYER_TYPES)."""
+        if self.layer_types:
+            return self.layer_types[layer]
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
+
+
+# The kinds of sequence mixer a block can hold (TransformerArgs.layer_types).
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
 # The name a tied embedding/output weight is stored and initialized under.
 TIED_WEIGHT = "tok_embeddings.weight"
@@ -206,11 +240,11 @@ class Transformer(nn.Module):
         h = tokens
         if self.tok_embeddings is not None:
             h = self.add_positions(self.tok_embeddings(tokens), positions)  # (B, T, dim)
-        rope = self.rope_tables(positions)
-        mask = build_mask(document_ids, q_len=T, kv_len=start + T, backend=self.args.attention,
-                          window=self.args.sliding_window, device=tokens.device)
+        kinds = {name: self.args.layer_type(int(name)) for name in self.layers}
+        ropes = {kind: self.rope_tables_for(kind, positions) for kind in set(kinds.values())}
+        masks = {kind: self.mask_for(kind, document_ids, T, start, tokens.device) for kind in ropes}
         for name, block in self.layers.items():
-            h = block(h, rope, mask, cache, int(name))
+            h = block(h, ropes[kinds[name]], masks[kinds[name]], cache, int(name))
         if cache is not None:
             cache.advance(T)
         if self.norm is not None:
@@ -218,6 +252,24 @@ class Transformer(nn.Module):
         if self.output is None:
             return h
         return self.logits(h) if labels is None else self.loss(h, labels)
+
+    def rope_tables_for(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary tables of blocks of `kind`: the same for all unless a family uses
+        another base for its local layers (Gemma 3)."""
+        return self.rope_tables(positions) if kind in ATTENTION_TYPES else None
+
+    def mask_for(self, kind: str, document_ids: torch.Tensor | None, T: int, start: int,
+                 device: torch.device) -> AttentionMask:
+        """What blocks of `kind` may see, built once per forward: causal attention within each
+        document (a sliding block the latest sliding_window positions of it), or for a
+        linear-attention block the documents themselves, where its state starts afresh."""
+        if kind == "linear_attention":
+            if document_ids is not None and start:
+                raise ValueError("document_ids cannot be combined with a KV cache")
+            return AttentionMask(document_ids=document_ids)
+        window = self.args.sliding_window if kind == "sliding_attention" else None
+        return build_mask(document_ids, q_len=T, kv_len=start + T, backend=self.args.attention,
+                          window=window, device=device, flex_causal=self.args.attention_sinks)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The output projection of final hidden states h (B, T, dim), times muP's output
@@ -249,9 +301,10 @@ class Transformer(nn.Module):
 
     def new_kv_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         a = self.args
-        weight = self.layers["0"].attention.wk.weight
+        weight = self.tok_embeddings.weight
+        attention = [i for i in range(a.n_layers) if a.layer_type(i) in ATTENTION_TYPES]
         return KVCache(a.n_layers, batch, max_len or a.max_seq_len, a.n_kv_heads, a.head_dim,
-                       dtype=weight.dtype, device=weight.device)
+                       dtype=weight.dtype, device=weight.device, layers=attention)
 
     def num_params(self, *, exclude_embeddings: bool = False) -> int:
         """Parameters, each counted once (tied weights once). With `exclude_embeddings`,
@@ -285,6 +338,15 @@ class Transformer(nn.Module):
         appendix B), counted over the full T x T square as the kernels that report MFU
         conventionally do, not the causal half.
         """
-        a = self.args
         n = self.num_active_params(exclude_embeddings=True)
-        return 6 * n + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+        return 6 * n + sum(self.mixer_flops(self.args.layer_type(i), seq_len) for i in range(self.args.n_layers))
+
+    def mixer_flops(self, kind: str, seq_len: int) -> int:
+        """Training FLOPs per token of one block's sequence mixing beyond its weight matmuls:
+        12 H hd T for full attention, with T the keys a query sees (at most sliding_window
+        in a sliding block). A family with linear-attention blocks counts those."""
+        a = self.args
+        if kind == "linear_attention":
+            raise NotImplementedError(f"{type(self).__name__} does not count its linear-attention FLOPs")
+        keys = seq_len if kind == "full_attention" else min(seq_len, a.sliding_window)
+        return 12 * a.n_heads * a.head_dim * keys

@@ -102,3 +102,78 @@ def test_loss_from_labels_equals_cross_entropy_of_logits():
     tokens, labels = torch.randint(0, 2048, (2, 12)), torch.randint(0, 2048, (2, 12))
     expected = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
     torch.testing.assert_close(model(tokens, labels=labels), expected)
+
+
+def _reference_sink_attention(q, k, v, allowed, sinks):
+    """Softmax over [scores, sink] per query, written out head by head."""
+    out = torch.zeros_like(q)
+    for h in range(q.shape[1]):
+        kh = h // (q.shape[1] // k.shape[1])
+        scores = q[:, h] @ k[:, kh].transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, Tq, Tk)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+        sink = torch.exp(sinks[h] - scores.amax(-1, keepdim=True))
+        out[:, h] = (weights / (weights.sum(-1, keepdim=True) + sink)) @ v[:, kh]
+    return out
+
+
+@torch.no_grad()
+def test_attention_sinks_join_the_softmax_with_no_value():
+    from forja.models.common.attention import attend
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 7, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    got = attend(q, k, v, build_mask(None, q_len=7, kv_len=7), sinks=sinks)
+    torch.testing.assert_close(got, _reference_sink_attention(q, k, v, causal, sinks), atol=1e-6, rtol=1e-5)
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]])
+    mask = build_mask(docs, q_len=7, kv_len=7, window=3)
+    ref = torch.cat([_reference_sink_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask.dense[b, 0], sinks)
+                     for b in range(2)])
+    torch.testing.assert_close(attend(q, k, v, mask, sinks=sinks), ref, atol=1e-6, rtol=1e-5)
+    # A sink at -inf takes no weight: plain attention. A large one takes almost all of it.
+    plain = attend(q, k, v, build_mask(None, q_len=7, kv_len=7))
+    torch.testing.assert_close(attend(q, k, v, build_mask(None, q_len=7, kv_len=7),
+                                      sinks=torch.full((4,), float("-inf"))), plain)
+    assert attend(q, k, v, build_mask(None, q_len=7, kv_len=7), sinks=torch.full((4,), 30.0)).abs().max() < 1e-6
+
+
+@torch.no_grad()
+def test_sink_model_decodes_through_the_cache_as_it_runs_whole():
+    model = _model("llama", attention_sinks=True, layer_types=("sliding_attention", "full_attention"),
+                   sliding_window=4, n_layers=2)
+    for block in model.layers.values():
+        block.attention.sinks.normal_(0, 1.0)  # init is 0: make each head's sink its own
+    tokens = torch.randint(0, 2048, (2, 12))
+    full = model(tokens)
+    cache = model.new_kv_cache(2, 12)
+    parts = [model(tokens[:, :5], cache=cache)] + [model(tokens[:, t:t + 1], cache=cache) for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_layer_types_give_each_block_its_own_window():
+    tokens = torch.randint(0, 2048, (2, 12))
+    kinds = ("sliding_attention", "full_attention")
+    mixed = _model("llama", n_layers=2, layer_types=kinds, sliding_window=3)(tokens)
+    # No layer types and a window: every block slides (the old meaning of sliding_window).
+    all_sliding = _model("llama", n_layers=2, layer_types=("sliding_attention",) * 2, sliding_window=3)(tokens)
+    torch.testing.assert_close(all_sliding, _model("llama", n_layers=2, sliding_window=3)(tokens))
+    # A window as long as the row changes nothing; otherwise the mix is neither extreme.
+    torch.testing.assert_close(_model("llama", n_layers=2, layer_types=kinds, sliding_window=12)(tokens),
+                               _model("llama", n_layers=2)(tokens))
+    assert (mixed - all_sliding).abs().max() > 1e-3
+    assert (mixed - _model("llama", n_layers=2)(tokens)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(layer_types=("full_attention",)), "names 1 blocks but model.n_layers=2"),
+    (dict(layer_types=("full_attention", "local")), "holds 'local'; each must be one of full_attention"),
+    (dict(layer_types=("full_attention", "sliding_attention")), "sliding_window is None; set the window"),
+])
+def test_bad_layer_types_are_named(overrides, message):
+    from forja.errors import ForjaError
+
+    with pytest.raises(ForjaError, match=message):
+        _model("llama", n_layers=2, **overrides)

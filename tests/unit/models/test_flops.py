@@ -45,3 +45,17 @@ def test_mixture_of_experts_counts_the_active_experts_only():
     print(f"qwen3 debug-moe: formula/measured = {formula / measured:.4f}")
     assert abs(formula / measured - 1) < 0.05
     assert model.num_active_params() < 0.7 * model.num_params()
+
+
+def test_sliding_blocks_count_the_keys_they_see():
+    full = build_model("llama", "debug", n_layers=2)
+    mixed = build_model("llama", "debug", n_layers=2, layer_types=("sliding_attention", "full_attention"),
+                        sliding_window=64)
+    a = full.args
+    per_block = 12 * a.n_heads * a.head_dim
+    assert full.flops_per_token(512) - mixed.flops_per_token(512) == per_block * (512 - 64)
+    assert full.flops_per_token(32) == mixed.flops_per_token(32)  # shorter than the window
+    measured = measured_flops_per_token(mixed, 1, 256)
+    print(f"sliding 64 of 256: formula/measured = {mixed.flops_per_token(256) / measured:.4f}")
+    # The dense mask still multiplies the full square: the count says what a windowed kernel does.
+    assert mixed.flops_per_token(256) < measured
