@@ -72,11 +72,12 @@ def _numel(module: nn.Module | None) -> int:
 
 
 def model_shape(args: TransformerArgs, seq_len: int) -> ModelShape:
-    attention_flops = 12 * args.n_heads * args.head_dim * seq_len  # as Transformer.flops_per_token
-    counted, embedding, output, final_norm, output_matmul, root_matrices = _counts(args)
+    counted, embedding, output, final_norm, output_matmul, root_matrices, model = _counts(args)
+    # Sequence mixing as Transformer.flops_per_token counts it: the model's own formula per block kind.
+    mixing = [model.mixer_flops(args.layer_type(i), seq_len) for i in range(len(counted))]
     blocks = tuple(BlockShape(split, replicated, experts, moe, gated, layer_norm,
-                              float(6 * (split + replicated + experts * active) + attention_flops), matrices)
-                   for split, replicated, experts, moe, gated, layer_norm, active, matrices in counted)
+                              float(6 * (split + replicated + experts * active) + mixing[i]), matrices)
+                   for i, (split, replicated, experts, moe, gated, layer_norm, active, matrices) in enumerate(counted))
     return ModelShape(args, blocks, embedding, output, final_norm, 6.0 * output_matmul, root_matrices)
 
 
@@ -117,5 +118,5 @@ def _counts(args: TransformerArgs) -> tuple:
     output_matmul = model.output.weight.numel() if model.output is not None else 0
     root = [(name, p.shape[-2], p.shape[-1]) for name, p in model.named_parameters()
             if p.dim() == 2 and not name.startswith("layers.")]
-    _COUNTS[key] = (counted, embedding, output, _numel(model.norm), output_matmul, tuple(root))
+    _COUNTS[key] = (counted, embedding, output, _numel(model.norm), output_matmul, tuple(root), model)
     return _COUNTS[key]

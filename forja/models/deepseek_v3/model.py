@@ -116,10 +116,8 @@ class DeepSeekV3(RotaryDecoder):
         return KVCache(a.n_layers, batch, max_len or a.max_seq_len, a.n_heads, a.head_dim, value_dim=a.v_head_dim,
                        dtype=weight.dtype, device=weight.device)
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6 x the weights a token goes through (top_k of the
-        routed experts), plus the scores (q . k over dn + dr) and weighted values (dv),
-        2 FLOPs each forward and 4 backward, over the full T x T square."""
+    def mixer_flops(self, kind: str, seq_len: int) -> int:
+        """The scores (q . k over dn + dr) and weighted values (dv) of one block, 2 FLOPs each
+        forward and 4 backward, over the full T x T square."""
         a = self.args
-        attention = 6 * a.n_layers * a.n_heads * (a.head_dim + a.v_head_dim) * seq_len
-        return 6 * self.num_active_params(exclude_embeddings=True) + attention
+        return 6 * a.n_heads * (a.head_dim + a.v_head_dim) * seq_len
