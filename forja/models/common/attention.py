@@ -214,16 +214,21 @@ class Attention(MaxLogitTracking, nn.Module):
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
                  bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5, fused_rope: bool = False,
-                 sinks: bool = False, out_bias: bool | None = None):
+                 sinks: bool = False, out_bias: bool | None = None, output_gate: bool = False,
+                 rotary_dim: int | None = None, zero_centered_norm: bool = False):
         super().__init__()
         self.head_dim = head_dim
         self.fused_rope = fused_rope
+        self.rotary_dim = rotary_dim if rotary_dim is not None else head_dim  # the leading dims RoPE turns
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        # Gated attention (Qiu et al. 2025, "Gated Attention for Large Language Models"): each
+        # head's output times sigmoid of its own projection of x, before wo.
+        self.wg = nn.Linear(dim, n_heads * head_dim, bias=bias) if output_gate else None
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias if out_bias is None else out_bias)
-        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, norm_eps, zero_centered=zero_centered_norm) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps, zero_centered=zero_centered_norm) if qk_norm else None
         # One learned logit per query head (see `attend`); under TP sharded with the heads.
         self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
 
@@ -236,15 +241,30 @@ class Attention(MaxLogitTracking, nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None and self.fused_rope:
-            from forja.ops import rope as fused_rope
-
-            q, k = fused_rope(q, k, *rope)
-        elif rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if rope is not None:
+            q, k = self.rotate(q, k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
         if cache is not None:
             k, v = cache.update(layer, k, v)
         self.track_logits(q, k, mask, self.head_dim**-0.5)
-        out = attend(q, k, v, mask, sinks=self.sinks)  # (B, H, T, hd)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        out = attend(q, k, v, mask, sinks=self.sinks).transpose(1, 2).reshape(B, T, -1)  # (B, T, H * hd)
+        if self.wg is not None:
+            out = out * torch.sigmoid(self.wg(x))
+        return self.wo(out)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """RoPE on q (B, T, H, hd) and k (B, T, Hkv, hd); with a partial rotary width only their
+        leading `rotary_dim` dims turn and the rest pass through (Qwen3.5, Qwen3-Next)."""
+        r = self.rotary_dim
+        if r < self.head_dim:
+            (q_rot, q_pass), (k_rot, k_pass) = q.split([r, self.head_dim - r], -1), k.split([r, self.head_dim - r], -1)
+            q_rot, k_rot = self.rotate_full(q_rot.contiguous(), k_rot.contiguous(), rope)
+            return torch.cat([q_rot, q_pass], -1), torch.cat([k_rot, k_pass], -1)
+        return self.rotate_full(q, k, rope)
+
+    def rotate_full(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        if self.fused_rope:
+            from forja.ops import rope as fused_rope
+
+            return fused_rope(q, k, *rope)
+        return apply_rope(q, *rope), apply_rope(k, *rope)

@@ -13,12 +13,16 @@ from torch import nn
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, over the last dimension.
 
-    `fused`: through forja.ops.rms_norm (one Triton kernel on CUDA, this code elsewhere)."""
+    `fused`: through forja.ops.rms_norm (one Triton kernel on CUDA, this code elsewhere).
+    `zero_centered`: the weight is stored as its offset from one, y = x_hat * (1 + weight),
+    multiplied in float32 before the cast back (Gemma, Qwen3.5, Qwen3-Next): weight decay then
+    pulls the scale towards one, not zero. Initialize such a weight to zeros."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, *, fused: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-5, *, fused: bool = False, zero_centered: bool = False):
         super().__init__()
         self.eps = eps
-        self.fused = fused
+        self.fused = fused and not zero_centered  # the kernel multiplies by the stored weight
+        self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -29,6 +33,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
     def extra_repr(self) -> str:
