@@ -59,6 +59,9 @@ class MoEArgs:
     """Hidden width of one expert."""
     n_shared_experts: int = 0
     """Experts every token goes through (DeepSeek), run as one SwiGLU n_shared x moe_ffn_dim wide."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid of a learned projection of it
+    (Qwen3-Next, Qwen3.5-MoE: `shared_expert_gate`)."""
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     """Router scores: softmax over experts (Qwen, Mixtral) or independent sigmoids (DeepSeek-V3)."""
     norm_topk_prob: bool = True
@@ -267,6 +270,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.n_experts, dim, args.moe_ffn_dim, args.moe_impl)
         shared = args.n_shared_experts * args.moe_ffn_dim
         self.shared_experts = SwiGLU(dim, shared, fused=fused_swiglu) if shared else None
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if shared and args.shared_expert_gate else None
         self.aux_loss_scale = 1.0  # set by the step engine: this micro-batch's share of the loss
         self.stats = MoEStats()
         # Sums a small (S,) float64 tensor over the ranks that each route a slice of this
@@ -283,7 +287,8 @@ class MoE(nn.Module):
         y = y * weights[:, None]  # the fp32 weights promote: one rounding to the model's dtype below
         out = torch.zeros_like(flat).index_add_(0, token_of, y.to(flat.dtype))  # (N, D)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+            shared = self.shared_experts(flat)  # (N, D)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(flat)) * shared)
         dropped = route.experts.numel() - slots.numel()
         aux, z, totals = self._aux_losses(route, routed, dropped)
         if torch.is_grad_enabled() and (aux is not None or z is not None):
