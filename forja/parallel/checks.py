@@ -158,11 +158,25 @@ def _check_precision(r: LayoutRequest, dims: ParallelDims) -> None:
                          "activations, not under fp16 loss scaling; set train.precision = 'bf16', or "
                          "train.float8 = 'none'")
 
+def _check_mixers(r: LayoutRequest, dims: ParallelDims) -> None:
+    """Sequence mixers the parallel styles do not split yet: Gated DeltaNet under TP (its
+    short convolutions and per-head decay are not sharded by head yet), and anything but
+    plain causal attention under context parallelism (ring attention has no window,
+    sink or recurrent state)."""
+    kinds = {r.args.layer_type(i) for i in range(r.args.n_layers)}
+    if dims.tp > 1 and "linear_attention" in kinds:
+        raise ForjaError(f"parallel.tp = {dims.tp} with linear-attention blocks (model.layer_types) is not "
+                         "supported yet: Gated DeltaNet is not split over tensor-parallel ranks; set parallel.tp = 1 "
+                         "and use FSDP (parallel.dp_shard) or pipeline stages (parallel.pp)")
+    if dims.cp > 1 and (kinds - {"full_attention"} or r.args.attention_sinks):
+        raise ForjaError(f"parallel.cp = {dims.cp} runs ring attention, which has no sliding window, sinks or "
+                         "linear-attention state; set parallel.cp = 1 for this model")
+
 
 # Each check stops at its own first problem; the validator runs them all, so a layout with
 # several problems hears of each (a planner's table shows the first).
 CHECKS: tuple[Check, ...] = (_check_tp, _check_vocab, _check_sequence_parallel, _check_float8, _check_ep,
-                             _check_moe_tp, _check_cp, _check_batch, _check_pipeline, _check_precision)
+                             _check_moe_tp, _check_cp, _check_mixers, _check_batch, _check_pipeline, _check_precision)
 
 
 def layout_errors(r: LayoutRequest) -> list[str]:

@@ -97,12 +97,18 @@ class TransformerArgs:
         if len(self.layer_types) != self.n_layers:
             raise ForjaError(f"model.layer_types names {len(self.layer_types)} blocks but model.n_layers="
                              f"{self.n_layers}; give one kind per block, or none")
-        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        unknown = sorted(set(self.layer_types) - set(self.supported_layer_types))
         if unknown:
-            raise ForjaError(f"model.layer_types holds {unknown[0]!r}; each must be one of {', '.join(LAYER_TYPES)}")
+            raise ForjaError(f"model.layer_types holds {unknown[0]!r}; each must be one of "
+                             f"{', '.join(self.supported_layer_types)} (this family's kinds of block)")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ForjaError("model.layer_types has sliding_attention blocks but model.sliding_window is None; "
                              "set the window (in tokens)")
+
+    @property
+    def supported_layer_types(self) -> tuple[str, ...]:
+        """The kinds of block the family builds: attention, full or sliding, unless it says more."""
+        return ATTENTION_TYPES
 
     def layer_type(self, layer: int) -> str:
         """The kind of block `layer`'s sequence mixer (one of LAYER_TYPES)."""
