@@ -9,6 +9,7 @@ any parallel layout, and adding or removing a layer does not shift the others.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable
 
@@ -17,7 +18,10 @@ from torch import nn
 
 from forja.names import named_unique_parameters
 
-# A rule maps a parameter name to ("normal", std), ("trunc_normal", std), ("ones",) or ("zeros",).
+# A rule maps a parameter name to ("normal", std), ("trunc_normal", std), ("ones",), ("zeros",),
+# ("uniform", low, high), ("uniform_log", low, high): the log of a U(low, high) draw (a decay
+# rate kept as its log), or ("inv_softplus", low, high, floor): softplus^-1 of a time step drawn
+# log-uniformly in [low, high] and at least floor (a bias that softplus turns back into it).
 InitRule = Callable[[str], tuple]
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -39,6 +43,14 @@ def full_value(shape: torch.Size, rule: tuple, gen: torch.Generator) -> torch.Te
     if kind == "trunc_normal":
         std = rule[1]
         return nn.init.trunc_normal_(out, 0.0, std, -3 * std, 3 * std, generator=gen)
+    if kind == "uniform":
+        return out.uniform_(rule[1], rule[2], generator=gen)
+    if kind == "uniform_log":
+        return out.uniform_(rule[1], rule[2], generator=gen).log_()
+    if kind == "inv_softplus":
+        low, high, floor = rule[1:]
+        dt = out.uniform_(math.log(low), math.log(high), generator=gen).exp_().clamp_(min=floor)
+        return dt + torch.log(-torch.expm1(-dt))  # softplus(this) == dt
     raise ValueError(f"unknown init rule {rule!r}")
 
 

@@ -1,0 +1,170 @@
+"""Gated DeltaNet as a sequence mixer (Yang, Kautz, Hatamizadeh 2024, "Gated Delta Networks"):
+the linear-attention layer of Qwen3.5, Qwen3-Next and OLMo-Hybrid.
+
+    q, k, v = silu(causal_conv(x W_q)), ...   short depthwise convolutions, kernel K
+    beta    = sigmoid(x W_b)                   (x 2 with allow_neg_eigval: eigenvalues in (-1, 1))
+    g       = -exp(A_log) softplus(x W_a + dt_bias)   log decay per value head, <= 0
+    o       = gated_delta_rule(q, k, v, g, beta)      (forja.models.common.gated_delta_rule)
+    out     = W_o (rmsnorm(o) * silu(x W_z))          a gated RMSNorm over each value head
+
+It takes Attention's place in a TransformerBlock: the same call, `rope` ignored (the
+convolution and the decay carry position). Packed documents (`mask.document_ids`) are kept
+apart both in the state and in the convolution's window. Decoding keeps, per layer in
+`cache.mixer_states`, the last K - 1 inputs of each convolution and the recurrent state.
+
+Projections are separate (wq, wk, wv, wz, wb, wa), so tensor parallelism can shard them
+by head; shapes below use -1 for head counts for that reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forja.models.common.attention import AttentionMask, KVCache
+from forja.models.common.gated_delta_rule import gated_delta_rule
+
+
+@dataclass
+class GatedDeltaNetState:
+    """One layer's decoding state, kept in `KVCache.mixer_states[layer]`."""
+
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    """the last K - 1 inputs of conv_q, conv_k, conv_v, each (B, K - 1, channels)"""
+    recurrent: torch.Tensor
+    """(B, Hv, dk, dv) fp32, the gated delta rule's state"""
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution, then SiLU. x (B, T, C); weight (C, 1, K); window
+    (B, K - 1, C) the inputs just before x (zeros when None). With `document_ids` (B, T) a
+    token sees no earlier document's inputs (the row's first document does see `window`).
+    -> (out (B, T, C) in x's dtype, the new window: the last K - 1 inputs)."""
+    B, T, C = x.shape
+    K = weight.shape[-1]
+    dtype = x.dtype
+    x = x.to(weight.dtype)  # as transformers: the convolution runs in the weight's dtype
+    if window is None:
+        window = x.new_zeros(B, K - 1, C)
+    ext = torch.cat([window.to(x.dtype), x], dim=1)  # (B, K - 1 + T, C)
+    if document_ids is None:
+        out = F.conv1d(ext.transpose(1, 2), weight, groups=C).transpose(1, 2)  # (B, T, C)
+    else:
+        out = _conv_within_documents(ext, weight, document_ids)
+    return F.silu(out).to(dtype), ext[:, ext.shape[1] - (K - 1):]
+
+
+def _conv_within_documents(ext: torch.Tensor, weight: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """The convolution as K shifted products, each input masked where it lies before the
+    token's document: K elementwise terms, no (B, T, C, K) window tensor."""
+    B, T = document_ids.shape
+    K = weight.shape[-1]
+    later_start = torch.zeros_like(document_ids, dtype=torch.bool)
+    later_start[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    pos = torch.arange(T, device=ext.device).expand(B, T)
+    # Tokens since the document's first (the row's first document: far enough to see the window).
+    since_start = pos - torch.where(later_start, pos, -K).cummax(1).values  # (B, T)
+    out = ext.new_zeros(B, T, ext.shape[-1])
+    for i in range(K):  # ext[:, i + t] is token t - lag
+        lag = K - 1 - i
+        seen = (since_start >= lag).to(ext.dtype)[..., None]  # (B, T, 1)
+        out = out + ext[:, i:i + T] * weight[:, 0, i] * seen
+    return out
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each value head, times silu(gate): weight * norm(x) * silu(z), the norm in
+    fp32 and cast back before the weight (as transformers' Qwen3.5 and OLMo-Hybrid)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet with n_k_heads query/key heads, each shared by n_v_heads / n_k_heads
+    consecutive value heads. `norm_eps`: the gated output norm's epsilon (Qwen3.5: the
+    model's rms_norm_eps; OLMo-Hybrid: 1e-5). `allow_neg_eigval` doubles beta (OLMo-Hybrid).
+    `chunk_size`: the chunked reference's chunk (fla's kernel uses its own, 64)."""
+
+    def __init__(self, dim: int, *, n_k_heads: int, n_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel: int = 4, norm_eps: float = 1e-6, allow_neg_eigval: bool = False,
+                 chunk_size: int = 64):
+        super().__init__()
+        if n_v_heads % n_k_heads:
+            raise ValueError(f"GatedDeltaNet's n_v_heads ({n_v_heads}) must be a multiple of n_k_heads "
+                             f"({n_k_heads}); choose head counts where it is")
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.allow_neg_eigval = allow_neg_eigval
+        self.chunk_size = chunk_size
+        key_dim, value_dim = n_k_heads * head_k_dim, n_v_heads * head_v_dim
+        self.wq = nn.Linear(dim, key_dim, bias=False)
+        self.wk = nn.Linear(dim, key_dim, bias=False)
+        self.wv = nn.Linear(dim, value_dim, bias=False)
+        self.wz = nn.Linear(dim, value_dim, bias=False)  # the output gate
+        self.wb = nn.Linear(dim, n_v_heads, bias=False)  # beta, the write strength
+        self.wa = nn.Linear(dim, n_v_heads, bias=False)  # the decay's input
+        self.wo = nn.Linear(value_dim, dim, bias=False)
+        self.conv_q, self.conv_k, self.conv_v = (
+            nn.Conv1d(c, c, conv_kernel, groups=c, bias=False) for c in (key_dim, key_dim, value_dim))
+        self.A_log = nn.Parameter(torch.zeros(n_v_heads))
+        self.dt_bias = nn.Parameter(torch.ones(n_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: AttentionMask, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        docs = mask.document_ids
+        state = cache.mixer_states.get(layer) if cache is not None else None
+        windows = state.conv if state is not None else (None, None, None)
+        q, q_window = causal_conv(self.wq(x), self.conv_q.weight, windows[0], docs)  # (B, T, Hk * dk)
+        k, k_window = causal_conv(self.wk(x), self.conv_k.weight, windows[1], docs)
+        v, v_window = causal_conv(self.wv(x), self.conv_v.weight, windows[2], docs)  # (B, T, Hv * dv)
+        q = q.view(B, T, -1, self.head_k_dim)  # (B, T, Hk, dk)
+        k = k.view(B, T, -1, self.head_k_dim)
+        v = v.view(B, T, -1, self.head_v_dim)  # (B, T, Hv, dv)
+        beta = self.wb(x).sigmoid()  # (B, T, Hv)
+        if self.allow_neg_eigval:
+            beta = beta * 2.0
+        # fp32: in half precision exp(A_log) may overflow
+        g = -self.A_log.float().exp() * F.softplus(self.wa(x).float() + self.dt_bias)  # (B, T, Hv)
+        o, S = gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
+                                initial_state=state.recurrent if state is not None else None,
+                                output_final_state=cache is not None, document_ids=docs)  # (B, T, Hv, dv)
+        if cache is not None:
+            cache.mixer_states[layer] = GatedDeltaNetState(conv=(q_window, k_window, v_window), recurrent=S)
+        z = self.wz(x).view(B, T, -1, self.head_v_dim)
+        return self.wo(self.norm(o, z).reshape(B, T, -1))
+
+
+def gated_deltanet_init_rule(name: str, *, conv_kernel: int = 4, dt_bias: str = "ones") -> tuple | None:
+    """The init rule (forja.models.common.init) of a Gated DeltaNet's own parameters, by the
+    parameter's name; None for those the host model's rule decides (projections; `norm.weight`
+    is ones as every norm's). A = exp(A_log) ~ U(0.01, 16), as transformers' Qwen3.5;
+    dt_bias "ones" (Qwen3.5) or "inv_softplus" (OLMo-Hybrid: softplus(dt_bias) log-uniform in
+    [0.001, 0.1], at least 1e-4); the convolutions as PyTorch's default for a depthwise
+    kernel (fan-in K), which fla's short convolution keeps."""
+    leaf = name.rsplit(".", 2)
+    if name == "A_log" or name.endswith(".A_log"):
+        return ("uniform_log", 0.01, 16.0)
+    if name == "dt_bias" or name.endswith(".dt_bias"):
+        if dt_bias == "ones":
+            return ("ones",)
+        if dt_bias == "inv_softplus":
+            return ("inv_softplus", 0.001, 0.1, 1e-4)
+        raise ValueError(f"unknown dt_bias init {dt_bias!r}; use 'ones' or 'inv_softplus'")
+    if len(leaf) >= 2 and leaf[-2] in ("conv_q", "conv_k", "conv_v") and leaf[-1] == "weight":
+        bound = conv_kernel**-0.5
+        return ("uniform", -bound, bound)
+    return None
