@@ -18,7 +18,7 @@ class ModelConfig:
     """Which model to train."""
 
     family: str = "llama"
-    """Model family: llama, gpt2, qwen3 or deepseek_v3."""
+    """Model family: llama, gpt2, qwen3, deepseek_v3 or mixtral."""
     flavor: str = "debug"
     """A size from the family's flavors.py (debug, tiny, 3.2-1b, 124m, ...)."""
     attention: Literal["sdpa", "flex"] = "sdpa"

@@ -29,6 +29,10 @@ from forja.models.llama import hf as llama_hf
 from forja.models.llama.flavors import FLAVORS as LLAMA_FLAVORS
 from forja.models.llama.model import Llama, LlamaArgs
 from forja.models.llama.parallelize import llama_tp_plan
+from forja.models.mixtral import hf as mixtral_hf
+from forja.models.mixtral.flavors import FLAVORS as MIXTRAL_FLAVORS
+from forja.models.mixtral.model import Mixtral, MixtralArgs
+from forja.models.mixtral.parallelize import mixtral_tp_plan
 from forja.models.qwen3 import hf as qwen3_hf
 from forja.models.qwen3.flavors import FLAVORS as QWEN3_FLAVORS
 from forja.models.qwen3.model import Qwen3, Qwen3Args
@@ -56,6 +60,7 @@ FAMILIES: dict[str, ModelSpec] = {
     "deepseek_v3": ModelSpec("deepseek_v3", DeepSeekV3, DeepSeekV3Args, DEEPSEEK_V3_FLAVORS, deepseek_v3_hf.ADAPTER,
                              deepseek_v3_tp_plan),
     "qwen3": ModelSpec("qwen3", Qwen3, Qwen3Args, QWEN3_FLAVORS, qwen3_hf.ADAPTER, qwen3_tp_plan),
+    "mixtral": ModelSpec("mixtral", Mixtral, MixtralArgs, MIXTRAL_FLAVORS, mixtral_hf.ADAPTER, mixtral_tp_plan),
 }
 
 

@@ -1,0 +1,67 @@
+"""Mixtral (Mistral AI, Jiang et al. 2024, "Mixtral of Experts", arXiv 2401.04088), single-device.
+
+Mistral 7B's decoder with every feed-forward a sparse mixture of experts: RMSNorm pre-norm
+blocks (eps 1e-5), grouped-query attention (32 query heads, 8 key/value heads, no biases,
+no QK-norm) with plain rotary positions (base 1e6), untied embeddings, and in each block
+8 SwiGLU experts of which each token goes to 2. The router takes a softmax over all the
+experts, keeps the best top_k and divides them by their sum (forja's `Router` with
+`score_func="softmax"`, `norm_topk_prob=True`); there is no shared expert and no dense block.
+
+Optional sliding-window attention (Hugging Face's `sliding_window`, None in the released
+8x7B and 8x22B): every block sees the latest `sliding_window` positions, itself included,
+which is forja's `TransformerArgs.sliding_window` exactly.
+
+Parameter names follow the TP plan (`parallelize.py`) and Llama's: attention.wq/wk/wv/wo,
+feed_forward.router.gate and feed_forward.experts.w1/w3 (E, H, D), w2 (E, D, H).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forja.errors import ForjaError
+from forja.models.common.attention import Attention
+from forja.models.common.decoder import RotaryDecoder
+from forja.models.common.moe import MoEArgs
+from forja.models.common.rope import rope_frequencies
+from forja.models.common.transformer import TransformerArgs
+
+
+@dataclass(kw_only=True)
+class MixtralArgs(TransformerArgs, MoEArgs):
+    """A Mixtral model's shape; `flavors.py` holds the published sizes. Its experts are its
+    only feed-forward, so `ffn_dim` (Hugging Face's `intermediate_size`) is one expert's
+    hidden width and `moe_ffn_dim` follows it."""
+
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm (Hugging Face `rms_norm_eps`)."""
+    rope_theta: float = 1_000_000.0
+    """Base of the rotary frequencies."""
+    n_experts: int = 8
+    """Routed experts per block (Hugging Face `num_local_experts`)."""
+    top_k: int = 2
+    """Experts each token is sent to (`num_experts_per_tok`)."""
+
+    def __post_init__(self) -> None:
+        if self.moe_ffn_dim == 0:
+            self.moe_ffn_dim = self.ffn_dim
+        if self.moe_ffn_dim != self.ffn_dim:
+            raise ForjaError(f"model.moe_ffn_dim={self.moe_ffn_dim} differs from model.ffn_dim={self.ffn_dim}, "
+                             "but a Mixtral's experts are its only feed-forward; set ffn_dim alone")
+        if self.n_experts < 1:
+            raise ForjaError(f"model.n_experts={self.n_experts}: every Mixtral block is a mixture of experts; "
+                             "set n_experts >= 1, or use the llama family for a dense model")
+        super().__post_init__()
+        self.check_moe()
+
+
+class Mixtral(RotaryDecoder):
+    args: MixtralArgs
+
+    def build_attention(self, layer: int) -> Attention:
+        return self.gqa_attention()
+
+    def rope_frequencies(self) -> torch.Tensor:
+        return rope_frequencies(self.args.head_dim, self.args.rope_theta)

@@ -1,0 +1,242 @@
+"""Mixtral against transformers: same weights, same logits, both ways; the released
+(`block_sparse_moe`, per-expert) and transformers 5's fused checkpoint layouts; sliding
+windows; greedy decoding; published sizes; refusals of what forja cannot represent."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from forja.errors import ForjaError
+from forja.generate import SamplingConfig, generate
+from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
+from forja.models.mixtral.hf import config_from_args
+from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
+
+transformers = pytest.importorskip("transformers")
+
+# Bound on max |logit difference| in float32, against transformers 5.24, torch 2.13, CPU.
+# Measured: 0.0 for "base" and "window" (the same ops in the same order, experts included).
+# The margin is for other expert widths: transformers runs an expert's gate and up
+# projections as one (2H, D) matmul, forja as two (H, D) ones, which BLAS may round
+# differently (2.4e-6 at H = 48 in test_qwen3.py).
+TOL = 1e-5
+
+_SHAPE = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=2048, max_position_embeddings=2048, rms_norm_eps=1e-5,
+              rope_theta=1_000_000.0, num_local_experts=8, num_experts_per_tok=2)
+# name -> (config kwargs, the forja flavor it equals or None).
+CONFIGS = {
+    # The `debug` flavor: 8 experts, top 2, GQA 2:1, no window.
+    "base": (_SHAPE, "debug"),
+    # A 16-token sliding window (shorter than the sequences below), head_dim 64 != 128 / 4,
+    # 4 experts, top 1, another eps and theta.
+    "window": (dict(_SHAPE, sliding_window=16, head_dim=64, num_local_experts=4, num_experts_per_tok=1,
+                    rms_norm_eps=1e-6, rope_theta=10_000.0, intermediate_size=64), None),
+}
+
+
+def make_hf_model(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    # A wider init than the default makes logits and router scores peaked: no near-ties.
+    cfg = transformers.MixtralConfig(initializer_range=0.1, **CONFIGS[name][0])
+    return transformers.MixtralForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (directory saved by transformers, the transformers model)."""
+    return save_hf_models(tmp_path_factory, make_hf_model, CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoints):
+    """name -> the forja model loaded from transformers' checkpoint."""
+    return {name: load_hf_checkpoint(path) for name, (path, _) in checkpoints.items()}
+
+
+def _tokens(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, _SHAPE["vocab_size"], (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _stored_names(path) -> set[str]:
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        return set(f.keys())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_load_matches_transformers_logits(checkpoints, loaded, name):
+    model, flavor = loaded[name], CONFIGS[name][1]
+    if flavor is not None:  # config.json read into exactly the flavor's args
+        assert model.args == model_args("mixtral", flavor)
+    else:
+        assert model.args.sliding_window == 16 and model.args.layer_type(3) == "sliding_attention"
+    diff = max_logit_diff(checkpoints[name][1], model, _tokens(48))
+    print(f"{name}: max |logit diff| = {diff:.3e}")
+    assert diff < TOL
+
+
+def test_transformers_saves_the_released_layout(checkpoints):
+    names = _stored_names(checkpoints["base"][0])
+    assert {"model.layers.1.block_sparse_moe.experts.7.w1.weight", "model.layers.1.block_sparse_moe.gate.weight",
+            "model.layers.3.block_sparse_moe.experts.0.w2.weight"} <= names
+    assert not any("gate_up_proj" in n or ".mlp." in n for n in names)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fused_expert_layout_loads_the_same(checkpoints, loaded, tmp_path, name):
+    hf = checkpoints[name][1]
+    hf.save_pretrained(tmp_path / "fused", save_original_format=False)  # transformers 5's own layout
+    names = _stored_names(tmp_path / "fused")
+    assert {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
+            "model.layers.1.mlp.gate.weight"} <= names
+    fused = load_hf_checkpoint(tmp_path / "fused")
+    for (key, a), (_, b) in zip(fused.state_dict().items(), loaded[name].state_dict().items(), strict=True):
+        assert torch.equal(a, b), key
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, loaded, tmp_path, name):
+    path, _ = checkpoints[name]
+    model = loaded[name]
+    out = save_hf_checkpoint(model, tmp_path / "export")
+    assert _stored_names(out) == _stored_names(path)  # the released (per-expert) layout
+    back = load_hf_checkpoint(out)
+    assert back.args == model.args
+    for (key, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items(), strict=True):
+        assert torch.equal(a, b), key
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded).__name__ == "MixtralForCausalLM"
+    assert reloaded.config.sliding_window == model.args.sliding_window
+    assert max_logit_diff(reloaded, model, _tokens(33)) < TOL
+
+
+def test_forja_model_exports_to_transformers(tmp_path):
+    model = build_model("mixtral", "debug", seed=3)
+    save_hf_checkpoint(model, tmp_path / "a")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a").eval()
+    assert max_logit_diff(hf, model, _tokens(20)) < TOL
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name):
+    # "window": 9 + 16 tokens run past the 16-token window, through transformers' sliding cache.
+    prompt = _tokens(9, seed=4)
+    ref = hf_greedy(checkpoints[name][1], prompt, 16)
+    assert torch.equal(generate(loaded[name], prompt, SamplingConfig(max_new_tokens=16)), ref)
+
+
+# -- published sizes -------------------------------------------------------------------------
+
+# (total, active per token); equal to transformers' count for the same config.json (built on
+# the meta device below) and to the released models' reported sizes (46.7B total, 12.9B
+# active; 141B total, 39B active).
+PUBLISHED = {
+    "8x7b": (46_702_792_704, 12_879_925_248),
+    "8x22b": (140_620_634_112, 39_152_031_744),
+}
+
+
+def _hf_meta_params(model) -> int:
+    cfg = dict(config_from_args(model.args))
+    del cfg["architectures"], cfg["model_type"]
+    with torch.device("meta"):
+        hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(**cfg))
+    return sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parametrize("flavor", list(PUBLISHED))
+def test_published_parameter_counts_equal_transformers(flavor):
+    model = build_model("mixtral", flavor, device="meta")
+    assert (model.num_params(), model.num_active_params()) == PUBLISHED[flavor]
+    assert model.num_params() == _hf_meta_params(model)
+
+
+def test_debug_flavor_is_the_advertised_size():
+    model = build_model("mixtral", "debug", device="meta")
+    assert 1.5e6 < model.num_params() < 2.0e6 and model.num_active_params() < 0.6 * model.num_params()
+    assert [type(block.feed_forward).__name__ for block in model.layers.values()] == ["MoE"] * 4
+    assert model.args.moe_ffn_dim == model.args.ffn_dim == 96
+
+
+def test_args_refuse_a_second_expert_width_and_no_experts():
+    with pytest.raises(ForjaError, match=r"moe_ffn_dim=64 differs from model\.ffn_dim=96"):
+        model_args("mixtral", "debug", moe_ffn_dim=64)
+    with pytest.raises(ForjaError, match=r"n_experts=0: every Mixtral block is a mixture of experts"):
+        model_args("mixtral", "debug", n_experts=0)
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+def _copy(path, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(path, dst)
+    return dst
+
+
+def _edit_config(dst, **changes):
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    (dict(router_jitter_noise=0.01), r"router_jitter_noise=0\.01 is not supported"),
+    (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                           "original_max_position_embeddings": 512}),
+     r"rope_parameters\.rope_type='yarn' is not supported"),
+    (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), r"rope_scaling\.rope_type='dynamic'"),
+    (dict(attention_bias=True), r"attention_bias=True is not supported"),
+    (dict(norm_topk_prob=False), r"norm_topk_prob=False is not supported"),
+])
+def test_unsupported_config_option_is_named(checkpoints, tmp_path, changes, message):
+    dst = _copy(checkpoints["base"][0], tmp_path)
+    _edit_config(dst, **changes)
+    with pytest.raises(ForjaError, match=r"config\.json: " + message):
+        load_hf_checkpoint(dst)
+
+
+def test_aux_loss_options_leave_the_model_alone(checkpoints, loaded, tmp_path):
+    """output_router_logits / router_aux_loss_coef add a training loss only: read, not refused."""
+    dst = _copy(checkpoints["base"][0], tmp_path)
+    _edit_config(dst, output_router_logits=True, router_aux_loss_coef=0.02)
+    assert load_hf_checkpoint(dst).args == loaded["base"].args
+
+
+def _edit_weights(dst, edit):
+    file = dst / "model.safetensors"
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_missing_and_misshapen_experts_are_named(checkpoints, tmp_path):
+    dst = _copy(checkpoints["base"][0], tmp_path)
+    _edit_weights(dst, lambda t: t.pop("model.layers.2.block_sparse_moe.experts.5.w3.weight"))
+    with pytest.raises(ForjaError, match=r"tensor model\.layers\.2\.block_sparse_moe\.experts\.5\.w3\.weight is "
+                                         r"missing"):
+        load_hf_checkpoint(dst)
+    dst = _copy(checkpoints["base"][0], tmp_path / "bad")
+    bad = {"model.layers.1.block_sparse_moe.experts.0.w2.weight": torch.zeros(128, 95)}
+    _edit_weights(dst, lambda t: t.update(bad))
+    with pytest.raises(ForjaError, match=r"experts\.0\.w2\.weight has shape \[128, 95\]; .* expects \[128, 96"):
+        load_hf_checkpoint(dst)
+
+
+@pytest.mark.parametrize(("overrides", "field"), [
+    (dict(qk_norm=True), "qk_norm"), (dict(score_func="sigmoid"), "score_func"),
+    (dict(norm_topk_prob=False), "norm_topk_prob"), (dict(n_shared_experts=1), "n_shared_experts"),
+    (dict(sliding_window=64, layer_types=["full_attention", "sliding_attention"] * 2), "layer_types"),
+    (dict(capacity_factor=1.25), "capacity_factor"),
+])
+def test_export_refuses_what_transformers_cannot_express(tmp_path, overrides, field):
+    model = build_model("mixtral", "debug", device="meta", **overrides)
+    with pytest.raises(ForjaError, match=f"a Mixtral with {field}="):
+        save_hf_checkpoint(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
