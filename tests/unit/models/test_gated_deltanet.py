@@ -9,7 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from forja.models.common.attention import AttentionMask, KVCache
-from forja.models.common.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from forja.models.common.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    fla_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
 from forja.models.common.gated_deltanet import GatedDeltaNet, causal_conv, gated_deltanet_init_rule
 from forja.models.common.init import init_parameters
 
@@ -179,6 +183,36 @@ def test_chunked_documents_equal_recurrent_documents():
     # The final state is the last document's: the same as running it alone.
     _, s_last = recurrent_gated_delta_rule(*(t[:1, 15:] for t in (q, k, v, g, beta)), output_final_state=True)
     assert (s_c[:1] - s_last).abs().max() < 1e-6
+
+
+def _fake_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+              cu_seqlens):
+    """fla's calling convention on CPU: heads already grouped, one flat row split by cu_seqlens,
+    one state per document."""
+    assert use_qk_l2norm_in_kernel and scale == q.shape[-1] ** -0.5 and q.shape[2] == v.shape[2]
+    if cu_seqlens is None:
+        return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                          output_final_state=output_final_state)
+    assert q.shape[0] == 1
+    outs, states = [], []
+    for i, (s, e) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        h0 = None if initial_state is None else initial_state[i:i + 1]
+        o, S = recurrent_gated_delta_rule(*(t[:, s:e] for t in (q, k, v, g, beta)), initial_state=h0,
+                                          output_final_state=True)
+        outs.append(o), states.append(S)
+    return torch.cat(outs, dim=1), (torch.cat(states) if output_final_state else None)
+
+
+def test_the_fla_call_maps_documents_and_states():
+    # The arguments forja hands fla's kernel (a CPU stand-in here; tests/gpu runs the kernel).
+    q, k, v, g, beta, h0 = _inputs(T=23)
+    docs = torch.tensor([[0] * 3 + [1] * 12 + [2] * 8, [4] * 23])
+    for ids in (None, docs):
+        want = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=4, initial_state=h0, output_final_state=True,
+                                      document_ids=ids)
+        got = fla_gated_delta_rule(_fake_fla, q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                   document_ids=ids)
+        assert (got[0] - want[0]).abs().max() < 1e-6 and (got[1] - want[1]).abs().max() < 1e-6
 
 
 @torch.no_grad()
