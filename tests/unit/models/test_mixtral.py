@@ -1,6 +1,7 @@
 """Mixtral against transformers: same weights, same logits, both ways; the released
 (`block_sparse_moe`, per-expert) and transformers 5's fused checkpoint layouts; sliding
-windows; greedy decoding; published sizes; refusals of what forja cannot represent."""
+windows; greedy decoding; published sizes; refusals of what forja cannot represent;
+gradients under tensor parallelism."""
 
 from __future__ import annotations
 
@@ -240,3 +241,54 @@ def test_export_refuses_what_transformers_cannot_express(tmp_path, overrides, fi
     with pytest.raises(ForjaError, match=f"a Mixtral with {field}="):
         save_hf_checkpoint(model, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+# -- tensor parallelism ----------------------------------------------------------------------
+
+_GRADS = ("layers.0.attention.wq.weight", "layers.1.feed_forward.router.gate.weight",
+          "layers.2.feed_forward.experts.w1", "layers.3.feed_forward.experts.w2")
+
+
+def _loss_and_grads(model, tp: int):
+    from forja.parallel.tp import loss_context
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, 2048, (2, 32), generator=gen) for _ in range(2))
+    with loss_context(tp):
+        loss = model(tokens, labels=labels)
+        loss.backward()
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    grads = dict(model.named_parameters())
+    return float(full(loss.detach())), {n: full(grads[n].grad) for n in _GRADS}
+
+
+def _tp_run(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from forja.models.mixtral.parallelize import mixtral_tp_plan
+    from forja.parallel.tp import apply_tp
+
+    mesh, out = init_device_mesh("cpu", (world,)), {}
+    for sequence_parallel in (False, True):
+        model = build_model("mixtral", "debug", seed=0)
+        apply_tp(model, mesh, mixtral_tp_plan(model.args, sequence_parallel))
+        out[sequence_parallel] = _loss_and_grads(model, world)
+    return out
+
+
+@pytest.mark.slow  # two spawned ranks
+def test_tensor_parallel_loss_and_gradients_equal_one_device():
+    """Each rank routes half the tokens through whole experts (apply_tp alone spreads no
+    experts; forja.parallel.ep's expert layout does), so an expert's gradient is the sum of
+    the ranks' shares; the router's and attention's are complete on every rank."""
+    from forja.testing import run_distributed
+
+    loss, grads = _loss_and_grads(build_model("mixtral", "debug", seed=0), tp=1)
+    ranks = run_distributed(_tp_run, 2)
+    for sequence_parallel in (False, True):
+        for name in _GRADS:
+            shares = [r[sequence_parallel][1][name] for r in ranks]
+            got = sum(shares) if ".experts." in name else shares[0]
+            assert torch.allclose(got, grads[name], atol=1e-7, rtol=1e-5), (sequence_parallel, name)
+        for r in ranks:
+            assert abs(r[sequence_parallel][0] - loss) < 1e-6, sequence_parallel
