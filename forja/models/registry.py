@@ -37,6 +37,10 @@ from forja.models.qwen3 import hf as qwen3_hf
 from forja.models.qwen3.flavors import FLAVORS as QWEN3_FLAVORS
 from forja.models.qwen3.model import Qwen3, Qwen3Args
 from forja.models.qwen3.parallelize import qwen3_tp_plan
+from forja.models.qwen3_5 import hf as qwen3_5_hf
+from forja.models.qwen3_5.flavors import FLAVORS as QWEN3_5_FLAVORS
+from forja.models.qwen3_5.model import Qwen3_5, Qwen3_5Args
+from forja.models.qwen3_5.parallelize import qwen3_5_tp_plan
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ FAMILIES: dict[str, ModelSpec] = {
     "deepseek_v3": ModelSpec("deepseek_v3", DeepSeekV3, DeepSeekV3Args, DEEPSEEK_V3_FLAVORS, deepseek_v3_hf.ADAPTER,
                              deepseek_v3_tp_plan),
     "qwen3": ModelSpec("qwen3", Qwen3, Qwen3Args, QWEN3_FLAVORS, qwen3_hf.ADAPTER, qwen3_tp_plan),
+    "qwen3_5": ModelSpec("qwen3_5", Qwen3_5, Qwen3_5Args, QWEN3_5_FLAVORS, qwen3_5_hf.ADAPTER, qwen3_5_tp_plan),
     "mixtral": ModelSpec("mixtral", Mixtral, MixtralArgs, MIXTRAL_FLAVORS, mixtral_hf.ADAPTER, mixtral_tp_plan),
 }
 

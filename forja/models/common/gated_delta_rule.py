@@ -236,3 +236,16 @@ def fla_gated_delta_rule(kernel, q, k, v, g, beta, *, initial_state=None, output
         if S is not None:  # each row's last document holds its final state
             S = S[torch.cat([row_first[1:], row_first.new_tensor([S.shape[0]])]) - 1]
     return o, S
+
+
+def gated_delta_rule_flops(n_v_heads: int, head_k_dim: int, head_v_dim: int, seq_len: int, chunk: int = 64) -> int:
+    """Training FLOPs per token (3 x forward) of the chunked gated delta rule, beyond the
+    projections and convolutions that 6 N counts. Forward, per head and token, within its
+    chunk of C: the scores q k^T and (beta k) k^T (2 C dk each) and the scores times the new
+    values (2 C dv); the two triangular solves for the WY-transformed values and keys
+    (C dv + C dk); across chunks the state read by the queries and the WY keys, and its
+    update (2 dk dv each). It grows with C, not with the context: linear attention's point."""
+    c = min(chunk, seq_len)
+    dk, dv = head_k_dim, head_v_dim
+    forward = 2 * c * (2 * dk + dv) + c * (dk + dv) + 3 * 2 * dk * dv
+    return 3 * n_v_heads * forward

@@ -1,0 +1,131 @@
+"""Qwen3.5 (Qwen team, 2026), dense and mixture-of-experts, single-device: a hybrid of
+Gated DeltaNet and gated full attention.
+
+Three of every four blocks mix the sequence with Gated DeltaNet (linear attention with a
+gated delta rule, forja/models/common/gated_deltanet.py), whose state has a fixed size
+whatever the context; every fourth (`full_attention_interval`) is full softmax attention,
+with what sets Qwen3.5's apart from Qwen3's:
+
+- an output gate: each head's output times sigmoid of its own projection of the block's
+  input (`attention.wg`; Hugging Face fuses it into q_proj, per head after the query);
+- partial RoPE: only the first quarter of each 256-wide head rotates (`partial_rotary_factor`);
+- zero-centered RMSNorms (weight stored as the offset from one), QK-norm per head included;
+  the Gated DeltaNet's own output norm keeps a plain weight.
+
+Qwen3.5-MoE makes every block's feed-forward a mixture of experts (softmax router, top-k
+renormalized) plus one shared expert scaled by a per-token sigmoid gate.
+
+Parameter names: attention.wq/wk/wv/wo/wg and attention.q_norm/k_norm in attention blocks;
+attention.wq/wk/wv/wz/wb/wa/wo, conv_q/k/v, A_log, dt_bias, norm in Gated DeltaNet blocks;
+feed_forward as in Qwen3 (router.gate, experts.w1/w2/w3, shared_experts.w1/w2/w3, shared_gate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from forja.errors import ForjaError
+from forja.models.common.attention import Attention
+from forja.models.common.decoder import RotaryDecoder
+from forja.models.common.gated_delta_rule import gated_delta_rule_flops
+from forja.models.common.gated_deltanet import GatedDeltaNet, gated_deltanet_init_rule
+from forja.models.common.moe import MoEArgs
+from forja.models.common.norms import RMSNorm
+from forja.models.common.rope import rope_frequencies
+from forja.models.common.transformer import TransformerArgs
+
+
+@dataclass(kw_only=True)
+class Qwen3_5Args(TransformerArgs, MoEArgs):
+    """A Qwen3.5 model's shape; `flavors.py` holds the published sizes. `n_experts=0` is
+    dense Qwen3.5; above 0, Qwen3.5-MoE (every block a mixture of experts)."""
+
+    norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm (Hugging Face `rms_norm_eps`)."""
+    qk_norm: bool = True
+    """Per-head RMSNorm of queries and keys in the attention blocks."""
+    rope_theta: float = 10_000_000.0
+    """Base of the rotary frequencies."""
+    partial_rotary_factor: float = 0.25
+    """The share of each attention head's width that rotates; the rest carries no position."""
+    full_attention_interval: int = 4
+    """Every this-many-th block (1-based) is full attention, the others Gated DeltaNet; used
+    when `layer_types` is empty."""
+    linear_n_k_heads: int = 16
+    """Gated DeltaNet query/key heads."""
+    linear_n_v_heads: int = 32
+    """Gated DeltaNet value heads (a multiple of the key heads, which are repeated)."""
+    linear_k_head_dim: int = 128
+    """Width of a Gated DeltaNet query/key head."""
+    linear_v_head_dim: int = 128
+    """Width of a Gated DeltaNet value head (its state is k_head_dim x v_head_dim per head)."""
+    linear_conv_kernel: int = 4
+    """Taps of the short causal convolution before the delta rule."""
+
+    def __post_init__(self) -> None:
+        if not self.layer_types and self.full_attention_interval >= 1:
+            interval = self.full_attention_interval
+            self.layer_types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                     for i in range(self.n_layers))
+        super().__post_init__()
+        self.check_moe()
+        if self.full_attention_interval < 1:
+            raise ForjaError(f"model.full_attention_interval={self.full_attention_interval} must be at least 1")
+        if self.linear_n_v_heads % self.linear_n_k_heads:
+            raise ForjaError(f"model.linear_n_v_heads={self.linear_n_v_heads} is not a multiple of "
+                             f"model.linear_n_k_heads={self.linear_n_k_heads}; Gated DeltaNet repeats whole key heads")
+
+    @property
+    def supported_layer_types(self) -> tuple[str, ...]:
+        return ("full_attention", "linear_attention")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+# Zero-centered norms start at zero (a scale of one); everything else follows RotaryDecoder.
+_ZERO_CENTERED = ("attention_norm.weight", "ffn_norm.weight", "attention.q_norm.weight",
+                  "attention.k_norm.weight")
+
+
+class Qwen3_5(RotaryDecoder):
+    args: Qwen3_5Args
+
+    def build_attention(self, layer: int) -> nn.Module:
+        a = self.args
+        if a.layer_type(layer) == "linear_attention":
+            return GatedDeltaNet(a.dim, n_k_heads=a.linear_n_k_heads, n_v_heads=a.linear_n_v_heads,
+                                 head_k_dim=a.linear_k_head_dim, head_v_dim=a.linear_v_head_dim,
+                                 conv_kernel=a.linear_conv_kernel, norm_eps=a.norm_eps)
+        return Attention(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, qk_norm=a.qk_norm, norm_eps=a.norm_eps,
+                         fused_rope="rope" in a.fused_ops, output_gate=True, rotary_dim=a.rotary_dim,
+                         zero_centered_norm=True)
+
+    def build_norm(self) -> RMSNorm:
+        return RMSNorm(self.args.dim, self.args.norm_eps, zero_centered=True)
+
+    def rope_frequencies(self) -> torch.Tensor:
+        return rope_frequencies(self.args.rotary_dim, self.args.rope_theta)
+
+    def init_rule(self, name: str) -> tuple:
+        if name == "norm.weight" or name.endswith(_ZERO_CENTERED):
+            return ("zeros",)
+        if name.startswith("layers.") and self.args.layer_type(int(name.split(".")[1])) == "linear_attention":
+            rule = gated_deltanet_init_rule(name, conv_kernel=self.args.linear_conv_kernel)
+            if rule is not None:
+                return rule
+        return super().init_rule(name)
+
+    def mixer_flops(self, kind: str, seq_len: int) -> int:
+        if kind != "linear_attention":
+            return super().mixer_flops(kind, seq_len)
+        a = self.args
+        return gated_delta_rule_flops(a.linear_n_v_heads, a.linear_k_head_dim, a.linear_v_head_dim, seq_len)
+
