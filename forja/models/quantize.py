@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from forja.errors import ForjaError
-from forja.models.common.moe import GroupedExperts, RouterGate
+from forja.models.common.moe import GroupedExperts, RouterGate, gated_activation
 
 QUANTIZE_CHOICES = ("none", "int8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,6 +82,11 @@ class Int8Experts(nn.Module):
             q, scale = int8_per_channel(weight)
             self.register_buffer(name, q)
             self.register_buffer(f"{name}_scale", scale)
+        # Expert biases (gpt-oss) stay in full precision, as the biases of quantized Linears do.
+        for name in ("b1", "b2", "b3"):
+            bias = getattr(experts, name, None)
+            self.register_buffer(name, None if bias is None else bias.detach().clone())
+        self.activation = (experts.activation, experts.limit, experts.alpha)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, D) rows sorted by expert, counts (n,) rows per expert -> (M, D)."""
@@ -89,14 +94,17 @@ class Int8Experts(nn.Module):
         out = []
         for g, rows in enumerate(x.split(sizes)):
             if sizes[g]:
-                h = F.silu(self._linear(rows, "w1", g)) * self._linear(rows, "w3", g)  # (m, H)
+                h = gated_activation(self._linear(rows, "w1", g), self._linear(rows, "w3", g),
+                                     *self.activation)  # (m, H)
                 out.append(self._linear(h, "w2", g))  # (m, D)
         return torch.cat(out) if out else x.new_zeros(0, self.w2.shape[1])
 
     def _linear(self, x: torch.Tensor, name: str, g: int) -> torch.Tensor:
         # x @ (q * s)^T = (x @ q^T) * s: the scales multiply the output channels after the matmul.
         y = F.linear(x, getattr(self, name)[g].to(x.dtype))
-        return y * getattr(self, f"{name}_scale")[g].to(y.dtype)
+        y = y * getattr(self, f"{name}_scale")[g].to(y.dtype)
+        bias = getattr(self, "b" + name[1])
+        return y if bias is None else y + bias[g].to(y.dtype)
 
 
 def quantize_experts(model: nn.Module) -> int:

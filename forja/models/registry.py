@@ -25,6 +25,10 @@ from forja.models.gpt2 import hf as gpt2_hf
 from forja.models.gpt2.flavors import FLAVORS as GPT2_FLAVORS
 from forja.models.gpt2.model import GPT2, GPT2Args
 from forja.models.gpt2.parallelize import gpt2_tp_plan
+from forja.models.gpt_oss import hf as gpt_oss_hf
+from forja.models.gpt_oss.flavors import FLAVORS as GPT_OSS_FLAVORS
+from forja.models.gpt_oss.model import GptOss, GptOssArgs
+from forja.models.gpt_oss.parallelize import gpt_oss_tp_plan
 from forja.models.llama import hf as llama_hf
 from forja.models.llama.flavors import FLAVORS as LLAMA_FLAVORS
 from forja.models.llama.model import Llama, LlamaArgs
@@ -66,6 +70,7 @@ FAMILIES: dict[str, ModelSpec] = {
     "qwen3": ModelSpec("qwen3", Qwen3, Qwen3Args, QWEN3_FLAVORS, qwen3_hf.ADAPTER, qwen3_tp_plan),
     "qwen3_5": ModelSpec("qwen3_5", Qwen3_5, Qwen3_5Args, QWEN3_5_FLAVORS, qwen3_5_hf.ADAPTER, qwen3_5_tp_plan),
     "mixtral": ModelSpec("mixtral", Mixtral, MixtralArgs, MIXTRAL_FLAVORS, mixtral_hf.ADAPTER, mixtral_tp_plan),
+    "gpt_oss": ModelSpec("gpt_oss", GptOss, GptOssArgs, GPT_OSS_FLAVORS, gpt_oss_hf.ADAPTER, gpt_oss_tp_plan),
 }
 
 

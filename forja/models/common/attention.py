@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from forja import fallbacks
 from forja.models.common.max_logit import MaxLogitTracking
@@ -247,7 +248,10 @@ class Attention(MaxLogitTracking, nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)
         self.track_logits(q, k, mask, self.head_dim**-0.5)
-        out = attend(q, k, v, mask, sinks=self.sinks).transpose(1, 2).reshape(B, T, -1)  # (B, T, H * hd)
+        # Under tensor parallelism the sinks are sharded with the heads (tp_plan.ShardOwnParameters):
+        # this rank's heads' logits, a local tensor like q.
+        sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
+        out = attend(q, k, v, mask, sinks=sinks).transpose(1, 2).reshape(B, T, -1)  # (B, T, H * hd)
         if self.wg is not None:
             out = out * torch.sigmoid(self.wg(x))
         return self.wo(out)

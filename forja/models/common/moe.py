@@ -8,6 +8,10 @@ Each token goes to `top_k` of `n_experts` SwiGLU experts (Shazeer et al. 2017; G
 Lepikhin et al. 2020; Switch, Fedus et al. 2021). Rows are sorted by expert and every
 expert's rows run as one grouped matrix multiply (forja/ops/grouped_mm.py).
 
+gpt-oss's variant, each part an option off by default: a learned bias in the router, a
+softmax over the top-k logits only (`topk_softmax`), biases on the experts' projections and
+a clamped SwiGLU (`MoEArgs`).
+
 Balancing the load, each optional:
 - the Switch/GShard auxiliary loss  E * sum_i f_i * P_i  (f_i: share of the token-slots
   routed to expert i, P_i: mean routing probability of i; 1 when perfectly balanced),
@@ -62,10 +66,26 @@ class MoEArgs:
     shared_expert_gate: bool = False
     """Scale the shared experts' output per token by sigmoid of a learned projection of it
     (Qwen3-Next, Qwen3.5-MoE: `shared_expert_gate`)."""
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    """Router scores: softmax over experts (Qwen, Mixtral) or independent sigmoids (DeepSeek-V3)."""
+    score_func: Literal["softmax", "sigmoid", "topk_softmax"] = "softmax"
+    """Router scores: softmax over experts (Qwen, Mixtral), independent sigmoids (DeepSeek-V3),
+    or "topk_softmax": the top_k logits chosen first, then a softmax over those k only
+    (gpt-oss; the weights sum to 1 already, so norm_topk_prob has nothing to do)."""
     norm_topk_prob: bool = True
     """Rescale the chosen experts' scores to sum to 1."""
+    router_bias: bool = False
+    """The router's linear layer adds a learned bias to its logits (gpt-oss). Unlike
+    `expert_bias` it is trained by gradients and it weighs the chosen experts too."""
+    expert_proj_bias: bool = False
+    """Each routed expert's gate, up and down projections add a learned bias (gpt-oss)."""
+    expert_activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    """The routed experts' gated activation: silu(gate) * up, or gpt-oss's clamped variant
+    (up + 1) * g * sigmoid(swiglu_alpha * g), g = gate clamped above at swiglu_limit and up
+    clamped to +-swiglu_limit. Shared experts are always SwiGLU."""
+    swiglu_limit: float = 7.0
+    """Clamp of the clamped SwiGLU (gpt-oss's `swiglu_limit`)."""
+    swiglu_alpha: float = 1.702
+    """Sigmoid gain of the clamped SwiGLU (gpt-oss's `swiglu_alpha`; 1.702: the sigmoid
+    approximation of GELU)."""
     route_scale: float = 1.0
     """Factor on the routed experts' weights (DeepSeek's routed_scaling_factor)."""
     n_expert_groups: int = 1
@@ -99,7 +119,11 @@ class MoEArgs:
         rules = [
             (1 <= self.top_k <= e, f"top_k = {self.top_k} must be between 1 and n_experts = {e}"),
             (self.moe_ffn_dim > 0, f"moe_ffn_dim = {self.moe_ffn_dim} must be positive"),
-            (self.score_func in ("softmax", "sigmoid"), f"score_func = {self.score_func!r} must be softmax or sigmoid"),
+            (self.score_func in ("softmax", "sigmoid", "topk_softmax"),
+             f"score_func = {self.score_func!r} must be softmax, sigmoid or topk_softmax"),
+            (self.expert_activation in ("swiglu", "clamped_swiglu"),
+             f"expert_activation = {self.expert_activation!r} must be swiglu or clamped_swiglu"),
+            (self.swiglu_limit > 0, f"swiglu_limit = {self.swiglu_limit} must be positive"),
             (self.n_expert_groups >= 1 and e % self.n_expert_groups == 0,
              f"n_experts = {e} must split into n_expert_groups = {self.n_expert_groups} equal groups"),
             (1 <= self.topk_groups <= self.n_expert_groups,
@@ -147,12 +171,14 @@ class MoEStats:
 
 
 class RouterGate(nn.Linear):
-    """The router's linear layer, computed in fp32 whatever the weight's and the autocast
-    dtype: top-k picks are sensitive to rounding, and bf16 logits would reorder near-ties."""
+    """The router's linear layer (with `MoEArgs.router_bias`, a bias too), computed in fp32
+    whatever the weight's and the autocast dtype: top-k picks are sensitive to rounding, and
+    bf16 logits would reorder near-ties."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.float(), self.weight.float())
+            bias = self.bias.float() if self.bias is not None else None
+            return F.linear(x.float(), self.weight.float(), bias)
 
 
 class Router(nn.Module):
@@ -161,7 +187,7 @@ class Router(nn.Module):
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
         self.args = args
-        self.gate = RouterGate(dim, args.n_experts, bias=False)
+        self.gate = RouterGate(dim, args.n_experts, bias=args.router_bias)
         if args.expert_bias:
             # A buffer, not a parameter: moved by the update rule, not by gradients; checkpointed.
             self.register_buffer("expert_bias", torch.zeros(args.n_experts, dtype=torch.float32))
@@ -172,6 +198,8 @@ class Router(nn.Module):
         """x (N, D) -> Routing; scores in fp32 (`RouterGate`)."""
         a = self.args
         logits = self.gate(x)  # (N, E) fp32
+        if a.score_func == "topk_softmax":
+            return self._topk_softmax(logits)
         scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()  # (N, E)
         choice = scores if self.expert_bias is None else scores + self.expert_bias
         if a.n_expert_groups > 1:
@@ -183,6 +211,17 @@ class Router(nn.Module):
         weights = weights * a.route_scale
         probs = scores if a.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
         return Routing(weights=weights, experts=experts, logits=logits, probs=probs)
+
+    def _topk_softmax(self, logits: torch.Tensor) -> Routing:
+        """gpt-oss's routing: the top_k logits, then a softmax over those k alone (the same
+        weights as a renormalized softmax over all experts, rounded as transformers does)."""
+        a = self.args
+        choice = logits if self.expert_bias is None else logits + self.expert_bias
+        if a.n_expert_groups > 1:
+            choice = self._mask_groups(choice)
+        experts = choice.topk(a.top_k, dim=-1).indices  # (N, k)
+        weights = logits.gather(1, experts).softmax(-1) * a.route_scale  # (N, k)
+        return Routing(weights=weights, experts=experts, logits=logits, probs=logits.softmax(-1))
 
     def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """Keep the scores of each token's best `topk_groups` groups, -inf elsewhere."""
@@ -222,20 +261,50 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """`n` SwiGLU experts with their weights stacked: w1, w3 (n, H, D), w2 (n, D, H)."""
+    """`n` gated experts with their weights stacked: w1, w3 (n, H, D), w2 (n, D, H); with
+    `bias`, b1, b3 (n, H) and b2 (n, D). `activation` "swiglu" or "clamped_swiglu" (MoEArgs)."""
 
-    def __init__(self, n: int, dim: int, hidden: int, impl: str = "auto"):
+    def __init__(self, n: int, dim: int, hidden: int, impl: str = "auto", *, bias: bool = False,
+                 activation: str = "swiglu", limit: float = 7.0, alpha: float = 1.702):
         super().__init__()
         self.impl = impl
+        self.activation, self.limit, self.alpha = activation, limit, alpha
         self.w1 = nn.Parameter(torch.empty(n, hidden, dim))  # gate
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))  # up
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))  # down
+        self.b1 = nn.Parameter(torch.empty(n, hidden)) if bias else None
+        self.b3 = nn.Parameter(torch.empty(n, hidden)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(n, dim)) if bias else None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, D) rows sorted by expert, counts (n,) rows per expert -> (M, D)."""
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
-        h = F.silu(grouped_mm(x, w1, counts, self.impl)) * grouped_mm(x, w3, counts, self.impl)  # (M, H)
-        return grouped_mm(h, w2, counts, self.impl)
+        gate = self._biased(grouped_mm(x, w1, counts, self.impl), self.b1, counts)  # (M, H)
+        up = self._biased(grouped_mm(x, w3, counts, self.impl), self.b3, counts)
+        return self._biased(grouped_mm(self.gated(gate, up), w2, counts, self.impl), self.b2, counts)
+
+    def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The hidden activation of gate and up projections (M, H)."""
+        return gated_activation(gate, up, self.activation, self.limit, self.alpha)
+
+    @staticmethod
+    def _biased(y: torch.Tensor, bias: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor:
+        """y (M, N) rows sorted by expert plus each row's expert's bias (n, N)."""
+        if bias is None:
+            return y
+        rows = _local(bias).repeat_interleave(counts, dim=0, output_size=y.shape[0])  # (M, N)
+        return y + rows.to(y.dtype)
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "swiglu", limit: float = 7.0,
+                     alpha: float = 1.702) -> torch.Tensor:
+    """silu(gate) * up ("swiglu"), or gpt-oss's "clamped_swiglu": both clamped (the gate only
+    from above), a sigmoid-GELU gate g * sigmoid(alpha g), and up + 1."""
+    if activation == "swiglu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -267,7 +336,9 @@ class MoE(nn.Module):
         args.check_moe()
         self.args = args
         self.router = Router(dim, args)
-        self.experts = GroupedExperts(args.n_experts, dim, args.moe_ffn_dim, args.moe_impl)
+        self.experts = GroupedExperts(args.n_experts, dim, args.moe_ffn_dim, args.moe_impl,
+                                      bias=args.expert_proj_bias, activation=args.expert_activation,
+                                      limit=args.swiglu_limit, alpha=args.swiglu_alpha)
         shared = args.n_shared_experts * args.moe_ffn_dim
         self.shared_experts = SwiGLU(dim, shared, fused=fused_swiglu) if shared else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared and args.shared_expert_gate else None

@@ -94,6 +94,34 @@ class SplitTokens(ParallelStyle):
         return module
 
 
+class ShardOwnParameters(ParallelStyle):
+    """Shards some of a module's own parameters (not its children's) along dim 0 over the TP
+    mesh, then applies `then` (the module's other style, if it has one: a plan holds one
+    style per name). For per-head parameters of an attention module, such as its sinks
+    (H,): sharded like the column-parallel q projection's heads, each rank keeps its own
+    heads' values and gradients; the module computes with the local shard."""
+
+    def __init__(self, names: tuple[str, ...], then: ParallelStyle | None = None):
+        super().__init__()
+        self.names, self.then = names, then
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for key in self.names:
+            p = getattr(module, key, None)
+            if p is None:
+                continue
+            # src_data_rank=None: no scatter; every rank initializes the weights alike later.
+            shard = distribute_tensor(p.data, device_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(key, nn.Parameter(shard, requires_grad=p.requires_grad))
+        return module if self.then is None else self.then._apply(module, device_mesh)
+
+
+def shard_attention_sinks(plan: TPPlan) -> TPPlan:
+    """`plan` with every block's attention sinks sharded with the heads (`ShardOwnParameters`)."""
+    plan.block["attention"] = ShardOwnParameters(("sinks",), then=plan.block.get("attention"))
+    return plan
+
+
 def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
     for key, p in list(module.named_parameters(recurse=False)):
         # src_data_rank=None: no broadcast; every rank initializes the weights alike later.
