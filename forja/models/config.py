@@ -14,6 +14,23 @@ if TYPE_CHECKING:
 
 
 @dataclass(kw_only=True)
+class MTPConfig:
+    """[model.mtp]: multi-token prediction (DeepSeek-V3's sequential MTP modules,
+    forja/models/common/mtp.py), a training objective; the modules are not needed to generate."""
+
+    depth: int = 0
+    """Modules, each predicting one token further ahead (DeepSeek-V3: 1); 0: off."""
+    loss_weight: float = 0.3
+    """lambda: the training loss adds (lambda / depth) x the sum of the depths' cross-entropies
+    (DeepSeek-V3: 0.3, then 0.1). The reported `loss` stays the main one; each depth's is `mtp/loss_{k}`."""
+
+    def __post_init__(self) -> None:
+        if self.depth < 0 or self.loss_weight < 0:
+            raise ForjaError(f"model.mtp.depth = {self.depth} and model.mtp.loss_weight = {self.loss_weight} "
+                             "must be at least 0 (depth = 0 turns multi-token prediction off)")
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     """Which model to train."""
 
@@ -35,6 +52,8 @@ class ModelConfig:
     mup_base_dim: int = 0
     """0: off; else the width (model.dim) the hyperparameters were tuned at: the model is
     parametrized (muP) so the best learning rate found at that width holds at larger widths."""
+    mtp: MTPConfig = field(default_factory=MTPConfig)
+    """[model.mtp]: multi-token prediction modules and their loss weight (depth 0: off)."""
     init_from: str | None = None
     """Start from these weights instead of random ones: a Hugging Face directory, or a forja
     run directory or checkpoint (weights only; the optimizer and data start afresh)."""
@@ -74,6 +93,8 @@ def run_model_args(model_cfg: ModelConfig, vocab_size: int) -> TransformerArgs:
     if args.vocab_size < vocab_size:
         raise ForjaError(f"model.overrides.vocab_size = {args.vocab_size} is smaller than the tokenizer's "
                          f"{vocab_size} tokens; remove the override or make it larger")
+    if model_cfg.mtp.depth:  # [model.mtp] wins over the flavor (and a Hugging Face config's count)
+        args.mtp_depth, args.mtp_loss_weight = model_cfg.mtp.depth, model_cfg.mtp.loss_weight
     if model_cfg.mup_base_dim:  # muP: parametrize relative to the width the lr was tuned at
         args.mup_width_mult = args.dim / model_cfg.mup_base_dim
     return args

@@ -126,9 +126,10 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = N
     cfg = read_config(path)
     adapter = _adapter_for_architecture(cfg, path)
     args = adapter.args_from_config(cfg)
-    expected = build_from_args(args, device="meta").state_dict()
     with contextlib.ExitStack() as stack:
         stored = _open_tensors(path, adapter.normalize_name, stack)
+        args = adapter.held_args(args, set(stored))
+        expected = build_from_args(args, device="meta").state_dict()
         rules = _layout_of(stored, adapter, args)
         _check_names_and_shapes(rules, stored, adapter, expected, cfg["architectures"][0], path)
         model = build_from_args(args, device=device, dtype=dtype or _checkpoint_dtype(cfg, stored), init=False)

@@ -173,10 +173,24 @@ def _check_mixers(r: LayoutRequest, dims: ParallelDims) -> None:
                          "linear-attention state; set parallel.cp = 1 for this model")
 
 
+def _check_mtp(r: LayoutRequest, dims: ParallelDims) -> None:
+    """Multi-token prediction runs in one model copy per rank (data parallel and FSDP): its
+    modules need the token ids and the embedding on the last pipeline stage, whole rows for
+    the shifted tokens, and their block is not in the tensor-parallel or expert-parallel plans."""
+    split = {name: degree for name, degree in (("pp", dims.pp), ("tp", dims.tp), ("cp", dims.cp), ("ep", dims.ep))
+             if degree > 1}
+    if r.args.mtp_depth and split:
+        name, degree = next(iter(split.items()))
+        raise ForjaError(f"parallel.{name} = {degree} with multi-token prediction (model.mtp.depth = "
+                         f"{r.args.mtp_depth}) is not supported yet; set parallel.{name} = 1 (data parallel "
+                         "and FSDP run it) or model.mtp.depth = 0")
+
+
 # Each check stops at its own first problem; the validator runs them all, so a layout with
 # several problems hears of each (a planner's table shows the first).
 CHECKS: tuple[Check, ...] = (_check_tp, _check_vocab, _check_sequence_parallel, _check_float8, _check_ep,
-                             _check_moe_tp, _check_cp, _check_mixers, _check_batch, _check_pipeline, _check_precision)
+                             _check_moe_tp, _check_cp, _check_mixers, _check_batch, _check_pipeline, _check_precision,
+                             _check_mtp)
 
 
 def layout_errors(r: LayoutRequest) -> list[str]:

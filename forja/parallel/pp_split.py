@@ -5,8 +5,10 @@ other stages deleted from `layers` and the modules it does not run set to None, 
 parameter it keeps has its name in the whole model ("layers.5.attention.wq.weight") and
 checkpoints load across layouts. The embeddings (every direct child besides `layers`,
 `norm` and `output`: token and, for GPT-2, position embeddings) belong to the first stage;
-the final norm and the output projection to the last. A model that ties its output
-projection to the embedding keeps the tie inside a stage that holds both (a V schedule's
+the final norm, the output projection and the multi-token prediction modules to the last
+(layout_errors refuses MTP under pp > 1 for now: it would also need the token ids and the
+embedding there). A model that ties its output projection to the embedding keeps the tie
+inside a stage that holds both (a V schedule's
 rank 0 holds both ends, but as two parts); otherwise the last stage's `output.weight`
 becomes its own copy of the embedding, which `Transformer.tied_parameters` names so that
 it is initialized, checkpointed and kept equal as the embedding (see train/step/engine.py).
@@ -32,8 +34,9 @@ from forja.models.common.transformer import Transformer
 
 MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "dualpipev")
 V_SCHEDULES = ("zero-bubble", "dualpipev")
-# The model's own modules that are not input-side: the rest feeds the first block.
-_OUTPUT_SIDE = ("norm", "output")
+# The model's own modules that are not input-side: the rest feeds the first block. Multi-token
+# prediction reads the final hidden state and the output head, so it goes with them.
+_OUTPUT_SIDE = ("norm", "output", "mtp")
 
 
 def stages_per_rank(schedule: str) -> int:

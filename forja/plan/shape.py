@@ -53,7 +53,8 @@ class ModelShape:
     """Output projection; 0 when tied to the embedding (unless a pipeline splits them)."""
     final_norm: int
     output_flops_per_token: float
-    """6 x the output projection (and final norm): the logits' matmuls."""
+    """6 x the output projection (and final norm): the logits' matmuls, once more per
+    multi-token prediction module."""
     root_matrices: tuple[tuple[str, int, int], ...] = ()
     """(name, rows, columns) of the embeddings and the output projection, whole."""
 
@@ -93,13 +94,17 @@ def _counts(args: TransformerArgs) -> tuple:
     model: Transformer = build_from_args(args, device="meta")
     plan = spec_of(args).tp_plan(args, True)
     counted = []
-    for block in model.layers.values():
-        moe = isinstance(block.feed_forward, MoE)
+    # Multi-token prediction modules count as blocks after the main ones: each runs a block
+    # (its norms and 2d -> d projection with it, replicated) and, below, the output head again.
+    mtp = list(model.mtp.layers.values()) if model.mtp is not None else []
+    for block in [*model.layers.values(), *mtp]:
+        inner = getattr(block, "block", block)  # an MTP module's transformer block
+        moe = isinstance(inner.feed_forward, MoE)
         styles = plan.block_plan(moe)
         split = replicated = experts = 0
         matrices = []
         for name, p in block.named_parameters():
-            module = name.rsplit(".", 1)[0]
+            module = name.rsplit(".", 1)[0].removeprefix("block.")  # the plan names a block's modules
             if p.dim() >= 2:  # (stack, rows, columns): a 3-D expert stack is `stack` matrices
                 matrices.append((p.numel() // (p.shape[-2] * p.shape[-1]), p.shape[-2], p.shape[-1]))
             if ".experts." in f".{name}" and moe:
@@ -108,15 +113,15 @@ def _counts(args: TransformerArgs) -> tuple:
                 split += p.numel()
             else:
                 replicated += p.numel()
-        active = block.feed_forward.active_fraction() if moe else 0.0
-        gated = moe or isinstance(block.feed_forward, SwiGLU)
-        layer_norm = isinstance(block.attention_norm, nn.LayerNorm)
+        active = inner.feed_forward.active_fraction() if moe else 0.0
+        gated = moe or isinstance(inner.feed_forward, SwiGLU)
+        layer_norm = isinstance(getattr(inner, "attention_norm", None), nn.LayerNorm)  # none in post-norm blocks
         counted.append((split, replicated, experts, moe, gated, layer_norm, active, tuple(matrices)))
     output = 0 if args.tie_embeddings else _numel(model.output)
     # Whatever else the root holds is input side: token (and learned position) embeddings.
-    embedding = _numel(model) - _numel(model.layers) - _numel(model.norm) - output
-    output_matmul = model.output.weight.numel() if model.output is not None else 0
+    embedding = _numel(model) - _numel(model.layers) - _numel(model.mtp) - _numel(model.norm) - output
+    output_matmul = model.output.weight.numel() * (1 + len(mtp)) if model.output is not None else 0
     root = [(name, p.shape[-2], p.shape[-1]) for name, p in model.named_parameters()
-            if p.dim() == 2 and not name.startswith("layers.")]
+            if p.dim() == 2 and not name.startswith(("layers.", "mtp."))]
     _COUNTS[key] = (counted, embedding, output, _numel(model.norm), output_matmul, tuple(root), model)
     return _COUNTS[key]

@@ -105,3 +105,7 @@ class HFAdapter:
     """Further layouts a checkpoint may hold the same model in, each a full list of rules
     (transformers 5 can save experts fused into one tensor per layer). Loading follows
     whichever of `rules` and these names the most stored tensors; saving writes `rules`."""
+    held_args: Callable[[Any, set[str]], Any] = lambda args, names: args
+    """The args from config.json fitted to the stored tensor names before the layout is read
+    (DeepSeek-V3: transformers writes num_nextn_predict_layers = 1 with no MTP tensors, so
+    the count holds only when its modules are stored)."""

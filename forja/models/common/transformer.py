@@ -21,6 +21,7 @@ from forja.errors import ForjaError
 from forja.models.common.attention import ATTENTION_BACKENDS, Attention, AttentionMask, KVCache, build_mask
 from forja.models.common.init import InitRule, init_parameters
 from forja.models.common.moe import MoE
+from forja.models.common.mtp import MultiTokenPrediction
 from forja.names import named_unique_parameters
 
 
@@ -69,6 +70,12 @@ class TransformerArgs:
     mup_width_mult: float = 1.0
     """muP's width multiplier, dim / the width the hyperparameters were tuned at (set from
     model.mup_base_dim); 1 is the standard parametrization. See `mup_init_rule`."""
+    mtp_depth: int = 0
+    """Multi-token prediction modules after the main model (DeepSeek-V3's MTP,
+    forja/models/common/mtp.py; Hugging Face `num_nextn_predict_layers`); 0: none."""
+    mtp_loss_weight: float = 0.3
+    """lambda of L_MTP = (lambda / mtp_depth) * sum of the depths' losses, added to the
+    training loss (DeepSeek-V3: 0.3, then 0.1 for the last 4.8T tokens)."""
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -89,6 +96,9 @@ class TransformerArgs:
         self.fused_ops = tuple(self.fused_ops)
         if self.mup_width_mult <= 0:
             raise ForjaError(f"model mup_width_mult={self.mup_width_mult} must be positive (1: muP off)")
+        if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
+            raise ForjaError(f"model.mtp.depth = {self.mtp_depth} and model.mtp.loss_weight = "
+                             f"{self.mtp_loss_weight} must be at least 0 (depth 0: no multi-token prediction)")
 
     def _check_layer_types(self) -> None:
         self.layer_types = tuple(self.layer_types)  # a list from TOML or config.json
@@ -111,7 +121,10 @@ class TransformerArgs:
         return ATTENTION_TYPES
 
     def layer_type(self, layer: int) -> str:
-        """The kind of block `layer`'s sequence mixer (one of LAYER_TYPES)."""
+        """The kind of block `layer`'s sequence mixer (one of LAYER_TYPES). Past the main
+        layers (a multi-token prediction module's block): full attention."""
+        if layer >= self.n_layers:
+            return "full_attention"
         if self.layer_types:
             return self.layer_types[layer]
         return "full_attention" if self.sliding_window is None else "sliding_attention"
@@ -185,6 +198,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.n_layers)})
         self.norm: nn.Module | None = self.build_norm()
         self.output: nn.Module | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.mtp: MultiTokenPrediction | None = self.build_mtp() if args.mtp_depth else None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -214,6 +228,14 @@ class Transformer(nn.Module):
 
     def build_norm(self) -> nn.Module:
         raise NotImplementedError
+
+    def build_mtp(self) -> MultiTokenPrediction:
+        """The multi-token prediction modules: module k (1..mtp_depth) runs the block a layer
+        numbered n_layers + k - 1 would have (DeepSeek-V3's checkpoints number them so; a
+        mixture of experts where the family's later layers have one)."""
+        a = self.args
+        blocks = [self.build_block(a.n_layers + k) for k in range(a.mtp_depth)]
+        return MultiTokenPrediction(a.dim, blocks, self.build_norm, first=a.n_layers, loss_weight=a.mtp_loss_weight)
 
     def add_positions(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Learned position embeddings (GPT-2); identity for rotary families."""
@@ -257,7 +279,17 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.output is None:
             return h
-        return self.logits(h) if labels is None else self.loss(h, labels)
+        if labels is None:
+            return self.logits(h)
+        loss = self.loss(h, labels)
+        if self.mtp is not None and self.training:  # a training objective: validation reports the main loss
+            kind = "full_attention"
+            rope = ropes[kind] if kind in ropes else self.rope_tables_for(kind, positions)
+            mask = masks[kind] if kind in masks else self.mask_for(kind, document_ids, T, start, tokens.device)
+            losses = self.mtp.losses(h, tokens, labels, document_ids, embed=self.tok_embeddings,
+                                     head_loss=self.loss, rope=rope, mask=mask)
+            loss = self.mtp.attach(loss, losses)  # the same value; the MTP losses join its backward
+        return loss
 
     def rope_tables_for(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary tables of blocks of `kind`: the same for all unless a family uses
@@ -342,10 +374,15 @@ class Transformer(nn.Module):
         N counts the parameters a token uses: a mixture of experts' active ones) plus
         12 L H hd T for the attention scores and weighted values (PaLM, Chowdhery et al. 2022,
         appendix B), counted over the full T x T square as the kernels that report MFU
-        conventionally do, not the causal half.
+        conventionally do, not the causal half. Multi-token prediction modules add their
+        block's attention and one more pass through the output head each.
         """
         n = self.num_active_params(exclude_embeddings=True)
-        return 6 * n + sum(self.mixer_flops(self.args.layer_type(i), seq_len) for i in range(self.args.n_layers))
+        mixing = sum(self.mixer_flops(self.args.layer_type(i), seq_len) for i in range(self.args.n_layers))
+        # Each multi-token prediction module (counted in n) also runs the shared output head again.
+        head = self.args.mtp_depth * 6 * self.args.vocab_size * self.args.dim
+        mtp = self.args.mtp_depth * self.mixer_flops("full_attention", seq_len) + head
+        return 6 * n + mixing + (mtp if self.mtp is not None else 0)
 
     def mixer_flops(self, kind: str, seq_len: int) -> int:
         """Training FLOPs per token of one block's sequence mixing beyond its weight matmuls:

@@ -2,8 +2,8 @@
 
 Values are those of the released config.json files (deepseek-ai/DeepSeek-V2-Lite,
 DeepSeek-V2, DeepSeek-V3 on the Hugging Face hub). V3's multi-token prediction module
-(num_nextn_predict_layers = 1) is not part of forja's model, so `671b` counts the main
-model only. V2 routes differently from V3 (softmax scores without a balancing bias,
+(num_nextn_predict_layers = 1) is off in the flavors (`671b` counts the main model, as
+transformers builds it); `[model.mtp] depth = 1` adds it (forja/models/common/mtp.py). V2 routes differently from V3 (softmax scores without a balancing bias,
 "group-limited greedy" choosing groups by their best expert), which `score_func`,
 `expert_bias` and `group_score` express; transformers' DeepseekV3ForCausalLM, the reference
 forja checks itself against, computes V3's routing only (see docs/models.md).

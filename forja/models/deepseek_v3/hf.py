@@ -20,12 +20,20 @@ Layouts:
   w2 (E, D, H). transformers 5's fused layout (`mlp.experts.gate_up_proj`, saved with
   `save_original_format=False`) loads too.
 - Multi-token prediction: V3's checkpoints carry its MTP module as an extra layer
-  (model.layers.61.*, num_nextn_predict_layers = 1). forja has no MTP module yet, so those
-  tensors are skipped when loading (as transformers skips them) and none are saved
-  (`num_nextn_predict_layers: 0`).
+  (model.layers.61.*, num_nextn_predict_layers = 1): enorm, hnorm, eh_proj, shared_head.norm
+  and a full decoder block, plus copies of the embedding (embed_tokens) and of the output
+  head (shared_head.head). With num_nextn_predict_layers = D > 0 forja loads the module k
+  (layer n_layers + k - 1) into mtp.layers.{n_layers + k - 1} (proj, hnorm, enorm, norm,
+  block) and saves it under the same names; the copies are written from forja's one shared
+  embedding and head, and when loading the main model's own tensors win (they are read
+  after the copies). transformers 5 builds no MTP layers (it skips their tensors), so a
+  checkpoint with them still loads there as the main model. With D = 0 the MTP tensors a
+  checkpoint may hold are skipped.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -120,6 +128,7 @@ def args_from_config(cfg: dict) -> DeepSeekV3Args:
         n_expert_groups=cfg.get("n_group") or 1,
         topk_groups=cfg.get("topk_group") or 1,
         group_score="top2_sum",
+        mtp_depth=cfg.get("num_nextn_predict_layers") or 0,
     )
 
 
@@ -149,7 +158,7 @@ def config_from_args(a: DeepSeekV3Args) -> dict:
         "moe_intermediate_size": a.moe_ffn_dim or 1, "n_shared_experts": a.n_shared_experts or 1,
         "routed_scaling_factor": a.route_scale, "norm_topk_prob": a.norm_topk_prob,
         "n_group": a.n_expert_groups, "topk_group": a.topk_groups,
-        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": 0,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": a.mtp_depth,
         # The 4.x dialect, as DeepSeek's checkpoints write it; 5.x reads it too.
         "rope_theta": a.rope_theta, "rope_scaling": None,
     }
@@ -164,6 +173,15 @@ def config_from_args(a: DeepSeekV3Args) -> dict:
         if s.attention_factor is not None:
             cfg["rope_scaling"]["attention_factor"] = s.attention_factor
     return cfg
+
+
+def held_args(a: DeepSeekV3Args, names: set[str]) -> DeepSeekV3Args:
+    """`a` without MTP modules when the checkpoint holds none: transformers writes
+    num_nextn_predict_layers = 1 by default and saves no MTP layer. When the first module's
+    projection is stored the count holds, and a missing tensor of it is reported by name."""
+    if a.mtp_depth and f"model.layers.{a.n_layers}.eh_proj.weight" not in names:
+        return dataclasses.replace(a, mtp_depth=0)
+    return a
 
 
 def _row_order(before: int, rope_dim: int, to_hf: bool) -> torch.Tensor:
@@ -227,25 +245,52 @@ def _fused_expert_rules(a: DeepSeekV3Args, hf: str, ours: str) -> list[TensorRul
             TensorRule(f"{hf}experts.down_proj", (f"{ours}experts.w2",))]
 
 
+def _block_rules(a: DeepSeekV3Args, i: int, hf: str, ours: str, fused_experts: bool) -> list[TensorRule]:
+    """Decoder layer i's tensors, under the prefixes `hf` ("model.layers.{i}.") and `ours`."""
+    out = [TensorRule(hf + "input_layernorm.weight", (ours + "attention_norm.weight",)),
+           TensorRule(hf + "post_attention_layernorm.weight", (ours + "ffn_norm.weight",))]
+    out += _attention_rules(a, hf + "self_attn.", ours + "attention.")
+    hf, ours = hf + "mlp.", ours + "feed_forward."
+    if not a.is_moe_layer(i):
+        return out + _mlp_rules(hf, ours)
+    out += [TensorRule(hf + "gate.weight", (ours + "router.gate.weight",)),
+            TensorRule(hf + "gate.e_score_correction_bias", (ours + "router.expert_bias",))]
+    out += _mlp_rules(hf + "shared_experts.", ours + "shared_experts.")
+    return out + (_fused_expert_rules(a, hf, ours) if fused_experts else _per_expert_rules(a, hf, ours))
+
+
+def _mtp_copies(a: DeepSeekV3Args) -> list[TensorRule]:
+    """Each MTP layer's copies of the shared embedding and output head. Listed before the main
+    model's tensors, so that loading reads the main ones last and they win."""
+    head = "tok_embeddings.weight" if a.tie_embeddings else "output.weight"
+    out = []
+    for i in range(a.n_layers, a.n_layers + a.mtp_depth):
+        out += [TensorRule(f"model.layers.{i}.embed_tokens.weight", ("tok_embeddings.weight",)),
+                TensorRule(f"model.layers.{i}.shared_head.head.weight", (head,))]
+    return out
+
+
+def _mtp_rules(a: DeepSeekV3Args, fused_experts: bool) -> list[TensorRule]:
+    """The MTP layers' own tensors (forja/models/common/mtp.py's MTPModule), numbered after the main layers."""
+    out = []
+    for i in range(a.n_layers, a.n_layers + a.mtp_depth):
+        hf, ours = f"model.layers.{i}.", f"mtp.layers.{i}."
+        out += [TensorRule(hf + "enorm.weight", (ours + "enorm.weight",)),
+                TensorRule(hf + "hnorm.weight", (ours + "hnorm.weight",)),
+                TensorRule(hf + "eh_proj.weight", (ours + "proj.weight",)),
+                TensorRule(hf + "shared_head.norm.weight", (ours + "norm.weight",))]
+        out += _block_rules(a, i, hf, ours + "block.", fused_experts)
+    return out
+
+
 def _rules(a: DeepSeekV3Args, fused_experts: bool) -> list[TensorRule]:
-    out = [TensorRule("model.embed_tokens.weight", ("tok_embeddings.weight",)),
-           TensorRule("model.norm.weight", ("norm.weight",))]
+    out = _mtp_copies(a) + [TensorRule("model.embed_tokens.weight", ("tok_embeddings.weight",)),
+                            TensorRule("model.norm.weight", ("norm.weight",))]
     if not a.tie_embeddings:
         out.append(TensorRule("lm_head.weight", ("output.weight",)))
     for i in range(a.n_layers):  # layers differ (dense or experts): one set of rules each
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        out += [TensorRule(hf + "input_layernorm.weight", (ours + "attention_norm.weight",)),
-                TensorRule(hf + "post_attention_layernorm.weight", (ours + "ffn_norm.weight",))]
-        out += _attention_rules(a, hf + "self_attn.", ours + "attention.")
-        hf, ours = hf + "mlp.", ours + "feed_forward."
-        if not a.is_moe_layer(i):
-            out += _mlp_rules(hf, ours)
-            continue
-        out += [TensorRule(hf + "gate.weight", (ours + "router.gate.weight",)),
-                TensorRule(hf + "gate.e_score_correction_bias", (ours + "router.expert_bias",))]
-        out += _mlp_rules(hf + "shared_experts.", ours + "shared_experts.")
-        out += _fused_expert_rules(a, hf, ours) if fused_experts else _per_expert_rules(a, hf, ours)
-    return out
+        out += _block_rules(a, i, f"model.layers.{i}.", f"layers.{i}.", fused_experts)
+    return out + _mtp_rules(a, fused_experts)
 
 
 def rules(a: DeepSeekV3Args) -> list[TensorRule]:
@@ -257,4 +302,5 @@ def other_layouts(a: DeepSeekV3Args) -> list[list[TensorRule]]:
     return [_rules(a, fused_experts=True)] if a.n_experts else []
 
 
-ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, rules, IGNORED, other_layouts=other_layouts)
+ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, rules, IGNORED, other_layouts=other_layouts,
+                    held_args=held_args)

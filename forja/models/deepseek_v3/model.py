@@ -12,8 +12,9 @@ Also the shapes of DeepSeek-V2 and V2-Lite (arXiv 2405.04434), which share the a
   free), renormalizes the chosen k weights and multiplies them by `route_scale`;
 - RMSNorm pre-norm blocks, untied embeddings.
 
-Not implemented: V3's multi-token prediction module (a training objective and speculative
-decoder; its tensors in published checkpoints are skipped).
+- multi-token prediction (`mtp_depth`, Hugging Face `num_nextn_predict_layers`): V3's
+  sequential MTP modules (forja/models/common/mtp.py), each an MoE block numbered after the
+  main layers (`mtp.layers.{n_layers + k - 1}`), a training objective; off (0) in the flavors.
 
 Parameter names: attention.{wq | wq_a, q_norm, wq_b}, attention.{wkv_a, kv_norm, wkv_b, wo};
 feed_forward.w1/w2/w3 in dense blocks, feed_forward.{router.gate, experts.w1/w2/w3,

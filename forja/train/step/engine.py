@@ -17,7 +17,8 @@ The loss of a step is the mean next-token cross-entropy over every token of the 
 batch. Every micro-batch has the same number of tokens (packed sequences, no padding), so
 each contributes its mean divided by the number of micro-batches (`microbatch_loss`, the
 one place a micro-batch's loss is composed; a mixture of experts' auxiliary losses enter the
-gradients with the same share, forja/train/step/experts.py), and averaging over the data-parallel ranks (FSDP's
+gradients with the same share, forja/train/step/experts.py, and so do multi-token prediction's,
+forja/train/step/mtp.py), and averaging over the data-parallel ranks (FSDP's
 gradient reduction, and `loss_group` for the reported value) makes it the global mean: any
 layout computes the loss and gradients of one process.
 
@@ -52,6 +53,7 @@ from forja.parallel.cp import cp_context
 from forja.parallel.pp import Pipeline
 from forja.train.step.attention_logits import AttentionLogits
 from forja.train.step.experts import ExpertBalance
+from forja.train.step.mtp import MTPLosses
 from forja.train.step.scaler import LossScaler, current_scale, unscale_
 
 
@@ -87,7 +89,8 @@ class StepOutput:
     anomaly: Any = None
     """What the guard found wrong with the step (forja/train/resilience/health.py's Anomaly), or None."""
     metrics: dict[str, float] = field(default_factory=dict)
-    """Further figures of the step (a mixture of experts' load and auxiliary losses; under fp16
+    """Further figures of the step (a mixture of experts' load and auxiliary losses, multi-token
+    prediction's per-depth losses `mtp/loss_{k}`; under fp16
     `loss_scale`, the scale the step ran with, and `overflow`, 1.0 when it overflowed and was skipped)."""
 
 
@@ -112,6 +115,7 @@ class StepEngine:
         self.grad_clip, self.document_mask = grad_clip, document_mask
         self._norm_params = _each_weight_once(parts)
         self.experts = ExpertBalance(parts, dims, device)
+        self.mtp = MTPLosses(parts, dims, device)  # multi-token prediction: mtp/loss_{k}
         self.attention_logits = AttentionLogits(parts, dims, optimizers.cfg)  # attn/ metrics, QK-clip
         # The scales of the step in progress: a pipeline schedule keeps the loss function it was
         # built with, so microbatch_loss reads them here rather than from its arguments.
@@ -136,6 +140,7 @@ class StepEngine:
                 for group in opt.param_groups:
                     group["lr"] = group["lr"] * scales.lr
         self.experts.begin_step(len(batches), loss_scale=scales.loss)
+        self.mtp.begin_step(len(batches), loss_scale=scales.loss)
         self._scales = scales
         try:
             loss = self.forward_backward(batches)
@@ -156,6 +161,7 @@ class StepEngine:
         self._finish_step(skipped)
         metrics = self.experts.end_step(stepped=not skipped)  # after the step: the bias follows it
         metrics |= self.attention_logits.end_step(stepped=not skipped)  # QK-clip after the step
+        metrics |= self.mtp.end_step()
         metrics |= self._scaler_metrics(overflow, skipped, scales.loss)
         tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
         return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=tokens, lr=lr, skipped=skipped,
