@@ -37,6 +37,10 @@ from forja.models.mixtral import hf as mixtral_hf
 from forja.models.mixtral.flavors import FLAVORS as MIXTRAL_FLAVORS
 from forja.models.mixtral.model import Mixtral, MixtralArgs
 from forja.models.mixtral.parallelize import mixtral_tp_plan
+from forja.models.olmo3 import hf as olmo3_hf
+from forja.models.olmo3.flavors import FLAVORS as OLMO3_FLAVORS
+from forja.models.olmo3.model import Olmo3, Olmo3Args
+from forja.models.olmo3.parallelize import olmo3_tp_plan
 from forja.models.qwen3 import hf as qwen3_hf
 from forja.models.qwen3.flavors import FLAVORS as QWEN3_FLAVORS
 from forja.models.qwen3.model import Qwen3, Qwen3Args
@@ -70,6 +74,7 @@ FAMILIES: dict[str, ModelSpec] = {
     "qwen3": ModelSpec("qwen3", Qwen3, Qwen3Args, QWEN3_FLAVORS, qwen3_hf.ADAPTER, qwen3_tp_plan),
     "qwen3_5": ModelSpec("qwen3_5", Qwen3_5, Qwen3_5Args, QWEN3_5_FLAVORS, qwen3_5_hf.ADAPTER, qwen3_5_tp_plan),
     "mixtral": ModelSpec("mixtral", Mixtral, MixtralArgs, MIXTRAL_FLAVORS, mixtral_hf.ADAPTER, mixtral_tp_plan),
+    "olmo3": ModelSpec("olmo3", Olmo3, Olmo3Args, OLMO3_FLAVORS, olmo3_hf.ADAPTER, olmo3_tp_plan),
     "gpt_oss": ModelSpec("gpt_oss", GptOss, GptOssArgs, GPT_OSS_FLAVORS, gpt_oss_hf.ADAPTER, gpt_oss_tp_plan),
 }
 

@@ -210,15 +210,21 @@ class Attention(MaxLogitTracking, nn.Module):
     Optional per-head RMSNorm of queries and keys (QK-norm) before RoPE, and learned
     attention sinks (`attend`). When cos/sin are None (GPT-2), positions come from learned
     embeddings instead of rotations. `out_bias` differs from `bias` where a family's output
-    projection does (None: the same).
+    projection does (None: the same). `qk_norm_over_heads`: QK-norm over the whole query and
+    key projections (n_heads * head_dim wide) before the split into heads, as OLMo 2/3 do,
+    instead of per head. `scale` multiplies the scores; None means 1/sqrt(head_dim) (Gemma 3
+    uses query_pre_attn_scalar ** -0.5).
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
                  bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5, fused_rope: bool = False,
                  sinks: bool = False, out_bias: bool | None = None, output_gate: bool = False,
-                 rotary_dim: int | None = None, zero_centered_norm: bool = False):
+                 rotary_dim: int | None = None, zero_centered_norm: bool = False,
+                 qk_norm_over_heads: bool = False, scale: float | None = None):
         super().__init__()
         self.head_dim = head_dim
+        self.scale = scale
+        self.qk_norm_over_heads = qk_norm_over_heads
         self.fused_rope = fused_rope
         self.rotary_dim = rotary_dim if rotary_dim is not None else head_dim  # the leading dims RoPE turns
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
@@ -228,30 +234,35 @@ class Attention(MaxLogitTracking, nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias if out_bias is None else out_bias)
-        self.q_norm = RMSNorm(head_dim, norm_eps, zero_centered=zero_centered_norm) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, norm_eps, zero_centered=zero_centered_norm) if qk_norm else None
+        q_width, k_width = (n_heads * head_dim, n_kv_heads * head_dim) if qk_norm_over_heads else (head_dim, head_dim)
+        self.q_norm = RMSNorm(q_width, norm_eps, zero_centered=zero_centered_norm) if qk_norm else None
+        self.k_norm = RMSNorm(k_width, norm_eps, zero_centered=zero_centered_norm) if qk_norm else None
         # One learned logit per query head (see `attend`); under TP sharded with the heads.
         self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: AttentionMask, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
+        q, k = self.wq(x), self.wk(x)  # (B, T, H * hd), (B, T, Hkv * hd)
+        if self.q_norm is not None and self.qk_norm_over_heads:  # one RMS over all heads together
+            q, k = self.q_norm(q), self.k_norm(k)
         # -1 rather than n_heads: under tensor parallelism each rank holds a slice of heads.
-        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, hd)
-        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, hd)
+        q = q.view(B, T, -1, self.head_dim)  # (B, T, H, hd)
+        k = k.view(B, T, -1, self.head_dim)  # (B, T, Hkv, hd)
         v = self.wv(x).view(B, T, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_over_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = self.rotate(q, k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        self.track_logits(q, k, mask, self.head_dim**-0.5)
+        scale = self.head_dim**-0.5 if self.scale is None else self.scale
+        self.track_logits(q, k, mask, scale)
         # Under tensor parallelism the sinks are sharded with the heads (tp_plan.ShardOwnParameters):
         # this rank's heads' logits, a local tensor like q.
         sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
-        out = attend(q, k, v, mask, sinks=sinks).transpose(1, 2).reshape(B, T, -1)  # (B, T, H * hd)
+        out = attend(q, k, v, mask, scale=scale, sinks=sinks).transpose(1, 2).reshape(B, T, -1)  # (B, T, H * hd)
         if self.wg is not None:
             out = out * torch.sigmoid(self.wg(x))
         return self.wo(out)
