@@ -336,3 +336,31 @@ def test_the_planner_counts_the_modules():
     # What the modules add, as the model counts it (the planner leaves the final norm's 6 x 64 out either way).
     added = with_mtp.flops_per_token(32) - plain.flops_per_token(32)
     assert after.flops_per_token - before.flops_per_token == added > 0
+
+
+@pytest.mark.parametrize("parallel", [dict(pp=2), dict(tp=2, dp_shard=1), dict(cp=2), dict(ep=2)])
+def test_the_layout_validator_refuses_model_splits_with_mtp(parallel):
+    from forja.parallel.checks import LayoutRequest, layout_errors
+    from forja.parallel.config import ParallelConfig
+
+    def errors(depth):
+        args = model_args("deepseek_v3", "debug", mtp_depth=depth)
+        return layout_errors(LayoutRequest(args=args, parallel=ParallelConfig(**parallel), world_size=2, seq_len=64,
+                                           global_batch_size=8, micro_batch_size=2))
+
+    name = next(iter(parallel))
+    mtp = [e for e in errors(1) if "multi-token prediction" in e]
+    assert mtp == [f"parallel.{name} = 2 with multi-token prediction (model.mtp.depth = 1) is not supported yet; "
+                   f"set parallel.{name} = 1 (data parallel and FSDP run it) or model.mtp.depth = 0"]
+    assert not [e for e in errors(0) if "multi-token prediction" in e]
+    assert layout_errors(LayoutRequest(args=model_args("deepseek_v3", "debug", mtp_depth=1),
+                                       parallel=ParallelConfig(dp_shard=2), world_size=2, seq_len=64,
+                                       global_batch_size=8, micro_batch_size=2)) == []
+
+
+def test_a_pipeline_split_puts_the_modules_on_the_last_stage():
+    from forja.parallel.pp_split import stage_part
+
+    model = build_from_args(model_args("deepseek_v3", "debug", **_TINY, mtp_depth=1), device="meta")
+    first, last = stage_part(model, 0, [1, 1]), stage_part(model, 1, [1, 1])
+    assert first.mtp is None and last.mtp is not None and list(last.mtp.layers) == ["2"]
