@@ -36,6 +36,10 @@ from forja.models.llama.parallelize import llama_tp_plan
 from forja.models.mixtral import hf as mixtral_hf
 from forja.models.mixtral.flavors import FLAVORS as MIXTRAL_FLAVORS
 from forja.models.mixtral.model import Mixtral, MixtralArgs
+from forja.models.gemma3 import hf as gemma3_hf
+from forja.models.gemma3.flavors import FLAVORS as GEMMA3_FLAVORS
+from forja.models.gemma3.model import Gemma3, Gemma3Args
+from forja.models.gemma3.parallelize import gemma3_tp_plan
 from forja.models.mixtral.parallelize import mixtral_tp_plan
 from forja.models.olmo3 import hf as olmo3_hf
 from forja.models.olmo3.flavors import FLAVORS as OLMO3_FLAVORS
@@ -75,6 +79,7 @@ FAMILIES: dict[str, ModelSpec] = {
     "qwen3_5": ModelSpec("qwen3_5", Qwen3_5, Qwen3_5Args, QWEN3_5_FLAVORS, qwen3_5_hf.ADAPTER, qwen3_5_tp_plan),
     "mixtral": ModelSpec("mixtral", Mixtral, MixtralArgs, MIXTRAL_FLAVORS, mixtral_hf.ADAPTER, mixtral_tp_plan),
     "olmo3": ModelSpec("olmo3", Olmo3, Olmo3Args, OLMO3_FLAVORS, olmo3_hf.ADAPTER, olmo3_tp_plan),
+    "gemma3": ModelSpec("gemma3", Gemma3, Gemma3Args, GEMMA3_FLAVORS, gemma3_hf.ADAPTER, gemma3_tp_plan),
     "gpt_oss": ModelSpec("gpt_oss", GptOss, GptOssArgs, GPT_OSS_FLAVORS, gpt_oss_hf.ADAPTER, gpt_oss_tp_plan),
 }
 

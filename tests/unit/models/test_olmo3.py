@@ -46,7 +46,12 @@ def make_hf_model(name: str, seed: int = 0):
     torch.manual_seed(seed)
     # A wider init than the default makes logits peaked: no near-ties in greedy decoding.
     cfg = transformers.Olmo3Config(initializer_range=0.1, **CONFIGS[name][0])
-    return transformers.Olmo3ForCausalLM(cfg).eval()
+    model = transformers.Olmo3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # transformers starts every norm at 1; make each one tell
+        for key, p in model.named_parameters():
+            if "norm" in key:
+                p.normal_(1.0, 0.3)
+    return model
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,159 @@
+"""Gemma 3's text decoder (Gemma Team, "Gemma 3 Technical Report", 2025, arXiv 2503.19786),
+single-device.
+
+What sets it apart from Llama:
+
+- Local and global attention, five sliding-window blocks to one full one (`layer_types`),
+  each kind with its own rotary base: 10,000 for the local blocks, 1,000,000 for the
+  global ones, whose frequencies the 4B, 12B and 27B models also divide by 8 (linear
+  scaling, `rope_linear_factor`).
+- Sandwich norms: an RMSNorm before each sublayer and another on its output before the
+  residual add (attention_norm, post_attention_norm, ffn_norm, post_ffn_norm).
+- Gemma's RMSNorm: the weight is stored as its offset from one, y = x_hat * (1 + w),
+  multiplied in float32 (`RMSNorm(zero_centered=True)`), QK-norm per head included.
+- GeGLU feed-forward: w2(gelu_tanh(w1 x) * w3 x).
+- Input embeddings multiplied by sqrt(dim), the factor rounded to the embedding's dtype
+  first (as transformers does: 55.5 rather than 55.43 in bf16 at dim 3072); the tied
+  output projection uses the unscaled matrix.
+- Attention scores scaled by query_pre_attn_scalar ** -0.5 rather than head_dim ** -0.5
+  (they differ in the 27B: 168 against 128).
+- Optional tanh soft-capping of the final logits (`final_logit_softcap`; None in Gemma 3,
+  30 in Gemma 2).
+
+Parameter names follow the TP plan (`parallelize.py`): attention.wq/wk/wv/wo,
+attention.q_norm/k_norm, feed_forward.w1 (gate)/w3 (up)/w2 (down).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forja.errors import ForjaError
+from forja.models.common.attention import Attention, KVCache
+from forja.models.common.decoder import RotaryDecoder
+from forja.models.common.norms import RMSNorm
+from forja.models.common.rope import rope_cos_sin, rope_frequencies
+from forja.models.common.transformer import ATTENTION_TYPES, TransformerArgs
+
+
+def gemma3_layer_types(n_layers: int, pattern: int = 6) -> tuple[str, ...]:
+    """Every `pattern`-th block (1-based) full attention, the others sliding
+    (transformers' `sliding_window_pattern` rule)."""
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers))
+
+
+@dataclass(kw_only=True)
+class Gemma3Args(TransformerArgs):
+    """A Gemma 3 text model's shape; `flavors.py` holds the published sizes."""
+
+    norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm, QK-norm included (Hugging Face `rms_norm_eps`)."""
+    qk_norm: bool = True
+    """Per-head RMSNorm of queries and keys; every Gemma 3 has it."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output projection, as every released Gemma 3 does."""
+    rope_theta: float = 1_000_000.0
+    """Base of the global (full-attention) blocks' rotary frequencies."""
+    local_rope_theta: float = 10_000.0
+    """Base of the local (sliding) blocks' rotary frequencies (`rope_local_base_freq`)."""
+    rope_linear_factor: float = 1.0
+    """The global blocks' frequencies are divided by this (linear position interpolation;
+    8 in the 4B, 12B and 27B models); 1: unscaled."""
+    query_pre_attn_scalar: int | None = None
+    """Attention scores are multiplied by query_pre_attn_scalar ** -0.5; None: head_dim."""
+    final_logit_softcap: float | None = None
+    """Logits become cap * tanh(logits / cap) (`final_logit_softcapping`); None: not capped."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.query_pre_attn_scalar is None:
+            self.query_pre_attn_scalar = self.head_dim
+        if self.query_pre_attn_scalar <= 0 or self.rope_linear_factor <= 0:
+            raise ForjaError(f"model query_pre_attn_scalar={self.query_pre_attn_scalar} and rope_linear_factor="
+                             f"{self.rope_linear_factor} must be positive")
+        if self.final_logit_softcap is not None and "cross_entropy" in self.fused_ops:
+            raise ForjaError("model.final_logit_softcap is set, but the fused cross-entropy never forms the logits "
+                             "to cap; drop cross_entropy from model.fused_ops")
+
+
+class GeGLU(nn.Module):
+    """w2(gelu_tanh(w1 x) * w3 x) (Shazeer 2020, "GLU Variants Improve Transformer")."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
+
+
+class SandwichBlock(nn.Module):
+    """A norm before each sublayer and one on its output:
+    h = x + post_attention_norm(attn(attention_norm(x))), out = h + post_ffn_norm(ffn(ffn_norm(h)))."""
+
+    def __init__(self, attention: Attention, feed_forward: nn.Module, norms: list[nn.Module]):
+        super().__init__()
+        self.attention_norm, self.post_attention_norm, self.ffn_norm, self.post_ffn_norm = norms
+        self.attention = attention
+        self.feed_forward = feed_forward
+
+    def forward(self, x, rope, mask, cache: KVCache | None = None, layer: int = 0):
+        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), rope, mask, cache, layer))
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))  # (B, T, dim)
+
+
+class Gemma3(RotaryDecoder):
+    args: Gemma3Args
+
+    def __init__(self, args: Gemma3Args):
+        super().__init__(args)
+        self._freqs: dict[tuple[str, torch.device], torch.Tensor] = {}  # (kind, device) -> inv_freq
+
+    def build_block(self, layer: int) -> SandwichBlock:
+        return SandwichBlock(self.build_attention(layer), GeGLU(self.args.dim, self.args.ffn_dim),
+                             [self.build_norm() for _ in range(4)])
+
+    def build_norm(self) -> RMSNorm:
+        return RMSNorm(self.args.dim, self.args.norm_eps, zero_centered=True)
+
+    def build_attention(self, layer: int) -> Attention:
+        a = self.args
+        return Attention(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, qk_norm=a.qk_norm, norm_eps=a.norm_eps,
+                         fused_rope="rope" in a.fused_ops, zero_centered_norm=True,
+                         scale=a.query_pre_attn_scalar**-0.5)
+
+    def add_positions(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Not positions: Gemma's sqrt(dim) on the embeddings, rounded to their dtype first."""
+        return h * torch.tensor(self.args.dim**0.5, dtype=h.dtype, device=h.device)
+
+    def rope_frequencies(self) -> torch.Tensor:
+        return rope_frequencies(self.args.head_dim, self.args.rope_theta) / self.args.rope_linear_factor
+
+    def rope_tables_for(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Global blocks: base rope_theta, frequencies / rope_linear_factor; local blocks:
+        base local_rope_theta, unscaled."""
+        if kind not in ATTENTION_TYPES:
+            return None
+        key = (kind, positions.device)
+        if key not in self._freqs:
+            freqs = (self.rope_frequencies() if kind == "full_attention"
+                     else rope_frequencies(self.args.head_dim, self.args.local_rope_theta))
+            self._freqs[key] = freqs.to(positions.device)
+        return rope_cos_sin(self._freqs[key], positions)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        out = super().logits(h)
+        cap = self.args.final_logit_softcap
+        return out if cap is None else torch.tanh(out / cap) * cap
+
+    def init_rule(self, name: str) -> tuple:
+        """Llama's rule, but every norm's stored offset starts at zero (a scale of one)."""
+        if name.endswith("norm.weight"):
+            return ("zeros",)
+        return super().init_rule(name)

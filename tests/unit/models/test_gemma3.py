@@ -1,0 +1,280 @@
+"""Gemma 3 (text) against transformers: same weights, same logits, both ways, over sequences
+longer than the sliding window; local and global rotary bases, linear scaling, the
+query_pre_attn_scalar scale, (1 + w) norms, sqrt(dim) embeddings, final-logit soft-capping;
+the released config dialect; greedy decoding through the cache; published sizes; FLOPs;
+refusals; gradients under tensor parallelism."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from forja.errors import ForjaError
+from forja.generate import SamplingConfig, generate
+from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
+from forja.models.gemma3.hf import config_from_args
+from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
+from tests.unit.models.test_flops import measured_flops_per_token
+
+transformers = pytest.importorskip("transformers")
+
+# Bound on max |logit difference| in float32, against transformers 5.24, torch 2.13, CPU.
+# Measured: 0.0 for "debug" and "scaled" (the same ops in the same order).
+TOL = 1e-5
+
+_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, vocab_size=2048, max_position_embeddings=2048, rms_norm_eps=1e-6,
+              sliding_window=8, query_pre_attn_scalar=48, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+# name -> (config kwargs, the forja flavor it equals or None).
+CONFIGS = {
+    # The `debug` flavor: five local blocks then a global one, window 8, bases 1e4 / 1e6,
+    # query_pre_attn_scalar 48 != head_dim 32, tied embeddings.
+    "debug": (dict(_SHAPE, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0), "debug"),
+    # Linear scaling by 8 of the global blocks, other bases, another pattern, a window of 5,
+    # one key/value head, untied embeddings, final logits soft-capped at 5.
+    "scaled": (dict(_SHAPE, num_hidden_layers=4, num_key_value_heads=1, head_dim=16, sliding_window=5,
+                    query_pre_attn_scalar=16, tie_word_embeddings=False, final_logit_softcapping=5.0,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+                    rope_theta=50_000.0, rope_local_base_freq=100.0,
+                    rope_scaling=dict(rope_type="linear", factor=8.0)), None),
+}
+
+
+def make_hf_model(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    # A wider init than the default makes logits peaked: no near-ties in greedy decoding.
+    cfg = transformers.Gemma3TextConfig(initializer_range=0.1, **CONFIGS[name][0])
+    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # transformers starts Gemma's norm offsets at 0; make each norm tell
+        for key, p in model.named_parameters():
+            if "norm" in key:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (directory saved by transformers, the transformers model)."""
+    return save_hf_models(tmp_path_factory, make_hf_model, CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoints):
+    return {name: load_hf_checkpoint(path) for name, (path, _) in checkpoints.items()}
+
+
+def _tokens(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, _SHAPE["vocab_size"], (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _stored_names(path) -> set[str]:
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        return set(f.keys())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_load_matches_transformers_logits(checkpoints, loaded, name):
+    _, hf = checkpoints[name]
+    model = loaded[name]
+    flavor = CONFIGS[name][1]
+    if flavor is not None:  # config.json read into exactly the flavor's args
+        assert model.args == model_args("gemma3", flavor)
+    diff = max_logit_diff(hf, model, _tokens(40))  # 40 tokens: five windows of 8
+    print(f"{name}: max |logit diff| = {diff:.3e}")
+    assert diff < TOL
+
+
+def test_options_reach_the_model(loaded):
+    a = loaded["scaled"].args
+    assert (a.rope_theta, a.local_rope_theta, a.rope_linear_factor) == (50_000.0, 100.0, 8.0)
+    assert a.final_logit_softcap == 5.0 and not a.tie_embeddings
+    logits = loaded["scaled"](_tokens(12))
+    assert logits.abs().max() < 5.0  # capped
+    assert loaded["debug"].layers["0"].attention.scale == 48**-0.5
+
+
+def test_the_released_config_dialect_reads_the_same(checkpoints, loaded, tmp_path):
+    """google's config.json: rope_theta, rope_local_base_freq, rope_scaling and
+    sliding_window_pattern at the top level, no layer_types."""
+    dst = _copy(checkpoints["debug"][0], tmp_path)
+    cfg = json.loads((dst / "config.json").read_text())
+    ropes = cfg.pop("rope_parameters")
+    cfg.pop("layer_types")
+    cfg.update(rope_theta=ropes["full_attention"]["rope_theta"],
+               rope_local_base_freq=ropes["sliding_attention"]["rope_theta"], rope_scaling=None,
+               sliding_window_pattern=6)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    assert load_hf_checkpoint(dst).args == loaded["debug"].args
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, loaded, tmp_path, name):
+    path, _ = checkpoints[name]
+    model = loaded[name]
+    out = save_hf_checkpoint(model, tmp_path / "export")
+    assert _stored_names(out) == _stored_names(path)
+    back = load_hf_checkpoint(out)
+    assert back.args == model.args
+    for (key, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items(), strict=True):
+        assert torch.equal(a, b), key
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded).__name__ == "Gemma3ForCausalLM"
+    assert max_logit_diff(reloaded, model, _tokens(33)) < TOL
+
+
+def test_forja_model_exports_to_transformers(tmp_path):
+    model = build_model("gemma3", "debug", seed=3)
+    with torch.no_grad():  # forja also starts the norm offsets at 0
+        for key, p in model.named_parameters():
+            if "norm" in key:
+                p.normal_(0.0, 0.3)
+    save_hf_checkpoint(model, tmp_path / "a")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a").eval()
+    assert max_logit_diff(hf, model, _tokens(20)) < TOL
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name):
+    _, hf = checkpoints[name]
+    prompt = _tokens(9, seed=4)
+    ref = hf_greedy(hf, prompt, 24)  # 33 positions: the cache holds more than a window
+    assert torch.equal(generate(loaded[name], prompt, SamplingConfig(max_new_tokens=24)), ref)
+
+
+# -- published sizes and FLOPs ---------------------------------------------------------------
+
+# Text models, tied weights once; equal to transformers' count for the same config.json
+# (built on the meta device below).
+PUBLISHED = {"270m": 268_098_176, "1b": 999_885_952, "4b": 3_880_263_168, "12b": 11_766_034_176,
+             "27b": 27_009_346_304}
+
+
+def _hf_meta_params(model) -> int:
+    cfg = dict(config_from_args(model.args))
+    cfg.pop("architectures"), cfg.pop("model_type")
+    with torch.device("meta"):
+        hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**cfg))
+    return sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parametrize("flavor", list(PUBLISHED))
+def test_published_parameter_counts_equal_transformers(flavor):
+    model = build_model("gemma3", flavor, device="meta")
+    assert model.num_params() == PUBLISHED[flavor]
+    assert model.num_params() == _hf_meta_params(model)
+    assert model.args.layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
+
+
+def test_debug_flavor_is_the_advertised_size():
+    model = build_model("gemma3", "debug", seed=0)
+    assert 1.3e6 < model.num_params() < 1.5e6
+    assert torch.equal(model.state_dict()["layers.2.post_ffn_norm.weight"], torch.zeros(128))  # a scale of 1
+
+
+def test_flops_formula_within_5_percent_of_counted():
+    model = build_model("gemma3", "debug")
+    T = model.args.sliding_window  # every block sees all T keys: the dense mask's count is the kernel's
+    measured = measured_flops_per_token(model, 2, T)
+    ratio = model.flops_per_token(T) / measured
+    print(f"gemma3 debug T={T}: formula/measured = {ratio:.4f}")
+    assert abs(ratio - 1) < 0.05
+    a = model.args  # past the window the five local blocks stop counting new keys
+    assert model.flops_per_token(64) - model.flops_per_token(32) == 12 * a.n_heads * a.head_dim * 32
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+def _copy(path, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(path, dst)
+    return dst
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    (dict(attn_logit_softcapping=50.0), r"attn_logit_softcapping=50\.0 is not supported"),
+    (dict(hidden_activation="gelu"), r"hidden_activation='gelu' is not supported"),
+    (dict(use_bidirectional_attention=True), r"use_bidirectional_attention=True is not supported"),
+    (dict(attention_bias=True), r"attention_bias=True is not supported"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6},
+                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+     r"rope_parameters\.full_attention\.rope_type='yarn' is not supported"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+     r"rope_parameters\.sliding_attention\.rope_type='linear' is not supported"),
+])
+def test_unsupported_config_option_is_named(checkpoints, tmp_path, changes, message):
+    dst = _copy(checkpoints["debug"][0], tmp_path)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ForjaError, match=r"config\.json: " + message):
+        load_hf_checkpoint(dst)
+
+
+@pytest.mark.parametrize(("overrides", "field"), [
+    (dict(qk_norm=False), "qk_norm"), (dict(attention_sinks=True), "attention_sinks"),
+    (dict(n_heads=3, n_kv_heads=1), "n_heads"),
+])
+def test_export_refuses_what_transformers_cannot_express(tmp_path, overrides, field):
+    model = build_model("gemma3", "debug", device="meta", **overrides)
+    with pytest.raises(ForjaError, match=f"a Gemma 3 with {field}="):
+        save_hf_checkpoint(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_soft_capped_logits_refuse_the_fused_loss():
+    with pytest.raises(ForjaError, match="final_logit_softcap is set, but the fused cross-entropy"):
+        model_args("gemma3", "debug", final_logit_softcap=30.0, fused_ops=("cross_entropy",))
+
+
+# -- tensor parallelism ----------------------------------------------------------------------
+
+_GRADS = ("layers.0.attention.q_norm.weight", "layers.5.attention.k_norm.weight", "layers.1.attention.wk.weight",
+          "layers.2.post_attention_norm.weight", "layers.3.post_ffn_norm.weight", "layers.0.feed_forward.w2.weight",
+          "tok_embeddings.weight")
+
+
+def _loss_and_grads(model, tp: int):
+    from forja.parallel.tp import loss_context
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, 2048, (2, 32), generator=gen) for _ in range(2))
+    with loss_context(tp):
+        loss = model(tokens, labels=labels)
+        loss.backward()
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    grads = dict(model.named_parameters())
+    return float(full(loss.detach())), {n: full(grads[n].grad) for n in _GRADS}
+
+
+def _tp_run(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from forja.models.gemma3.parallelize import gemma3_tp_plan
+    from forja.parallel.tp import apply_tp
+
+    mesh, out = init_device_mesh("cpu", (world,)), {}
+    for sequence_parallel in (False, True):
+        model = build_model("gemma3", "debug", seed=0)
+        apply_tp(model, mesh, gemma3_tp_plan(model.args, sequence_parallel))
+        out[sequence_parallel] = _loss_and_grads(model, world)
+    return out
+
+
+@pytest.mark.slow  # two spawned ranks
+def test_tensor_parallel_loss_and_gradients_equal_one_device():
+    """Heads split over 2 ranks, the per-head QK-norms' and the sandwich norms' gradients
+    summed where needed: loss and gradients equal one device's, with and without sequence
+    parallelism (to the rounding of the ranks' partial sums)."""
+    from forja.testing import run_distributed
+
+    loss, grads = _loss_and_grads(build_model("gemma3", "debug", seed=0), tp=1)
+    for rank in run_distributed(_tp_run, 2):
+        for sequence_parallel, (tp_loss, tp_grads) in rank.items():
+            assert abs(tp_loss - loss) < 1e-6, sequence_parallel
+            for name in _GRADS:
+                assert torch.allclose(tp_grads[name], grads[name], atol=2e-6, rtol=1e-5), (sequence_parallel, name)
