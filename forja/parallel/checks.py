@@ -55,9 +55,8 @@ def _check_tp(r: LayoutRequest, dims: ParallelDims) -> None:
     args, tp = r.args, dims.tp
     if tp > 1:
         fix = "choose a parallel.tp that divides it, or change the model (model.overrides)"
-        _divides(tp, args.n_heads, f"model n_heads = {args.n_heads} (parallel.tp = {tp})", fix)
-        _divides(tp, args.n_kv_heads, f"model n_kv_heads = {args.n_kv_heads} (parallel.tp = {tp})", fix)
-        _divides(tp, args.ffn_dim, f"model ffn_dim = {args.ffn_dim} (parallel.tp = {tp})", fix)
+        for field, count in args.split_counts().items():
+            _divides(tp, count, f"model {field} = {count} (parallel.tp = {tp})", fix)
 
 
 def _check_vocab(r: LayoutRequest, dims: ParallelDims) -> None:
@@ -159,15 +158,9 @@ def _check_precision(r: LayoutRequest, dims: ParallelDims) -> None:
                          "train.float8 = 'none'")
 
 def _check_mixers(r: LayoutRequest, dims: ParallelDims) -> None:
-    """Sequence mixers the parallel styles do not split yet: Gated DeltaNet under TP (its
-    short convolutions and per-head decay are not sharded by head yet), and anything but
-    plain causal attention under context parallelism (ring attention has no window,
-    sink or recurrent state)."""
+    """Sequence mixers context parallelism does not split: anything but plain causal
+    attention (ring attention has no window, sink or recurrent state)."""
     kinds = {r.args.layer_type(i) for i in range(r.args.n_layers)}
-    if dims.tp > 1 and "linear_attention" in kinds:
-        raise ForjaError(f"parallel.tp = {dims.tp} with linear-attention blocks (model.layer_types) is not "
-                         "supported yet: Gated DeltaNet is not split over tensor-parallel ranks; set parallel.tp = 1 "
-                         "and use FSDP (parallel.dp_shard) or pipeline stages (parallel.pp)")
     if dims.cp > 1 and (kinds - {"full_attention"} or r.args.attention_sinks):
         raise ForjaError(f"parallel.cp = {dims.cp} runs ring attention, which has no sliding window, sinks or "
                          "linear-attention state; set parallel.cp = 1 for this model")

@@ -28,8 +28,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
     float8 = plan.float8 and _float8_styles_run(plan, tp_mesh)
     present = {k: v for k, v in plan.root.items() if _has(model, k)}
     parallelize_module(model, tp_mesh, float8_styles(present, model) if float8 else present)
-    for block in model.layers.values():
-        block_plan = plan.block_plan(moe=bool(moe_layers(block)))
+    for name, block in model.layers.items():
+        block_plan = plan.block_plan(moe=bool(moe_layers(block)), kind=model.args.layer_type(int(name)))
         parallelize_module(block, tp_mesh, float8_styles(block_plan, block) if float8 else block_plan)
     model.tie_weights()  # both halves of a tied pair are sharded alike; make them one again
     if plan.sequence_parallel and model.tok_embeddings is None:  # a later pipeline stage

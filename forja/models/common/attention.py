@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from forja import fallbacks
 from forja.models.common.max_logit import MaxLogitTracking
@@ -259,10 +258,7 @@ class Attention(MaxLogitTracking, nn.Module):
             k, v = cache.update(layer, k, v)
         scale = self.head_dim**-0.5 if self.scale is None else self.scale
         self.track_logits(q, k, mask, scale)
-        # Under tensor parallelism the sinks are sharded with the heads (tp_plan.ShardOwnParameters):
-        # this rank's heads' logits, a local tensor like q.
-        sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
-        out = attend(q, k, v, mask, scale=scale, sinks=sinks).transpose(1, 2).reshape(B, T, -1)  # (B, T, H * hd)
+        out = attend(q, k, v, mask, scale=scale, sinks=self.sinks).transpose(1, 2).reshape(B, T, -1)  # (B, T, H*hd)
         if self.wg is not None:
             out = out * torch.sigmoid(self.wg(x))
         return self.wo(out)

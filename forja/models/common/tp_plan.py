@@ -20,7 +20,7 @@ move float8, and each gradient cast to float8 as it enters the layer's backward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -49,17 +49,37 @@ class TPPlan:
     """Whether the residual stream between blocks is split along the sequence."""
     float8: bool = False
     """Whether layers converted to float8 take torchao's float8 styles (`float8_styles`)."""
+    mixers: dict[str, dict[str, ParallelStyle]] = field(default_factory=dict)
+    """For a kind of block (TransformerArgs.layer_types) whose sequence mixer is not the
+    attention `block` plans: that mixer's styles, in place of the block's "attention" ones."""
 
-    def block_plan(self, moe: bool) -> dict[str, ParallelStyle]:
-        """The plan of one block; `moe`: its feed-forward is a mixture of experts.
+    def block_plan(self, moe: bool, kind: str = "full_attention") -> dict[str, ParallelStyle]:
+        """The plan of one block; `moe`: its feed-forward is a mixture of experts; `kind`:
+        its sequence mixer's kind.
 
         An MoE layer is split over the tensor-parallel ranks by its tokens (`SplitTokens`):
         each rank routes and computes its slice; its routed experts are spread over those
         ranks by forja.parallel.ep, as under expert parallelism."""
+        plan = self._mixer_plan(kind) if kind in self.mixers else self.block
         if not moe:
-            return self.block
-        plan = {k: v for k, v in self.block.items() if not k.startswith("feed_forward")}
+            return plan
+        plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
         plan["feed_forward"] = SplitTokens(self.sequence_parallel)
+        return plan
+
+    def _mixer_plan(self, kind: str) -> dict[str, ParallelStyle]:
+        """`block` with the attention's styles replaced by those of `kind`'s mixer; the
+        sequence gather before the mixer (under SP) is kept."""
+        gather = self.block.get("attention")
+        if isinstance(gather, LocalParameters):  # the attention's own parameters: keep only the gather
+            gather = gather.then
+        plan = {k: v for k, v in self.block.items() if k != "attention" and not k.startswith("attention.")}
+        mixer = dict(self.mixers[kind])
+        own = mixer.pop("attention", None)
+        plan.update(mixer)
+        if own is not None or gather is not None:
+            plan["attention"] = (LocalParameters(own.names, then=gather, replicated=own.replicated)
+                                 if own is not None else gather)
         return plan
 
 
@@ -94,31 +114,90 @@ class SplitTokens(ParallelStyle):
         return module
 
 
-class ShardOwnParameters(ParallelStyle):
-    """Shards some of a module's own parameters (not its children's) along dim 0 over the TP
-    mesh, then applies `then` (the module's other style, if it has one: a plan holds one
-    style per name). For per-head parameters of an attention module, such as its sinks
-    (H,): sharded like the column-parallel q projection's heads, each rank keeps its own
-    heads' values and gradients; the module computes with the local shard."""
+class LocalParameters(ParallelStyle):
+    """Shards some of a module's parameters along dim 0 over the TP mesh, with the heads they
+    belong to, and lets the module compute with them as plain tensors: during its forward each
+    reads as this rank's shard (`DTensor.to_local`, through which the gradient reaches the
+    sharded parameter). Model code stays single-device. For per-head parameters a module uses
+    directly rather than through a Linear: attention sinks (H,), Gated DeltaNet's decay
+    parameters (Hv,) and short convolutions' channels. `names` are dotted paths from the
+    module ("conv_q.weight"); `then` is the module's other style, if any (a plan holds one
+    style per name), applied after. `replicated`: parameters every head shares (a norm over
+    each head's width), kept whole on every rank, their gradient from this rank's heads a
+    partial sum, added up over the ranks."""
 
-    def __init__(self, names: tuple[str, ...], then: ParallelStyle | None = None):
+    def __init__(self, names: tuple[str, ...], then: ParallelStyle | None = None, replicated: tuple[str, ...] = ()):
         super().__init__()
-        self.names, self.then = names, then
+        self.names, self.then, self.replicated = names, then, replicated
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for key in self.names:
-            p = getattr(module, key, None)
+        held = []
+        for path in (*self.names, *self.replicated):
+            owner_name, _, key = path.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            p = getattr(owner, key, None)
             if p is None:
                 continue
+            whole = path in self.replicated
             # src_data_rank=None: no scatter; every rank initializes the weights alike later.
-            shard = distribute_tensor(p.data, device_mesh, [Shard(0)], src_data_rank=None)
-            module.register_parameter(key, nn.Parameter(shard, requires_grad=p.requires_grad))
+            shard = distribute_tensor(p.data, device_mesh, [Replicate() if whole else Shard(0)], src_data_rank=None)
+            param = nn.Parameter(shard, requires_grad=p.requires_grad)
+            if whole:
+                param.register_hook(_replicated)
+            owner.register_parameter(key, param)
+            held.append((owner, key))
+        if held:
+            module.register_forward_pre_hook(_LocalViews(held).enter)
+            module.register_forward_hook(_LocalViews.leave)
         return module if self.then is None else self.then._apply(module, device_mesh)
 
 
+class _LocalViews:
+    """Swaps sharded parameters for their local tensors around one module's forward. The
+    parameter objects are read when the forward starts: FSDP may have put its unsharded
+    ones in their place since the last step."""
+
+    def __init__(self, held: list[tuple[nn.Module, str]]):
+        self.held = held
+
+    def enter(self, module: nn.Module, args) -> None:
+        saved = []
+        for owner, key in self.held:
+            p = owner._parameters[key]
+            saved.append((owner, key, p))
+            if isinstance(p, DTensor):  # a replicated one's gradient here covers this rank's heads only
+                partial = [Partial()] if p.placements[0].is_replicate() else None
+                p = p.to_local(grad_placements=partial)
+            owner._parameters[key] = p
+        module._forja_tp_saved = saved
+
+    @staticmethod
+    def leave(module: nn.Module, args, output):
+        for owner, key, p in module.__dict__.pop("_forja_tp_saved", ()):
+            owner._parameters[key] = p
+        return output
+
+
 def shard_attention_sinks(plan: TPPlan) -> TPPlan:
-    """`plan` with every block's attention sinks sharded with the heads (`ShardOwnParameters`)."""
-    plan.block["attention"] = ShardOwnParameters(("sinks",), then=plan.block.get("attention"))
+    """`plan` with every block's attention sinks sharded with the heads (`LocalParameters`)."""
+    plan.block["attention"] = LocalParameters(("sinks",), then=plan.block.get("attention"))
+    return plan
+
+
+def gated_deltanet_tp_plan(plan: TPPlan) -> TPPlan:
+    """`plan` with linear-attention blocks' Gated DeltaNet split by head over the TP ranks:
+    column-parallel q, k, v, gate, beta and decay projections (a rank keeps whole key heads
+    and the value heads grouped under them), its share of the short convolutions' channels
+    and of the per-head decay parameters, the row-parallel output projection summing the
+    heads' parts. The output norm's (dv,) weight is shared by all heads: replicated, its
+    gradient summed over the ranks, as QK-norm's (`dense_tp_plan`)."""
+    seq = Shard(1) if plan.sequence_parallel else Replicate()
+    mixer: dict[str, ParallelStyle] = {f"attention.{name}": ColwiseParallel()
+                                       for name in ("wq", "wk", "wv", "wz", "wb", "wa")}
+    mixer["attention.wo"] = RowwiseParallel(output_layouts=seq)
+    mixer["attention"] = LocalParameters(("A_log", "dt_bias", "conv_q.weight", "conv_k.weight", "conv_v.weight"),
+                                         replicated=("norm.weight",))
+    plan.mixers["linear_attention"] = mixer
     return plan
 
 

@@ -115,6 +115,11 @@ class TransformerArgs:
             raise ForjaError("model.layer_types has sliding_attention blocks but model.sliding_window is None; "
                              "set the window (in tokens)")
 
+    def split_counts(self) -> dict[str, int]:
+        """The model fields tensor parallelism splits whole over its ranks (heads, the
+        feed-forward's width), by name: each must be divisible by parallel.tp."""
+        return {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads, "ffn_dim": self.ffn_dim}
+
     @property
     def supported_layer_types(self) -> tuple[str, ...]:
         """The kinds of block the family builds: attention, full or sliding, unless it says more."""

@@ -92,3 +92,12 @@ def test_tp_with_compile_is_allowed():
     # forja waits for it first (forja/parallel/tp.py), and the parity tests cover the layouts.
     _check(2, tp=2, compile=True)
     _check(4, tp=2, compile=True, dp_shard=2)
+
+
+def test_tp_must_split_gated_deltanet_by_whole_key_heads():
+    args = model_args("qwen3_5", "debug", n_kv_heads=4)  # attention would split 4 ways; 2 key heads will not
+    r = LayoutRequest(args=args, parallel=ParallelConfig(tp=4), world_size=4, seq_len=64, global_batch_size=8,
+                      micro_batch_size=2)
+    assert layout_errors(r) == ["model linear_n_k_heads = 2 (parallel.tp = 4) is not divisible by 4; choose a "
+                                "parallel.tp that divides it, or change the model (model.overrides)"]
+    check_layout(_request(2, tp=2, model=("qwen3_5", "debug")))  # one key head and two value heads a rank
