@@ -132,7 +132,8 @@ class MultiTokenPrediction(nn.Module):
         `loss_scale`; records the losses for the engine's metrics."""
         weighted = (self.loss_weight / len(losses)) * torch.stack(losses).sum()  # (,)
         if torch.is_grad_enabled():
-            loss = AddAuxLoss.apply(loss, weighted, self.loss_scale)
+            # A copy, not AddAuxLoss's view: FSDP warns of a model output that is a view.
+            loss = AddAuxLoss.apply(loss, weighted, self.loss_scale).clone()
         s = self.stats
         if not s.losses:
             s.losses = [0.0] * len(losses)

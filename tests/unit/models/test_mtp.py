@@ -189,7 +189,7 @@ class Batch:
     document_ids: torch.Tensor
 
 
-def _engine(dims, depth: int):
+def _engine(dims, depth: int, parallel=None):
     from forja.optim import OptimizerGroup, SchedulerGroup
     from forja.optim.config import OptimConfig, ScheduleConfig
     from forja.parallel import ParallelConfig
@@ -197,7 +197,7 @@ def _engine(dims, depth: int):
     from forja.train.step.engine import build_engine
 
     args = model_args("deepseek_v3", "debug", **_TINY, mtp_depth=depth)
-    parts = build_model_parts(args, dims, ParallelConfig(), device=torch.device("cpu"), seed=0).parts
+    parts = build_model_parts(args, dims, parallel or ParallelConfig(), device=torch.device("cpu"), seed=0).parts
     optimizers = OptimizerGroup(parts, OptimConfig(lr=3e-3))
     scheduler = SchedulerGroup(optimizers.optimizers, ScheduleConfig(name="constant", warmup_steps=0), 10)
     return build_engine(parts, None, optimizers, scheduler, dims, precision="fp32", device=torch.device("cpu"),
