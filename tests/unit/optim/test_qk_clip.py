@@ -137,7 +137,7 @@ def test_a_train_run_logs_the_max_logit_and_clips(tmp_path, train_data):  # noqa
 
 
 def test_after_an_engine_step_with_a_tiny_tau_the_next_forward_stays_below_it(dims):
-    from tests.unit.train.test_engine import _batches
+    from tests.unit.train.step.test_engine import _batches
 
     parts = build_model_parts(model_args("llama", "debug", n_layers=2), dims, ParallelConfig(),
                               device=torch.device("cpu"), seed=0).parts
