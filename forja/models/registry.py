@@ -45,6 +45,10 @@ from forja.models.olmo3 import hf as olmo3_hf
 from forja.models.olmo3.flavors import FLAVORS as OLMO3_FLAVORS
 from forja.models.olmo3.model import Olmo3, Olmo3Args
 from forja.models.olmo3.parallelize import olmo3_tp_plan
+from forja.models.olmo_hybrid import hf as olmo_hybrid_hf
+from forja.models.olmo_hybrid.flavors import FLAVORS as OLMO_HYBRID_FLAVORS
+from forja.models.olmo_hybrid.model import OlmoHybrid, OlmoHybridArgs
+from forja.models.olmo_hybrid.parallelize import olmo_hybrid_tp_plan
 from forja.models.qwen3 import hf as qwen3_hf
 from forja.models.qwen3.flavors import FLAVORS as QWEN3_FLAVORS
 from forja.models.qwen3.model import Qwen3, Qwen3Args
@@ -53,6 +57,10 @@ from forja.models.qwen3_5 import hf as qwen3_5_hf
 from forja.models.qwen3_5.flavors import FLAVORS as QWEN3_5_FLAVORS
 from forja.models.qwen3_5.model import Qwen3_5, Qwen3_5Args
 from forja.models.qwen3_5.parallelize import qwen3_5_tp_plan
+from forja.models.qwen3_next import hf as qwen3_next_hf
+from forja.models.qwen3_next.flavors import FLAVORS as QWEN3_NEXT_FLAVORS
+from forja.models.qwen3_next.model import Qwen3Next, Qwen3NextArgs
+from forja.models.qwen3_next.parallelize import qwen3_next_tp_plan
 
 
 @dataclass(frozen=True)
@@ -77,10 +85,14 @@ FAMILIES: dict[str, ModelSpec] = {
                              deepseek_v3_tp_plan),
     "qwen3": ModelSpec("qwen3", Qwen3, Qwen3Args, QWEN3_FLAVORS, qwen3_hf.ADAPTER, qwen3_tp_plan),
     "qwen3_5": ModelSpec("qwen3_5", Qwen3_5, Qwen3_5Args, QWEN3_5_FLAVORS, qwen3_5_hf.ADAPTER, qwen3_5_tp_plan),
+    "qwen3_next": ModelSpec("qwen3_next", Qwen3Next, Qwen3NextArgs, QWEN3_NEXT_FLAVORS, qwen3_next_hf.ADAPTER,
+                            qwen3_next_tp_plan),
     "mixtral": ModelSpec("mixtral", Mixtral, MixtralArgs, MIXTRAL_FLAVORS, mixtral_hf.ADAPTER, mixtral_tp_plan),
-    "olmo3": ModelSpec("olmo3", Olmo3, Olmo3Args, OLMO3_FLAVORS, olmo3_hf.ADAPTER, olmo3_tp_plan),
-    "gemma3": ModelSpec("gemma3", Gemma3, Gemma3Args, GEMMA3_FLAVORS, gemma3_hf.ADAPTER, gemma3_tp_plan),
     "gpt_oss": ModelSpec("gpt_oss", GptOss, GptOssArgs, GPT_OSS_FLAVORS, gpt_oss_hf.ADAPTER, gpt_oss_tp_plan),
+    "olmo3": ModelSpec("olmo3", Olmo3, Olmo3Args, OLMO3_FLAVORS, olmo3_hf.ADAPTER, olmo3_tp_plan),
+    "olmo_hybrid": ModelSpec("olmo_hybrid", OlmoHybrid, OlmoHybridArgs, OLMO_HYBRID_FLAVORS, olmo_hybrid_hf.ADAPTER,
+                             olmo_hybrid_tp_plan),
+    "gemma3": ModelSpec("gemma3", Gemma3, Gemma3Args, GEMMA3_FLAVORS, gemma3_hf.ADAPTER, gemma3_tp_plan),
 }
 
 

@@ -199,9 +199,11 @@ def linear_attention_rules(a: Qwen3_5Args, hf: str, ours: str) -> list[TensorRul
 _DENSE_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
 
 
-def feed_forward_rules(a: Qwen3_5Args, hf: str, ours: str, fused_experts: bool) -> list[TensorRule]:
+def feed_forward_rules(a: Qwen3_5Args, hf: str, ours: str, fused_experts: bool,
+                       layer: int | None = None) -> list[TensorRule]:
+    """The feed-forward's rules of block `layer` (by default the index in `ours`, "layers.{i}.")."""
     ff = ours + "feed_forward."
-    if not a.is_moe_layer(int(ours.split(".")[1])):
+    if not a.is_moe_layer(int(ours.split(".")[1]) if layer is None else layer):
         return [TensorRule(hf + f"mlp.{h}.weight", (ff + f"{f}.weight",)) for h, f in _DENSE_MLP]
     out = [TensorRule(hf + "mlp.gate.weight", (ff + "router.gate.weight",))]
     if a.n_shared_experts:
@@ -220,19 +222,20 @@ def feed_forward_rules(a: Qwen3_5Args, hf: str, ours: str, fused_experts: bool) 
                   for h, f in _DENSE_MLP]
 
 
-def layer_rules(a: Qwen3_5Args, i: int, fused_experts: bool) -> list[TensorRule]:
+def layer_rules(a: Qwen3_5Args, i: int, fused_experts: bool, linear=linear_attention_rules) -> list[TensorRule]:
+    """Block i's rules; `linear`: the Gated DeltaNet's (Qwen3-Next fuses its projections otherwise)."""
     hf, ours = f"model.layers.{i}.", f"layers.{i}."
-    mixer = linear_attention_rules if a.layer_type(i) == "linear_attention" else attention_rules
+    mixer = linear if a.layer_type(i) == "linear_attention" else attention_rules
     norms = [TensorRule(hf + "input_layernorm.weight", (ours + "attention_norm.weight",)),
              TensorRule(hf + "post_attention_layernorm.weight", (ours + "ffn_norm.weight",))]
     return mixer(a, hf, ours) + norms + feed_forward_rules(a, hf, ours, fused_experts)
 
 
-def model_rules(a: Qwen3_5Args, fused_experts: bool) -> list[TensorRule]:
+def model_rules(a: Qwen3_5Args, fused_experts: bool, linear=linear_attention_rules) -> list[TensorRule]:
     out = [TensorRule("model.embed_tokens.weight", ("tok_embeddings.weight",)),
            TensorRule("model.norm.weight", ("norm.weight",))]
     for i in range(a.n_layers):
-        out += layer_rules(a, i, fused_experts)
+        out += layer_rules(a, i, fused_experts, linear)
     if not a.tie_embeddings:
         out.append(TensorRule("lm_head.weight", ("output.weight",)))
     return out

@@ -1,0 +1,311 @@
+"""Qwen3-Next against transformers: the same weights give the same logits, both ways,
+through its own fusion of the Gated DeltaNet's projections; MoE blocks chosen by
+decoder_sparse_step / mlp_only_layers; packed documents; greedy decoding through the cache;
+the published size; the checkpoints' multi-token prediction tensors; refusals."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from forja.errors import ForjaError
+from forja.generate import SamplingConfig, generate
+from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
+from forja.models.qwen3_next.hf import config_from_args
+from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
+
+transformers = pytest.importorskip("transformers")
+
+# Bounds on max |logit difference| against transformers 5.24, torch 2.13, CPU (as
+# test_qwen3_5.py, whose reasons hold here: the chunked delta rule rounds differently from
+# transformers' in float32, and small peaked models amplify it). Measured in float32: 7.8e-6
+# (moe), 7.6e-6 (dense), 7.0e-6 (sparse_step), where transformers' own float32 logits are
+# 7e-5 to 1.2e-4 from its float64 ones. In float64: 0 for the dense model; the models with
+# experts are not compared there, as both route in float32 whatever the dtype (forja from
+# float32 router logits, transformers from float64 ones), which moves expert outputs by ~1e-5.
+TOL = 1e-5
+TOL_FLOAT64 = 1e-10
+
+_SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+              vocab_size=2048, max_position_embeddings=2048, rms_norm_eps=1e-6, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+              intermediate_size=256, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25})
+# name -> (config kwargs, the forja flavor it equals or None).
+CONFIGS = {
+    # Block 0 dense (mlp_only_layers), blocks 1-3 8 experts top 2 and a gated shared expert.
+    "moe": (dict(_SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                 shared_expert_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[0]), "debug"),
+    # No experts: every block a SwiGLU of intermediate_size; float64 is then exact.
+    "dense": (dict(_SHAPE, num_experts=0, tie_word_embeddings=True), None),
+    # Every second block a mixture (two shared experts' width, top-3 weights not renormalized),
+    # full attention every other block.
+    "sparse_step": (dict(_SHAPE, num_hidden_layers=5, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=64, decoder_sparse_step=2, norm_topk_prob=False,
+                         layer_types=["linear_attention", "full_attention"] * 2 + ["linear_attention"]), None),
+}
+
+
+def make_hf_model(name: str, seed: int = 0):
+    kwargs, _ = CONFIGS[name]
+    torch.manual_seed(seed)
+    config = transformers.Qwen3NextConfig(initializer_range=0.1, **kwargs)
+    model = transformers.Qwen3NextForCausalLM(config).eval()
+    with torch.no_grad():  # zero-centered norms start at 0 (scale 1): give them values of their own
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return save_hf_models(tmp_path_factory, make_hf_model, CONFIGS)
+
+
+def _tokens(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, _SHAPE["vocab_size"], (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _stored(path) -> dict[str, torch.Tensor]:
+    return load_file(path / "model.safetensors")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_load_matches_transformers_logits(checkpoints, name):
+    path, hf = checkpoints[name]
+    model = load_hf_checkpoint(path)
+    flavor = CONFIGS[name][1]
+    if flavor is not None:  # config.json read into exactly the flavor's args
+        assert model.args == model_args("qwen3_next", flavor)
+    moe_blocks = [model.args.is_moe_layer(i) for i in range(model.args.n_layers)]
+    assert moe_blocks == [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
+    tokens = _tokens(80)  # more than one 64-token chunk of the delta rule
+    diff = max_logit_diff(hf, model, tokens)
+    hf.config._experts_implementation = "eager"  # transformers' grouped_mm has no float64
+    hf64, model64 = copy.deepcopy(hf).double(), copy.deepcopy(model).double()
+    with torch.no_grad():
+        exact = hf64(tokens).logits
+        hf_rounding = (hf(tokens).logits.double() - exact).abs().max().item()
+        diff64 = (model64(tokens) - exact).abs().max().item()
+    print(f"{name}: max |logit diff| float32 {diff:.3e} (transformers' own float32 error {hf_rounding:.3e}), "
+          f"float64 {diff64:.3e}")
+    assert diff < TOL and diff < hf_rounding
+    if model.args.n_experts == 0:
+        assert diff64 < TOL_FLOAT64
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, tmp_path, name):
+    path, _ = checkpoints[name]
+    model = load_hf_checkpoint(path)
+    out = save_hf_checkpoint(model, tmp_path / "export")
+    back = load_hf_checkpoint(out)
+    for (key, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items(), strict=True):
+        assert torch.equal(a, b), key
+    # forja's file holds transformers' tensors as they were: the regrouped in_proj_qkvz / in_proj_ba included.
+    original, written = _stored(path), _stored(out)
+    assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in written
+    for key, t in original.items():
+        assert torch.equal(written[key], t), key
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded).__name__ == "Qwen3NextForCausalLM"
+    assert max_logit_diff(reloaded, model, _tokens(33)) < TOL
+
+
+def test_grouped_projections_land_in_forjas_head_order(checkpoints):
+    """Head by head: forja's wq/wk/wv/wz/wb/wa rows are the rows transformers'
+    fix_query_key_value_ordering gives each head (key group g holds value heads g r .. g r + r - 1)."""
+    path, hf = checkpoints["moe"]
+    mixer = load_hf_checkpoint(path).layers["0"].attention
+    x = torch.randn(1, 3, _SHAPE["hidden_size"])
+    lin = hf.model.layers[0].linear_attn
+    with torch.no_grad():
+        q, k, v, z, b, a = lin.fix_query_key_value_ordering(lin.in_proj_qkvz(x), lin.in_proj_ba(x))
+        ours = (mixer.wq(x), mixer.wk(x), mixer.wv(x), mixer.wz(x), mixer.wb(x), mixer.wa(x))
+    for theirs, mine in zip((q, k, v, z, b, a), ours, strict=True):
+        assert torch.equal(theirs.reshape(1, 3, -1), mine)
+
+
+def test_fused_expert_layout_loads_the_same(checkpoints, tmp_path):
+    path, hf = checkpoints["moe"]
+    hf.save_pretrained(tmp_path / "fused", save_original_format=False)  # transformers 5's own layout
+    with safe_open(tmp_path / "fused" / "model.safetensors", framework="pt") as f:
+        assert "model.layers.1.mlp.experts.gate_up_proj" in set(f.keys())
+    fused, saved = load_hf_checkpoint(tmp_path / "fused"), load_hf_checkpoint(path)
+    for (key, a), (_, b) in zip(fused.state_dict().items(), saved.state_dict().items(), strict=True):
+        assert torch.equal(a, b), key
+
+
+# -- the multi-token prediction module ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(checkpoints, tmp_path_factory):
+    """(directory, transformers' main model, the donor of the MTP block): the "moe" checkpoint
+    plus the published checkpoints' MTP module, which transformers neither builds nor reads;
+    its block is a second model's block 3 (full attention with experts), its fc and norms random."""
+    path, hf = checkpoints["moe"]
+    donor = make_hf_model("moe", seed=1)
+    donor_path = tmp_path_factory.mktemp("donor")
+    donor.save_pretrained(donor_path)
+    tensors = _stored(path)
+    tensors |= {k.replace("model.layers.3.", "mtp.layers.0.", 1): v for k, v in _stored(donor_path).items()
+                if k.startswith("model.layers.3.")}
+    gen = torch.Generator().manual_seed(2)
+    tensors["mtp.fc.weight"] = 0.1 * torch.randn(128, 256, generator=gen)
+    for name in ("pre_fc_norm_hidden", "pre_fc_norm_embedding", "norm"):
+        tensors[f"mtp.{name}.weight"] = 0.1 * torch.randn(128, generator=gen)
+    out = tmp_path_factory.mktemp("mtp")
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    return out, hf, donor
+
+
+def _hf_mtp_reference(hf, donor, stored, tokens) -> torch.Tensor:
+    """The MTP module's output (B, T - 1, D) from transformers' pieces: the main model's
+    final normed state, its embedding of the next tokens, zero-centered norms holding the
+    stored weights, the donor's block 3 (whose tensors mtp.layers.0 holds), the final norm."""
+    def norm(name):
+        n = transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextRMSNorm(128, eps=1e-6)
+        n.weight.data.copy_(stored[f"mtp.{name}.weight"])
+        return n
+
+    T = tokens.shape[1] - 1
+    h = hf.model(tokens[:, :T]).last_hidden_state  # (B, T, D), after the main model's norm
+    emb = hf.model.embed_tokens(tokens[:, 1:])  # (B, T, D): token t_{i+1} at position i
+    x = torch.cat([norm("pre_fc_norm_embedding")(emb), norm("pre_fc_norm_hidden")(h)], -1) @ stored["mtp.fc.weight"].T
+    positions = torch.arange(T)[None]
+    causal = torch.full((T, T), float("-inf")).triu(1)[None, None]  # (1, 1, T, T) additive
+    y = donor.model.layers[3](x, position_embeddings=donor.model.rotary_emb(x, positions), attention_mask=causal)
+    return norm("norm")(y)
+
+
+@torch.no_grad()
+def test_the_mtp_module_loads_computes_transformers_pieces_and_saves_bit_exact(mtp_checkpoint, tmp_path):
+    path, hf, donor = mtp_checkpoint
+    model = load_hf_checkpoint(path)
+    assert model.args.mtp_depth == 1 and list(model.mtp.layers) == ["4"]
+    stored, mtp = _stored(path), model.mtp.layers["4"]
+    for hf_name, ours in [("fc", mtp.proj), ("pre_fc_norm_hidden", mtp.hnorm), ("pre_fc_norm_embedding", mtp.enorm),
+                          ("norm", mtp.norm), ("layers.0.self_attn.o_proj", mtp.block.attention.wo),
+                          ("layers.0.mlp.shared_expert_gate", mtp.block.feed_forward.shared_gate)]:
+        assert torch.equal(ours.weight, stored[f"mtp.{hf_name}.weight"]), hf_name
+    assert torch.equal(mtp.block.feed_forward.experts.w2[5], stored["mtp.layers.0.mlp.experts.5.down_proj.weight"])
+    tokens = _tokens(25, seed=7)
+    T = tokens.shape[1] - 1
+    rope, mask = model.rope_tables_for("full_attention", torch.arange(T)), model.mask_for(
+        "full_attention", None, T, 0, tokens.device)
+    ours = mtp(_final_hidden(model, tokens[:, :T]),
+               model.tok_embeddings(tokens[:, 1:]), rope, mask)
+    diff = (ours - _hf_mtp_reference(hf, donor, stored, tokens)).abs().max().item()
+    print(f"MTP module output: max |diff| from transformers' pieces {diff:.2e}")
+    assert diff < TOL
+    assert max_logit_diff(hf, model, _tokens(20)) < TOL  # the main model's logits are unchanged
+    out = save_hf_checkpoint(model, tmp_path / "export")
+    saved = _stored(out)
+    assert sorted(saved) == sorted(stored)
+    for key, value in stored.items():
+        assert torch.equal(saved[key], value), key
+    assert json.loads((out / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()  # skips mtp.*
+    assert max_logit_diff(reloaded, model, _tokens(20)) < TOL
+
+
+def _final_hidden(model, tokens) -> torch.Tensor:
+    """The main model's final normed state (B, T, D), which the MTP module reads."""
+    captured = {}
+    handle = model.norm.register_forward_hook(lambda m, i, o: captured.setdefault("h", o))
+    model(tokens)
+    handle.remove()
+    return captured["h"]
+
+
+def test_a_config_counting_an_mtp_module_it_does_not_hold(mtp_checkpoint, tmp_path):
+    """Without mtp.* tensors the main model loads; with part of the module the missing tensor is named."""
+    path, hf, _ = mtp_checkpoint
+    tensors = _stored(path)
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file({k: v for k, v in tensors.items() if not k.startswith("mtp.")}, tmp_path / "model.safetensors")
+    model = load_hf_checkpoint(tmp_path)
+    assert model.mtp is None and model.args.mtp_depth == 0
+    save_file({k: v for k, v in tensors.items() if k != "mtp.pre_fc_norm_hidden.weight"},
+              tmp_path / "model.safetensors")
+    with pytest.raises(ForjaError, match="mtp.pre_fc_norm_hidden.weight is missing"):
+        load_hf_checkpoint(tmp_path)
+
+
+def test_greedy_decoding_equals_transformers_generate(checkpoints):
+    path, hf = checkpoints["moe"]  # every kind of block: Gated DeltaNet, attention, dense and MoE feed-forwards
+    model = load_hf_checkpoint(path)
+    prompt = _tokens(9, seed=4)
+    ref = hf_greedy(hf, prompt, 20)
+    assert torch.equal(generate(model, prompt, SamplingConfig(max_new_tokens=20)), ref)
+
+
+@torch.no_grad()
+def test_packed_documents_equal_each_document_alone():
+    model = build_model("qwen3_next", "debug", seed=1).eval()
+    a, b = _tokens(30, seed=5)[:1], _tokens(21, seed=6)[:1]
+    packed = model(torch.cat([a, b], 1), document_ids=torch.tensor([[0] * 30 + [1] * 21]))
+    torch.testing.assert_close(packed[:, 30:], model(b), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[:, :30], model(a), atol=2e-5, rtol=1e-5)
+
+
+def test_a_training_step_reaches_every_parameter():
+    model = build_model("qwen3_next", "debug", seed=2, mtp_depth=1)  # the MTP module's loss joins the backward
+    tokens = _tokens(24)
+    model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == []
+
+
+# -- published sizes -------------------------------------------------------------------------
+
+# (total, active per token); equal to transformers' count for the same config.json (which
+# builds no MTP module).
+PUBLISHED = {"80b-a3b": (79_674_391_296, 3_874_929_408)}
+
+
+@pytest.mark.parametrize("flavor", list(PUBLISHED))
+def test_published_parameter_counts_equal_transformers(flavor):
+    model = build_model("qwen3_next", flavor, device="meta")
+    total, active = model.num_params(), model.num_active_params()
+    cfg = dict(config_from_args(model.args))
+    assert cfg.pop("architectures") == ["Qwen3NextForCausalLM"] and cfg.pop("model_type") == "qwen3_next"
+    with torch.device("meta"):
+        hf = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**cfg))
+    print(f"{flavor}: {total:,} total, {active:,} active")
+    assert total == sum(p.numel() for p in hf.parameters())
+    assert (total, active) == PUBLISHED[flavor]
+
+
+# -- what forja cannot represent ---------------------------------------------------------------
+
+@pytest.mark.parametrize(("changes", "message"), [
+    (dict(attention_bias=True), "attention_bias=True is not supported by forja's Qwen3-Next"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(layer_types=["sliding_attention"] * 4), "layer_types='sliding_attention'"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e7}), "rope_type='yarn'"),
+    (dict(shared_expert_intermediate_size=96), "shared_expert_intermediate_size=96"),
+    (dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
+    (dict(mtp_num_hidden_layers=2), "mtp_num_hidden_layers=2 is not supported by forja's Qwen3-Next"),
+])
+def test_unsupported_config_option_is_named(checkpoints, tmp_path, changes, message):
+    path, _ = checkpoints["moe"]
+    config = {**json.loads((path / "config.json").read_text()), **changes}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    with pytest.raises(ForjaError, match=message) as err:
+        load_hf_checkpoint(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_export_refuses_what_transformers_cannot_express(tmp_path):
+    with pytest.raises(ForjaError, match="Qwen3-Next with attention_sinks=True has no equivalent in transformers"):
+        save_hf_checkpoint(build_model("qwen3_next", "debug", attention_sinks=True), tmp_path)
