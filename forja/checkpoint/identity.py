@@ -36,6 +36,11 @@ def plain_args(args: TransformerArgs) -> dict:
     plain = _json_safe(dataclasses.asdict(args))
     if plain.get("mup_width_mult") == 1.0:  # muP off: the identity of checkpoints from before muP
         del plain["mup_width_mult"]
+    # Multi-token prediction: its loss weight shapes no weight (DeepSeek-V3 lowers it mid-run), and
+    # without modules the identity is that of checkpoints from before MTP.
+    plain.pop("mtp_loss_weight", None)
+    if plain.get("mtp_depth") == 0:
+        del plain["mtp_depth"]
     return {k: v for k, v in plain.items() if k not in IMPLEMENTATION_ARGS}
 
 

@@ -364,3 +364,15 @@ def test_a_pipeline_split_puts_the_modules_on_the_last_stage():
     model = build_from_args(model_args("deepseek_v3", "debug", **_TINY, mtp_depth=1), device="meta")
     first, last = stage_part(model, 0, [1, 1]), stage_part(model, 1, [1, 1])
     assert first.mtp is None and last.mtp is not None and list(last.mtp.layers) == ["2"]
+
+
+def test_checkpoint_identity_ignores_the_loss_weight_and_depth_0():
+    from forja.checkpoint.identity import check_model_identity, model_identity, plain_args
+
+    before_mtp = plain_args(model_args("deepseek_v3", "debug"))
+    assert "mtp_depth" not in before_mtp and "mtp_loss_weight" not in before_mtp  # as checkpoints from before
+    a = model_identity("deepseek_v3", "debug", model_args("deepseek_v3", "debug", mtp_depth=1, mtp_loss_weight=0.3))
+    b = model_identity("deepseek_v3", "debug", model_args("deepseek_v3", "debug", mtp_depth=1, mtp_loss_weight=0.1))
+    check_model_identity(a, b)  # lowering lambda mid-run resumes
+    with pytest.raises(ForjaError, match="use the same model.. settings"):  # a checkpoint with modules, a run without
+        check_model_identity(a, model_identity("deepseek_v3", "debug", model_args("deepseek_v3", "debug")))
