@@ -376,3 +376,15 @@ def test_checkpoint_identity_ignores_the_loss_weight_and_depth_0():
     check_model_identity(a, b)  # lowering lambda mid-run resumes
     with pytest.raises(ForjaError, match="use the same model.. settings"):  # a checkpoint with modules, a run without
         check_model_identity(a, model_identity("deepseek_v3", "debug", model_args("deepseek_v3", "debug")))
+
+
+def test_fused_cross_entropy_ignores_the_same_targets():
+    """With model.fused_ops' cross_entropy (the op forja.ops dispatches: its PyTorch reference
+    here) the depths' losses are those of the plain loss: the IGNORE targets count for nothing."""
+    tokens, labels, docs = _batch()
+    out = []
+    for fused in ((), ("cross_entropy",)):
+        model = build_from_args(model_args("deepseek_v3", "debug", **_TINY, mtp_depth=2, fused_ops=fused), seed=0)
+        model(tokens, docs, labels=labels)
+        out.append(torch.stack(model.mtp.take_stats().losses))
+    assert (out[0] - out[1]).abs().max() < 1e-5
