@@ -87,8 +87,7 @@ def _check_names_and_shapes(rules: list[TensorRule], stored: dict[str, Stored], 
         if rule.hf not in stored:
             raise ForjaError(f"{where}: tensor {rule.hf} is missing; a {arch} with this config.json needs it")
         want = tuple(rule.to_hf(rule.forja_views(expected)).shape)
-        handle, name = stored[rule.hf]
-        have = tuple(handle.get_slice(name).get_shape())  # from the header: no data read
+        have = _stored_shape(stored[rule.hf])
         if have != want:
             raise ForjaError(f"{where}: tensor {rule.hf} has shape {list(have)}; a {arch} with this "
                              f"config.json expects {list(want)}")
@@ -99,13 +98,27 @@ def _check_names_and_shapes(rules: list[TensorRule], stored: dict[str, Stored], 
                          "with this config.json (does config.json match the weights?)")
 
 
-def _layout_of(stored: dict[str, Stored], adapter: HFAdapter, args: Any) -> list[TensorRule]:
+def _layout_of(stored: dict[str, Stored], adapter: HFAdapter, args: Any,
+               expected: dict[str, torch.Tensor]) -> list[TensorRule]:
     """The rules, expanded per layer and slice, of the layout the checkpoint is in: of the
-    adapter's layouts, the one naming the most stored tensors (the saved one on a tie), so
-    a damaged checkpoint is reported against the layout it was written in."""
+    adapter's layouts, the one naming the most stored tensors, then (layouts with the same
+    names but cut elsewhere: OLMo-Hybrid's convolutions) the one whose shapes match the
+    most, the saved one on a tie; so a damaged checkpoint is reported against the layout it
+    was written in."""
     layouts = [adapter.rules(args), *adapter.other_layouts(args)]
     expanded = [[x for r in rules for x in r.expand(args.n_layers)] for rules in layouts]
-    return max(expanded, key=lambda rules: sum(r.hf in stored for r in rules))
+
+    def fit(rules: list[TensorRule]) -> tuple[int, int]:
+        held = [r for r in rules if r.hf in stored]
+        return len(held), sum(_stored_shape(stored[r.hf]) == tuple(r.to_hf(r.forja_views(expected)).shape)
+                              for r in held)
+
+    return max(expanded, key=fit)
+
+
+def _stored_shape(tensor: Stored) -> tuple[int, ...]:
+    handle, name = tensor
+    return tuple(handle.get_slice(name).get_shape())  # from the header: no data read
 
 
 def _checkpoint_dtype(cfg: dict, stored: dict[str, Stored]) -> torch.dtype:
@@ -130,7 +143,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = N
         stored = _open_tensors(path, adapter.normalize_name, stack)
         args = adapter.held_args(args, set(stored))
         expected = build_from_args(args, device="meta").state_dict()
-        rules = _layout_of(stored, adapter, args)
+        rules = _layout_of(stored, adapter, args, expected)
         _check_names_and_shapes(rules, stored, adapter, expected, cfg["architectures"][0], path)
         model = build_from_args(args, device=device, dtype=dtype or _checkpoint_dtype(cfg, stored), init=False)
         params = model.state_dict()
