@@ -131,13 +131,16 @@ def _chunk_scan(q, k, v, g, beta, C: int, S: torch.Tensor | None, keep: torch.Te
     k_write = k * (gc[..., -1:] - gc).exp()[..., None]  # decayed to the chunk's end
     chunk_decay = gc[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
     S = q.new_zeros(B, H, dk, dv) if S is None else S.float()
+    # One view per chunk, taken once: indexing the whole tensors inside the loop would give
+    # each chunk's backward a gradient the size of the whole sequence (quadratic in T).
+    chunks = zip(*(t.unbind(2) for t in (u, w, q_read, attn, k_write, chunk_decay)), strict=True)
     out = []
-    for n in range(N):
+    for n, (u_n, w_n, q_n, attn_n, k_n, decay_n) in enumerate(chunks):
         if keep is not None and n > 0:
             S = S * keep[:, n].view(B, 1, 1, 1)
-        v_new = u[:, :, n] - w[:, :, n] @ S  # (B, H, C, dv) what each token writes
-        out.append(q_read[:, :, n] @ S + attn[:, :, n] @ v_new)
-        S = S * chunk_decay[:, :, n] + k_write[:, :, n].transpose(-1, -2) @ v_new
+        v_new = u_n - w_n @ S  # (B, H, C, dv) what each token writes
+        out.append(q_n @ S + attn_n @ v_new)
+        S = S * decay_n + k_n.transpose(-1, -2) @ v_new
     return torch.stack(out, dim=2).reshape(B, H, T, dv), S
 
 
