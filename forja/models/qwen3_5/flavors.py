@@ -19,7 +19,7 @@ _DEBUG = dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, vocab_s
               max_seq_len=2048, linear_n_k_heads=2, linear_n_v_heads=4, linear_k_head_dim=32, linear_v_head_dim=32)
 
 FLAVORS: dict[str, dict] = {
-    # ~1.3M parameters: blocks 0-2 Gated DeltaNet, block 3 gated attention.
+    # 1.1M parameters: blocks 0-2 Gated DeltaNet, block 3 gated attention.
     "debug": dict(_DEBUG, ffn_dim=384, tie_embeddings=True),
     # 8 experts, top 2, one gated shared expert, in every block.
     "debug-moe": dict(_DEBUG, ffn_dim=0, tie_embeddings=False, n_experts=8, top_k=2, moe_ffn_dim=64,
