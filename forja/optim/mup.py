@@ -23,7 +23,7 @@ from torch import nn
 from forja.names import named_unique_parameters
 
 # Canonical names (forja/models/common/init.py) that keep the base lr though >= 2-D.
-BASE_LR = ("tok_embeddings.weight", "pos_embeddings.weight", "output.weight")
+BASE_LR = ("tok_embeddings.weight", "mtp.embed.weight", "pos_embeddings.weight", "output.weight")
 
 
 def width_mult_of(model: nn.Module) -> float:

@@ -167,16 +167,15 @@ def _check_mixers(r: LayoutRequest, dims: ParallelDims) -> None:
 
 
 def _check_mtp(r: LayoutRequest, dims: ParallelDims) -> None:
-    """Multi-token prediction runs in one model copy per rank (data parallel and FSDP): its
-    modules need the token ids and the embedding on the last pipeline stage, whole rows for
-    the shifted tokens, and their block is not in the tensor-parallel or expert-parallel plans."""
-    split = {name: degree for name, degree in (("pp", dims.pp), ("tp", dims.tp), ("cp", dims.cp), ("ep", dims.ep))
-             if degree > 1}
+    """Multi-token prediction runs under data parallelism, FSDP and pipelines (on the last
+    stage); it needs whole rows for the shifted tokens, and its block is not in the
+    tensor-parallel or expert-parallel plans."""
+    split = {name: degree for name, degree in (("tp", dims.tp), ("cp", dims.cp), ("ep", dims.ep)) if degree > 1}
     if r.args.mtp_depth and split:
         name, degree = next(iter(split.items()))
         raise ForjaError(f"parallel.{name} = {degree} with multi-token prediction (model.mtp.depth = "
-                         f"{r.args.mtp_depth}) is not supported yet; set parallel.{name} = 1 (data parallel "
-                         "and FSDP run it) or model.mtp.depth = 0")
+                         f"{r.args.mtp_depth}) is not supported yet; set parallel.{name} = 1 (data parallel, "
+                         "FSDP and pipelines run it) or model.mtp.depth = 0")
 
 
 # Each check stops at its own first problem; the validator runs them all, so a layout with

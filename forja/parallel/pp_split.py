@@ -5,9 +5,8 @@ other stages deleted from `layers` and the modules it does not run set to None, 
 parameter it keeps has its name in the whole model ("layers.5.attention.wq.weight") and
 checkpoints load across layouts. The embeddings (every direct child besides `layers`,
 `norm` and `output`: token and, for GPT-2, position embeddings) belong to the first stage;
-the final norm, the output projection and the multi-token prediction modules to the last
-(layout_errors refuses MTP under pp > 1 for now: it would also need the token ids and the
-embedding there). A model that ties its output projection to the embedding keeps the tie
+the final norm, the output projection and the multi-token prediction modules to the last,
+with a copy of the token embedding for them (`mtp.embed`: the ids come from the labels). A model that ties its output projection to the embedding keeps the tie
 inside a stage that holds both (a V schedule's
 rank 0 holds both ends, but as two parts); otherwise the last stage's `output.weight`
 becomes its own copy of the embedding, which `Transformer.tied_parameters` names so that
@@ -158,4 +157,6 @@ def stage_part(model: Transformer, stage: int, counts: list[int]) -> Transformer
     if stage < len(counts) - 1:
         for name in _OUTPUT_SIDE:
             setattr(part, name, None)
+    elif part.mtp is not None and part.tok_embeddings is None:  # MTP embeds the next tokens here too
+        part.mtp.embed = copy.deepcopy(model.tok_embeddings)
     return part

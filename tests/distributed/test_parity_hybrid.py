@@ -1,7 +1,7 @@
 """The 2026 architectures reproduce the single-process losses under parallel layouts (CPU,
 Gloo, fp32): Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE) under FSDP, TP + SP, EP and PP;
 gpt-oss (sinks, sliding windows, MoE with biases) under TP; Gemma 3 (local/global layers)
-under FSDP x TP. And a hybrid run killed with SIGKILL resumes bit for bit. Each layout's
+under FSDP x TP; DeepSeek-V3 with multi-token prediction under PP. And a hybrid run killed with SIGKILL resumes bit for bit. Each layout's
 measured difference is printed (pytest -s) and recorded in docs/models.md.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from forja.cli import main
+from forja.files import read_records
 from tests.distributed.parity import MOE_TOL, SharedLayouts, max_difference, single_process_losses
 from tests.integration.conftest import forja_process, losses, train_args
 from tests.integration.test_train import _wait_for
@@ -19,6 +20,7 @@ MODELS = {
     "qwen3_5-moe": {"model.family": '"qwen3_5"', "model.flavor": '"debug-moe"'},
     "gpt_oss": {"model.family": '"gpt_oss"', "model.flavor": '"debug"'},
     "gemma3": {"model.family": '"gemma3"', "model.flavor": '"debug"'},
+    "deepseek_v3-mtp": {"model.family": '"deepseek_v3"', "model.flavor": '"debug"', "model.mtp.depth": "1"},
 }
 # name -> (the model, ranks, the layout's keys)
 LAYOUTS = {
@@ -28,6 +30,8 @@ LAYOUTS = {
     "Qwen3.5-MoE EP 2 x FSDP 2": ("qwen3_5-moe", 4, {"parallel.ep": "2", "parallel.dp_shard": "4"}),
     "gpt-oss TP 2": ("gpt_oss", 2, {"parallel.tp": "2", "parallel.dp_shard": "1"}),
     "Gemma 3 FSDP 2 x TP 2": ("gemma3", 4, {"parallel.tp": "2", "parallel.dp_shard": "2"}),
+    # The MTP module on the last stage, with its copy of the embedding (the ids from the labels).
+    "DeepSeek-V3 + MTP PP 2": ("deepseek_v3-mtp", 2, {"parallel.pp": "2", "parallel.dp_shard": "1"}),
 }
 
 
@@ -55,9 +59,12 @@ def shared_runs(tmp_path_factory, train_data):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, tmp_path, references, shared_runs):
     model = LAYOUTS[name][0]
-    diff = max_difference(references(model), losses(shared_runs.run(name, tmp_path / "run")))
+    run = shared_runs.run(name, tmp_path / "run")
+    diff = max_difference(references(model), losses(run))
     print(f"parity {name}: max |loss diff| = {diff:.2e}")
     assert diff < MOE_TOL
+    if "mtp.depth" in str(MODELS[model]):  # the depth's loss reaches rank 0's log from the last stage
+        assert all(r.get("mtp/loss_1", 0) > 0 for r in read_records(run / "metrics.jsonl") if "loss" in r)
 
 
 @pytest.mark.slow

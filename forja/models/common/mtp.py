@@ -107,6 +107,9 @@ class MultiTokenPrediction(nn.Module):
         self.layers = nn.ModuleDict({str(first + k): MTPModule(dim, b, norm) for k, b in enumerate(blocks)})
         self.loss_weight = loss_weight
         self.loss_scale = 1.0  # set by the step engine: this micro-batch's share of the step's loss
+        # A pipeline's last stage holds its own copy of the token embedding here (set by
+        # forja/parallel/pp_split.py; Transformer.tied_parameters keeps it equal); else None.
+        self.embed: nn.Embedding | None = None
         self.stats = MTPStats()
 
     @property

@@ -221,11 +221,20 @@ class Transformer(nn.Module):
         In the whole model both names share one Parameter. A pipeline split puts them on
         different stages: the last stage then holds its own copy as `output.weight`,
         initialized like the embedding and kept equal to it by summing the two copies'
-        gradients every step (Megatron-LM's scheme)."""
-        if not self.args.tie_embeddings:
-            return {}
-        held = [name for name in ("tok_embeddings", "output") if getattr(self, name) is not None]
-        return {f"{name}.weight": TIED_WEIGHT for name in held}
+        gradients every step (Megatron-LM's scheme). Multi-token prediction on a pipeline's
+        last stage reads the embedding too: its copy `mtp.embed.weight` is kept the same way,
+        tied output or not."""
+        names = {}
+        if self.args.tie_embeddings:
+            names = {f"{n}.weight": TIED_WEIGHT for n in ("tok_embeddings", "output") if getattr(self, n) is not None}
+        mtp_copy = self.mtp is not None and self.mtp.embed is not None  # a pipeline's last stage
+        first_stage = self.args.mtp_depth and self.mtp is None and self.tok_embeddings is not None
+        if mtp_copy:
+            names["mtp.embed.weight"] = TIED_WEIGHT
+        if mtp_copy or first_stage:  # both ends hold a copy whose gradients are summed
+            if self.tok_embeddings is not None:
+                names["tok_embeddings.weight"] = TIED_WEIGHT
+        return names
 
     # -- what a family defines -------------------------------------------------------------
     def build_block(self, layer: int) -> TransformerBlock:
@@ -291,8 +300,12 @@ class Transformer(nn.Module):
             kind = "full_attention"
             rope = ropes[kind] if kind in ropes else self.rope_tables_for(kind, positions)
             mask = masks[kind] if kind in masks else self.mask_for(kind, document_ids, T, start, tokens.device)
-            losses = self.mtp.losses(h, tokens, labels, document_ids, embed=self.tok_embeddings,
-                                     head_loss=self.loss, rope=rope, mask=mask)
+            # A pipeline's last stage has hidden states, not ids: t_{i+1} is labels[i], and only
+            # positions past 0 are read; its embedding is the stage's copy.
+            ids = tokens if self.tok_embeddings is not None else F.pad(labels[:, :-1].clamp(min=0), (1, 0))
+            embed = self.tok_embeddings if self.tok_embeddings is not None else self.mtp.embed
+            losses = self.mtp.losses(h, ids, labels, document_ids, embed=embed, head_loss=self.loss, rope=rope,
+                                     mask=mask)
             loss = self.mtp.attach(loss, losses)  # the same value; the MTP losses join its backward
         return loss
 

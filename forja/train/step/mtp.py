@@ -26,6 +26,7 @@ class MTPLosses:
 
     def __init__(self, parts: list[Transformer], dims: ParallelDims, device: torch.device):
         self.modules = [m for part in parts for m in mtp_modules(part)]
+        self.depth = parts[0].args.mtp_depth if parts else 0  # every pp rank's, modules or not
         self.dims, self.device = dims, device
 
     def begin_step(self, n_microbatches: int, loss_scale: float = 1.0) -> None:
@@ -33,14 +34,20 @@ class MTPLosses:
             module.loss_scale = loss_scale / n_microbatches
 
     def end_step(self) -> dict[str, float]:
-        """Each depth's mean loss over this step's forwards and the data-parallel ranks."""
-        if not self.modules:
+        """Each depth's mean loss over this step's forwards and the data-parallel ranks, on
+        every rank: under a pipeline only the last stage runs the modules, and passes them on."""
+        if not self.depth:
             return {}
-        stats = [m.take_stats() for m in self.modules][0]  # one per model (the layout validator refuses pp > 1)
-        if not stats.forwards:
+        means = torch.zeros(self.depth, device=self.device)  # (depth,)
+        for module in self.modules:  # one per rank: the last stage's (a V schedule's rank 0 has it once)
+            stats = module.take_stats()
+            if stats.forwards:
+                means = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device)
+                                     for v in stats.losses]) / stats.forwards
+        if self.dims.pp > 1:
+            dist.all_reduce(means, group=self.dims.pp_group)  # the last stage's values, zeros elsewhere
+        elif not self.modules:
             return {}
-        means = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device)
-                             for v in stats.losses]) / stats.forwards  # (depth,)
         group = self.dims.loss_group
         if dist.get_world_size(group) > 1:
             dist.all_reduce(means, group=group)

@@ -338,7 +338,7 @@ def test_the_planner_counts_the_modules():
     assert after.flops_per_token - before.flops_per_token == added > 0
 
 
-@pytest.mark.parametrize("parallel", [dict(pp=2), dict(tp=2, dp_shard=1), dict(cp=2), dict(ep=2)])
+@pytest.mark.parametrize("parallel", [dict(tp=2, dp_shard=1), dict(cp=2), dict(ep=2)])
 def test_the_layout_validator_refuses_model_splits_with_mtp(parallel):
     from forja.parallel.checks import LayoutRequest, layout_errors
     from forja.parallel.config import ParallelConfig
@@ -351,11 +351,12 @@ def test_the_layout_validator_refuses_model_splits_with_mtp(parallel):
     name = next(iter(parallel))
     mtp = [e for e in errors(1) if "multi-token prediction" in e]
     assert mtp == [f"parallel.{name} = 2 with multi-token prediction (model.mtp.depth = 1) is not supported yet; "
-                   f"set parallel.{name} = 1 (data parallel and FSDP run it) or model.mtp.depth = 0"]
+                   f"set parallel.{name} = 1 (data parallel, FSDP and pipelines run it) or model.mtp.depth = 0"]
     assert not [e for e in errors(0) if "multi-token prediction" in e]
-    assert layout_errors(LayoutRequest(args=model_args("deepseek_v3", "debug", mtp_depth=1),
-                                       parallel=ParallelConfig(dp_shard=2), world_size=2, seq_len=64,
-                                       global_batch_size=8, micro_batch_size=2)) == []
+    for runs in (dict(dp_shard=2), dict(pp=2, dp_shard=1)):
+        assert layout_errors(LayoutRequest(args=model_args("deepseek_v3", "debug", mtp_depth=1),
+                                           parallel=ParallelConfig(**runs), world_size=2, seq_len=64,
+                                           global_batch_size=8, micro_batch_size=2)) == []
 
 
 def test_a_pipeline_split_puts_the_modules_on_the_last_stage():
@@ -364,6 +365,26 @@ def test_a_pipeline_split_puts_the_modules_on_the_last_stage():
     model = build_from_args(model_args("deepseek_v3", "debug", **_TINY, mtp_depth=1), device="meta")
     first, last = stage_part(model, 0, [1, 1]), stage_part(model, 1, [1, 1])
     assert first.mtp is None and last.mtp is not None and list(last.mtp.layers) == ["2"]
+    # The last stage embeds the next tokens with its own copy, kept as the embedding is.
+    assert last.mtp.embed is not None and last.tok_embeddings is None
+    assert last.tied_parameters()["mtp.embed.weight"] == first.tied_parameters()["tok_embeddings.weight"]
+    assert model.tied_parameters() == {}  # the whole (untied) model holds the embedding once
+
+
+def test_a_last_stage_computes_the_losses_the_whole_model_does():
+    """Stage 1 gets stage 0's hidden states, not ids: its MTP inputs come from the labels."""
+    from forja.parallel.pp_split import stage_part
+
+    whole = build_from_args(model_args("deepseek_v3", "debug", **_TINY, mtp_depth=2), seed=3).train()
+    first, last = (stage_part(whole, s, [1, 1]) for s in (0, 1))
+    last.mtp.embed.weight = whole.tok_embeddings.weight  # what the copy's init and gradient sum keep
+    tokens = torch.randint(0, whole.args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    docs = torch.tensor([[0] * 9 + [1] * 7, [0] * 16])
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    whole(x, docs, labels=y)
+    expected = torch.stack(whole.mtp.take_stats().losses)
+    last(first(x, docs), docs, labels=y)
+    torch.testing.assert_close(torch.stack(last.mtp.take_stats().losses), expected, rtol=0, atol=1e-6)
 
 
 def test_checkpoint_identity_ignores_the_loss_weight_and_depth_0():
