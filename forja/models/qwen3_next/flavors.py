@@ -11,13 +11,14 @@ tests/unit/models/test_qwen3_next.py (equal to transformers' model built on the 
 """
 
 FLAVORS: dict[str, dict] = {
-    # ~1.5M parameters: blocks 0-2 Gated DeltaNet, block 3 gated attention; block 0 a dense
-    # SwiGLU (mlp_only_layers), the others 8 experts top 2 and a gated shared expert.
+    # ~1.5M parameters: blocks 0-2 Gated DeltaNet, block 3 gated attention; block 1 a dense
+    # SwiGLU (mlp_only_layers), the others 8 experts top 2 and a gated shared expert (the
+    # MTP block, with model.mtp.depth = 1, too: it follows block 0).
     "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=2048,
                   rope_theta=10_000_000.0, max_seq_len=2048, linear_n_k_heads=2, linear_n_v_heads=4,
                   linear_k_head_dim=32, linear_v_head_dim=32, ffn_dim=256, tie_embeddings=False,
                   n_experts=8, top_k=2, moe_ffn_dim=64, n_shared_experts=1, shared_expert_gate=True,
-                  norm_topk_prob=True, mlp_only_layers=(0,)),
+                  norm_topk_prob=True, mlp_only_layers=(1,)),
     "80b-a3b": dict(dim=2048, n_layers=48, n_heads=16, n_kv_heads=2, head_dim=256, ffn_dim=5120,
                     vocab_size=151_936, rope_theta=10_000_000.0, partial_rotary_factor=0.25, norm_eps=1e-6,
                     max_seq_len=262_144, tie_embeddings=False, full_attention_interval=4,

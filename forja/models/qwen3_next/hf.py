@@ -133,8 +133,8 @@ _MTP_OWN = (("fc", "proj"), ("pre_fc_norm_hidden", "hnorm"), ("pre_fc_norm_embed
 
 
 def mtp_rules(a: Qwen3NextArgs, fused_experts: bool) -> list[TensorRule]:
-    """The MTP module (mtp_depth 1): forja's mtp.layers.{n_layers}, the block a layer
-    numbered n_layers would be (full attention; experts by `is_moe_layer(n_layers)`)."""
+    """The MTP module (mtp_depth 1): forja's mtp.layers.{n_layers}, a full-attention block
+    whose feed-forward is block 0's kind (Qwen3Next.build_mtp)."""
     if not a.mtp_depth:
         return []
     i = a.n_layers
@@ -143,7 +143,7 @@ def mtp_rules(a: Qwen3NextArgs, fused_experts: bool) -> list[TensorRule]:
     out += attention_rules(a, "mtp.layers.0.", block)
     out += [TensorRule("mtp.layers.0.input_layernorm.weight", (block + "attention_norm.weight",)),
             TensorRule("mtp.layers.0.post_attention_layernorm.weight", (block + "ffn_norm.weight",))]
-    return out + feed_forward_rules(a, "mtp.layers.0.", block, fused_experts, layer=i)
+    return out + feed_forward_rules(a, "mtp.layers.0.", block, fused_experts, layer=0)
 
 
 def _rules(a: Qwen3NextArgs, fused_experts: bool) -> list[TensorRule]:

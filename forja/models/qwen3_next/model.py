@@ -14,7 +14,9 @@ What is Qwen3-Next's own:
 
 - one multi-token prediction module in the published checkpoints (`mtp_depth` 1, off in
   the flavors as transformers builds none): forja/models/common/mtp.py's MTPModule around a
-  gated-attention block with experts, its norms zero-centered like every other.
+  gated-attention block, its norms zero-centered like every other. Whether that block has
+  experts follows its index in the checkpoint's `mtp.layers` (0), as vLLM, the engine the
+  published weights ship for, decides it (`is_moe_layer(0)`: experts in the published model).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from forja.errors import ForjaError
+from forja.models.common.mtp import MultiTokenPrediction
+from forja.models.common.transformer import TransformerBlock
 from forja.models.qwen3_5.model import Qwen3_5, Qwen3_5Args
 
 
@@ -60,6 +64,14 @@ class Qwen3Next(Qwen3_5):
     RotaryDecoder.build_feed_forward asks."""
 
     args: Qwen3NextArgs
+
+    def build_mtp(self) -> MultiTokenPrediction:
+        """Module k's block: full attention (a layer past the main ones), its feed-forward
+        that of block k's index in `mtp.layers`, not of layer n_layers + k (module docstring)."""
+        a = self.args
+        blocks = [TransformerBlock(self.build_attention(a.n_layers + k), self.build_feed_forward(k),
+                                   self.build_norm(), self.build_norm()) for k in range(a.mtp_depth)]
+        return MultiTokenPrediction(a.dim, blocks, self.build_norm, first=a.n_layers, loss_weight=a.mtp_loss_weight)
 
     def init_rule(self, name: str) -> tuple:
         # The MTP module's own norms (mtp.layers.{j}.hnorm / enorm / norm) are zero-centered
