@@ -3,6 +3,7 @@ config resolves them on a device kind (fused kernels and bf16 autocast only on G
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from forja.config import Config
@@ -47,6 +48,9 @@ class Job:
     """train.float8 as the recipe names it (the validator tells recipes apart)."""
     precision: str = "auto"
     """train.precision, as the recipe gives it."""
+    fla: bool = False
+    """flash-linear-attention is installed: on a GPU Gated DeltaNet blocks run its kernel
+    (which keeps far less for backward than the PyTorch chunked reference)."""
     memo: dict = field(default_factory=dict, compare=False, repr=False)
     """What a search computes once per job and reuses over its thousands of layouts (the
     pipeline split of the blocks, a block's activations per layout setting)."""
@@ -78,4 +82,4 @@ def job_from_config(cfg: Config, *, gpu: bool, args: TransformerArgs | None = No
                fused=frozenset(args.fused_ops) if gpu else frozenset(), float8=cfg.train.float8 != "none",
                compiled=cfg.parallel.compile, async_tp=gpu and cfg.parallel.async_tp and cfg.parallel.compile,
                parallel=cfg.parallel, document_mask=cfg.model.document_mask, float8_recipe=cfg.train.float8,
-               precision=precision)
+               precision=precision, fla=gpu and importlib.util.find_spec("fla") is not None)

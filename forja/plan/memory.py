@@ -7,7 +7,7 @@ How (docs/planner.md has the formulas):
   as each optimizer holds them (forja/plan/optimizer_memory.py: SOAP and Adafactor keep
   whole-matrix state on every rank, Muon gathers each matrix to one owner).
 - Activations are counted tensor by tensor: what autograd saves for backward in each op
-  of a block (read off forja's own blocks; `tests/unit/plan` checks the count against the
+  of a block, by the kind of block (forja/plan/activations.py, read off forja's own blocks; `tests/unit/plan` checks the count against the
   tensors autograd really saves). Activation checkpointing keeps the block inputs (full), or
   the matmul and attention outputs (selective, op level), and recomputes the rest one block
   at a time in backward.
@@ -24,14 +24,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, fields
 
-from forja.models.common.mla import LatentAttentionArgs
 from forja.parallel.pp_split import StageCosts, balanced_layers, rank_stages
+from forja.plan.activations import FP32, Widths, block_activations, widths  # noqa: F401 (re-exported)
 from forja.plan.job import Job
 from forja.plan.layout import Layout
 from forja.plan.optimizer_memory import optimizer_memory
 from forja.plan.shape import BlockShape
-
-FP32 = 4
 
 
 class Breakdown:
@@ -61,90 +59,6 @@ class MemoryBreakdown(Breakdown):
     pp_rank: int = 0
     phase: str = ""
     """When the peak happens: forward end, loss backward, block backward, optimizer step."""
-
-
-@dataclass(frozen=True)
-class Widths:
-    """Bytes of the tensors a block saves, per token, in the job's dtypes."""
-
-    lin: int
-    """Matmul inputs/outputs: bf16 under autocast or bf16 parameters, else fp32."""
-    res: int
-    """Residual stream: bf16 only when the parameters themselves are bf16 (autocast keeps fp32)."""
-
-
-def widths(job: Job) -> Widths:
-    return Widths(lin=2 if job.bf16 else FP32, res=2 if job.bf16_params else FP32)
-
-
-def norm_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> float:
-    """Bytes per token of one pre-norm: its input, the normalized x (eager RMSNorm only: one
-    kernel saves just statistics), and its output, saved by the projections after it."""
-    a, t = job.args, lay.tp
-    sp = 1 / t if (t > 1 and lay.sequence_parallel) else 1.0
-    one_kernel = block.layer_norm or "rms_norm" in job.fused
-    return (1 if one_kernel else 2) * sp * a.dim * w.res + a.dim * w.lin
-
-
-def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
-    """(saved bytes per token of one block's attention half, of which matmul/attention outputs)."""
-    a, t = job.args, lay.tp
-    hq, hkv, heads = a.n_heads * a.head_dim / t, a.n_kv_heads * a.head_dim / t, a.n_heads / t
-    latent = isinstance(a, LatentAttentionArgs)
-    if latent:  # latent attention: every head's keys and values expanded from a latent
-        k_width, v_width = hq, a.v_head_dim * a.n_heads / t
-        extra = 3 * (a.kv_lora_rank + a.qk_rope_head_dim + 2 * a.q_lora_rank) * w.lin
-    else:
-        k_width, v_width, extra = hkv, hkv, 0.0
-    out_width = v_width * a.n_heads / a.n_kv_heads if not latent else v_width
-    norm = norm_saved(job, lay, block, w)
-    qk_norm = 2 * (hq + hkv) * w.lin if a.qk_norm else 0.0
-    sdpa = (hq + k_width + v_width + out_width) * w.lin + heads * FP32  # q, k, v, out; log-sum-exp
-    # Op-level AC keeps the projections' outputs (q, k, v before RoPE; wo's) and attention's.
-    matmuls = (hq + k_width + v_width + a.dim + out_width) * w.lin + heads * FP32
-    return norm + qk_norm + sdpa + extra, matmuls
-
-
-def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
-    """(saved bytes per token of one block's feed-forward half, of which matmul outputs)."""
-    a, t = job.args, lay.tp
-    norm = norm_saved(job, lay, block, w)
-    gated = 3 if "swiglu" in job.fused else 4  # gate, up, silu(gate), product; fused: no silu output
-    if not block.gated:  # GELU: the first matmul's output and the activation's
-        f = a.ffn_dim / t
-        return norm + 2 * f * w.lin, (f + a.dim) * w.lin
-    if not block.moe:
-        f = a.ffn_dim / t
-        return norm + gated * f * w.lin, (2 * f + a.dim) * w.lin
-    # Under TP each rank routes and computes the MoE layer for its 1/tp of the tokens
-    # (forja/models/common/tp_plan.py, SplitTokens): per token of the sequence, 1/tp of it.
-    k, h = a.top_k, a.moe_ffn_dim
-    cf = a.capacity_factor if a.capacity_factor > 0 else 1.0
-    routed = cf * k * (3 * a.dim + gated * h) * w.lin  # tokens sorted in, out, weighted; expert FFN
-    shared = a.n_shared_experts * h * gated * w.lin
-    router = a.n_experts * FP32 * 2 + k * 24  # logits, scores; indices
-    matmuls = cf * k * (2 * h + a.dim) * w.lin + a.n_shared_experts * 2 * h * w.lin
-    return norm + (routed + shared + router) / t, matmuls / t
-
-
-def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> tuple[float, float]:
-    """(bytes one block keeps per token until its backward, bytes its backward needs at once
-    on top: recomputation under AC plus the gradient working set)."""
-    w = widths(job)
-    attn, attn_mm = attention_saved(job, lay, block, w)
-    ffn, ffn_mm = ffn_saved(job, lay, block, w)
-    full = attn + ffn
-    sp = 1 / lay.tp if (lay.tp > 1 and lay.sequence_parallel) else 1.0
-    block_input = job.args.dim * sp * w.res
-    ffn_width = job.args.ffn_dim if not block.moe else job.args.top_k * job.args.moe_ffn_dim
-    ffn_width /= lay.tp  # the dense FFN's columns, or the MoE layer's tokens, split over TP
-    working = (3 * ffn_width + 2 * job.args.dim) * w.lin  # d(product), d(gate), d(up); d(x) twice
-    if lay.ac == "full" or (lay.ac == "selective" and lay.ac_every and index % lay.ac_every == 0):
-        return block_input, full + working
-    if lay.ac == "selective" and not lay.ac_every:
-        kept = block_input + attn_mm + ffn_mm
-        return kept, (full - kept) + working
-    return full, working
 
 
 def _block_activations_cached(job: Job, lay: Layout, block: BlockShape, index: int) -> tuple[float, float]:
@@ -288,6 +202,8 @@ def rank_peak(job: Job, lay: Layout, rm: RankModel) -> MemoryBreakdown:
         a = job.args
         kept += tokens * a.dim * (2 * widths(job).res + widths(job).lin)  # final norm, output's input
     loss_kept, loss_backward = _logits(job, lay, tokens) if rm.last else (0.0, 0.0)
+    # Each multi-token prediction depth runs the output head and its loss again, kept until backward.
+    loss_kept *= 1 + (job.args.mtp_depth if rm.last else 0)
     if lay.pp > 1 and lay.pp_schedule == "gpipe":
         loss_kept *= micro  # every micro-batch's forward (and loss) runs before any backward
     buffers = (4 * tokens * job.args.dim * widths(job).lin * rm.stages) if lay.pp > 1 else 0.0

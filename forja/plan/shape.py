@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from forja.models import build_from_args, spec_of
-from forja.models.common.mlp import SwiGLU
+from forja.models.common.gated_deltanet import GatedDeltaNet
+from forja.models.common.mlp import GeluMLP, SwiGLU
 from forja.models.common.moe import MoE
 from forja.models.common.transformer import Transformer, TransformerArgs
 
@@ -41,6 +42,24 @@ class BlockShape:
     matrices: tuple[tuple[int, int, int], ...] = ()
     """(stack, rows, columns) of each 2-D+ parameter, whole: routed experts are one stack of
     E matrices (Muon orthogonalizes each; SOAP and Adafactor see E x rows by columns)."""
+    kind: str = "full_attention"
+    """The block's sequence mixer (`TransformerArgs.layer_type`): full_attention,
+    sliding_attention or linear_attention."""
+    norms: str = "pre"
+    """Where the block normalizes: "pre" (before each sublayer), "sandwich" (before and on
+    each sublayer's output, Gemma 3) or "post" (only on the outputs, OLMo 2/3)."""
+    ffn: str = "swiglu"
+    """The feed-forward: "swiglu" (the fused kernel applies), "geglu" (never fused), "gelu"
+    or "moe"."""
+    output_gate: bool = False
+    """Attention's output gate (`Attention.wg`): sigmoid(x W_g) times each head's output."""
+    sinks: bool = False
+    """Attention sinks: a logit per head in the softmax (forja's `attend(..., sinks=)`)."""
+    mixer: tuple[int, ...] = ()
+    """A linear-attention block's Gated DeltaNet, as built: (key heads, value heads, key
+    width, value width, convolution taps, chunk size); () for attention."""
+    mtp: bool = False
+    """A multi-token prediction module's block (its input norms and 2d -> d projection too)."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +96,10 @@ def model_shape(args: TransformerArgs, seq_len: int) -> ModelShape:
     # Sequence mixing as Transformer.flops_per_token counts it: the model's own formula per block kind.
     mixing = [model.mixer_flops(args.layer_type(i), seq_len) for i in range(len(counted))]
     blocks = tuple(BlockShape(split, replicated, experts, moe, gated, layer_norm,
-                              float(6 * (split + replicated + experts * active) + mixing[i]), matrices)
-                   for i, (split, replicated, experts, moe, gated, layer_norm, active, matrices) in enumerate(counted))
+                              float(6 * (split + replicated + experts * active) + mixing[i]), matrices,
+                              **structure)
+                   for i, (split, replicated, experts, moe, gated, layer_norm, active, matrices, structure)
+                   in enumerate(counted))
     return ModelShape(args, blocks, embedding, output, final_norm, 6.0 * output_matmul, root_matrices)
 
 
@@ -116,7 +137,8 @@ def _counts(args: TransformerArgs) -> tuple:
         active = inner.feed_forward.active_fraction() if moe else 0.0
         gated = moe or isinstance(inner.feed_forward, SwiGLU)
         layer_norm = isinstance(getattr(inner, "attention_norm", None), nn.LayerNorm)  # none in post-norm blocks
-        counted.append((split, replicated, experts, moe, gated, layer_norm, active, tuple(matrices)))
+        structure = _structure(inner, args.layer_type(len(counted)), block is not inner)
+        counted.append((split, replicated, experts, moe, gated, layer_norm, active, tuple(matrices), structure))
     output = 0 if args.tie_embeddings else _numel(model.output)
     # Whatever else the root holds is input side: token (and learned position) embeddings.
     embedding = _numel(model) - _numel(model.layers) - _numel(model.mtp) - _numel(model.norm) - output
@@ -125,3 +147,22 @@ def _counts(args: TransformerArgs) -> tuple:
             if p.dim() == 2 and not name.startswith(("layers.", "mtp."))]
     _COUNTS[key] = (counted, embedding, output, _numel(model.norm), output_matmul, tuple(root), model)
     return _COUNTS[key]
+
+
+def _structure(block: nn.Module, kind: str, mtp: bool) -> dict:
+    """What the memory model needs of a block beyond its parameter counts, read off the
+    block as built: where it normalizes, its feed-forward, its attention's options, its
+    Gated DeltaNet's heads."""
+    if hasattr(block, "post_attention_norm"):
+        norms = "sandwich" if hasattr(block, "attention_norm") else "post"
+    else:
+        norms = "pre"
+    ff = block.feed_forward
+    ffn = ("moe" if isinstance(ff, MoE) else "swiglu" if isinstance(ff, SwiGLU)
+           else "gelu" if isinstance(ff, GeluMLP) else "geglu")
+    mixer, attention = (), block.attention
+    if isinstance(attention, GatedDeltaNet):
+        mixer = (attention.wq.out_features // attention.head_k_dim, attention.wv.out_features // attention.head_v_dim,
+                 attention.head_k_dim, attention.head_v_dim, attention.conv_q.weight.shape[-1], attention.chunk_size)
+    return dict(kind=kind, norms=norms, ffn=ffn, output_gate=getattr(attention, "wg", None) is not None,
+                sinks=getattr(attention, "sinks", None) is not None, mixer=mixer, mtp=mtp)

@@ -1,0 +1,202 @@
+"""What one block saves for its backward, per token, by the kind of block it is: the
+activation half of the memory model (forja/plan/memory.py walks the step with it).
+
+Every count below names the tensors autograd keeps, read off forja's own modules;
+tests/unit/plan/test_shape_activations.py checks each kind of block against the tensors
+autograd really saves (docs/planner.md lists the measured ratios). Per token means per
+token of the micro-batch on this rank: a tensor of the whole sequence's (T, T) scores is
+T per token per head.
+
+- Attention (full or sliding): SDPA/FlexAttention keep q, k, v, the output and the
+  log-sum-exp; a sliding window changes none of them, only the dense mask SDPA is handed
+  (FlexAttention's block mask holds no per-token state). Attention sinks without
+  FlexAttention (on CPUs, or model.attention = "sdpa") write the scores out in fp32.
+- Gated DeltaNet (linear_attention): the convolutions' inputs, the gates, the chunked delta
+  rule's per-chunk tensors and one state per chunk boundary, and the gated output norm; on
+  CUDA with flash-linear-attention its kernel keeps only its inputs and one C-wide matrix.
+- Norms: pre-norm, sandwich (pre and post, Gemma 3) or post-norm (OLMo 2/3) blocks.
+- Feed-forwards: SwiGLU (fused or not), GeGLU, GELU, mixture of experts (SwiGLU or
+  gpt-oss's clamped SwiGLU, shared experts and their gate).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from forja.models.common.mla import LatentAttentionArgs
+from forja.plan.job import Job
+from forja.plan.layout import Layout
+from forja.plan.shape import BlockShape
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Bytes of the tensors a block saves, per token, in the job's dtypes."""
+
+    lin: int
+    """Matmul inputs/outputs: bf16 under autocast or bf16 parameters, else fp32."""
+    res: int
+    """Residual stream: bf16 only when the parameters themselves are bf16 (autocast keeps fp32)."""
+
+
+def widths(job: Job) -> Widths:
+    return Widths(lin=2 if job.bf16 else FP32, res=2 if job.bf16_params else FP32)
+
+
+def _sp(lay: Layout) -> float:
+    """The share of the sequence a rank's norms see (sequence parallelism splits it)."""
+    return 1 / lay.tp if (lay.tp > 1 and lay.sequence_parallel) else 1.0
+
+
+def norm_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> float:
+    """Bytes per token of one pre-norm: its input, the normalized x (eager RMSNorm only: one
+    kernel saves just statistics), and its output, saved by the projections after it."""
+    one_kernel = block.layer_norm or "rms_norm" in job.fused
+    return (1 if one_kernel else 2) * _sp(lay) * job.args.dim * w.res + job.args.dim * w.lin
+
+
+def post_norm_saved(job: Job, lay: Layout, w: Widths) -> float:
+    """Bytes per token of a norm on a sublayer's output (sandwich and post-norm blocks): its
+    input upcast to fp32 (the input itself in fp32) and the normalized x; nothing reads its
+    output but the residual add."""
+    if "rms_norm" in job.fused:
+        return _sp(lay) * job.args.dim * w.lin
+    return _sp(lay) * job.args.dim * (FP32 + w.lin)
+
+
+def _sublayer_input(job: Job, lay: Layout, block: BlockShape, w: Widths) -> float:
+    """What a sublayer's first matmuls keep of their input: a pre-norm's tensors, or in a
+    post-norm block the residual stream itself (its copy in the matmul dtype)."""
+    return job.args.dim * w.lin if block.norms == "post" else norm_saved(job, lay, block, w)
+
+
+def _mask_saved(job: Job, lay: Layout, block: BlockShape) -> float:
+    """Bytes per token of the dense mask a block's SDPA keeps (a sliding window's band, or
+    packed documents'): (1 or B, 1, T, T), fp32 on CPUs and in the compute dtype on GPUs.
+    FlexAttention's block mask and plain causal rows keep none."""
+    flex = job.gpu and job.args.attention == "flex"
+    if flex or (block.kind != "sliding_attention" and not job.document_mask):
+        return 0.0
+    rows = 1.0 if job.document_mask else 1 / lay.sequences_per_microbatch(job.global_batch_size)
+    return rows * job.seq_len * (2 if job.gpu and job.bf16 else FP32)
+
+
+def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
+    """(saved bytes per token of one block's sequence-mixing half, of which matmul/attention outputs)."""
+    if block.kind == "linear_attention":
+        return linear_attention_saved(job, lay, block, w)
+    a, t = job.args, lay.tp
+    hq, hkv, heads = a.n_heads * a.head_dim / t, a.n_kv_heads * a.head_dim / t, a.n_heads / t
+    latent = isinstance(a, LatentAttentionArgs)
+    if latent:  # latent attention: every head's keys and values expanded from a latent
+        k_width, v_width = hq, a.v_head_dim * a.n_heads / t
+        extra = 3 * (a.kv_lora_rank + a.qk_rope_head_dim + 2 * a.q_lora_rank) * w.lin
+    else:
+        k_width, v_width, extra = hkv, hkv, 0.0
+    out_width = v_width * a.n_heads / a.n_kv_heads if not latent else v_width
+    # QK-norm (per head or over the whole projection alike): its input upcast, the normalized x.
+    qk_norm = (FP32 + w.lin) * (hq + hkv) if a.qk_norm else 0.0
+    flex = job.gpu and a.attention == "flex"
+    if block.sinks and not flex:  # `_attend_with_sinks`: the scores written out
+        T = job.seq_len
+        sdpa = 3 * hq * w.lin  # q, and k and v repeated to every query head, as the matmuls take them
+        sdpa += heads * (T + 1) * FP32  # softmax's fp32 output, the sink's column included
+        sdpa += heads * T * w.lin if w.lin != FP32 else 0.0  # its cast for probs @ v under autocast
+        sdpa += out_width * w.lin + T / lay.sequences_per_microbatch(job.global_batch_size)  # out; bool (T, T) mask
+    else:
+        sdpa = (hq + k_width + v_width + out_width) * w.lin + heads * FP32  # q, k, v, out; log-sum-exp
+        sdpa += 2 * heads * FP32 if block.sinks else 0.0  # FlexAttention's sinks: sigmoid(lse - sink), its cast
+        sdpa += _mask_saved(job, lay, block)
+    gate = 2 * hq * w.lin if block.output_gate else 0.0  # sigmoid(x W_g) and the gated output (wo's input)
+    post = post_norm_saved(job, lay, w) if block.norms != "pre" else 0.0
+    # Op-level AC keeps the projections' outputs (q, k, v before RoPE; wo's) and attention's.
+    matmuls = (hq + k_width + v_width + a.dim + out_width) * w.lin + heads * FP32 + gate / 2
+    return _sublayer_input(job, lay, block, w) + qk_norm + sdpa + extra + gate + post, matmuls
+
+
+def linear_attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
+    """(saved bytes per token of a Gated DeltaNet mixer and its norm, of which matmul outputs).
+
+    Per value head and token the chunked reference (forja/models/common/gated_delta_rule.py,
+    all fp32) keeps: q and k before and after their L2 norm, k * beta, the WY solves' w (and
+    u, v * beta's v, each chunk's new values: 3 dv), q read against the state, k decayed to
+    the chunk's end, and the matmuls' contiguous copies of k^T, q and the per-chunk operands
+    (12 dk in all over two or more chunks; in one chunk 6, or 10 with q and k repeated to the
+    value heads); the
+    C x C decay, k k^T, the system, q k^T and the masked scores (5 C); the norms' statistics
+    and the decays (7); and the state (dk, dv) at every chunk's start."""
+    n_k, n_v, dk, dv, taps, C = block.mixer
+    t, T = lay.tp, job.seq_len
+    key, value, hv = n_k * dk / t, n_v * dv / t, n_v / t
+    conv = (2 + (taps - 1) / T) * (2 * key + value) * w.lin  # each convolution's input (window too), SiLU's input
+    gates = hv * (w.lin + 2 * FP32)  # beta's sigmoid; the decay's softplus input and its product
+    chunks = math.ceil(T / C)
+    if job.gpu and job.fla:  # fla's kernel: L2-normalized q, k and their norms, v, g, beta, its (T, C) matrix
+        rule = hv * ((2 * dk + dv + 1 + C) * w.lin + 3 * FP32)
+    else:
+        # One chunk: views need no copies unless q and k were repeated to the value heads.
+        dk_tensors = 12 if chunks > 1 else (10 if n_v > n_k else 6)
+        per_head = dk_tensors * dk + 3 * dv + 5 * min(C, T) + 7 + chunks * dk * dv / T
+        rule = hv * per_head * FP32
+    # The gated norm: the rule's output and the gate upcast, the normalized output, weight * it,
+    # silu(gate) (fp32 alike) and their product cast back for wo; its statistics.
+    out = value * (4 * FP32 + 2 * w.lin) + hv * FP32
+    matmuls = (2 * key + 2 * value + job.args.dim) * w.lin + value * w.lin  # q, k, v, z, wo; the rule's output
+    return norm_saved(job, lay, block, w) + conv + gates + rule + out, matmuls
+
+
+def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
+    """(saved bytes per token of one block's feed-forward half, of which matmul outputs)."""
+    a, t = job.args, lay.tp
+    norm = _sublayer_input(job, lay, block, w) + (post_norm_saved(job, lay, w) if block.norms != "pre" else 0.0)
+    gated = 3 if "swiglu" in job.fused else 4  # gate, up, silu(gate), product; fused: no silu output
+    if block.ffn == "gelu":  # GELU: the first matmul's output and the activation's
+        f = a.ffn_dim / t
+        return norm + 2 * f * w.lin, (f + a.dim) * w.lin
+    if block.ffn in ("swiglu", "geglu"):  # GeGLU never takes the fused kernel: gelu's input, output, up, product
+        f = a.ffn_dim / t
+        return norm + (gated if block.ffn == "swiglu" else 4) * f * w.lin, (2 * f + a.dim) * w.lin
+    # Under TP each rank routes and computes the MoE layer for its 1/tp of the tokens
+    # (forja/models/common/tp_plan.py, SplitTokens): per token of the sequence, 1/tp of it.
+    k, h = a.top_k, a.moe_ffn_dim
+    cf = a.capacity_factor if a.capacity_factor > 0 else 1.0
+    # The clamped SwiGLU keeps 7 hidden-wide tensors: gate and up (biased), the clamped gate,
+    # its sigmoid, up + 1, gate * sigmoid and the product; SwiGLU 4 (3 fused) as above.
+    act = 7 if getattr(a, "expert_activation", "swiglu") == "clamped_swiglu" else 4
+    routed = cf * k * (3 * a.dim + act * h) * w.lin  # tokens sorted in, out, weighted; expert FFN
+    shared = a.n_shared_experts * h * gated * w.lin
+    if a.n_shared_experts and getattr(a, "shared_expert_gate", False):
+        shared += a.dim * w.lin + FP32  # the shared output and its sigmoid gate, kept for the product
+    router = a.n_experts * FP32 * 2 + k * 24  # logits, scores; indices
+    router += a.dim * FP32 if w.lin != FP32 else 0.0  # the router's fp32 copy of its input
+    matmuls = cf * k * (2 * h + a.dim) * w.lin + a.n_shared_experts * 2 * h * w.lin
+    return norm + (routed + shared + router) / t, matmuls / t
+
+
+def mtp_saved(job: Job, lay: Layout, w: Widths) -> float:
+    """Bytes per token a multi-token prediction module keeps beyond its block: the embedding's
+    and the previous depth's norms and its own final norm (input and normalized x each), and
+    the (B, T, 2d) concatenation its projection reads."""
+    return 3 * 2 * _sp(lay) * job.args.dim * w.res + 2 * job.args.dim * w.lin
+
+
+def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> tuple[float, float]:
+    """(bytes one block keeps per token until its backward, bytes its backward needs at once
+    on top: recomputation under AC plus the gradient working set)."""
+    w = widths(job)
+    attn, attn_mm = attention_saved(job, lay, block, w)
+    ffn, ffn_mm = ffn_saved(job, lay, block, w)
+    full = attn + ffn + (mtp_saved(job, lay, w) if block.mtp else 0.0)
+    block_input = job.args.dim * _sp(lay) * w.res
+    ffn_width = job.args.ffn_dim if not block.moe else job.args.top_k * job.args.moe_ffn_dim
+    ffn_width /= lay.tp  # the dense FFN's columns, or the MoE layer's tokens, split over TP
+    working = (3 * ffn_width + 2 * job.args.dim) * w.lin  # d(product), d(gate), d(up); d(x) twice
+    if lay.ac == "full" or (lay.ac == "selective" and lay.ac_every and index % lay.ac_every == 0):
+        return block_input, full + working
+    if lay.ac == "selective" and not lay.ac_every:
+        kept = block_input + attn_mm + ffn_mm
+        return kept, (full - kept) + working
+    return full, working
