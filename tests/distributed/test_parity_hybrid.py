@@ -1,5 +1,5 @@
 """The 2026 architectures reproduce the single-process losses under parallel layouts (CPU,
-Gloo, fp32): Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE) under FSDP, TP + SP, EP and PP;
+Gloo, fp32): Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid) under FSDP, TP + SP, EP and PP;
 gpt-oss (sinks, sliding windows, MoE with biases) under TP; Gemma 3 (local/global layers)
 under FSDP x TP; DeepSeek-V3 with multi-token prediction under PP. And a hybrid run killed with SIGKILL resumes bit for bit. Each layout's
 measured difference is printed (pytest -s) and recorded in docs/models.md.
@@ -20,6 +20,7 @@ MODELS = {
     "qwen3_5-moe": {"model.family": '"qwen3_5"', "model.flavor": '"debug-moe"'},
     "gpt_oss": {"model.family": '"gpt_oss"', "model.flavor": '"debug"'},
     "gemma3": {"model.family": '"gemma3"', "model.flavor": '"debug"'},
+    "olmo_hybrid": {"model.family": '"olmo_hybrid"', "model.flavor": '"debug"'},
     "deepseek_v3-mtp": {"model.family": '"deepseek_v3"', "model.flavor": '"debug"', "model.mtp.depth": "1"},
 }
 # name -> (the model, ranks, the layout's keys)
@@ -30,6 +31,8 @@ LAYOUTS = {
     "Qwen3.5-MoE EP 2 x FSDP 2": ("qwen3_5-moe", 4, {"parallel.ep": "2", "parallel.dp_shard": "4"}),
     "gpt-oss TP 2": ("gpt_oss", 2, {"parallel.tp": "2", "parallel.dp_shard": "1"}),
     "Gemma 3 FSDP 2 x TP 2": ("gemma3", 4, {"parallel.tp": "2", "parallel.dp_shard": "2"}),
+    # Gated DeltaNet blocks on one stage, OLMo 3's post-norm attention block on the other.
+    "OLMo-Hybrid PP 2": ("olmo_hybrid", 2, {"parallel.pp": "2", "parallel.dp_shard": "1"}),
     # The MTP module on the last stage, with its copy of the embedding (the ids from the labels).
     "DeepSeek-V3 + MTP PP 2": ("deepseek_v3-mtp", 2, {"parallel.pp": "2", "parallel.dp_shard": "1"}),
 }
