@@ -51,11 +51,18 @@ def _sp(lay: Layout) -> float:
     return 1 / lay.tp if (lay.tp > 1 and lay.sequence_parallel) else 1.0
 
 
-def norm_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> float:
+def norm_saved(job: Job, lay: Layout, block: BlockShape, w: Widths, readers: int = 1) -> float:
     """Bytes per token of one pre-norm: its input, the normalized x (eager RMSNorm only: one
-    kernel saves just statistics), and its output, saved by the projections after it."""
+    kernel saves just statistics), and its output as the projections after it save it."""
     one_kernel = block.layer_norm or "rms_norm" in job.fused
-    return (1 if one_kernel else 2) * _sp(lay) * job.args.dim * w.res + job.args.dim * w.lin
+    return (1 if one_kernel else 2) * _sp(lay) * job.args.dim * w.res + _input_copies(job, w, readers)
+
+
+def _input_copies(job: Job, w: Widths, readers: int) -> float:
+    """Bytes per token the `readers` matmuls reading one fp32 tensor keep of it: under
+    autocast each casts it to bf16 itself and keeps its own copy (autocast caches only the
+    weights' casts); otherwise they all keep the one tensor."""
+    return (readers if w.lin != w.res else 1) * job.args.dim * w.lin
 
 
 def post_norm_saved(job: Job, lay: Layout, w: Widths) -> float:
@@ -67,10 +74,10 @@ def post_norm_saved(job: Job, lay: Layout, w: Widths) -> float:
     return _sp(lay) * job.args.dim * (FP32 + w.lin)
 
 
-def _sublayer_input(job: Job, lay: Layout, block: BlockShape, w: Widths) -> float:
-    """What a sublayer's first matmuls keep of their input: a pre-norm's tensors, or in a
-    post-norm block the residual stream itself (its copy in the matmul dtype)."""
-    return job.args.dim * w.lin if block.norms == "post" else norm_saved(job, lay, block, w)
+def _sublayer_input(job: Job, lay: Layout, block: BlockShape, w: Widths, readers: int) -> float:
+    """What a sublayer's first matmuls (`readers` of them) keep of their input: a pre-norm's
+    tensors, or in a post-norm block the residual stream itself (their copies of it)."""
+    return _input_copies(job, w, readers) if block.norms == "post" else norm_saved(job, lay, block, w, readers)
 
 
 def _mask_saved(job: Job, lay: Layout, block: BlockShape) -> float:
@@ -114,7 +121,8 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
     post = post_norm_saved(job, lay, w) if block.norms != "pre" else 0.0
     # Op-level AC keeps the projections' outputs (q, k, v before RoPE; wo's) and attention's.
     matmuls = (hq + k_width + v_width + a.dim + out_width) * w.lin + heads * FP32 + gate / 2
-    return _sublayer_input(job, lay, block, w) + qk_norm + sdpa + extra + gate + post, matmuls
+    readers = 4 if block.output_gate else 3  # wq, wk, wv (, wg)
+    return _sublayer_input(job, lay, block, w, readers) + qk_norm + sdpa + extra + gate + post, matmuls
 
 
 def linear_attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
@@ -145,13 +153,17 @@ def linear_attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) 
     # silu(gate) (fp32 alike) and their product cast back for wo; its statistics.
     out = value * (4 * FP32 + 2 * w.lin) + hv * FP32
     matmuls = (2 * key + 2 * value + job.args.dim) * w.lin + value * w.lin  # q, k, v, z, wo; the rule's output
-    return norm_saved(job, lay, block, w) + conv + gates + rule + out, matmuls
+    return norm_saved(job, lay, block, w, readers=6) + conv + gates + rule + out, matmuls  # wq wk wv wz wb wa
 
 
 def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
     """(saved bytes per token of one block's feed-forward half, of which matmul outputs)."""
     a, t = job.args, lay.tp
-    norm = _sublayer_input(job, lay, block, w) + (post_norm_saved(job, lay, w) if block.norms != "pre" else 0.0)
+    readers = {"gelu": 1, "swiglu": 2, "geglu": 2}.get(block.ffn, 0)  # w1 (, w3)
+    if block.ffn == "moe":  # the shared experts' w1, w3 and their gate; routed rows are gathered copies
+        readers = 2 * bool(a.n_shared_experts) + bool(a.n_shared_experts and getattr(a, "shared_expert_gate", False))
+    norm = _sublayer_input(job, lay, block, w, max(readers, 1))
+    norm += post_norm_saved(job, lay, w) if block.norms != "pre" else 0.0
     gated = 3 if "swiglu" in job.fused else 4  # gate, up, silu(gate), product; fused: no silu output
     if block.ffn == "gelu":  # GELU: the first matmul's output and the activation's
         f = a.ffn_dim / t
@@ -171,7 +183,7 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
     if a.n_shared_experts and getattr(a, "shared_expert_gate", False):
         shared += a.dim * w.lin + FP32  # the shared output and its sigmoid gate, kept for the product
     router = a.n_experts * FP32 * 2 + k * 24  # logits, scores; indices
-    router += a.dim * FP32 if w.lin != FP32 else 0.0  # the router's fp32 copy of its input
+    router += a.dim * FP32 if w.res != FP32 else 0.0  # the router's fp32 copy of a bf16 input
     matmuls = cf * k * (2 * h + a.dim) * w.lin + a.n_shared_experts * 2 * h * w.lin
     return norm + (routed + shared + router) / t, matmuls / t
 

@@ -3,6 +3,7 @@ them, and the bytes a block saves for backward against what autograd really save
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import pytest
@@ -24,9 +25,15 @@ CASES = [("llama", "debug", "0"), ("llama", "tiny", "0"), ("qwen3", "debug", "0"
          ("olmo_hybrid", "debug", "0"), ("olmo_hybrid", "debug", "3"), ("qwen3_next", "debug", "0")]
 
 
+@functools.cache
+def built(family: str, flavor: str) -> torch.nn.Module:
+    """One model per flavor for the whole file (building is most of its time)."""
+    return build_model(family, flavor)
+
+
 @pytest.mark.parametrize("family,flavor,_", CASES)
 def test_parameter_counts_add_up_to_the_model(family, flavor, _):
-    model = build_model(family, flavor)
+    model = built(family, flavor)
     shape = model_shape(model.args, 128)
     assert shape.n_params == model.num_params()
     for block, shape_block in zip(model.layers.values(), shape.blocks):
@@ -62,7 +69,7 @@ def saved_bytes(block: torch.nn.Module, h: torch.Tensor, rope, mask) -> int:
 @pytest.mark.parametrize("family,flavor,layer", CASES)
 def test_block_activations_match_what_autograd_saves(family, flavor, layer):
     torch.manual_seed(0)
-    model = build_model(family, flavor)
+    model = built(family, flavor)
     B, T = 2, 64
     tokens = torch.randint(0, model.args.vocab_size, (B, T))
     positions = torch.arange(T)
