@@ -17,6 +17,7 @@ Reads the text model's config.json, or the published multimodal one
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -27,7 +28,7 @@ from forja.models.qwen3_5.model import Qwen3_5Args
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
                  "Qwen3_5MoeForConditionalGeneration")
-IGNORED = (r"model\.visual\..*", r"mtp\..*")  # the vision tower; the MTP module (not trained by Qwen3.5's loader)
+IGNORED = (r"model\.visual\..*", r"mtp\..*")  # the vision tower; an MTP module config.json does not count
 
 
 def refuse(key: str, value, why: str, family: str = "Qwen3.5") -> ForjaError:
@@ -93,10 +94,29 @@ def _is_moe(cfg: dict) -> bool:
     return any("Moe" in a for a in cfg.get("architectures") or []) or cfg.get("model_type") == "qwen3_5_moe_text"
 
 
+def mtp_depth(cfg: dict, family: str = "Qwen3.5") -> int:
+    """The number of MTP modules config.json counts (`mtp_num_hidden_layers`), as forja runs them."""
+    depth = cfg.get("mtp_num_hidden_layers") or 0
+    if depth > 1:
+        raise refuse("mtp_num_hidden_layers", depth, "its MTP layers share one fc and its norms; forja's "
+                     "depths each have their own, and the published checkpoints hold one", family)
+    if cfg.get("mtp_use_dedicated_embeddings"):
+        raise refuse("mtp_use_dedicated_embeddings", True, "its MTP module reads the main model's embedding", family)
+    return depth
+
+
 def args_from_config(cfg: dict) -> Qwen3_5Args:
     cfg = text_config(cfg)
     check_supported(cfg)
-    return Qwen3_5Args(**common_args(cfg), **(moe_args(cfg) if _is_moe(cfg) else {}))
+    return Qwen3_5Args(**common_args(cfg), **(moe_args(cfg) if _is_moe(cfg) else {}), mtp_depth=mtp_depth(cfg))
+
+
+def held_args(a: Qwen3_5Args, names: set[str]) -> Qwen3_5Args:
+    """`a` without the MTP module when the checkpoint holds none of it (transformers saves
+    none); when `mtp.fc` is stored the count holds, and a missing tensor is named."""
+    if a.mtp_depth and "mtp.fc.weight" not in names:
+        return dataclasses.replace(a, mtp_depth=0)
+    return a
 
 
 def check_exportable(a: Qwen3_5Args, family: str = "Qwen3.5") -> None:
@@ -139,11 +159,19 @@ def common_config(a: Qwen3_5Args) -> dict:
     return cfg
 
 
+def check_mtp_exportable(a: Qwen3_5Args, family: str = "Qwen3.5") -> None:
+    if a.mtp_depth > 1:
+        raise ForjaError(f"a {family} with mtp_depth={a.mtp_depth} has no equivalent in its checkpoints (one "
+                         "MTP module, whose layers share its fc and norms); export a model trained with depth 1 or 0")
+
+
 def config_from_args(a: Qwen3_5Args) -> dict:
     check_exportable(a)
+    check_mtp_exportable(a)
     moe = a.n_experts > 0
     return {"architectures": ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"],
-            "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text", **common_config(a)}
+            "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text", **common_config(a),
+            "mtp_num_hidden_layers": a.mtp_depth, "mtp_use_dedicated_embeddings": False}
 
 
 # -- tensors ---------------------------------------------------------------------------------
@@ -241,14 +269,32 @@ def model_rules(a: Qwen3_5Args, fused_experts: bool, linear=linear_attention_rul
     return out
 
 
+_MTP_OWN = (("fc", "proj"), ("pre_fc_norm_hidden", "hnorm"), ("pre_fc_norm_embedding", "enorm"), ("norm", "norm"))
+
+
+def mtp_rules(a: Qwen3_5Args, fused_experts: bool) -> list[TensorRule]:
+    """The MTP module (mtp_depth 1): `mtp.fc`, `mtp.pre_fc_norm_hidden`, `mtp.pre_fc_norm_embedding`,
+    `mtp.norm` and `mtp.layers.0.*`, a full-attention block whose feed-forward is block 0's
+    kind, as forja's mtp.layers.{n_layers} (Qwen3_5.build_mtp)."""
+    if not a.mtp_depth:
+        return []
+    i = a.n_layers
+    ours, block = f"mtp.layers.{i}.", f"mtp.layers.{i}.block."
+    out = [TensorRule(f"mtp.{h}.weight", (ours + f"{f}.weight",)) for h, f in _MTP_OWN]
+    out += attention_rules(a, "mtp.layers.0.", block)
+    out += [TensorRule("mtp.layers.0.input_layernorm.weight", (block + "attention_norm.weight",)),
+            TensorRule("mtp.layers.0.post_attention_layernorm.weight", (block + "ffn_norm.weight",))]
+    return out + feed_forward_rules(a, "mtp.layers.0.", block, fused_experts, layer=0)
+
+
 def rules(a: Qwen3_5Args) -> list[TensorRule]:
-    """The published layout: one tensor per expert."""
-    return model_rules(a, fused_experts=False)
+    """The published layout: one tensor per expert, the MTP module when counted."""
+    return model_rules(a, fused_experts=False) + mtp_rules(a, fused_experts=False)
 
 
 def other_layouts(a: Qwen3_5Args) -> list[list[TensorRule]]:
     """transformers 5's fused experts, for an MoE model."""
-    return [model_rules(a, fused_experts=True)] if a.n_experts else []
+    return [model_rules(a, fused_experts=True) + mtp_rules(a, fused_experts=True)] if a.n_experts else []
 
 
 def normalize_name(name: str) -> str:
@@ -257,4 +303,4 @@ def normalize_name(name: str) -> str:
 
 
 ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, rules, IGNORED,
-                    normalize_name=normalize_name, other_layouts=other_layouts)
+                    normalize_name=normalize_name, other_layouts=other_layouts, held_args=held_args)

@@ -35,7 +35,8 @@ from forja.models.common.gated_deltanet import GatedDeltaNet, gated_deltanet_ini
 from forja.models.common.moe import MoEArgs
 from forja.models.common.norms import RMSNorm
 from forja.models.common.rope import rope_frequencies
-from forja.models.common.transformer import TransformerArgs
+from forja.models.common.mtp import MultiTokenPrediction
+from forja.models.common.transformer import TransformerArgs, TransformerBlock
 
 
 @dataclass(kw_only=True)
@@ -120,8 +121,21 @@ class Qwen3_5(RotaryDecoder):
     def rope_frequencies(self) -> torch.Tensor:
         return rope_frequencies(self.args.rotary_dim, self.args.rope_theta)
 
+    def build_mtp(self) -> MultiTokenPrediction:
+        """The published checkpoints' multi-token prediction module (`mtp_depth` 1; off in the
+        flavors): module k's block is full attention, its feed-forward that of block k's
+        index in the checkpoint's `mtp.layers` (0), as vLLM, which serves the published
+        weights, builds it."""
+        a = self.args
+        blocks = [TransformerBlock(self.build_attention(a.n_layers + k), self.build_feed_forward(k),
+                                   self.build_norm(), self.build_norm()) for k in range(a.mtp_depth)]
+        return MultiTokenPrediction(a.dim, blocks, self.build_norm, first=a.n_layers, loss_weight=a.mtp_loss_weight)
+
     def init_rule(self, name: str) -> tuple:
         if name == "norm.weight" or name.endswith(_ZERO_CENTERED):
+            return ("zeros",)
+        # The MTP module's own norms (mtp.layers.{j}.hnorm / enorm / norm) are zero-centered too.
+        if name.startswith("mtp.layers.") and name.count(".") == 4 and name.endswith("norm.weight"):
             return ("zeros",)
         if name.startswith("layers.") and self.args.layer_type(int(name.split(".")[1])) == "linear_attention":
             rule = gated_deltanet_init_rule(name, conv_kernel=self.args.linear_conv_kernel)

@@ -27,22 +27,21 @@ of forja's depths has its own.
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
-from forja.errors import ForjaError
 from forja.models.common.hf_rules import HFAdapter, TensorRule
 from forja.models.qwen3_5.hf import (
-    attention_rules,
     check_exportable,
+    check_mtp_exportable,
     check_supported,
     common_args,
     common_config,
-    feed_forward_rules,
+    held_args,
     model_rules,
     moe_args,
-    refuse,
+    mtp_depth,
+    mtp_rules,
     split_rows,
 )
 from forja.models.qwen3_next.model import Qwen3NextArgs
@@ -60,30 +59,14 @@ _DEFAULTS = dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=
 def args_from_config(cfg: dict) -> Qwen3NextArgs:
     cfg = {**_DEFAULTS, **cfg}
     check_supported(cfg, FAMILY)
-    mtp = cfg.get("mtp_num_hidden_layers") or 0
-    if mtp > 1:
-        raise refuse("mtp_num_hidden_layers", mtp, "its MTP layers share one fc and its norms; forja's "
-                     "depths each have their own, and the published checkpoints hold one", FAMILY)
-    if cfg.get("mtp_use_dedicated_embeddings"):
-        raise refuse("mtp_use_dedicated_embeddings", True, "its MTP module reads the main model's embedding", FAMILY)
     moe = moe_args(cfg) if cfg["num_experts"] else dict(n_experts=0)
     return Qwen3NextArgs(**common_args(cfg), **moe, decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
-                         mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()), mtp_depth=mtp)
-
-
-def held_args(a: Qwen3NextArgs, names: set[str]) -> Qwen3NextArgs:
-    """`a` without the MTP module when the checkpoint holds none of it (transformers saves
-    none); when `mtp.fc` is stored the count holds, and a missing tensor is named."""
-    if a.mtp_depth and "mtp.fc.weight" not in names:
-        return dataclasses.replace(a, mtp_depth=0)
-    return a
+                         mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()), mtp_depth=mtp_depth(cfg, FAMILY))
 
 
 def config_from_args(a: Qwen3NextArgs) -> dict:
     check_exportable(a, FAMILY)
-    if a.mtp_depth > 1:
-        raise ForjaError(f"a Qwen3-Next with mtp_depth={a.mtp_depth} has no equivalent in its checkpoints (one "
-                         "MTP module, whose layers share its fc and norms); export a model trained with depth 1 or 0")
+    check_mtp_exportable(a, FAMILY)
     cfg = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **common_config(a),
            "decoder_sparse_step": a.decoder_sparse_step, "mlp_only_layers": list(a.mlp_only_layers),
            "mtp_num_hidden_layers": a.mtp_depth, "mtp_use_dedicated_embeddings": False}
@@ -127,23 +110,6 @@ def linear_attention_rules(a: Qwen3NextArgs, hf: str, ours: str) -> list[TensorR
         TensorRule(lin + "conv1d.weight", tuple(mixer + f"{n}.weight" for n in ("conv_q", "conv_k", "conv_v")),
                    to_forja=conv_to_forja, to_hf=conv_to_hf),
     ] + [TensorRule(lin + h, (mixer + f,)) for h, f in _LINEAR_SINGLE]
-
-
-_MTP_OWN = (("fc", "proj"), ("pre_fc_norm_hidden", "hnorm"), ("pre_fc_norm_embedding", "enorm"), ("norm", "norm"))
-
-
-def mtp_rules(a: Qwen3NextArgs, fused_experts: bool) -> list[TensorRule]:
-    """The MTP module (mtp_depth 1): forja's mtp.layers.{n_layers}, a full-attention block
-    whose feed-forward is block 0's kind (Qwen3Next.build_mtp)."""
-    if not a.mtp_depth:
-        return []
-    i = a.n_layers
-    ours, block = f"mtp.layers.{i}.", f"mtp.layers.{i}.block."
-    out = [TensorRule(f"mtp.{h}.weight", (ours + f"{f}.weight",)) for h, f in _MTP_OWN]
-    out += attention_rules(a, "mtp.layers.0.", block)
-    out += [TensorRule("mtp.layers.0.input_layernorm.weight", (block + "attention_norm.weight",)),
-            TensorRule("mtp.layers.0.post_attention_layernorm.weight", (block + "ffn_norm.weight",))]
-    return out + feed_forward_rules(a, "mtp.layers.0.", block, fused_experts, layer=0)
 
 
 def _rules(a: Qwen3NextArgs, fused_experts: bool) -> list[TensorRule]:

@@ -24,8 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from forja.errors import ForjaError
-from forja.models.common.mtp import MultiTokenPrediction
-from forja.models.common.transformer import TransformerBlock
 from forja.models.qwen3_5.model import Qwen3_5, Qwen3_5Args
 
 
@@ -60,22 +58,7 @@ class Qwen3NextArgs(Qwen3_5Args):
 
 
 class Qwen3Next(Qwen3_5):
-    """Qwen3.5's model: its blocks follow `Qwen3NextArgs.is_moe_layer`, which
-    RotaryDecoder.build_feed_forward asks."""
+    """Qwen3.5's model, its MTP module included: its blocks follow `Qwen3NextArgs.is_moe_layer`,
+    which RotaryDecoder.build_feed_forward asks."""
 
     args: Qwen3NextArgs
-
-    def build_mtp(self) -> MultiTokenPrediction:
-        """Module k's block: full attention (a layer past the main ones), its feed-forward
-        that of block k's index in `mtp.layers`, not of layer n_layers + k (module docstring)."""
-        a = self.args
-        blocks = [TransformerBlock(self.build_attention(a.n_layers + k), self.build_feed_forward(k),
-                                   self.build_norm(), self.build_norm()) for k in range(a.mtp_depth)]
-        return MultiTokenPrediction(a.dim, blocks, self.build_norm, first=a.n_layers, loss_weight=a.mtp_loss_weight)
-
-    def init_rule(self, name: str) -> tuple:
-        # The MTP module's own norms (mtp.layers.{j}.hnorm / enorm / norm) are zero-centered
-        # too: zeros, a scale of one. Its block's norms are named as a main block's.
-        if name.startswith("mtp.layers.") and name.count(".") == 4 and name.endswith("norm.weight"):
-            return ("zeros",)
-        return super().init_rule(name)

@@ -278,3 +278,31 @@ def test_tensor_parallel_loss_and_gradients_equal_one_device():
             assert torch.allclose(got, grads[name], atol=1e-6, rtol=1e-5), (sequence_parallel, name, err)
         for r in ranks:
             assert abs(r[sequence_parallel][0] - loss) < 1e-5, (sequence_parallel, r[sequence_parallel][0], loss)
+
+
+@pytest.mark.parametrize("flavor", ["debug", "debug-moe"])
+def test_the_mtp_module_saves_under_the_published_names_and_loads_back(tmp_path, flavor):
+    """The published checkpoints carry one MTP module (`mtp.*`, which transformers skips)."""
+    model = build_model("qwen3_5", flavor, seed=4, mtp_depth=1)
+    out = save_hf_checkpoint(model, tmp_path / "export")
+    names = _stored_names(out)
+    assert {"mtp.fc.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.norm.weight",
+            "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.input_layernorm.weight"} <= names
+    assert ("mtp.layers.0.mlp.shared_expert_gate.weight" in names) == (flavor == "debug-moe")
+    back = load_hf_checkpoint(out)
+    assert back.args.mtp_depth == 1
+    for (key, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items(), strict=True):
+        assert torch.equal(a, b), key
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()  # the main model; mtp.* skipped
+    assert max_logit_diff(reloaded, model, _tokens(20)) < 1e-4  # within transformers' own float32 rounding (above)
+    fresh = build_model("qwen3_5", flavor, seed=4, mtp_depth=1).mtp.layers["4"]
+    assert not fresh.hnorm.weight.any() and not fresh.norm.weight.any()  # zero-centered: zeros, a scale of one
+
+
+def test_a_config_counting_an_mtp_module_transformers_did_not_save(checkpoints, tmp_path):
+    path, hf = checkpoints["dense"]
+    config = {**json.loads((path / "config.json").read_text()), "mtp_num_hidden_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    model = load_hf_checkpoint(tmp_path)
+    assert model.mtp is None and model.args.mtp_depth == 0  # the main model, as transformers loads it
