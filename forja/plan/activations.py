@@ -54,8 +54,9 @@ def _sp(lay: Layout) -> float:
 def norm_saved(job: Job, lay: Layout, block: BlockShape, w: Widths, readers: int = 1) -> float:
     """Bytes per token of one pre-norm: its input, the normalized x (eager RMSNorm only: one
     kernel saves just statistics), and its output as the projections after it save it."""
-    one_kernel = block.layer_norm or "rms_norm" in job.fused
-    return (1 if one_kernel else 2) * _sp(lay) * job.args.dim * w.res + _input_copies(job, w, readers)
+    one_kernel = block.layer_norm or ("rms_norm" in job.fused and not block.zero_centered)
+    normalized = 0.0 if one_kernel else (FP32 if block.zero_centered else w.res)
+    return _sp(lay) * job.args.dim * (w.res + normalized) + _input_copies(job, w, readers)
 
 
 def _input_copies(job: Job, w: Widths, readers: int) -> float:
@@ -65,13 +66,13 @@ def _input_copies(job: Job, w: Widths, readers: int) -> float:
     return (readers if w.lin != w.res else 1) * job.args.dim * w.lin
 
 
-def post_norm_saved(job: Job, lay: Layout, w: Widths) -> float:
+def post_norm_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> float:
     """Bytes per token of a norm on a sublayer's output (sandwich and post-norm blocks): its
-    input upcast to fp32 (the input itself in fp32) and the normalized x; nothing reads its
-    output but the residual add."""
-    if "rms_norm" in job.fused:
+    input upcast to fp32 (the input itself in fp32) and the normalized x (fp32 for a (1 + w)
+    norm); nothing reads its output but the residual add."""
+    if "rms_norm" in job.fused and not block.zero_centered:
         return _sp(lay) * job.args.dim * w.lin
-    return _sp(lay) * job.args.dim * (FP32 + w.lin)
+    return _sp(lay) * job.args.dim * (FP32 + (FP32 if block.zero_centered else w.lin))
 
 
 def _sublayer_input(job: Job, lay: Layout, block: BlockShape, w: Widths, readers: int) -> float:
@@ -104,8 +105,9 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
     else:
         k_width, v_width, extra = hkv, hkv, 0.0
     out_width = v_width * a.n_heads / a.n_kv_heads if not latent else v_width
-    # QK-norm (per head or over the whole projection alike): its input upcast, the normalized x.
-    qk_norm = (FP32 + w.lin) * (hq + hkv) if a.qk_norm else 0.0
+    # QK-norm (per head or over the whole projection alike): its input upcast, the normalized x
+    # (fp32 in a (1 + w) norm; such blocks' QK-norms are (1 + w) too).
+    qk_norm = (FP32 + (FP32 if block.zero_centered else w.lin)) * (hq + hkv) if a.qk_norm else 0.0
     flex = job.gpu and a.attention == "flex"
     if block.sinks and not flex:  # `_attend_with_sinks`: the scores written out
         T = job.seq_len
@@ -118,7 +120,7 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
         sdpa += 2 * heads * FP32 if block.sinks else 0.0  # FlexAttention's sinks: sigmoid(lse - sink), its cast
         sdpa += _mask_saved(job, lay, block)
     gate = 2 * hq * w.lin if block.output_gate else 0.0  # sigmoid(x W_g) and the gated output (wo's input)
-    post = post_norm_saved(job, lay, w) if block.norms != "pre" else 0.0
+    post = post_norm_saved(job, lay, block, w) if block.norms != "pre" else 0.0
     # Op-level AC keeps the projections' outputs (q, k, v before RoPE; wo's) and attention's.
     matmuls = (hq + k_width + v_width + a.dim + out_width) * w.lin + heads * FP32 + gate / 2
     readers = 4 if block.output_gate else 3  # wq, wk, wv (, wg)
@@ -135,7 +137,9 @@ def linear_attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) 
     (12 dk in all over two or more chunks; in one chunk 6, or 10 with q and k repeated to the
     value heads); the
     C x C decay, k k^T, the system, q k^T and the masked scores (5 C); the norms' statistics
-    and the decays (7); and the state (dk, dv) at every chunk's start."""
+    and the decays (7); and the state (dk, dv) at every chunk's start. Under autocast the
+    matmuls' operands are bf16 casts instead (6 dk, dv, 3 C, the state twice per chunk) and
+    the rest stays fp32 (6 dk, 2 dv, 2 C)."""
     n_k, n_v, dk, dv, taps, C = block.mixer
     t, T = lay.tp, job.seq_len
     key, value, hv = n_k * dk / t, n_v * dv / t, n_v / t
@@ -144,11 +148,15 @@ def linear_attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) 
     chunks = math.ceil(T / C)
     if job.gpu and job.fla:  # fla's kernel: L2-normalized q, k and their norms, v, g, beta, its (T, C) matrix
         rule = hv * ((2 * dk + dv + 1 + C) * w.lin + 3 * FP32)
-    else:
+    elif w.lin == FP32:
         # One chunk: views need no copies unless q and k were repeated to the value heads.
         dk_tensors = 12 if chunks > 1 else (10 if n_v > n_k else 6)
         per_head = dk_tensors * dk + 3 * dv + 5 * min(C, T) + 7 + chunks * dk * dv / T
         rule = hv * per_head * FP32
+    else:  # under autocast the matmuls keep bf16 casts of their operands, the rest stays fp32
+        kept32 = 6 * dk + 2 * dv + 2 * min(C, T) + 7 + dk * dv / T
+        casts = 6 * dk + dv + 3 * min(C, T) + 2 * chunks * dk * dv / T  # the state cast twice per chunk
+        rule = hv * (kept32 * FP32 + casts * w.lin)
     # The gated norm: the rule's output and the gate upcast, the normalized output, weight * it,
     # silu(gate) (fp32 alike) and their product cast back for wo; its statistics.
     out = value * (4 * FP32 + 2 * w.lin) + hv * FP32
@@ -159,11 +167,17 @@ def linear_attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) 
 def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
     """(saved bytes per token of one block's feed-forward half, of which matmul outputs)."""
     a, t = job.args, lay.tp
-    readers = {"gelu": 1, "swiglu": 2, "geglu": 2}.get(block.ffn, 0)  # w1 (, w3)
-    if block.ffn == "moe":  # the shared experts' w1, w3 and their gate; routed rows are gathered copies
-        readers = 2 * bool(a.n_shared_experts) + bool(a.n_shared_experts and getattr(a, "shared_expert_gate", False))
-    norm = _sublayer_input(job, lay, block, w, max(readers, 1))
-    norm += post_norm_saved(job, lay, w) if block.norms != "pre" else 0.0
+    autocast = w.lin != w.res  # bf16 matmuls over an fp32 residual stream
+    if block.ffn == "moe":
+        # Under autocast the router keeps the fp32 input itself, and the shared experts' w1, w3
+        # and their gate each their own bf16 cast (the routed rows are gathered copies, below).
+        gate = getattr(a, "shared_expert_gate", False)
+        shared_readers = (2 + gate) if a.n_shared_experts else 0
+        norm = _sublayer_input(job, lay, block, w, 1)
+        norm += (shared_readers * a.dim * w.lin + a.dim * (w.res - w.lin)) if autocast else 0.0
+    else:
+        norm = _sublayer_input(job, lay, block, w, 1 if block.ffn == "gelu" else 2)  # w1 (, w3)
+    norm += post_norm_saved(job, lay, block, w) if block.norms != "pre" else 0.0
     gated = 3 if "swiglu" in job.fused else 4  # gate, up, silu(gate), product; fused: no silu output
     if block.ffn == "gelu":  # GELU: the first matmul's output and the activation's
         f = a.ffn_dim / t
@@ -178,7 +192,9 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
     # The clamped SwiGLU keeps 7 hidden-wide tensors: gate and up (biased), the clamped gate,
     # its sigmoid, up + 1, gate * sigmoid and the product; SwiGLU 4 (3 fused) as above.
     act = 7 if getattr(a, "expert_activation", "swiglu") == "clamped_swiglu" else 4
-    routed = cf * k * (3 * a.dim + act * h) * w.lin  # tokens sorted in, out, weighted; expert FFN
+    # Per slot: the rows sorted in (under autocast w1 and w3 each keep their own bf16 cast),
+    # the experts' output, and it times the fp32 weights (fp32: index_add's source); the expert FFN.
+    routed = cf * k * (((2 if autocast else 1) + 1 + act * h / a.dim) * a.dim * w.lin + a.dim * FP32)
     shared = a.n_shared_experts * h * gated * w.lin
     if a.n_shared_experts and getattr(a, "shared_expert_gate", False):
         shared += a.dim * w.lin + FP32  # the shared output and its sigmoid gate, kept for the product

@@ -7,10 +7,11 @@ How (docs/planner.md has the formulas):
   as each optimizer holds them (forja/plan/optimizer_memory.py: SOAP and Adafactor keep
   whole-matrix state on every rank, Muon gathers each matrix to one owner).
 - Activations are counted tensor by tensor: what autograd saves for backward in each op
-  of a block, by the kind of block (forja/plan/activations.py, read off forja's own blocks; `tests/unit/plan` checks the count against the
-  tensors autograd really saves). Activation checkpointing keeps the block inputs (full), or
-  the matmul and attention outputs (selective, op level), and recomputes the rest one block
-  at a time in backward.
+  of a block, by the kind of block (forja/plan/activations.py, read off forja's own
+  blocks; `tests/unit/plan` checks the count against the tensors autograd really saves),
+  and under eager autocast the bf16 casts of the weights the matmuls keep (`weight_casts`).
+  Activation checkpointing keeps the block inputs (full), or the matmul and attention
+  outputs (selective, op level), and recomputes the rest one block at a time in backward.
 - The step is walked event by event: forward (blocks' activations pile up, ZeRO-2 keeps
   gathered parameters), the loss's backward (the logits' working set), each block's
   backward (its activations freed, its gradients made, FSDP's unsharded gradients before
@@ -25,7 +26,7 @@ import functools
 from dataclasses import dataclass, field, fields
 
 from forja.parallel.pp_split import StageCosts, balanced_layers, rank_stages
-from forja.plan.activations import FP32, Widths, block_activations, widths  # noqa: F401 (re-exported)
+from forja.plan.activations import FP32, block_activations, widths
 from forja.plan.job import Job
 from forja.plan.layout import Layout
 from forja.plan.optimizer_memory import optimizer_memory
@@ -59,6 +60,19 @@ class MemoryBreakdown(Breakdown):
     pp_rank: int = 0
     phase: str = ""
     """When the peak happens: forward end, loss backward, block backward, optimizer step."""
+
+
+def weight_casts(job: Job, lay: Layout, block: BlockShape, index: int) -> float:
+    """Bytes of the bf16 copies of a block's weights that eager autocast makes, which each
+    matmul keeps for its backward (the input's gradient reads the weight) until the block's
+    backward: whole weights even under FSDP (cast once gathered), so not sharded. Only with
+    fp32 parameters under autocast, in eager mode (a compiled block recomputes the cast), and
+    in a block that activation checkpointing does not recompute."""
+    if not job.bf16 or job.bf16_params or job.compiled:
+        return 0.0
+    if lay.ac == "full" or (lay.ac == "selective" and (not lay.ac_every or index % lay.ac_every == 0)):
+        return 0.0
+    return 2 * (block.tp_split / lay.tp + block.replicated + block.experts / (lay.ep * lay.tp))
 
 
 def _block_activations_cached(job: Job, lay: Layout, block: BlockShape, index: int) -> tuple[float, float]:
@@ -195,7 +209,7 @@ def rank_peak(job: Job, lay: Layout, rm: RankModel) -> MemoryBreakdown:
         for n, index in ((len(idx) - checkpointed, 1), (checkpointed, 0)):
             if n:
                 k, wk = _block_activations_cached(job, lay, b, index)
-                kept, working = kept + n * k * tokens, max(working, wk * tokens)
+                kept, working = kept + n * (k * tokens + weight_casts(job, lay, b, index)), max(working, wk * tokens)
     if lay.pp > 1:
         kept *= inflight_chunks(lay, rm.pp_rank, micro)
     if rm.last:

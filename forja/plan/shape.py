@@ -60,6 +60,9 @@ class BlockShape:
     width, value width, convolution taps, chunk size); () for attention."""
     mtp: bool = False
     """A multi-token prediction module's block (its input norms and 2d -> d projection too)."""
+    zero_centered: bool = False
+    """The block's RMSNorms scale by (1 + w) in fp32 (Gemma, Qwen3.5): the normalized x they
+    keep is fp32 whatever the input's dtype."""
 
 
 @dataclass(frozen=True)
@@ -164,5 +167,7 @@ def _structure(block: nn.Module, kind: str, mtp: bool) -> dict:
     if isinstance(attention, GatedDeltaNet):
         mixer = (attention.wq.out_features // attention.head_k_dim, attention.wv.out_features // attention.head_v_dim,
                  attention.head_k_dim, attention.head_v_dim, attention.conv_q.weight.shape[-1], attention.chunk_size)
+    norm = getattr(block, "attention_norm", None) or getattr(block, "post_attention_norm", None)
     return dict(kind=kind, norms=norms, ffn=ffn, output_gate=getattr(attention, "wg", None) is not None,
-                sinks=getattr(attention, "sinks", None) is not None, mixer=mixer, mtp=mtp)
+                sinks=getattr(attention, "sinks", None) is not None, mixer=mixer, mtp=mtp,
+                zero_centered=bool(getattr(norm, "zero_centered", False)))
