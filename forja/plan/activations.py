@@ -139,7 +139,9 @@ def linear_attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) 
     C x C decay, k k^T, the system, q k^T and the masked scores (5 C); the norms' statistics
     and the decays (7); and the state (dk, dv) at every chunk's start. Under autocast the
     matmuls' operands are bf16 casts instead (6 dk, dv, 3 C, the state twice per chunk) and
-    the rest stays fp32 (6 dk, 2 dv, 2 C)."""
+    the rest stays fp32 (6 dk, 2 dv, 2 C). Packed documents pad each to whole chunks (up to
+    C - 1 more tokens per document in the rule's tensors), which the count leaves out: it
+    depends on the documents' lengths."""
     n_k, n_v, dk, dv, taps, C = block.mixer
     t, T = lay.tp, job.seq_len
     key, value, hv = n_k * dk / t, n_v * dv / t, n_v / t
