@@ -1,22 +1,22 @@
 """gpt-oss against transformers: same weights, same logits, both ways (sliding windows,
 sinks, YaRN, the router's bias and top-k softmax, the experts' biases and clamped SwiGLU),
 packed documents, greedy decoding past the window, published sizes, refusals; a training
-step through a packed batch; tensor parallelism with the sinks sharded with the heads."""
+step through a packed batch. Tensor parallelism (the sinks sharded with the heads):
+test_tp_families.py."""
 
 from __future__ import annotations
 
-import json
-import shutil
+import functools
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from forja.errors import ForjaError
-from forja.generate import SamplingConfig, generate
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.gpt_oss.hf import config_from_args
-from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
+from tests.helpers import max_logit_diff, save_hf_models
+from tests.unit.models.family_checks import (assert_greedy_equal, check_save_round_trip, edited_checkpoint,
+                                             hf_meta_params, random_tokens, stored_shapes)
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,13 +72,7 @@ def loaded(checkpoints):
     return {name: load_hf_checkpoint(path) for name, (path, _) in checkpoints.items()}
 
 
-def _tokens(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, _SHAPE["vocab_size"], (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _stored(path) -> dict[str, list[int]]:
-    with safe_open(path / "model.safetensors", framework="pt") as f:
-        return {k: f.get_slice(k).get_shape() for k in f.keys()}
+_tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -133,7 +127,7 @@ def test_packed_documents_match_transformers(checkpoints, loaded, name):
 
 
 def test_transformers_saves_its_module_layout(checkpoints):
-    shapes = _stored(checkpoints["base"][0])
+    shapes = stored_shapes(checkpoints["base"][0])
     E, D, H = 8, 128, 96
     assert shapes["model.layers.1.mlp.experts.gate_up_proj"] == [E, D, 2 * H]  # x @ W, gate/up interleaved
     assert shapes["model.layers.1.mlp.experts.gate_up_proj_bias"] == [E, 2 * H]
@@ -145,18 +139,11 @@ def test_transformers_saves_its_module_layout(checkpoints):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, loaded, tmp_path, name):
-    path, _ = checkpoints[name]
     model = loaded[name]
-    out = save_hf_checkpoint(model, tmp_path / "export")
-    assert _stored(out) == _stored(path)
-    back = load_hf_checkpoint(out)
-    assert back.args == model.args
-    for (key, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items(), strict=True):
-        assert torch.equal(a, b), key
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded).__name__ == "GptOssForCausalLM"
+    _, reloaded = check_save_round_trip(model, tmp_path / "export", hf_class="GptOssForCausalLM",
+                                        tokens=_tokens(33), tol=TOL, layout_of=checkpoints[name][0],
+                                        stored=stored_shapes)
     assert reloaded.config.layer_types == [model.args.layer_type(i) for i in range(model.args.n_layers)]
-    assert max_logit_diff(reloaded, model, _tokens(33)) < TOL
 
 
 def test_forja_model_exports_to_transformers(tmp_path):
@@ -173,9 +160,7 @@ def test_forja_model_exports_to_transformers(tmp_path):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name):
     # 9 + 12 tokens run past the 8- and 5-token windows, through transformers' sliding cache.
-    prompt = _tokens(9, seed=4)
-    ref = hf_greedy(checkpoints[name][1], prompt, 12)
-    assert torch.equal(generate(loaded[name], prompt, SamplingConfig(max_new_tokens=12)), ref)
+    assert_greedy_equal(checkpoints[name][1], loaded[name], _tokens(9, seed=4), 12)
 
 
 # -- the expert and router math, piece by piece --------------------------------------------
@@ -244,20 +229,12 @@ PUBLISHED = {
 }
 
 
-def _hf_meta_params(model) -> int:
-    cfg = dict(config_from_args(model.args))
-    del cfg["architectures"], cfg["model_type"]
-    with torch.device("meta"):
-        hf = transformers.GptOssForCausalLM(transformers.GptOssConfig(**cfg))
-    return sum(p.numel() for p in hf.parameters())
-
-
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
 def test_published_parameter_counts_equal_transformers(flavor):
     model = build_model("gpt_oss", flavor, device="meta")
     counts = model.num_params(), model.num_active_params(), model.num_active_params(exclude_embeddings=True)
     assert counts == PUBLISHED[flavor]
-    assert model.num_params() == _hf_meta_params(model)
+    assert model.num_params() == hf_meta_params(config_from_args(model.args))
 
 
 def test_debug_flavor_is_the_advertised_size():
@@ -285,15 +262,6 @@ def test_args_refuse_a_second_expert_width_and_no_experts():
 
 # -- bad input -------------------------------------------------------------------------------
 
-def _copy_with_config(path, tmp_path, **changes):
-    dst = tmp_path / "ckpt"
-    shutil.copytree(path, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 @pytest.mark.parametrize(("changes", "message"), [
     (dict(quantization_config={"quant_method": "mxfp4"}),
      r"quantization_config\.quant_method='mxfp4' is not supported .*forja loads the bf16/fp32 layout"),
@@ -301,13 +269,13 @@ def _copy_with_config(path, tmp_path, **changes):
      r"rope_parameters\.rope_type='dynamic' is not supported"),
 ])
 def test_unsupported_config_option_is_named(checkpoints, tmp_path, changes, message):
-    dst = _copy_with_config(checkpoints["base"][0], tmp_path, **changes)
+    dst = edited_checkpoint(checkpoints["base"][0], tmp_path / "ckpt", **changes)
     with pytest.raises(ForjaError, match=r"config\.json: " + message):
         load_hf_checkpoint(dst)
 
 
 def test_a_config_without_rope_settings_takes_transformers_default(checkpoints, tmp_path):
-    dst = _copy_with_config(checkpoints["base"][0], tmp_path, rope_parameters=None)
+    dst = edited_checkpoint(checkpoints["base"][0], tmp_path / "ckpt", rope_parameters=None)
     s = load_hf_checkpoint(dst).args.rope_scaling
     assert (s.factor, s.original_max_seq_len, s.beta_fast, s.beta_slow, s.truncate) == (32.0, 4096, 32.0, 1.0, False)
     assert transformers.AutoConfig.from_pretrained(dst).rope_parameters["original_max_position_embeddings"] == 4096
@@ -324,65 +292,3 @@ def test_export_refuses_what_transformers_cannot_express(tmp_path, overrides, fi
     with pytest.raises(ForjaError, match=f"a gpt-oss with {field}="):
         save_hf_checkpoint(model, tmp_path / "x")
     assert not (tmp_path / "x").exists()
-
-
-# -- tensor parallelism ----------------------------------------------------------------------
-
-_GRADS = ("layers.0.attention.sinks", "layers.0.attention.wq.bias", "layers.1.attention.wo.bias",
-          "layers.1.feed_forward.router.gate.bias", "layers.2.feed_forward.experts.b1",
-          "layers.3.feed_forward.experts.w2")
-
-
-def _loss_and_grads(model, tp: int):
-    from forja.parallel.tp import loss_context
-
-    gen = torch.Generator().manual_seed(0)
-    tokens, labels = (torch.randint(0, 2048, (2, 32), generator=gen) for _ in range(2))
-    docs = torch.tensor([[0] * 20 + [1] * 12, [0] * 32])
-    with loss_context(tp):
-        loss = model(tokens, docs, labels=labels)
-        loss.backward()
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
-    grads = dict(model.named_parameters())
-    return float(full(loss.detach())), {n: full(grads[n].grad) for n in _GRADS}
-
-
-def _debug_model():
-    model = build_model("gpt_oss", "debug", seed=0)
-    with torch.no_grad():  # sinks that differ by head, so a misplaced shard would show
-        for i, block in enumerate(model.layers.values()):
-            block.attention.sinks.copy_(torch.linspace(-1.0, 1.0, 4) * (i + 1))
-    return model
-
-
-def _tp_run(rank: int, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from forja.models.gpt_oss.parallelize import gpt_oss_tp_plan
-    from forja.parallel.tp import apply_tp
-
-    mesh, out = init_device_mesh("cpu", (world,)), {}
-    for sequence_parallel in (False, True):
-        model = _debug_model()
-        apply_tp(model, mesh, gpt_oss_tp_plan(model.args, sequence_parallel))
-        assert model.layers["0"].attention.sinks.to_local().shape == (2,)  # half the heads' sinks
-        out[sequence_parallel] = _loss_and_grads(model, world)
-    return out
-
-
-@pytest.mark.slow  # two spawned ranks
-def test_tensor_parallel_loss_and_gradients_equal_one_device():
-    """Sinks sharded with the heads, q/k/v biases with their columns; each rank routes half
-    the tokens through whole experts (apply_tp alone spreads no experts), so an expert's
-    gradient is the sum of the ranks' shares."""
-    from forja.testing import run_distributed
-
-    loss, grads = _loss_and_grads(_debug_model(), tp=1)
-    ranks = run_distributed(_tp_run, 2)
-    for sequence_parallel in (False, True):
-        for name in _GRADS:
-            shares = [r[sequence_parallel][1][name] for r in ranks]
-            got = sum(shares) if ".experts." in name else shares[0]
-            assert torch.allclose(got, grads[name], atol=1e-7, rtol=1e-5), (sequence_parallel, name)
-        for r in ranks:  # measured: 1.9e-6 apart (a loss of 8.19: two float32 ulps)
-            assert abs(r[sequence_parallel][0] - loss) < 1e-5, sequence_parallel

@@ -1,23 +1,21 @@
 """Mixtral against transformers: same weights, same logits, both ways; the released
 (`block_sparse_moe`, per-expert) and transformers 5's fused checkpoint layouts; sliding
-windows; greedy decoding; published sizes; refusals of what forja cannot represent;
-gradients under tensor parallelism."""
+windows; greedy decoding; published sizes; refusals of what forja cannot represent.
+Tensor parallelism: test_tp_families.py."""
 
 from __future__ import annotations
 
-import json
-import shutil
+import functools
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from forja.errors import ForjaError
-from forja.generate import SamplingConfig, generate
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.mixtral.hf import config_from_args
-from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
+from tests.helpers import max_logit_diff, save_hf_models
+from tests.unit.models.family_checks import (assert_greedy_equal, assert_same_weights, check_save_round_trip,
+                                             edited_checkpoint, hf_meta_params, random_tokens, stored_names)
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,13 +59,7 @@ def loaded(checkpoints):
     return {name: load_hf_checkpoint(path) for name, (path, _) in checkpoints.items()}
 
 
-def _tokens(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, _SHAPE["vocab_size"], (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _stored_names(path) -> set[str]:
-    with safe_open(path / "model.safetensors", framework="pt") as f:
-        return set(f.keys())
+_tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -83,7 +75,7 @@ def test_load_matches_transformers_logits(checkpoints, loaded, name):
 
 
 def test_transformers_saves_the_released_layout(checkpoints):
-    names = _stored_names(checkpoints["base"][0])
+    names = stored_names(checkpoints["base"][0])
     assert {"model.layers.1.block_sparse_moe.experts.7.w1.weight", "model.layers.1.block_sparse_moe.gate.weight",
             "model.layers.3.block_sparse_moe.experts.0.w2.weight"} <= names
     assert not any("gate_up_proj" in n or ".mlp." in n for n in names)
@@ -93,28 +85,19 @@ def test_transformers_saves_the_released_layout(checkpoints):
 def test_fused_expert_layout_loads_the_same(checkpoints, loaded, tmp_path, name):
     hf = checkpoints[name][1]
     hf.save_pretrained(tmp_path / "fused", save_original_format=False)  # transformers 5's own layout
-    names = _stored_names(tmp_path / "fused")
+    names = stored_names(tmp_path / "fused")
     assert {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
             "model.layers.1.mlp.gate.weight"} <= names
-    fused = load_hf_checkpoint(tmp_path / "fused")
-    for (key, a), (_, b) in zip(fused.state_dict().items(), loaded[name].state_dict().items(), strict=True):
-        assert torch.equal(a, b), key
+    assert_same_weights(load_hf_checkpoint(tmp_path / "fused"), loaded[name])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, loaded, tmp_path, name):
-    path, _ = checkpoints[name]
     model = loaded[name]
-    out = save_hf_checkpoint(model, tmp_path / "export")
-    assert _stored_names(out) == _stored_names(path)  # the released (per-expert) layout
-    back = load_hf_checkpoint(out)
-    assert back.args == model.args
-    for (key, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items(), strict=True):
-        assert torch.equal(a, b), key
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded).__name__ == "MixtralForCausalLM"
+    # layout_of: the released (per-expert) layout
+    _, reloaded = check_save_round_trip(model, tmp_path / "export", hf_class="MixtralForCausalLM",
+                                        tokens=_tokens(33), tol=TOL, layout_of=checkpoints[name][0])
     assert reloaded.config.sliding_window == model.args.sliding_window
-    assert max_logit_diff(reloaded, model, _tokens(33)) < TOL
 
 
 def test_forja_model_exports_to_transformers(tmp_path):
@@ -127,9 +110,7 @@ def test_forja_model_exports_to_transformers(tmp_path):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name):
     # "window": 9 + 16 tokens run past the 16-token window, through transformers' sliding cache.
-    prompt = _tokens(9, seed=4)
-    ref = hf_greedy(checkpoints[name][1], prompt, 16)
-    assert torch.equal(generate(loaded[name], prompt, SamplingConfig(max_new_tokens=16)), ref)
+    assert_greedy_equal(checkpoints[name][1], loaded[name], _tokens(9, seed=4), 16)
 
 
 # -- published sizes -------------------------------------------------------------------------
@@ -143,19 +124,11 @@ PUBLISHED = {
 }
 
 
-def _hf_meta_params(model) -> int:
-    cfg = dict(config_from_args(model.args))
-    del cfg["architectures"], cfg["model_type"]
-    with torch.device("meta"):
-        hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(**cfg))
-    return sum(p.numel() for p in hf.parameters())
-
-
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
 def test_published_parameter_counts_equal_transformers(flavor):
     model = build_model("mixtral", flavor, device="meta")
     assert (model.num_params(), model.num_active_params()) == PUBLISHED[flavor]
-    assert model.num_params() == _hf_meta_params(model)
+    assert model.num_params() == hf_meta_params(config_from_args(model.args))
 
 
 def test_debug_flavor_is_the_advertised_size():
@@ -174,18 +147,6 @@ def test_args_refuse_a_second_expert_width_and_no_experts():
 
 # -- bad input -------------------------------------------------------------------------------
 
-def _copy(path, tmp_path):
-    dst = tmp_path / "ckpt"
-    shutil.copytree(path, dst)
-    return dst
-
-
-def _edit_config(dst, **changes):
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-
-
 @pytest.mark.parametrize(("changes", "message"), [
     (dict(router_jitter_noise=0.01), r"router_jitter_noise=0\.01 is not supported"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
@@ -197,35 +158,26 @@ def _edit_config(dst, **changes):
     (dict(norm_topk_prob=False), r"norm_topk_prob=False is not supported"),
 ])
 def test_unsupported_config_option_is_named(checkpoints, tmp_path, changes, message):
-    dst = _copy(checkpoints["base"][0], tmp_path)
-    _edit_config(dst, **changes)
+    dst = edited_checkpoint(checkpoints["base"][0], tmp_path / "ckpt", **changes)
     with pytest.raises(ForjaError, match=r"config\.json: " + message):
         load_hf_checkpoint(dst)
 
 
 def test_aux_loss_options_leave_the_model_alone(checkpoints, loaded, tmp_path):
     """output_router_logits / router_aux_loss_coef add a training loss only: read, not refused."""
-    dst = _copy(checkpoints["base"][0], tmp_path)
-    _edit_config(dst, output_router_logits=True, router_aux_loss_coef=0.02)
+    dst = edited_checkpoint(checkpoints["base"][0], tmp_path / "ckpt", output_router_logits=True,
+                            router_aux_loss_coef=0.02)
     assert load_hf_checkpoint(dst).args == loaded["base"].args
 
 
-def _edit_weights(dst, edit):
-    file = dst / "model.safetensors"
-    tensors = load_file(file)
-    edit(tensors)
-    save_file(tensors, file, metadata={"format": "pt"})
-
-
 def test_missing_and_misshapen_experts_are_named(checkpoints, tmp_path):
-    dst = _copy(checkpoints["base"][0], tmp_path)
-    _edit_weights(dst, lambda t: t.pop("model.layers.2.block_sparse_moe.experts.5.w3.weight"))
+    dst = edited_checkpoint(checkpoints["base"][0], tmp_path / "ckpt",
+                            edit_tensors=lambda t: t.pop("model.layers.2.block_sparse_moe.experts.5.w3.weight"))
     with pytest.raises(ForjaError, match=r"tensor model\.layers\.2\.block_sparse_moe\.experts\.5\.w3\.weight is "
                                          r"missing"):
         load_hf_checkpoint(dst)
-    dst = _copy(checkpoints["base"][0], tmp_path / "bad")
     bad = {"model.layers.1.block_sparse_moe.experts.0.w2.weight": torch.zeros(128, 95)}
-    _edit_weights(dst, lambda t: t.update(bad))
+    dst = edited_checkpoint(checkpoints["base"][0], tmp_path / "bad", edit_tensors=lambda t: t.update(bad))
     with pytest.raises(ForjaError, match=r"experts\.0\.w2\.weight has shape \[128, 95\]; .* expects \[128, 96"):
         load_hf_checkpoint(dst)
 
@@ -241,54 +193,3 @@ def test_export_refuses_what_transformers_cannot_express(tmp_path, overrides, fi
     with pytest.raises(ForjaError, match=f"a Mixtral with {field}="):
         save_hf_checkpoint(model, tmp_path / "x")
     assert not (tmp_path / "x").exists()
-
-
-# -- tensor parallelism ----------------------------------------------------------------------
-
-_GRADS = ("layers.0.attention.wq.weight", "layers.1.feed_forward.router.gate.weight",
-          "layers.2.feed_forward.experts.w1", "layers.3.feed_forward.experts.w2")
-
-
-def _loss_and_grads(model, tp: int):
-    from forja.parallel.tp import loss_context
-
-    gen = torch.Generator().manual_seed(0)
-    tokens, labels = (torch.randint(0, 2048, (2, 32), generator=gen) for _ in range(2))
-    with loss_context(tp):
-        loss = model(tokens, labels=labels)
-        loss.backward()
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
-    grads = dict(model.named_parameters())
-    return float(full(loss.detach())), {n: full(grads[n].grad) for n in _GRADS}
-
-
-def _tp_run(rank: int, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from forja.models.mixtral.parallelize import mixtral_tp_plan
-    from forja.parallel.tp import apply_tp
-
-    mesh, out = init_device_mesh("cpu", (world,)), {}
-    for sequence_parallel in (False, True):
-        model = build_model("mixtral", "debug", seed=0)
-        apply_tp(model, mesh, mixtral_tp_plan(model.args, sequence_parallel))
-        out[sequence_parallel] = _loss_and_grads(model, world)
-    return out
-
-
-@pytest.mark.slow  # two spawned ranks
-def test_tensor_parallel_loss_and_gradients_equal_one_device():
-    """Each rank routes half the tokens through whole experts (apply_tp alone spreads no
-    experts; forja.parallel.ep's expert layout does), so an expert's gradient is the sum of
-    the ranks' shares; the router's and attention's are complete on every rank."""
-    from forja.testing import run_distributed
-
-    loss, grads = _loss_and_grads(build_model("mixtral", "debug", seed=0), tp=1)
-    ranks = run_distributed(_tp_run, 2)
-    for sequence_parallel in (False, True):
-        for name in _GRADS:
-            shares = [r[sequence_parallel][1][name] for r in ranks]
-            got = sum(shares) if ".experts." in name else shares[0]
-            assert torch.allclose(got, grads[name], atol=1e-7, rtol=1e-5), (sequence_parallel, name)
-        for r in ranks:
-            assert abs(r[sequence_parallel][0] - loss) < 1e-6, sequence_parallel

@@ -1,22 +1,22 @@
 """OLMo 3 against transformers: same weights, same logits, both ways, over sequences longer
 than the sliding window; both config.json dialects (YaRN on the full blocks only); greedy
-decoding through the cache; published sizes; FLOPs; refusals; gradients under tensor
-parallelism (QK-norm over all heads)."""
+decoding through the cache; published sizes; FLOPs; refusals. Tensor parallelism (QK-norm
+over all heads): test_tp_families.py."""
 
 from __future__ import annotations
 
+import functools
 import json
-import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from forja.errors import ForjaError
-from forja.generate import SamplingConfig, generate
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.olmo3.hf import config_from_args
-from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
+from tests.helpers import max_logit_diff, save_hf_models
+from tests.unit.models.family_checks import (assert_greedy_equal, check_save_round_trip, edited_checkpoint,
+                                             hf_meta_params, random_tokens)
 from tests.unit.models.test_flops import measured_flops_per_token
 
 transformers = pytest.importorskip("transformers")
@@ -65,13 +65,7 @@ def loaded(checkpoints):
     return {name: load_hf_checkpoint(path) for name, (path, _) in checkpoints.items()}
 
 
-def _tokens(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, _SHAPE["vocab_size"], (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _stored_names(path) -> set[str]:
-    with safe_open(path / "model.safetensors", framework="pt") as f:
-        return set(f.keys())
+_tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -104,12 +98,10 @@ def test_yarn_scales_the_full_blocks_only(loaded):
 
 def test_the_released_config_dialect_reads_the_same(checkpoints, loaded, tmp_path):
     """allenai's config.json holds rope_theta and rope_scaling at the top level."""
-    dst = _copy(checkpoints["yarn"][0], tmp_path)
-    cfg = json.loads((dst / "config.json").read_text())
-    full = cfg.pop("rope_parameters")["full_attention"]
-    cfg["rope_theta"] = full.pop("rope_theta")
-    cfg["rope_scaling"] = full
-    (dst / "config.json").write_text(json.dumps(cfg))
+    src = checkpoints["yarn"][0]
+    full = json.loads((src / "config.json").read_text())["rope_parameters"]["full_attention"]
+    dst = edited_checkpoint(src, tmp_path / "ckpt", drop=("rope_parameters",), rope_theta=full.pop("rope_theta"),
+                            rope_scaling=full)
     assert load_hf_checkpoint(dst).args == loaded["yarn"].args
     hf = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
     assert max_logit_diff(hf, loaded["yarn"], _tokens(30)) < TOL
@@ -117,17 +109,8 @@ def test_the_released_config_dialect_reads_the_same(checkpoints, loaded, tmp_pat
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, loaded, tmp_path, name):
-    path, _ = checkpoints[name]
-    model = loaded[name]
-    out = save_hf_checkpoint(model, tmp_path / "export")
-    assert _stored_names(out) == _stored_names(path)
-    back = load_hf_checkpoint(out)
-    assert back.args == model.args
-    for (key, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items(), strict=True):
-        assert torch.equal(a, b), key
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded).__name__ == "Olmo3ForCausalLM"
-    assert max_logit_diff(reloaded, model, _tokens(33)) < TOL
+    check_save_round_trip(loaded[name], tmp_path / "export", hf_class="Olmo3ForCausalLM", tokens=_tokens(33),
+                          tol=TOL, layout_of=checkpoints[name][0])
 
 
 def test_forja_model_exports_to_transformers(tmp_path):
@@ -139,10 +122,8 @@ def test_forja_model_exports_to_transformers(tmp_path):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name):
-    _, hf = checkpoints[name]
-    prompt = _tokens(9, seed=4)
-    ref = hf_greedy(hf, prompt, 24)  # 33 positions: the cache holds more than a window
-    assert torch.equal(generate(loaded[name], prompt, SamplingConfig(max_new_tokens=24)), ref)
+    # 9 + 24 = 33 positions: the cache holds more than a window
+    assert_greedy_equal(checkpoints[name][1], loaded[name], _tokens(9, seed=4), 24)
 
 
 # -- published sizes and FLOPs ---------------------------------------------------------------
@@ -151,19 +132,11 @@ def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name)
 PUBLISHED = {"7b": 7_298_011_136, "32b": 32_233_522_176}
 
 
-def _hf_meta_params(model) -> int:
-    cfg = dict(config_from_args(model.args))
-    cfg.pop("architectures"), cfg.pop("model_type")
-    with torch.device("meta"):
-        hf = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(**cfg))
-    return sum(p.numel() for p in hf.parameters())
-
-
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
 def test_published_parameter_counts_equal_transformers(flavor):
     model = build_model("olmo3", flavor, device="meta")
     assert model.num_params() == PUBLISHED[flavor]
-    assert model.num_params() == _hf_meta_params(model)
+    assert model.num_params() == hf_meta_params(config_from_args(model.args))
     assert model.args.layer_types[:4] == ("sliding_attention",) * 3 + ("full_attention",)
 
 
@@ -184,12 +157,6 @@ def test_flops_formula_within_5_percent_of_counted():
 
 # -- bad input -------------------------------------------------------------------------------
 
-def _copy(path, tmp_path):
-    dst = tmp_path / "ckpt"
-    shutil.copytree(path, dst)
-    return dst
-
-
 @pytest.mark.parametrize(("changes", "message"), [
     (dict(attention_bias=True), r"attention_bias=True is not supported"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
@@ -201,10 +168,7 @@ def _copy(path, tmp_path):
      r"rope_parameters\.sliding_attention\.rope_type='linear' is not supported"),
 ])
 def test_unsupported_config_option_is_named(checkpoints, tmp_path, changes, message):
-    dst = _copy(checkpoints["debug"][0], tmp_path)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
+    dst = edited_checkpoint(checkpoints["debug"][0], tmp_path / "ckpt", **changes)
     with pytest.raises(ForjaError, match=r"config\.json: " + message):
         load_hf_checkpoint(dst)
 
@@ -218,51 +182,3 @@ def test_export_refuses_what_transformers_cannot_express(tmp_path, overrides, fi
     with pytest.raises(ForjaError, match=f"an OLMo 3 with {field}="):
         save_hf_checkpoint(model, tmp_path / "x")
     assert not (tmp_path / "x").exists()
-
-
-# -- tensor parallelism ----------------------------------------------------------------------
-
-_GRADS = ("layers.0.attention.q_norm.weight", "layers.3.attention.k_norm.weight", "layers.1.attention.wk.weight",
-          "layers.2.post_attention_norm.weight", "layers.0.feed_forward.w2.weight")
-
-
-def _loss_and_grads(model, tp: int):
-    from forja.parallel.tp import loss_context
-
-    gen = torch.Generator().manual_seed(0)
-    tokens, labels = (torch.randint(0, 2048, (2, 32), generator=gen) for _ in range(2))
-    with loss_context(tp):
-        loss = model(tokens, labels=labels)
-        loss.backward()
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
-    grads = dict(model.named_parameters())
-    return float(full(loss.detach())), {n: full(grads[n].grad) for n in _GRADS}
-
-
-def _tp_run(rank: int, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from forja.models.olmo3.parallelize import olmo3_tp_plan
-    from forja.parallel.tp import apply_tp
-
-    mesh, out = init_device_mesh("cpu", (world,)), {}
-    for sequence_parallel in (False, True):
-        model = build_model("olmo3", "debug", seed=0)
-        apply_tp(model, mesh, olmo3_tp_plan(model.args, sequence_parallel))
-        out[sequence_parallel] = _loss_and_grads(model, world)
-    return out
-
-
-@pytest.mark.slow  # two spawned ranks
-def test_tensor_parallel_loss_and_gradients_equal_one_device():
-    """The QK-norms' RMS spans all heads: the plan gathers q and k before them, so the loss
-    and every gradient equal one device's, with and without sequence parallelism (to the
-    rounding of the ranks' partial sums: measured max |diff| 6.6e-7, on w2's gradient)."""
-    from forja.testing import run_distributed
-
-    loss, grads = _loss_and_grads(build_model("olmo3", "debug", seed=0), tp=1)
-    for rank in run_distributed(_tp_run, 2):
-        for sequence_parallel, (tp_loss, tp_grads) in rank.items():
-            assert abs(tp_loss - loss) < 1e-6, sequence_parallel
-            for name in _GRADS:
-                assert torch.allclose(tp_grads[name], grads[name], atol=2e-6, rtol=1e-5), (sequence_parallel, name)
