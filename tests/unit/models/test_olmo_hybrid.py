@@ -1,23 +1,24 @@
 """OLMo-Hybrid against transformers: Gated DeltaNet blocks (pre-norm) and OLMo 3's post-norm
 attention blocks with the same weights give the same logits, both ways; every checkpoint
 layout transformers 5.24 writes; packed documents; greedy decoding through the cache;
-the published size; refusals of what forja cannot represent."""
+the published size; refusals of what forja cannot represent. Tensor parallelism:
+test_tp_families.py."""
 
 from __future__ import annotations
 
-import copy
-import json
+import functools
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from forja.errors import ForjaError
-from forja.generate import SamplingConfig, generate
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.common.gated_delta_rule import chunk_gated_delta_rule
 from forja.models.olmo_hybrid.hf import config_from_args
-from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
+from tests.helpers import max_logit_diff, save_hf_models
+from tests.unit.models.family_checks import (assert_greedy_equal, assert_same_weights, check_save_round_trip,
+                                             edited_checkpoint, float64_diffs, hf_meta_params, random_tokens,
+                                             stored_shapes)
 from tests.unit.models.test_flops import measured_flops_per_token
 
 transformers = pytest.importorskip("transformers")
@@ -71,13 +72,7 @@ def checkpoints(tmp_path_factory):
     return save_hf_models(tmp_path_factory, make_hf_model, CONFIGS)
 
 
-def _tokens(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, _SHAPE["vocab_size"], (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _stored_shapes(path) -> dict[str, list[int]]:
-    with safe_open(path / "model.safetensors", framework="pt") as f:
-        return {k: f.get_slice(k).get_shape() for k in f.keys()}
+_tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
 
 
 def _forja_rule(q, k, v, g=None, beta=None, initial_state=None, output_final_state=False, **_):
@@ -95,11 +90,8 @@ def test_load_matches_transformers_logits(checkpoints, monkeypatch, name):
         assert model.args == model_args("olmo_hybrid", flavor)
     tokens = _tokens(80)
     diff = max_logit_diff(hf, model, tokens)
-    hf64, model64 = copy.deepcopy(hf).double(), copy.deepcopy(model).double()
+    hf_rounding, diff64, hf64, model64, exact = float64_diffs(hf, model, tokens)
     with torch.no_grad():
-        exact = hf64(tokens).logits
-        hf_rounding = (hf(tokens).logits.double() - exact).abs().max().item()
-        diff64 = (model64(tokens) - exact).abs().max().item()
         monkeypatch.setattr(modeling_olmo_hybrid, "torch_chunk_gated_delta_rule", _forja_rule)
         same_rule64 = (model64(tokens) - hf64(tokens).logits).abs().max().item()
     print(f"{name}: max |logit diff| float32 {diff:.3e} (transformers' own float32 error {hf_rounding:.3e}), "
@@ -111,44 +103,33 @@ def test_load_matches_transformers_logits(checkpoints, monkeypatch, name):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, tmp_path, name):
-    path, _ = checkpoints[name]
-    model = load_hf_checkpoint(path)
-    out = save_hf_checkpoint(model, tmp_path / "export")
-    back = load_hf_checkpoint(out)
-    for (key, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items(), strict=True):
-        assert torch.equal(a, b), key
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded).__name__ == "OlmoHybridForCausalLM"
-    assert max_logit_diff(reloaded, model, _tokens(33)) < TOL
+    check_save_round_trip(load_hf_checkpoint(checkpoints[name][0]), tmp_path / "export",
+                          hf_class="OlmoHybridForCausalLM", tokens=_tokens(33), tol=TOL)
 
 
 def test_every_layout_transformers_writes_loads_the_same(checkpoints, tmp_path):
     """save_pretrained's convolutions in equal thirds (the fixture's files), forja's at the
     projections' widths, and transformers' module layout (one conv1d, module-named norms)."""
     path, hf = checkpoints["rope_gqa"]
-    thirds = _stored_shapes(path)
+    thirds = stored_shapes(path)
     # 256 channels in chunks of 86, not cut at the projections' 64 | 64 | 128
     assert thirds["model.layers.0.linear_attn.q_conv1d.weight"] == [86, 1, 4]
     assert "model.layers.0.attention_layer_norm.weight" in thirds
     ours = load_hf_checkpoint(path)
-    written = _stored_shapes(save_hf_checkpoint(ours, tmp_path / "forja"))
+    written = stored_shapes(save_hf_checkpoint(ours, tmp_path / "forja"))
     assert [written[f"model.layers.0.linear_attn.{c}_conv1d.weight"][0] for c in "qkv"] == [64, 64, 128]
     hf.save_pretrained(tmp_path / "modules", save_original_format=False)
-    modules = _stored_shapes(tmp_path / "modules")
+    modules = stored_shapes(tmp_path / "modules")
     assert "model.layers.0.linear_attn.conv1d.weight" in modules
     assert "model.layers.0.input_layernorm.weight" in modules
     for other in (load_hf_checkpoint(tmp_path / "forja"), load_hf_checkpoint(tmp_path / "modules")):
-        for (key, a), (_, b) in zip(other.state_dict().items(), ours.state_dict().items(), strict=True):
-            assert torch.equal(a, b), key
+        assert_same_weights(other, ours)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_decoding_equals_transformers_generate(checkpoints, name):
     path, hf = checkpoints[name]
-    model = load_hf_checkpoint(path)
-    prompt = _tokens(9, seed=4)
-    ref = hf_greedy(hf, prompt, 20)
-    assert torch.equal(generate(model, prompt, SamplingConfig(max_new_tokens=20)), ref)
+    assert_greedy_equal(hf, load_hf_checkpoint(path), _tokens(9, seed=4), 20)
 
 
 @torch.no_grad()
@@ -192,20 +173,12 @@ def test_flops_formula_within_5_percent_of_counted():
 PUBLISHED = {"7b": 7_430_870_688}  # equal to transformers' count for the same config.json
 
 
-def _hf_meta_params(model) -> int:
-    cfg = dict(config_from_args(model.args))
-    cfg.pop("architectures"), cfg.pop("model_type")
-    with torch.device("meta"):
-        hf = transformers.OlmoHybridForCausalLM(transformers.OlmoHybridConfig(**cfg))
-    return sum(p.numel() for p in hf.parameters())
-
-
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
 def test_published_parameter_counts_equal_transformers(flavor):
     model = build_model("olmo_hybrid", flavor, device="meta")
     total = model.num_params()
     print(f"{flavor}: {total:,} parameters")
-    assert total == _hf_meta_params(model) == PUBLISHED[flavor]
+    assert total == hf_meta_params(config_from_args(model.args)) == PUBLISHED[flavor]
     assert total == model.num_active_params()
     # The flavor is transformers' OlmoHybridConfig defaults in shape.
     defaults = transformers.OlmoHybridConfig()
@@ -225,10 +198,7 @@ def test_published_parameter_counts_equal_transformers(flavor):
     (dict(linear_num_value_heads=8), "linear_num_value_heads=8"),
 ])
 def test_unsupported_config_option_is_named(checkpoints, tmp_path, changes, message):
-    path, _ = checkpoints["debug"]
-    config = {**json.loads((path / "config.json").read_text()), **changes}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    edited_checkpoint(checkpoints["debug"][0], tmp_path, **changes)
     with pytest.raises(ForjaError, match=message):
         load_hf_checkpoint(tmp_path)
 
@@ -242,54 +212,3 @@ def test_unsupported_config_option_is_named(checkpoints, tmp_path, changes, mess
 def test_export_refuses_what_transformers_cannot_express(tmp_path, override, message):
     with pytest.raises(ForjaError, match=message):
         save_hf_checkpoint(build_model("olmo_hybrid", "debug", **override), tmp_path)
-
-
-# -- tensor parallelism ----------------------------------------------------------------------
-
-_GRADS = ("layers.0.attention.wq.weight", "layers.0.attention.conv_k.weight", "layers.1.attention.A_log",
-          "layers.2.attention.norm.weight", "layers.2.attention_norm.weight", "layers.1.ffn_norm.weight",
-          "layers.3.attention.q_norm.weight", "layers.3.post_attention_norm.weight", "layers.3.feed_forward.w2.weight")
-
-
-def _loss_and_grads(model, tp: int):
-    from forja.parallel.tp import loss_context
-
-    gen = torch.Generator().manual_seed(0)
-    tokens, labels = (torch.randint(0, 2048, (2, 32), generator=gen) for _ in range(2))
-    with loss_context(tp):
-        loss = model(tokens, labels=labels)
-        loss.backward()
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
-    grads = dict(model.named_parameters())
-    return float(full(loss.detach())), {n: full(grads[n].grad) for n in _GRADS}
-
-
-def _tp_run(rank: int, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from forja.models.olmo_hybrid.parallelize import olmo_hybrid_tp_plan
-    from forja.parallel.tp import apply_tp
-
-    mesh, out = init_device_mesh("cpu", (world,)), {}
-    for sequence_parallel in (False, True):
-        model = build_model("olmo_hybrid", "debug", seed=0, rope_theta=10_000.0)
-        apply_tp(model, mesh, olmo_hybrid_tp_plan(model.args, sequence_parallel))
-        out[sequence_parallel] = _loss_and_grads(model, world)
-    return out
-
-
-@pytest.mark.slow  # two spawned ranks
-def test_tensor_parallel_loss_and_gradients_equal_one_device():
-    """Attention blocks under OLMo 3's plan, Gated DeltaNet blocks split by head with their
-    pre-norms: the loss and the gradients equal one device's, with and without sequence
-    parallelism."""
-    from forja.testing import run_distributed
-
-    loss, grads = _loss_and_grads(build_model("olmo_hybrid", "debug", seed=0, rope_theta=10_000.0), tp=1)
-    for rank in run_distributed(_tp_run, 2):
-        for sequence_parallel, (tp_loss, tp_grads) in rank.items():
-            assert abs(tp_loss - loss) < 1e-6, sequence_parallel
-            for name in _GRADS:
-                diff = (tp_grads[name] - grads[name]).abs().max().item()
-                print(f"sp={sequence_parallel} {name}: {diff:.2e}")
-                assert torch.allclose(tp_grads[name], grads[name], atol=2e-6, rtol=1e-5), (sequence_parallel, name)

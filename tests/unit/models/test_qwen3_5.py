@@ -1,23 +1,25 @@
 """Qwen3.5 and Qwen3.5-MoE against transformers: the hybrid of Gated DeltaNet and gated
 attention with the same weights gives the same logits, both ways; packed documents; the
 multimodal checkpoint's text model; greedy decoding through the cache; published sizes;
-refusals of what forja cannot represent."""
+refusals of what forja cannot represent; the MTP module's tensors. Tensor parallelism:
+test_tp_families.py."""
 
 from __future__ import annotations
 
-import copy
+import functools
 import json
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from forja.errors import ForjaError
-from forja.generate import SamplingConfig, generate
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.qwen3_5.hf import config_from_args
-from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
+from tests.helpers import max_logit_diff, save_hf_models
+from tests.unit.models.family_checks import (assert_greedy_equal, assert_same_weights, check_save_round_trip,
+                                             edited_checkpoint, float64_diffs, hf_meta_params, random_tokens,
+                                             stored_names)
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,13 +70,7 @@ def checkpoints(tmp_path_factory):
     return save_hf_models(tmp_path_factory, make_hf_model, CONFIGS)
 
 
-def _tokens(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, _SHAPE["vocab_size"], (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _stored_names(path) -> set[str]:
-    with safe_open(path / "model.safetensors", framework="pt") as f:
-        return set(f.keys())
+_tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -87,11 +83,7 @@ def test_load_matches_transformers_logits(checkpoints, name):
     tokens = _tokens(80)  # more than one 64-token chunk of the delta rule
     diff = max_logit_diff(hf, model, tokens)
     hf.config._experts_implementation = "eager"  # transformers' grouped_mm has no float64
-    hf64, model64 = copy.deepcopy(hf).double(), copy.deepcopy(model).double()
-    with torch.no_grad():
-        exact = hf64(tokens).logits
-        hf_rounding = (hf(tokens).logits.double() - exact).abs().max().item()
-        diff64 = (model64(tokens) - exact).abs().max().item()
+    hf_rounding, diff64, *_ = float64_diffs(hf, model, tokens)
     print(f"{name}: max |logit diff| float32 {diff:.3e} (transformers' own float32 error {hf_rounding:.3e}), "
           f"float64 {diff64:.3e}")
     assert diff < hf_rounding
@@ -101,24 +93,15 @@ def test_load_matches_transformers_logits(checkpoints, name):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, tmp_path, name):
-    path, _ = checkpoints[name]
-    model = load_hf_checkpoint(path)
-    out = save_hf_checkpoint(model, tmp_path / "export")
-    back = load_hf_checkpoint(out)
-    for (key, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items(), strict=True):
-        assert torch.equal(a, b), key
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded).__name__ == CONFIGS[name][0]
-    assert max_logit_diff(reloaded, model, _tokens(33)) < TOL
+    check_save_round_trip(load_hf_checkpoint(checkpoints[name][0]), tmp_path / "export", hf_class=CONFIGS[name][0],
+                          tokens=_tokens(33), tol=TOL)
 
 
 def test_fused_expert_layout_loads_the_same(checkpoints, tmp_path):
     path, hf = checkpoints["moe"]
     hf.save_pretrained(tmp_path / "fused", save_original_format=False)  # transformers 5's own layout
-    assert "model.layers.1.mlp.experts.gate_up_proj" in _stored_names(tmp_path / "fused")
-    fused, saved = load_hf_checkpoint(tmp_path / "fused"), load_hf_checkpoint(path)
-    for (key, a), (_, b) in zip(fused.state_dict().items(), saved.state_dict().items(), strict=True):
-        assert torch.equal(a, b), key
+    assert "model.layers.1.mlp.experts.gate_up_proj" in stored_names(tmp_path / "fused")
+    assert_same_weights(load_hf_checkpoint(tmp_path / "fused"), load_hf_checkpoint(path))
 
 
 def test_the_multimodal_checkpoints_text_model_loads(checkpoints, tmp_path):
@@ -141,10 +124,7 @@ def test_the_multimodal_checkpoints_text_model_loads(checkpoints, tmp_path):
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_greedy_decoding_equals_transformers_generate(checkpoints, name):
     path, hf = checkpoints[name]
-    model = load_hf_checkpoint(path)
-    prompt = _tokens(9, seed=4)
-    ref = hf_greedy(hf, prompt, 20)
-    assert torch.equal(generate(model, prompt, SamplingConfig(max_new_tokens=20)), ref)
+    assert_greedy_equal(hf, load_hf_checkpoint(path), _tokens(9, seed=4), 20)
 
 
 @torch.no_grad()
@@ -173,21 +153,12 @@ PUBLISHED = {
 }
 
 
-def _hf_meta_params(model) -> int:
-    cfg = dict(config_from_args(model.args))
-    cls = getattr(transformers, cfg.pop("architectures")[0])
-    cfg.pop("model_type")
-    with torch.device("meta"):
-        hf = cls(cls.config_class(**cfg))
-    return sum(p.numel() for p in hf.parameters())
-
-
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
 def test_published_parameter_counts_equal_transformers(flavor):
     model = build_model("qwen3_5", flavor, device="meta")
     total, active = model.num_params(), model.num_active_params()
     print(f"{flavor}: {total:,} total, {active:,} active")
-    assert total == _hf_meta_params(model)
+    assert total == hf_meta_params(config_from_args(model.args))
     assert (total, active) == PUBLISHED[flavor]
 
 
@@ -200,10 +171,7 @@ def test_published_parameter_counts_equal_transformers(flavor):
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e7}), "rope_type='yarn'"),
 ])
 def test_unsupported_config_option_is_named(checkpoints, tmp_path, changes, message):
-    path, _ = checkpoints["dense"]
-    config = {**json.loads((path / "config.json").read_text()), **changes}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    edited_checkpoint(checkpoints["dense"][0], tmp_path, **changes)
     with pytest.raises(ForjaError, match=message):
         load_hf_checkpoint(tmp_path)
 
@@ -213,86 +181,18 @@ def test_export_refuses_what_transformers_cannot_express(tmp_path):
         save_hf_checkpoint(build_model("qwen3_5", "debug", attention_sinks=True), tmp_path)
 
 
-# -- tensor parallelism ----------------------------------------------------------------------
-
-# Every kind of Gated DeltaNet parameter (projections, convolutions, decay, the shared norm)
-# and the gated attention's gate: a misplaced shard shows in one of them.
-_GRADS = ("layers.0.attention.wq.weight", "layers.0.attention.conv_k.weight", "layers.1.attention.conv_v.weight",
-          "layers.0.attention.A_log", "layers.2.attention.dt_bias", "layers.1.attention.norm.weight",
-          "layers.2.attention.wb.weight", "layers.1.attention.wa.weight", "layers.2.attention.wo.weight",
-          "layers.3.attention.wg.weight", "layers.3.attention.q_norm.weight", "layers.0.feed_forward.w2.weight")
-
-
-def _tp_model():
-    model = build_model("qwen3_5", "debug", seed=0)
-    with torch.no_grad():  # per-head values that differ by head, and norms away from their init
-        for block in model.layers.values():
-            for name, p in block.named_parameters():
-                if p.dim() == 1:
-                    p.add_(torch.linspace(-0.5, 0.5, p.numel()))
-    return model
-
-
-def _loss_and_grads(model, tp: int):
-    from forja.parallel.tp import loss_context
-
-    gen = torch.Generator().manual_seed(0)
-    tokens, labels = (torch.randint(0, 2048, (2, 32), generator=gen) for _ in range(2))
-    docs = torch.tensor([[0] * 20 + [1] * 12, [0] * 32])
-    with loss_context(tp):
-        loss = model(tokens, docs, labels=labels)
-        loss.backward()
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
-    grads = dict(model.named_parameters())
-    return float(full(loss.detach())), {n: full(grads[n].grad) for n in _GRADS}
-
-
-def _tp_run(rank: int, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from forja.models.qwen3_5.parallelize import qwen3_5_tp_plan
-    from forja.parallel.tp import apply_tp
-
-    mesh, out = init_device_mesh("cpu", (world,)), {}
-    for sequence_parallel in (False, True):
-        model = _tp_model()
-        apply_tp(model, mesh, qwen3_5_tp_plan(model.args, sequence_parallel))
-        assert model.layers["0"].attention.A_log.to_local().shape == (2,)  # half the value heads
-        assert model.layers["0"].attention.conv_q.weight.to_local().shape == (32, 1, 4)  # one key head's channels
-        out[sequence_parallel] = _loss_and_grads(model, world)
-    return out
-
-
-@pytest.mark.slow  # two spawned ranks
-def test_tensor_parallel_loss_and_gradients_equal_one_device():
-    """Gated DeltaNet split by head over 2 ranks (one key head and two value heads each),
-    with and without sequence parallelism, on a packed batch."""
-    from forja.testing import run_distributed
-
-    loss, grads = _loss_and_grads(_tp_model(), tp=1)
-    ranks = run_distributed(_tp_run, 2)
-    for sequence_parallel in (False, True):
-        for name in _GRADS:
-            got = ranks[0][sequence_parallel][1][name]
-            err = (got - grads[name]).abs().max().item()
-            assert torch.allclose(got, grads[name], atol=1e-6, rtol=1e-5), (sequence_parallel, name, err)
-        for r in ranks:
-            assert abs(r[sequence_parallel][0] - loss) < 1e-5, (sequence_parallel, r[sequence_parallel][0], loss)
-
-
 @pytest.mark.parametrize("flavor", ["debug", "debug-moe"])
 def test_the_mtp_module_saves_under_the_published_names_and_loads_back(tmp_path, flavor):
     """The published checkpoints carry one MTP module (`mtp.*`, which transformers skips)."""
     model = build_model("qwen3_5", flavor, seed=4, mtp_depth=1)
     out = save_hf_checkpoint(model, tmp_path / "export")
-    names = _stored_names(out)
+    names = stored_names(out)
     assert {"mtp.fc.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.norm.weight",
             "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.input_layernorm.weight"} <= names
     assert ("mtp.layers.0.mlp.shared_expert_gate.weight" in names) == (flavor == "debug-moe")
     back = load_hf_checkpoint(out)
     assert back.args.mtp_depth == 1
-    for (key, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items(), strict=True):
-        assert torch.equal(a, b), key
+    assert_same_weights(model, back)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()  # the main model; mtp.* skipped
     assert max_logit_diff(reloaded, model, _tokens(20)) < 1e-4  # within transformers' own float32 rounding (above)
     fresh = build_model("qwen3_5", flavor, seed=4, mtp_depth=1).mtp.layers["4"]
@@ -300,9 +200,6 @@ def test_the_mtp_module_saves_under_the_published_names_and_loads_back(tmp_path,
 
 
 def test_a_config_counting_an_mtp_module_transformers_did_not_save(checkpoints, tmp_path):
-    path, hf = checkpoints["dense"]
-    config = {**json.loads((path / "config.json").read_text()), "mtp_num_hidden_layers": 1}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    edited_checkpoint(checkpoints["dense"][0], tmp_path, mtp_num_hidden_layers=1)
     model = load_hf_checkpoint(tmp_path)
     assert model.mtp is None and model.args.mtp_depth == 0  # the main model, as transformers loads it
