@@ -135,9 +135,8 @@ def linear_attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) 
     u, v * beta's v, each chunk's new values: 3 dv), q read against the state, k decayed to
     the chunk's end, and the matmuls' contiguous copies of k^T, q and the per-chunk operands
     (12 dk in all over two or more chunks; in one chunk 6, or 10 with q and k repeated to the
-    value heads); the
-    C x C decay, k k^T, the system, q k^T and the masked scores (5 C); the norms' statistics
-    and the decays (7); and the state (dk, dv) at every chunk's start. Under autocast the
+    value heads); the C x C decay, k k^T, the system, q k^T and the masked scores (5 C); the
+    norms' statistics and the decays (7); and the state (dk, dv) at every chunk's start. Under autocast the
     matmuls' operands are bf16 casts instead (6 dk, dv, 3 C, the state twice per chunk) and
     the rest stays fp32 (6 dk, 2 dv, 2 C). Packed documents pad each to whole chunks (up to
     C - 1 more tokens per document in the rule's tensors), which the count leaves out: it
