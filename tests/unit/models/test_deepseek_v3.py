@@ -1,22 +1,21 @@
 """DeepSeek-V3 against transformers' DeepseekV3ForCausalLM on random weights: logits, checkpoints
-both ways, greedy decoding, published sizes, refused configs, tensor parallelism."""
+both ways, greedy decoding, published sizes, refused configs. Tensor parallelism:
+test_tp_families.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from forja.errors import ForjaError
 from forja.generate import SamplingConfig, generate
 from forja.models import build_model, load_hf_checkpoint, save_hf_checkpoint
 from forja.models.deepseek_v3.hf import ADAPTER
-from forja.testing import run_distributed
 from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
+from tests.unit.models.family_checks import assert_same_weights, edited_checkpoint, random_tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,7 +63,7 @@ def ds_checkpoints(tmp_path_factory):
 
 
 def _tokens(n: int = 48, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 300, (2, n), generator=torch.Generator().manual_seed(seed))
+    return random_tokens(n, seed, vocab_size=300)
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
@@ -101,9 +100,7 @@ def test_debug_flavor_exports_and_reimports(tmp_path):
     diff = max_logit_diff(hf, model, tokens)
     print(f"debug flavor: max |logit diff| = {diff:.3e}")
     assert diff < DS_TOL
-    back = load_hf_checkpoint(tmp_path / "a")
-    for (n, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
-        assert torch.equal(a, b), n
+    assert_same_weights(model, load_hf_checkpoint(tmp_path / "a"))
 
 
 def test_transformers_fused_expert_layout_loads(ds_checkpoints, tmp_path):
@@ -113,35 +110,18 @@ def test_transformers_fused_expert_layout_loads(ds_checkpoints, tmp_path):
     assert max_logit_diff(hf, load_hf_checkpoint(tmp_path), _tokens()) < DS_TOL
 
 
-def _copy(path, tmp_path):
-    dst = tmp_path / "ckpt"
-    shutil.copytree(path, dst)
-    return dst
-
-
-def _edit_config(dst, **changes):
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    for key in [k for k, v in changes.items() if v is None]:
-        cfg.pop(key)
-    (dst / "config.json").write_text(json.dumps(cfg))
-
-
 def test_deepseeks_own_config_dialect_and_mtp_tensors(ds_checkpoints, tmp_path):
     """The published config.json (4.x keys, DeepSeek's routing keys, an MTP layer) loads,
     and the MTP layer's tensors are skipped."""
     path, hf = ds_checkpoints["lora_yarn_groups"]
-    dst = _copy(path, tmp_path)
     yarn = {k: v for k, v in _YARN.items() if k not in ("rope_type", "rope_theta")}
-    _edit_config(dst, rope_parameters=None, rope_interleave=None, rope_theta=10_000.0,
-                 rope_scaling={"type": "yarn", **yarn}, topk_method="noaux_tc", scoring_func="sigmoid",
-                 moe_layer_freq=1, num_nextn_predict_layers=1, aux_loss_alpha=0.001, seq_aux=True)
-    file = dst / "model.safetensors"
-    tensors = load_file(file)
-    tensors.update({"model.layers.61.eh_proj.weight": torch.zeros(64, 128),
-                    "model.layers.61.self_attn.q_a_proj.weight": torch.zeros(24, 64),
-                    "model.layers.3.enorm.weight": torch.zeros(64)})
-    save_file(tensors, file, metadata={"format": "pt"})
+    mtp = {"model.layers.61.eh_proj.weight": torch.zeros(64, 128),
+           "model.layers.61.self_attn.q_a_proj.weight": torch.zeros(24, 64),
+           "model.layers.3.enorm.weight": torch.zeros(64)}
+    dst = edited_checkpoint(path, tmp_path / "ckpt", drop=("rope_parameters", "rope_interleave"),
+                            edit_tensors=lambda t: t.update(mtp), rope_theta=10_000.0,
+                            rope_scaling={"type": "yarn", **yarn}, topk_method="noaux_tc", scoring_func="sigmoid",
+                            moe_layer_freq=1, num_nextn_predict_layers=1, aux_loss_alpha=0.001, seq_aux=True)
     assert max_logit_diff(hf, load_hf_checkpoint(dst), _tokens()) < DS_TOL
 
 
@@ -228,8 +208,7 @@ def test_flops_count_latent_attention_widths():
      r"quantization_config\.quant_method='fp8' is not supported; convert"),
 ])
 def test_unsupported_config_field_is_named(ds_checkpoints, tmp_path, changes, match):
-    dst = _copy(ds_checkpoints["lora_yarn_groups"][0], tmp_path)
-    _edit_config(dst, **changes)
+    dst = edited_checkpoint(ds_checkpoints["lora_yarn_groups"][0], tmp_path / "ckpt", **changes)
     with pytest.raises(ForjaError, match=r"^config\.json: " + match) as err:
         load_hf_checkpoint(dst)
     assert "\n" not in str(err.value)
@@ -251,52 +230,3 @@ def test_bad_model_fields_are_named():
         build_model("deepseek_v3", "debug", device="meta", qk_rope_head_dim=15)
     with pytest.raises(ForjaError, match="topk_groups"):
         build_model("deepseek_v3", "debug", device="meta", topk_groups=3)
-
-
-# -- tensor parallelism ----------------------------------------------------------------------
-
-def _loss_and_grads(model, tp: int) -> tuple[float, dict[str, torch.Tensor]]:
-    from forja.parallel.tp import loss_context
-
-    gen = torch.Generator().manual_seed(0)
-    tokens, labels = (torch.randint(0, 2048, (2, 32), generator=gen) for _ in range(2))
-    with loss_context(tp):
-        loss = model(tokens, labels=labels)
-        loss.backward()
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
-    return float(full(loss.detach())), {n: full(p.grad) for n, p in model.named_parameters()}
-
-
-# (sequence parallel, q_lora_rank): queries through the latent, then directly.
-_TP_CASES = [(False, 64), (True, 0)]
-
-
-def _tp_run(rank: int, world: int) -> list:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from forja.models.deepseek_v3.parallelize import deepseek_v3_tp_plan
-    from forja.parallel.ep import apply_ep
-    from forja.parallel.tp import apply_tp
-
-    mesh, out = init_device_mesh("cpu", (world,)), []
-    for sequence_parallel, q_lora_rank in _TP_CASES:
-        model = build_model("deepseek_v3", "debug", seed=0, q_lora_rank=q_lora_rank)
-        apply_tp(model, mesh, deepseek_v3_tp_plan(model.args, sequence_parallel))
-        # As forja/parallel/parallelize.py does: the TP ranks split an MoE layer's tokens, so
-        # its routed experts are spread over them (each expert's gradient whole on its rank).
-        apply_ep(model, mesh)
-        out.append(_loss_and_grads(model, world))
-    return out
-
-
-@pytest.mark.slow  # two spawned ranks: ~15 s on an idle 2-core machine
-def test_tensor_parallel_loss_and_every_gradient_equal_one_process():
-    """MLA split over 2 ranks by heads, with and without sequence parallelism: the same loss
-    and the same gradient for every weight, the replicated latent projections included (the
-    shared rotated key's gradient is summed over the ranks: without it wkv_a's differs)."""
-    refs = [_loss_and_grads(build_model("deepseek_v3", "debug", seed=0, q_lora_rank=q), 1) for _, q in _TP_CASES]
-    for rank_results in run_distributed(_tp_run, 2):
-        for (loss, grads), (ref_loss, ref_grads) in zip(rank_results, refs):
-            assert abs(loss - ref_loss) < 1e-6
-            for name, grad in ref_grads.items():
-                assert torch.allclose(grads[name], grad, atol=1e-7, rtol=1e-5), name

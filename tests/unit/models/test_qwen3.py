@@ -1,23 +1,20 @@
 """Qwen3 and Qwen3-MoE against transformers: same weights, same logits, both ways; the
 experts' per-expert and fused checkpoint layouts; greedy decoding; published sizes;
-refusals of what forja cannot represent; gradients under tensor parallelism."""
+refusals of what forja cannot represent. Tensor parallelism: test_tp_families.py."""
 
 from __future__ import annotations
 
-import json
-import shutil
+import functools
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from forja.errors import ForjaError
-from forja.generate import SamplingConfig, generate
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.qwen3.hf import config_from_args
-from forja.testing import run_distributed
-from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
+from tests.helpers import max_logit_diff, save_hf_models
+from tests.unit.models.family_checks import (assert_greedy_equal, assert_same_weights, check_save_round_trip,
+                                             edited_checkpoint, hf_meta_params, random_tokens, stored_names)
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,13 +58,7 @@ def checkpoints(tmp_path_factory):
     return save_hf_models(tmp_path_factory, make_hf_model, CONFIGS)
 
 
-def _tokens(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, _SHAPE["vocab_size"], (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _stored_names(path) -> set[str]:
-    with safe_open(path / "model.safetensors", framework="pt") as f:
-        return set(f.keys())
+_tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -83,7 +74,7 @@ def test_load_matches_transformers_logits(checkpoints, name):
 
 
 def test_transformers_saves_one_tensor_per_expert(checkpoints):
-    names = _stored_names(checkpoints["moe"][0])
+    names = stored_names(checkpoints["moe"][0])
     assert "model.layers.1.mlp.experts.7.gate_proj.weight" in names
     assert not any("gate_up_proj" in n for n in names)
 
@@ -92,25 +83,17 @@ def test_transformers_saves_one_tensor_per_expert(checkpoints):
 def test_fused_expert_layout_loads_the_same(checkpoints, tmp_path, name):
     path, hf = checkpoints[name]
     hf.save_pretrained(tmp_path / "fused", save_original_format=False)  # transformers 5's own layout
-    names = _stored_names(tmp_path / "fused")
+    names = stored_names(tmp_path / "fused")
     assert "model.layers.1.mlp.experts.gate_up_proj" in names and "model.layers.1.mlp.experts.down_proj" in names
-    fused, per_expert = load_hf_checkpoint(tmp_path / "fused"), load_hf_checkpoint(path)
-    for (key, a), (_, b) in zip(fused.state_dict().items(), per_expert.state_dict().items(), strict=True):
-        assert torch.equal(a, b), key
+    assert_same_weights(load_hf_checkpoint(tmp_path / "fused"), load_hf_checkpoint(path))  # fused, per expert
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, tmp_path, name):
     path, _ = checkpoints[name]
-    model = load_hf_checkpoint(path)
-    out = save_hf_checkpoint(model, tmp_path / "export")
-    assert _stored_names(out) == _stored_names(path)  # the released (per-expert) layout
-    back = load_hf_checkpoint(out)
-    for (key, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items(), strict=True):
-        assert torch.equal(a, b), key
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded).__name__ == CONFIGS[name][0]
-    assert max_logit_diff(reloaded, model, _tokens(33)) < TOL
+    # layout_of: the released (per-expert) layout
+    check_save_round_trip(load_hf_checkpoint(path), tmp_path / "export", hf_class=CONFIGS[name][0],
+                          tokens=_tokens(33), tol=TOL, layout_of=path)
 
 
 @pytest.mark.parametrize("flavor", ["debug", "debug-moe"])
@@ -124,10 +107,7 @@ def test_forja_model_exports_to_transformers(tmp_path, flavor):
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_greedy_decoding_equals_transformers_generate(checkpoints, name):
     path, hf = checkpoints[name]
-    model = load_hf_checkpoint(path)
-    prompt = _tokens(9, seed=4)
-    ref = hf_greedy(hf, prompt, 24)
-    assert torch.equal(generate(model, prompt, SamplingConfig(max_new_tokens=24)), ref)
+    assert_greedy_equal(hf, load_hf_checkpoint(path), _tokens(9, seed=4), 24)
 
 
 # -- published sizes -------------------------------------------------------------------------
@@ -146,20 +126,11 @@ PUBLISHED = {
 }
 
 
-def _hf_meta_params(model) -> int:
-    cfg = dict(config_from_args(model.args))
-    cls = getattr(transformers, cfg.pop("architectures")[0])
-    cfg.pop("model_type")
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(cls.config_class(**cfg))
-    return sum(p.numel() for p in hf.parameters())
-
-
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
 def test_published_parameter_counts_equal_transformers(flavor):
     model = build_model("qwen3", flavor, device="meta")
     assert (model.num_params(), model.num_active_params()) == PUBLISHED[flavor]
-    assert model.num_params() == _hf_meta_params(model)
+    assert model.num_params() == hf_meta_params(config_from_args(model.args))
 
 
 def test_small_flavors_are_the_advertised_size():
@@ -189,18 +160,6 @@ def test_init_rules_scale_the_experts_outputs_with_depth():
 
 # -- bad input -------------------------------------------------------------------------------
 
-def _copy(path, tmp_path):
-    dst = tmp_path / "ckpt"
-    shutil.copytree(path, dst)
-    return dst
-
-
-def _edit_config(dst, **changes):
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-
-
 @pytest.mark.parametrize(("name", "changes", "message"), [
     ("dense", dict(attention_bias=True), r"attention_bias=True is not supported"),
     ("dense", dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
@@ -213,33 +172,25 @@ def _edit_config(dst, **changes):
     ("moe", dict(scoring_func="sigmoid"), r"scoring_func='sigmoid' is not supported"),
 ])
 def test_unsupported_config_option_is_named(checkpoints, tmp_path, name, changes, message):
-    dst = _copy(checkpoints[name][0], tmp_path)
-    _edit_config(dst, **changes)
+    dst = edited_checkpoint(checkpoints[name][0], tmp_path / "ckpt", **changes)
     with pytest.raises(ForjaError, match=r"config\.json: " + message):
         load_hf_checkpoint(dst)
 
 
-def _edit_weights(dst, edit):
-    file = dst / "model.safetensors"
-    tensors = load_file(file)
-    edit(tensors)
-    save_file(tensors, file, metadata={"format": "pt"})
-
-
 def test_missing_expert_is_named(checkpoints, tmp_path):
-    dst = _copy(checkpoints["moe"][0], tmp_path)
-    _edit_weights(dst, lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
+    dst = edited_checkpoint(checkpoints["moe"][0], tmp_path / "ckpt",
+                            edit_tensors=lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
     with pytest.raises(ForjaError, match=r"tensor model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight is missing"):
         load_hf_checkpoint(dst)
 
 
 def test_misshapen_expert_and_extra_expert_are_named(checkpoints, tmp_path):
-    dst = _copy(checkpoints["moe"][0], tmp_path)
-    _edit_weights(dst, lambda t: t.update({"model.layers.1.mlp.experts.0.down_proj.weight": torch.zeros(128, 63)}))
+    misshapen = {"model.layers.1.mlp.experts.0.down_proj.weight": torch.zeros(128, 63)}
+    dst = edited_checkpoint(checkpoints["moe"][0], tmp_path / "ckpt", edit_tensors=lambda t: t.update(misshapen))
     with pytest.raises(ForjaError, match=r"experts\.0\.down_proj\.weight has shape \[128, 63\]; .* expects \[128, 64"):
         load_hf_checkpoint(dst)
-    dst = _copy(checkpoints["moe"][0], tmp_path / "extra")
-    _edit_weights(dst, lambda t: t.update({"model.layers.1.mlp.experts.8.gate_proj.weight": torch.zeros(64, 128)}))
+    extra = {"model.layers.1.mlp.experts.8.gate_proj.weight": torch.zeros(64, 128)}
+    dst = edited_checkpoint(checkpoints["moe"][0], tmp_path / "extra", edit_tensors=lambda t: t.update(extra))
     with pytest.raises(ForjaError, match=r"unexpected tensor model\.layers\.1\.mlp\.experts\.8\.gate_proj\.weight"):
         load_hf_checkpoint(dst)
 
@@ -247,9 +198,10 @@ def test_misshapen_expert_and_extra_expert_are_named(checkpoints, tmp_path):
 def test_damaged_fused_checkpoint_is_reported_in_its_own_layout(checkpoints, tmp_path):
     _, hf = checkpoints["moe"]
     hf.save_pretrained(tmp_path / "fused", save_original_format=False)
-    _edit_weights(tmp_path / "fused", lambda t: t.pop("model.layers.3.mlp.experts.down_proj"))
+    dst = edited_checkpoint(tmp_path / "fused", tmp_path / "damaged",
+                            edit_tensors=lambda t: t.pop("model.layers.3.mlp.experts.down_proj"))
     with pytest.raises(ForjaError, match=r"tensor model\.layers\.3\.mlp\.experts\.down_proj is missing"):
-        load_hf_checkpoint(tmp_path / "fused")
+        load_hf_checkpoint(dst)
 
 
 @pytest.mark.parametrize(("overrides", "field"), [
@@ -261,52 +213,3 @@ def test_export_refuses_what_transformers_cannot_express(tmp_path, overrides, fi
     with pytest.raises(ForjaError, match=f"a Qwen3 with {field}="):
         save_hf_checkpoint(model, tmp_path / "x")
     assert not (tmp_path / "x").exists()
-
-
-# -- tensor parallelism ----------------------------------------------------------------------
-
-_GRADS = ("layers.0.attention.q_norm.weight", "layers.3.attention.k_norm.weight", "layers.1.attention.wk.weight")
-
-
-def _loss_and_grads(model, tp: int):
-    from forja.parallel.tp import loss_context
-
-    gen = torch.Generator().manual_seed(0)
-    tokens, labels = (torch.randint(0, 2048, (2, 32), generator=gen) for _ in range(2))
-    with loss_context(tp):
-        loss = model(tokens, labels=labels)
-        loss.backward()
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
-    grads = dict(model.named_parameters())
-    return float(full(loss.detach())), {n: full(grads[n].grad) for n in _GRADS}
-
-
-def _tp_run(rank: int, world: int) -> list:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from forja.models.qwen3.parallelize import qwen3_tp_plan
-    from forja.parallel.tp import apply_tp
-
-    mesh, out = init_device_mesh("cpu", (world,)), {}
-    for flavor in _TP_FLAVORS:
-        for sequence_parallel in (False, True):
-            model = build_model("qwen3", flavor, seed=0)
-            apply_tp(model, mesh, qwen3_tp_plan(model.args, sequence_parallel))
-            out[flavor, sequence_parallel] = _loss_and_grads(model, world)
-    return out
-
-
-_TP_FLAVORS = ("debug", "debug-moe")
-
-
-@pytest.mark.slow  # two spawned ranks: ~10 s on an idle 2-core machine
-def test_tensor_parallel_qk_norm_gradients_are_summed_over_heads():
-    """q_norm/k_norm see only a rank's heads; their weight gradients must still be the whole
-    model's (left as plain replicated tensors they would differ by ~2e-3 here)."""
-    reference = {flavor: _loss_and_grads(build_model("qwen3", flavor, seed=0), tp=1) for flavor in _TP_FLAVORS}
-    for rank_results in run_distributed(_tp_run, 2):
-        for (flavor, _), (tp_loss, tp_grads) in rank_results.items():
-            loss, grads = reference[flavor]
-            assert abs(tp_loss - loss) < 1e-6, flavor
-            for name in _GRADS:
-                assert torch.allclose(tp_grads[name], grads[name], atol=1e-7, rtol=1e-5), (flavor, name)

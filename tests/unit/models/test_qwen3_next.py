@@ -5,19 +5,20 @@ the published size; the checkpoints' multi-token prediction tensors; refusals.""
 
 from __future__ import annotations
 
-import copy
+import functools
 import json
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from forja.errors import ForjaError
-from forja.generate import SamplingConfig, generate
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.qwen3_next.hf import config_from_args
-from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
+from tests.helpers import max_logit_diff, save_hf_models
+from tests.unit.models.family_checks import (assert_greedy_equal, assert_same_weights, check_save_round_trip,
+                                             edited_checkpoint, float64_diffs, hf_meta_params, random_tokens,
+                                             stored_names)
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,8 +71,7 @@ def checkpoints(tmp_path_factory):
     return save_hf_models(tmp_path_factory, make_hf_model, CONFIGS)
 
 
-def _tokens(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, _SHAPE["vocab_size"], (2, n), generator=torch.Generator().manual_seed(seed))
+_tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
 
 
 def _stored(path) -> dict[str, torch.Tensor]:
@@ -90,11 +90,7 @@ def test_load_matches_transformers_logits(checkpoints, name):
     tokens = _tokens(80)  # more than one 64-token chunk of the delta rule
     diff = max_logit_diff(hf, model, tokens)
     hf.config._experts_implementation = "eager"  # transformers' grouped_mm has no float64
-    hf64, model64 = copy.deepcopy(hf).double(), copy.deepcopy(model).double()
-    with torch.no_grad():
-        exact = hf64(tokens).logits
-        hf_rounding = (hf(tokens).logits.double() - exact).abs().max().item()
-        diff64 = (model64(tokens) - exact).abs().max().item()
+    hf_rounding, diff64, *_ = float64_diffs(hf, model, tokens)
     print(f"{name}: max |logit diff| float32 {diff:.3e} (transformers' own float32 error {hf_rounding:.3e}), "
           f"float64 {diff64:.3e}")
     assert diff < hf_rounding
@@ -105,19 +101,13 @@ def test_load_matches_transformers_logits(checkpoints, name):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, tmp_path, name):
     path, _ = checkpoints[name]
-    model = load_hf_checkpoint(path)
-    out = save_hf_checkpoint(model, tmp_path / "export")
-    back = load_hf_checkpoint(out)
-    for (key, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items(), strict=True):
-        assert torch.equal(a, b), key
+    out, _ = check_save_round_trip(load_hf_checkpoint(path), tmp_path / "export", hf_class="Qwen3NextForCausalLM",
+                                   tokens=_tokens(33), tol=TOL)
     # forja's file holds transformers' tensors as they were: the regrouped in_proj_qkvz / in_proj_ba included.
     original, written = _stored(path), _stored(out)
     assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in written
     for key, t in original.items():
         assert torch.equal(written[key], t), key
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded).__name__ == "Qwen3NextForCausalLM"
-    assert max_logit_diff(reloaded, model, _tokens(33)) < TOL
 
 
 def test_grouped_projections_land_in_forjas_head_order(checkpoints):
@@ -137,11 +127,8 @@ def test_grouped_projections_land_in_forjas_head_order(checkpoints):
 def test_fused_expert_layout_loads_the_same(checkpoints, tmp_path):
     path, hf = checkpoints["moe"]
     hf.save_pretrained(tmp_path / "fused", save_original_format=False)  # transformers 5's own layout
-    with safe_open(tmp_path / "fused" / "model.safetensors", framework="pt") as f:
-        assert "model.layers.2.mlp.experts.gate_up_proj" in set(f.keys())
-    fused, saved = load_hf_checkpoint(tmp_path / "fused"), load_hf_checkpoint(path)
-    for (key, a), (_, b) in zip(fused.state_dict().items(), saved.state_dict().items(), strict=True):
-        assert torch.equal(a, b), key
+    assert "model.layers.2.mlp.experts.gate_up_proj" in stored_names(tmp_path / "fused")
+    assert_same_weights(load_hf_checkpoint(tmp_path / "fused"), load_hf_checkpoint(path))
 
 
 # -- the multi-token prediction module ----------------------------------------------------------
@@ -246,10 +233,7 @@ def test_a_config_counting_an_mtp_module_it_does_not_hold(mtp_checkpoint, tmp_pa
 
 def test_greedy_decoding_equals_transformers_generate(checkpoints):
     path, hf = checkpoints["moe"]  # every kind of block: Gated DeltaNet, attention, dense and MoE feed-forwards
-    model = load_hf_checkpoint(path)
-    prompt = _tokens(9, seed=4)
-    ref = hf_greedy(hf, prompt, 20)
-    assert torch.equal(generate(model, prompt, SamplingConfig(max_new_tokens=20)), ref)
+    assert_greedy_equal(hf, load_hf_checkpoint(path), _tokens(9, seed=4), 20)
 
 
 @torch.no_grad()
@@ -280,12 +264,10 @@ PUBLISHED = {"80b-a3b": (79_674_391_296, 3_874_929_408)}
 def test_published_parameter_counts_equal_transformers(flavor):
     model = build_model("qwen3_next", flavor, device="meta")
     total, active = model.num_params(), model.num_active_params()
-    cfg = dict(config_from_args(model.args))
-    assert cfg.pop("architectures") == ["Qwen3NextForCausalLM"] and cfg.pop("model_type") == "qwen3_next"
-    with torch.device("meta"):
-        hf = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**cfg))
+    cfg = config_from_args(model.args)
+    assert cfg["architectures"] == ["Qwen3NextForCausalLM"] and cfg["model_type"] == "qwen3_next"
     print(f"{flavor}: {total:,} total, {active:,} active")
-    assert total == sum(p.numel() for p in hf.parameters())
+    assert total == hf_meta_params(cfg)
     assert (total, active) == PUBLISHED[flavor]
 
 
@@ -301,10 +283,7 @@ def test_published_parameter_counts_equal_transformers(flavor):
     (dict(mtp_num_hidden_layers=2), "mtp_num_hidden_layers=2 is not supported by forja's Qwen3-Next"),
 ])
 def test_unsupported_config_option_is_named(checkpoints, tmp_path, changes, message):
-    path, _ = checkpoints["moe"]
-    config = {**json.loads((path / "config.json").read_text()), **changes}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    edited_checkpoint(checkpoints["moe"][0], tmp_path, **changes)
     with pytest.raises(ForjaError, match=message) as err:
         load_hf_checkpoint(tmp_path)
     assert "\n" not in str(err.value)
