@@ -1,5 +1,6 @@
 """The checks every model family's test file makes against transformers, written once:
-random tokens, what a checkpoint stores, parameter counts of transformers' model on the
+random-weight transformers models and their checkpoints (module fixtures), random tokens,
+forja's logits against transformers', what a checkpoint stores, parameter counts of transformers' model on the
 meta device, checkpoints with an edited config.json or edited tensors (for the refusal
 tests), state dicts compared bit for bit, the HF save round trip, greedy decoding, and
 float32 / float64 logit differences. The tensor-parallel cases live in test_tp_families.py.
@@ -13,13 +14,63 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from forja.generate import SamplingConfig, generate
-from forja.models import load_hf_checkpoint, save_hf_checkpoint
-from tests.helpers import hf_greedy, max_logit_diff
+from forja.models import load_hf_checkpoint, model_args, save_hf_checkpoint
+from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
+
+
+def random_hf_model(cls_name: str, config: dict, seed: int = 0, *, pick: Callable[[str, torch.Tensor], bool] = None,
+                    draw: Callable[[torch.Tensor], object] = None):
+    """transformers' `cls_name` built from `config` on random weights drawn from `seed`, in
+    eval mode. The init is wider than transformers' default (0.1): peaked logits and router
+    scores, so that greedy choices and routing are no near-ties. Then `draw(p)` changes in
+    place each parameter p (named key) where `pick(key, p)`: for those transformers starts
+    at a constant (norms, biases), which would hide a weight put in the wrong place."""
+    import transformers
+
+    cls = getattr(transformers, cls_name)
+    torch.manual_seed(seed)
+    model = cls(cls.config_class(initializer_range=0.1, **config)).eval()
+    if pick is not None:
+        with torch.no_grad():
+            for key, p in model.named_parameters():
+                if pick(key, p):
+                    draw(p)
+    return model
+
+
+def checkpoint_fixtures(make_hf_model: Callable, names) -> tuple:
+    """The module fixtures (checkpoints, loaded) of a family's test file: name -> (directory
+    saved by transformers, the transformers model) for each of `names`, made by
+    `make_hf_model(name)`; name -> the forja model loaded from that directory (one load
+    shared by the module's tests, which must not change it). Assign both at module level."""
+    @pytest.fixture(scope="module")
+    def checkpoints(tmp_path_factory):
+        return save_hf_models(tmp_path_factory, make_hf_model, names)
+
+    @pytest.fixture(scope="module")
+    def loaded(checkpoints):
+        return {name: load_hf_checkpoint(path) for name, (path, _) in checkpoints.items()}
+
+    return checkpoints, loaded
+
+
+def check_logits(hf_model, model, tokens: torch.Tensor, tol: float, *, family: str, flavor: str | None,
+                 label: str) -> float:
+    """forja's float32 logits on `tokens` within `tol` of transformers' (the figure printed
+    under `label`), and, where the checkpoint is a flavor's, its config.json read into
+    exactly that flavor's args. Returns the max |logit difference|."""
+    if flavor is not None:
+        assert model.args == model_args(family, flavor)
+    diff = max_logit_diff(hf_model, model, tokens)
+    print(f"{label}: max |logit diff| = {diff:.3e}")
+    assert diff < tol
+    return diff
 
 
 def random_tokens(n: int, seed: int = 1, *, vocab_size: int) -> torch.Tensor:

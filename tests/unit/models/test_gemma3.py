@@ -15,9 +15,10 @@ import torch
 from forja.errors import ForjaError
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.gemma3.hf import config_from_args
-from tests.helpers import max_logit_diff, save_hf_models
-from tests.unit.models.family_checks import (assert_greedy_equal, check_save_round_trip, edited_checkpoint,
-                                             hf_meta_params, random_tokens)
+from tests.helpers import max_logit_diff
+from tests.unit.models.family_checks import (assert_greedy_equal, check_logits, check_save_round_trip,
+                                             checkpoint_fixtures, edited_checkpoint, hf_meta_params, random_hf_model,
+                                             random_tokens)
 from tests.unit.models.test_flops import measured_flops_per_token
 
 transformers = pytest.importorskip("transformers")
@@ -45,26 +46,12 @@ CONFIGS = {
 
 
 def make_hf_model(name: str, seed: int = 0):
-    torch.manual_seed(seed)
-    # A wider init than the default makes logits peaked: no near-ties in greedy decoding.
-    cfg = transformers.Gemma3TextConfig(initializer_range=0.1, **CONFIGS[name][0])
-    model = transformers.Gemma3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # transformers starts Gemma's norm offsets at 0; make each norm tell
-        for key, p in model.named_parameters():
-            if "norm" in key:
-                p.normal_(0.0, 0.3)
-    return model
+    # transformers starts Gemma's norm offsets at 0; make each norm tell
+    return random_hf_model("Gemma3ForCausalLM", CONFIGS[name][0], seed, pick=lambda key, p: "norm" in key,
+                           draw=lambda p: p.normal_(0.0, 0.3))
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """name -> (directory saved by transformers, the transformers model)."""
-    return save_hf_models(tmp_path_factory, make_hf_model, CONFIGS)
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoints):
-    return {name: load_hf_checkpoint(path) for name, (path, _) in checkpoints.items()}
+checkpoints, loaded = checkpoint_fixtures(make_hf_model, CONFIGS)
 
 
 _tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
@@ -72,14 +59,9 @@ _tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_load_matches_transformers_logits(checkpoints, loaded, name):
-    _, hf = checkpoints[name]
-    model = loaded[name]
-    flavor = CONFIGS[name][1]
-    if flavor is not None:  # config.json read into exactly the flavor's args
-        assert model.args == model_args("gemma3", flavor)
-    diff = max_logit_diff(hf, model, _tokens(40))  # 40 tokens: five windows of 8
-    print(f"{name}: max |logit diff| = {diff:.3e}")
-    assert diff < TOL
+    # 40 tokens: five windows of 8
+    check_logits(checkpoints[name][1], loaded[name], _tokens(40), TOL, family="gemma3", flavor=CONFIGS[name][1],
+                 label=name)
 
 
 def test_options_reach_the_model(loaded):

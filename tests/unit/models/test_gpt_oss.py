@@ -14,9 +14,10 @@ import torch
 from forja.errors import ForjaError
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.gpt_oss.hf import config_from_args
-from tests.helpers import max_logit_diff, save_hf_models
-from tests.unit.models.family_checks import (assert_greedy_equal, check_save_round_trip, edited_checkpoint,
-                                             hf_meta_params, random_tokens, stored_shapes)
+from tests.helpers import max_logit_diff
+from tests.unit.models.family_checks import (assert_greedy_equal, check_logits, check_save_round_trip,
+                                             checkpoint_fixtures, edited_checkpoint, hf_meta_params, random_hf_model,
+                                             random_tokens, stored_shapes)
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,27 +50,12 @@ CONFIGS = {
 
 
 def make_hf_model(name: str, seed: int = 0):
-    torch.manual_seed(seed)
-    # A wider init than the default makes logits and router scores peaked: no near-ties.
-    cfg = transformers.GptOssConfig(initializer_range=0.1, **CONFIGS[name][0])
-    model = transformers.GptOssForCausalLM(cfg).eval()
-    with torch.no_grad():  # transformers starts every bias but the router's at 0: give each a value
-        for key, p in model.named_parameters():
-            if key.endswith(("bias", "_bias")):
-                p.normal_(0.0, 0.1)
-    return model
+    # transformers starts every bias but the router's at 0: give each a value
+    return random_hf_model("GptOssForCausalLM", CONFIGS[name][0], seed,
+                           pick=lambda key, p: key.endswith(("bias", "_bias")), draw=lambda p: p.normal_(0.0, 0.1))
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """name -> (directory saved by transformers, the transformers model)."""
-    return save_hf_models(tmp_path_factory, make_hf_model, CONFIGS)
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoints):
-    """name -> the forja model loaded from transformers' checkpoint."""
-    return {name: load_hf_checkpoint(path) for name, (path, _) in checkpoints.items()}
+checkpoints, loaded = checkpoint_fixtures(make_hf_model, CONFIGS)
 
 
 _tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
@@ -78,14 +64,11 @@ _tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_load_matches_transformers_logits(checkpoints, loaded, name):
     model, flavor = loaded[name], CONFIGS[name][1]
-    if flavor is not None:  # config.json read into exactly the flavor's args
-        assert model.args == model_args("gpt_oss", flavor)
-    else:
+    if flavor is None:
         assert model.args.rope_scaling.truncate and model.args.swiglu_limit == 0.5
         assert [model.args.layer_type(i) for i in range(3)] == CONFIGS[name][0]["layer_types"]
-    diff = max_logit_diff(checkpoints[name][1], model, _tokens(40))  # 40 tokens: 5x the window
-    print(f"{name}: max |logit diff| = {diff:.3e}")
-    assert diff < TOL
+    # 40 tokens: 5x the window
+    check_logits(checkpoints[name][1], model, _tokens(40), TOL, family="gpt_oss", flavor=flavor, label=name)
 
 
 @torch.no_grad()

@@ -13,9 +13,10 @@ import torch
 from forja.errors import ForjaError
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.mixtral.hf import config_from_args
-from tests.helpers import max_logit_diff, save_hf_models
-from tests.unit.models.family_checks import (assert_greedy_equal, assert_same_weights, check_save_round_trip,
-                                             edited_checkpoint, hf_meta_params, random_tokens, stored_names)
+from tests.helpers import max_logit_diff
+from tests.unit.models.family_checks import (assert_greedy_equal, assert_same_weights, check_logits,
+                                             check_save_round_trip, checkpoint_fixtures, edited_checkpoint,
+                                             hf_meta_params, random_hf_model, random_tokens, stored_names)
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,22 +42,10 @@ CONFIGS = {
 
 
 def make_hf_model(name: str, seed: int = 0):
-    torch.manual_seed(seed)
-    # A wider init than the default makes logits and router scores peaked: no near-ties.
-    cfg = transformers.MixtralConfig(initializer_range=0.1, **CONFIGS[name][0])
-    return transformers.MixtralForCausalLM(cfg).eval()
+    return random_hf_model("MixtralForCausalLM", CONFIGS[name][0], seed)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """name -> (directory saved by transformers, the transformers model)."""
-    return save_hf_models(tmp_path_factory, make_hf_model, CONFIGS)
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoints):
-    """name -> the forja model loaded from transformers' checkpoint."""
-    return {name: load_hf_checkpoint(path) for name, (path, _) in checkpoints.items()}
+checkpoints, loaded = checkpoint_fixtures(make_hf_model, CONFIGS)
 
 
 _tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
@@ -65,13 +54,9 @@ _tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_load_matches_transformers_logits(checkpoints, loaded, name):
     model, flavor = loaded[name], CONFIGS[name][1]
-    if flavor is not None:  # config.json read into exactly the flavor's args
-        assert model.args == model_args("mixtral", flavor)
-    else:
+    if flavor is None:
         assert model.args.sliding_window == 16 and model.args.layer_type(3) == "sliding_attention"
-    diff = max_logit_diff(checkpoints[name][1], model, _tokens(48))
-    print(f"{name}: max |logit diff| = {diff:.3e}")
-    assert diff < TOL
+    check_logits(checkpoints[name][1], model, _tokens(48), TOL, family="mixtral", flavor=flavor, label=name)
 
 
 def test_transformers_saves_the_released_layout(checkpoints):

@@ -15,10 +15,10 @@ from forja.errors import ForjaError
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.common.gated_delta_rule import chunk_gated_delta_rule
 from forja.models.olmo_hybrid.hf import config_from_args
-from tests.helpers import max_logit_diff, save_hf_models
+from tests.helpers import max_logit_diff
 from tests.unit.models.family_checks import (assert_greedy_equal, assert_same_weights, check_save_round_trip,
-                                             edited_checkpoint, float64_diffs, hf_meta_params, random_tokens,
-                                             stored_shapes)
+                                             checkpoint_fixtures, edited_checkpoint, float64_diffs, hf_meta_params,
+                                             random_hf_model, random_tokens, stored_shapes)
 from tests.unit.models.test_flops import measured_flops_per_token
 
 transformers = pytest.importorskip("transformers")
@@ -57,19 +57,13 @@ CONFIGS = {
 
 
 def make_hf_model(name: str, seed: int = 0):
-    kwargs, _ = CONFIGS[name]
-    torch.manual_seed(seed)
-    model = transformers.OlmoHybridForCausalLM(transformers.OlmoHybridConfig(initializer_range=0.1, **kwargs)).eval()
-    with torch.no_grad():  # norms start at ones: give them values of their own
-        for key, p in model.named_parameters():
-            if key.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
+    # norms start at ones: give them values of their own
+    return random_hf_model("OlmoHybridForCausalLM", CONFIGS[name][0], seed,
+                           pick=lambda key, p: key.endswith("norm.weight"),
+                           draw=lambda p: p.add_(torch.randn_like(p) * 0.1))
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return save_hf_models(tmp_path_factory, make_hf_model, CONFIGS)
+checkpoints, loaded = checkpoint_fixtures(make_hf_model, CONFIGS)
 
 
 _tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
@@ -82,9 +76,9 @@ def _forja_rule(q, k, v, g=None, beta=None, initial_state=None, output_final_sta
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_load_matches_transformers_logits(checkpoints, monkeypatch, name):
-    path, hf = checkpoints[name]
-    model = load_hf_checkpoint(path)
+def test_load_matches_transformers_logits(checkpoints, loaded, monkeypatch, name):
+    hf = checkpoints[name][1]
+    model = loaded[name]
     flavor = CONFIGS[name][1]
     if flavor is not None:  # config.json read into exactly the flavor's args
         assert model.args == model_args("olmo_hybrid", flavor)
@@ -102,12 +96,12 @@ def test_load_matches_transformers_logits(checkpoints, monkeypatch, name):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, tmp_path, name):
-    check_save_round_trip(load_hf_checkpoint(checkpoints[name][0]), tmp_path / "export",
+def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, loaded, tmp_path, name):
+    check_save_round_trip(loaded[name], tmp_path / "export",
                           hf_class="OlmoHybridForCausalLM", tokens=_tokens(33), tol=TOL)
 
 
-def test_every_layout_transformers_writes_loads_the_same(checkpoints, tmp_path):
+def test_every_layout_transformers_writes_loads_the_same(checkpoints, loaded, tmp_path):
     """save_pretrained's convolutions in equal thirds (the fixture's files), forja's at the
     projections' widths, and transformers' module layout (one conv1d, module-named norms)."""
     path, hf = checkpoints["rope_gqa"]
@@ -115,7 +109,7 @@ def test_every_layout_transformers_writes_loads_the_same(checkpoints, tmp_path):
     # 256 channels in chunks of 86, not cut at the projections' 64 | 64 | 128
     assert thirds["model.layers.0.linear_attn.q_conv1d.weight"] == [86, 1, 4]
     assert "model.layers.0.attention_layer_norm.weight" in thirds
-    ours = load_hf_checkpoint(path)
+    ours = loaded["rope_gqa"]
     written = stored_shapes(save_hf_checkpoint(ours, tmp_path / "forja"))
     assert [written[f"model.layers.0.linear_attn.{c}_conv1d.weight"][0] for c in "qkv"] == [64, 64, 128]
     hf.save_pretrained(tmp_path / "modules", save_original_format=False)
@@ -127,9 +121,9 @@ def test_every_layout_transformers_writes_loads_the_same(checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_decoding_equals_transformers_generate(checkpoints, name):
-    path, hf = checkpoints[name]
-    assert_greedy_equal(hf, load_hf_checkpoint(path), _tokens(9, seed=4), 20)
+def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name):
+    hf = checkpoints[name][1]
+    assert_greedy_equal(hf, loaded[name], _tokens(9, seed=4), 20)
 
 
 @torch.no_grad()

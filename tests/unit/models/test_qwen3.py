@@ -12,9 +12,10 @@ import torch
 from forja.errors import ForjaError
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.qwen3.hf import config_from_args
-from tests.helpers import max_logit_diff, save_hf_models
-from tests.unit.models.family_checks import (assert_greedy_equal, assert_same_weights, check_save_round_trip,
-                                             edited_checkpoint, hf_meta_params, random_tokens, stored_names)
+from tests.helpers import max_logit_diff
+from tests.unit.models.family_checks import (assert_greedy_equal, assert_same_weights, check_logits,
+                                             check_save_round_trip, checkpoint_fixtures, edited_checkpoint,
+                                             hf_meta_params, random_hf_model, random_tokens, stored_names)
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,31 +47,19 @@ CONFIGS = {
 
 def make_hf_model(name: str, seed: int = 0):
     cls_name, kwargs, _ = CONFIGS[name]
-    cls = getattr(transformers, cls_name)
-    torch.manual_seed(seed)
-    # A wider init than the default makes logits and router scores peaked: no near-ties.
-    return cls(cls.config_class(initializer_range=0.1, **kwargs)).eval()
+    return random_hf_model(cls_name, kwargs, seed)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """name -> (directory saved by transformers, the transformers model)."""
-    return save_hf_models(tmp_path_factory, make_hf_model, CONFIGS)
+checkpoints, loaded = checkpoint_fixtures(make_hf_model, CONFIGS)
 
 
 _tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_load_matches_transformers_logits(checkpoints, name):
-    path, hf = checkpoints[name]
-    model = load_hf_checkpoint(path)
-    flavor = CONFIGS[name][2]
-    if flavor is not None:  # config.json read into exactly the flavor's args
-        assert model.args == model_args("qwen3", flavor)
-    diff = max_logit_diff(hf, model, _tokens(48))
-    print(f"{name}: max |logit diff| = {diff:.3e}")
-    assert diff < TOL
+def test_load_matches_transformers_logits(checkpoints, loaded, name):
+    check_logits(checkpoints[name][1], loaded[name], _tokens(48), TOL, family="qwen3", flavor=CONFIGS[name][2],
+                 label=name)
 
 
 def test_transformers_saves_one_tensor_per_expert(checkpoints):
@@ -80,19 +69,19 @@ def test_transformers_saves_one_tensor_per_expert(checkpoints):
 
 
 @pytest.mark.parametrize("name", ["moe", "moe_step2"])
-def test_fused_expert_layout_loads_the_same(checkpoints, tmp_path, name):
-    path, hf = checkpoints[name]
+def test_fused_expert_layout_loads_the_same(checkpoints, loaded, tmp_path, name):
+    hf = checkpoints[name][1]
     hf.save_pretrained(tmp_path / "fused", save_original_format=False)  # transformers 5's own layout
     names = stored_names(tmp_path / "fused")
     assert "model.layers.1.mlp.experts.gate_up_proj" in names and "model.layers.1.mlp.experts.down_proj" in names
-    assert_same_weights(load_hf_checkpoint(tmp_path / "fused"), load_hf_checkpoint(path))  # fused, per expert
+    assert_same_weights(load_hf_checkpoint(tmp_path / "fused"), loaded[name])  # fused, per expert
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, tmp_path, name):
+def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, loaded, tmp_path, name):
     path, _ = checkpoints[name]
     # layout_of: the released (per-expert) layout
-    check_save_round_trip(load_hf_checkpoint(path), tmp_path / "export", hf_class=CONFIGS[name][0],
+    check_save_round_trip(loaded[name], tmp_path / "export", hf_class=CONFIGS[name][0],
                           tokens=_tokens(33), tol=TOL, layout_of=path)
 
 
@@ -105,9 +94,9 @@ def test_forja_model_exports_to_transformers(tmp_path, flavor):
 
 
 @pytest.mark.parametrize("name", ["dense", "moe"])
-def test_greedy_decoding_equals_transformers_generate(checkpoints, name):
-    path, hf = checkpoints[name]
-    assert_greedy_equal(hf, load_hf_checkpoint(path), _tokens(9, seed=4), 24)
+def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name):
+    hf = checkpoints[name][1]
+    assert_greedy_equal(hf, loaded[name], _tokens(9, seed=4), 24)
 
 
 # -- published sizes -------------------------------------------------------------------------

@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 from forja.errors import ForjaError
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.qwen3_5.hf import config_from_args
-from tests.helpers import max_logit_diff, save_hf_models
+from tests.helpers import max_logit_diff
 from tests.unit.models.family_checks import (assert_greedy_equal, assert_same_weights, check_save_round_trip,
-                                             edited_checkpoint, float64_diffs, hf_meta_params, random_tokens,
-                                             stored_names)
+                                             checkpoint_fixtures, edited_checkpoint, float64_diffs, hf_meta_params,
+                                             random_hf_model, random_tokens, stored_names)
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,28 +55,21 @@ CONFIGS = {
 
 def make_hf_model(name: str, seed: int = 0):
     cls_name, kwargs, _ = CONFIGS[name]
-    cls = getattr(transformers, cls_name)
-    torch.manual_seed(seed)
-    model = cls(cls.config_class(initializer_range=0.1, **kwargs)).eval()
-    with torch.no_grad():  # zero-centered norms start at 0 (scale 1): give them values of their own
-        for key, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
+    # zero-centered norms start at 0 (scale 1): give them values of their own
+    return random_hf_model(cls_name, kwargs, seed, pick=lambda key, p: p.dim() == 1,
+                           draw=lambda p: p.add_(torch.randn_like(p) * 0.1))
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return save_hf_models(tmp_path_factory, make_hf_model, CONFIGS)
+checkpoints, loaded = checkpoint_fixtures(make_hf_model, CONFIGS)
 
 
 _tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_load_matches_transformers_logits(checkpoints, name):
-    path, hf = checkpoints[name]
-    model = load_hf_checkpoint(path)
+def test_load_matches_transformers_logits(checkpoints, loaded, name):
+    hf = checkpoints[name][1]
+    model = loaded[name]
     flavor = CONFIGS[name][2]
     if flavor is not None:  # config.json read into exactly the flavor's args
         assert model.args == model_args("qwen3_5", flavor)
@@ -92,16 +85,16 @@ def test_load_matches_transformers_logits(checkpoints, name):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, tmp_path, name):
-    check_save_round_trip(load_hf_checkpoint(checkpoints[name][0]), tmp_path / "export", hf_class=CONFIGS[name][0],
+def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, loaded, tmp_path, name):
+    check_save_round_trip(loaded[name], tmp_path / "export", hf_class=CONFIGS[name][0],
                           tokens=_tokens(33), tol=TOL)
 
 
-def test_fused_expert_layout_loads_the_same(checkpoints, tmp_path):
-    path, hf = checkpoints["moe"]
+def test_fused_expert_layout_loads_the_same(checkpoints, loaded, tmp_path):
+    hf = checkpoints["moe"][1]
     hf.save_pretrained(tmp_path / "fused", save_original_format=False)  # transformers 5's own layout
     assert "model.layers.1.mlp.experts.gate_up_proj" in stored_names(tmp_path / "fused")
-    assert_same_weights(load_hf_checkpoint(tmp_path / "fused"), load_hf_checkpoint(path))
+    assert_same_weights(load_hf_checkpoint(tmp_path / "fused"), loaded["moe"])
 
 
 def test_the_multimodal_checkpoints_text_model_loads(checkpoints, tmp_path):
@@ -122,9 +115,9 @@ def test_the_multimodal_checkpoints_text_model_loads(checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["dense", "moe"])
-def test_greedy_decoding_equals_transformers_generate(checkpoints, name):
-    path, hf = checkpoints[name]
-    assert_greedy_equal(hf, load_hf_checkpoint(path), _tokens(9, seed=4), 20)
+def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name):
+    hf = checkpoints[name][1]
+    assert_greedy_equal(hf, loaded[name], _tokens(9, seed=4), 20)
 
 
 @torch.no_grad()

@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 from forja.errors import ForjaError
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.qwen3_next.hf import config_from_args
-from tests.helpers import max_logit_diff, save_hf_models
+from tests.helpers import max_logit_diff
 from tests.unit.models.family_checks import (assert_greedy_equal, assert_same_weights, check_save_round_trip,
-                                             edited_checkpoint, float64_diffs, hf_meta_params, random_tokens,
-                                             stored_names)
+                                             checkpoint_fixtures, edited_checkpoint, float64_diffs, hf_meta_params,
+                                             random_hf_model, random_tokens, stored_names)
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,20 +55,12 @@ CONFIGS = {
 
 
 def make_hf_model(name: str, seed: int = 0):
-    kwargs, _ = CONFIGS[name]
-    torch.manual_seed(seed)
-    config = transformers.Qwen3NextConfig(initializer_range=0.1, **kwargs)
-    model = transformers.Qwen3NextForCausalLM(config).eval()
-    with torch.no_grad():  # zero-centered norms start at 0 (scale 1): give them values of their own
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
+    # zero-centered norms start at 0 (scale 1): give them values of their own
+    return random_hf_model("Qwen3NextForCausalLM", CONFIGS[name][0], seed, pick=lambda key, p: p.dim() == 1,
+                           draw=lambda p: p.add_(torch.randn_like(p) * 0.1))
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return save_hf_models(tmp_path_factory, make_hf_model, CONFIGS)
+checkpoints, loaded = checkpoint_fixtures(make_hf_model, CONFIGS)
 
 
 _tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
@@ -79,9 +71,9 @@ def _stored(path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_load_matches_transformers_logits(checkpoints, name):
-    path, hf = checkpoints[name]
-    model = load_hf_checkpoint(path)
+def test_load_matches_transformers_logits(checkpoints, loaded, name):
+    hf = checkpoints[name][1]
+    model = loaded[name]
     flavor = CONFIGS[name][1]
     if flavor is not None:  # config.json read into exactly the flavor's args
         assert model.args == model_args("qwen3_next", flavor)
@@ -99,9 +91,9 @@ def test_load_matches_transformers_logits(checkpoints, name):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, tmp_path, name):
+def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, loaded, tmp_path, name):
     path, _ = checkpoints[name]
-    out, _ = check_save_round_trip(load_hf_checkpoint(path), tmp_path / "export", hf_class="Qwen3NextForCausalLM",
+    out, _ = check_save_round_trip(loaded[name], tmp_path / "export", hf_class="Qwen3NextForCausalLM",
                                    tokens=_tokens(33), tol=TOL)
     # forja's file holds transformers' tensors as they were: the regrouped in_proj_qkvz / in_proj_ba included.
     original, written = _stored(path), _stored(out)
@@ -110,11 +102,11 @@ def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, tmp_p
         assert torch.equal(written[key], t), key
 
 
-def test_grouped_projections_land_in_forjas_head_order(checkpoints):
+def test_grouped_projections_land_in_forjas_head_order(checkpoints, loaded):
     """Head by head: forja's wq/wk/wv/wz/wb/wa rows are the rows transformers'
     fix_query_key_value_ordering gives each head (key group g holds value heads g r .. g r + r - 1)."""
-    path, hf = checkpoints["moe"]
-    mixer = load_hf_checkpoint(path).layers["0"].attention
+    hf = checkpoints["moe"][1]
+    mixer = loaded["moe"].layers["0"].attention
     x = torch.randn(1, 3, _SHAPE["hidden_size"])
     lin = hf.model.layers[0].linear_attn
     with torch.no_grad():
@@ -124,11 +116,11 @@ def test_grouped_projections_land_in_forjas_head_order(checkpoints):
         assert torch.equal(theirs.reshape(1, 3, -1), mine)
 
 
-def test_fused_expert_layout_loads_the_same(checkpoints, tmp_path):
-    path, hf = checkpoints["moe"]
+def test_fused_expert_layout_loads_the_same(checkpoints, loaded, tmp_path):
+    hf = checkpoints["moe"][1]
     hf.save_pretrained(tmp_path / "fused", save_original_format=False)  # transformers 5's own layout
     assert "model.layers.2.mlp.experts.gate_up_proj" in stored_names(tmp_path / "fused")
-    assert_same_weights(load_hf_checkpoint(tmp_path / "fused"), load_hf_checkpoint(path))
+    assert_same_weights(load_hf_checkpoint(tmp_path / "fused"), loaded["moe"])
 
 
 # -- the multi-token prediction module ----------------------------------------------------------
@@ -231,9 +223,9 @@ def test_a_config_counting_an_mtp_module_it_does_not_hold(mtp_checkpoint, tmp_pa
         load_hf_checkpoint(tmp_path)
 
 
-def test_greedy_decoding_equals_transformers_generate(checkpoints):
+def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded):
     path, hf = checkpoints["moe"]  # every kind of block: Gated DeltaNet, attention, dense and MoE feed-forwards
-    assert_greedy_equal(hf, load_hf_checkpoint(path), _tokens(9, seed=4), 20)
+    assert_greedy_equal(hf, loaded["moe"], _tokens(9, seed=4), 20)
 
 
 @torch.no_grad()
