@@ -104,8 +104,9 @@ def test_forja_model_exports_to_transformers(tmp_path):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name):
-    # 9 + 24 = 33 positions: the cache holds more than a window
-    assert_greedy_equal(checkpoints[name][1], loaded[name], _tokens(9, seed=4), 24)
+    # 9 + 12 = 21 positions: the cache holds more than two windows of 8 (four of 5), and the
+    # 9-token prompt already fills one, so each of the 12 steps decodes past a window.
+    assert_greedy_equal(checkpoints[name][1], loaded[name], _tokens(9, seed=4), 12)
 
 
 # -- published sizes and FLOPs ---------------------------------------------------------------

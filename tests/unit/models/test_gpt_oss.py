@@ -142,8 +142,9 @@ def test_forja_model_exports_to_transformers(tmp_path):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name):
-    # 9 + 12 tokens run past the 8- and 5-token windows, through transformers' sliding cache.
-    assert_greedy_equal(checkpoints[name][1], loaded[name], _tokens(9, seed=4), 12)
+    # The 9-token prompt already fills the 8- and 5-token windows: each of the 8 steps decodes
+    # past them, through transformers' sliding cache, to 17 positions (two windows of 8).
+    assert_greedy_equal(checkpoints[name][1], loaded[name], _tokens(9, seed=4), 8)
 
 
 # -- the expert and router math, piece by piece --------------------------------------------

@@ -94,8 +94,9 @@ def test_forja_model_exports_to_transformers(tmp_path):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name):
-    # "window": 9 + 16 tokens run past the 16-token window, through transformers' sliding cache.
-    assert_greedy_equal(checkpoints[name][1], loaded[name], _tokens(9, seed=4), 16)
+    # "window": 9 + 12 tokens run 5 steps past the 16-token window, through transformers' sliding
+    # cache (once past it, each further step decodes the same way: more tokens would add no case).
+    assert_greedy_equal(checkpoints[name][1], loaded[name], _tokens(9, seed=4), 12)
 
 
 # -- published sizes -------------------------------------------------------------------------

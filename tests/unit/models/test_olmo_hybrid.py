@@ -82,7 +82,7 @@ def test_load_matches_transformers_logits(checkpoints, loaded, monkeypatch, name
     flavor = CONFIGS[name][1]
     if flavor is not None:  # config.json read into exactly the flavor's args
         assert model.args == model_args("olmo_hybrid", flavor)
-    tokens = _tokens(80)
+    tokens = _tokens(80)  # two 64-token chunks of the delta rule (padded to whole chunks: 65 would cost the same)
     diff = max_logit_diff(hf, model, tokens)
     hf_rounding, diff64, hf64, model64, exact = float64_diffs(hf, model, tokens)
     with torch.no_grad():

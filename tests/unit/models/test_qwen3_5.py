@@ -73,7 +73,7 @@ def test_load_matches_transformers_logits(checkpoints, loaded, name):
     flavor = CONFIGS[name][2]
     if flavor is not None:  # config.json read into exactly the flavor's args
         assert model.args == model_args("qwen3_5", flavor)
-    tokens = _tokens(80)  # more than one 64-token chunk of the delta rule
+    tokens = _tokens(80)  # two 64-token chunks of the delta rule (padded to whole chunks: 65 would cost the same)
     diff = max_logit_diff(hf, model, tokens)
     hf.config._experts_implementation = "eager"  # transformers' grouped_mm has no float64
     hf_rounding, diff64, *_ = float64_diffs(hf, model, tokens)

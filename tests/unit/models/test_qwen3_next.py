@@ -79,7 +79,7 @@ def test_load_matches_transformers_logits(checkpoints, loaded, name):
         assert model.args == model_args("qwen3_next", flavor)
     moe_blocks = [model.args.is_moe_layer(i) for i in range(model.args.n_layers)]
     assert moe_blocks == [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
-    tokens = _tokens(80)  # more than one 64-token chunk of the delta rule
+    tokens = _tokens(80)  # two 64-token chunks of the delta rule (padded to whole chunks: 65 would cost the same)
     diff = max_logit_diff(hf, model, tokens)
     hf.config._experts_implementation = "eager"  # transformers' grouped_mm has no float64
     hf_rounding, diff64, *_ = float64_diffs(hf, model, tokens)
