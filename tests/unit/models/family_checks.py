@@ -1,9 +1,10 @@
 """The checks every model family's test file makes against transformers, written once:
 random-weight transformers models and their checkpoints (module fixtures), random tokens,
-forja's logits against transformers', what a checkpoint stores, parameter counts of transformers' model on the
-meta device, checkpoints with an edited config.json or edited tensors (for the refusal
-tests), state dicts compared bit for bit, the HF save round trip, greedy decoding, and
-float32 / float64 logit differences. The tensor-parallel cases live in test_tp_families.py.
+forja's logits against transformers', what a checkpoint stores, parameter counts of
+transformers' model on the meta device, checkpoints with an edited config.json or edited
+tensors (for the refusal tests), state dicts compared bit for bit, the HF save round trip,
+greedy decoding, and float32 / float64 logit differences. The tensor-parallel cases live
+in test_tp_families.py.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from forja.models import load_hf_checkpoint, model_args, save_hf_checkpoint
 from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
 
 
-def random_hf_model(cls_name: str, config: dict, seed: int = 0, *, pick: Callable[[str, torch.Tensor], bool] = None,
-                    draw: Callable[[torch.Tensor], object] = None):
+def random_hf_model(cls_name: str, config: dict, seed: int = 0, *,
+                    pick: Callable[[str, torch.Tensor], bool] | None = None,
+                    draw: Callable[[torch.Tensor], object] | None = None):
     """transformers' `cls_name` built from `config` on random weights drawn from `seed`, in
     eval mode. The init is wider than transformers' default (0.1): peaked logits and router
     scores, so that greedy choices and routing are no near-ties. Then `draw(p)` changes in
