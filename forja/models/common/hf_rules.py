@@ -109,3 +109,11 @@ class HFAdapter:
     """The args from config.json fitted to the stored tensor names before the layout is read
     (DeepSeek-V3: transformers writes num_nextn_predict_layers = 1 with no MTP tensors, so
     the count holds only when its modules are stored)."""
+
+
+def decoder_config(a: Any) -> dict:
+    """The config.json keys every rotary decoder family writes alike, from its args."""
+    return {"hidden_size": a.dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "intermediate_size": a.ffn_dim,
+            "vocab_size": a.vocab_size, "max_position_embeddings": a.max_seq_len, "rms_norm_eps": a.norm_eps,
+            "tie_word_embeddings": a.tie_embeddings}

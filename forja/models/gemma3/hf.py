@@ -12,7 +12,7 @@ dialect. The multimodal checkpoints (Gemma3ForConditionalGeneration) are not rea
 from __future__ import annotations
 
 from forja.errors import ForjaError
-from forja.models.common.hf_rules import HFAdapter, TensorRule
+from forja.models.common.hf_rules import HFAdapter, TensorRule, decoder_config
 from forja.models.gemma3.model import Gemma3Args, gemma3_layer_types
 
 ARCHITECTURES = ("Gemma3ForCausalLM",)
@@ -117,16 +117,7 @@ def config_from_args(a: Gemma3Args) -> dict:
     return {
         "architectures": list(ARCHITECTURES),
         "model_type": "gemma3_text",
-        "hidden_size": a.dim,
-        "num_hidden_layers": a.n_layers,
-        "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads,
-        "head_dim": a.head_dim,
-        "intermediate_size": a.ffn_dim,
-        "vocab_size": a.vocab_size,
-        "max_position_embeddings": a.max_seq_len,
-        "rms_norm_eps": a.norm_eps,
-        "tie_word_embeddings": a.tie_embeddings,
+        **decoder_config(a),
         "hidden_activation": "gelu_pytorch_tanh",
         "attention_bias": False,
         "query_pre_attn_scalar": a.query_pre_attn_scalar,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from forja.errors import ForjaError
-from forja.models.common.hf_rules import HFAdapter, TensorRule
+from forja.models.common.hf_rules import HFAdapter, TensorRule, decoder_config
 from forja.models.common.rope import YarnScaling
 from forja.models.gpt_oss.model import GptOssArgs, alternating_layer_types
 
@@ -136,16 +136,7 @@ def config_from_args(a: GptOssArgs) -> dict:
     return {
         "architectures": list(ARCHITECTURES),
         "model_type": "gpt_oss",
-        "hidden_size": a.dim,
-        "num_hidden_layers": a.n_layers,
-        "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads,
-        "head_dim": a.head_dim,
-        "intermediate_size": a.ffn_dim,
-        "vocab_size": a.vocab_size,
-        "max_position_embeddings": a.max_seq_len,
-        "rms_norm_eps": a.norm_eps,
-        "tie_word_embeddings": a.tie_embeddings,
+        **decoder_config(a),
         "attention_bias": a.attention_bias,
         "sliding_window": a.sliding_window,
         "layer_types": [a.layer_type(i) for i in range(a.n_layers)],

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from forja.errors import ForjaError
-from forja.models.common.hf_rules import HFAdapter, TensorRule
+from forja.models.common.hf_rules import HFAdapter, TensorRule, decoder_config
 from forja.models.mixtral.model import MixtralArgs
 
 ARCHITECTURES = ("MixtralForCausalLM",)
@@ -112,16 +112,7 @@ def config_from_args(a: MixtralArgs) -> dict:
     return {
         "architectures": list(ARCHITECTURES),
         "model_type": "mixtral",
-        "hidden_size": a.dim,
-        "num_hidden_layers": a.n_layers,
-        "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads,
-        "head_dim": a.head_dim,
-        "intermediate_size": a.ffn_dim,
-        "vocab_size": a.vocab_size,
-        "max_position_embeddings": a.max_seq_len,
-        "rms_norm_eps": a.norm_eps,
-        "tie_word_embeddings": a.tie_embeddings,
+        **decoder_config(a),
         "hidden_act": "silu",
         "sliding_window": a.sliding_window,
         "num_local_experts": a.n_experts,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from forja.errors import ForjaError
-from forja.models.common.hf_rules import HFAdapter, TensorRule
+from forja.models.common.hf_rules import HFAdapter, TensorRule, decoder_config
 from forja.models.qwen3.model import Qwen3Args
 
 ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -122,16 +122,7 @@ def config_from_args(a: Qwen3Args) -> dict:
     cfg = {
         "architectures": ["Qwen3MoeForCausalLM" if a.n_experts else "Qwen3ForCausalLM"],
         "model_type": "qwen3_moe" if a.n_experts else "qwen3",
-        "hidden_size": a.dim,
-        "num_hidden_layers": a.n_layers,
-        "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads,
-        "head_dim": a.head_dim,
-        "intermediate_size": a.ffn_dim,
-        "vocab_size": a.vocab_size,
-        "max_position_embeddings": a.max_seq_len,
-        "rms_norm_eps": a.norm_eps,
-        "tie_word_embeddings": a.tie_embeddings,
+        **decoder_config(a),
         "hidden_act": "silu",
         "attention_bias": False,
         "use_sliding_window": False,
