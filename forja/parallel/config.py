@@ -8,6 +8,7 @@ from typing import Literal
 from forja.errors import ForjaError
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev")
+CP_KINDS = ("ring", "all-to-all")
 
 
 @dataclass(kw_only=True)
@@ -44,7 +45,11 @@ class ParallelConfig:
     """Expert-parallel degree: a mixture of experts' routed experts split over this many of the
     dp_shard ranks (it must divide dp_shard and the number of experts)."""
     cp: int = 1
-    """Context-parallel degree (ring attention over the sequence; CUDA only)."""
+    """Context-parallel degree: each sample's sequence split over this many ranks (any backend)."""
+    cp_kind: Literal["ring", "all-to-all"] = "ring"
+    """How attention sees the whole sequence under cp > 1: "ring" passes keys and values around
+    the ranks (each rank a load-balanced chunk and its mirror), "all-to-all" (Ulysses) re-shards
+    activations over heads for each sequence mixer, so the degree must divide the heads."""
     ac: Literal["none", "full", "selective"] = "none"
     """Activation checkpointing: none, every block (full), or selective (see ac_every)."""
     ac_every: int = 0
