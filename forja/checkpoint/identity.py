@@ -24,6 +24,8 @@ from forja.models.common.transformer import TransformerArgs
 
 # Args that choose kernels, not weights: a checkpoint loads whatever they are.
 IMPLEMENTATION_ARGS = ("attention", "fused_ops")
+# Args that place a rotary model's positions, not its weights: a resume may change them.
+POSITION_ARGS = ("max_seq_len", "rope_scaling", "rope_theta")
 
 
 def model_identity(family: str, flavor: str, args: TransformerArgs) -> dict:
@@ -52,14 +54,33 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def position_args(family: str) -> tuple[str, ...]:
+    """The args a run may change when it resumes or starts from these weights: how a rotary
+    model places positions (context extension), which no weight's shape depends on. A family
+    with a learned position table (GPT-2) has none: its max_seq_len is the table's rows."""
+    from forja.models.registry import FAMILIES  # the registry imports every family: only when asked
+
+    spec = FAMILIES.get(family)
+    return () if spec is None or spec.args_cls.learned_positions else POSITION_ARGS
+
+
 def check_model_identity(saved: dict, current: dict, *, loose: bool = False) -> None:
     """Refuse weights of another model. `loose` compares the arguments only (an HF model has
-    no flavor). Kernel choices (IMPLEMENTATION_ARGS) never count."""
+    no flavor). Kernel choices (IMPLEMENTATION_ARGS) never count, nor the positions of a
+    rotary model (POSITION_ARGS: a run resumed at a longer context with new RoPE scaling)."""
     old, new = saved.get("model", {}), current["model"]
-    diffs = [f"{k}: {old.get('args', {}).get(k)!r} vs {v!r}" for k, v in new["args"].items()
-             if old.get("args", {}).get(k) != v and k not in IMPLEMENTATION_ARGS]
-    if not diffs and (loose or old == new):
+    free = IMPLEMENTATION_ARGS + position_args(new["family"])
+    old_args = old.get("args", {})
+    diffs = [f"{k}: {old_args.get(k)!r} vs {v!r}" for k, v in new["args"].items()
+             if old_args.get(k) != v and k not in free]
+    diffs += [f"{k}: {v!r} vs absent" for k, v in old_args.items() if k not in new["args"] and k not in free]
+    same = loose or (old.get("family"), old.get("flavor")) == (new["family"], new["flavor"])
+    if not diffs and same:
         return
+    if "max_seq_len" in (d.split(":")[0] for d in diffs):
+        raise ForjaError(f"the checkpoint's {new['family']} model has max_seq_len {old_args.get('max_seq_len')}, "
+                         f"this run {new['args'].get('max_seq_len')}: its learned position table has one row per "
+                         "position and cannot be extended; keep model max_seq_len, or use another run.dir")
     raise ForjaError(f"the checkpoint holds a {old.get('family')} {old.get('flavor')!r} model, this run builds a "
                      f"{new['family']} {new['flavor']!r} model ({'; '.join(diffs[:3]) or 'different'}); "
                      "use the same model.* settings, another run.dir, or --start-over")

@@ -49,6 +49,12 @@ class ModelConfig:
     """Per-op exceptions to fused_ops, e.g. {cross_entropy = false} or {rms_norm = true}."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Fields of the flavor to change, e.g. {n_layers = 2, qk_norm = true, sliding_window = 512}."""
+    rope_scaling: dict[str, Any] | None = None
+    """Rotary frequency scaling, replacing the flavor's, as Hugging Face writes it: {rope_type = "yarn",
+    factor = 8.0, original_max_seq_len = 4096} (YaRN) or {rope_type = "llama3", factor = 8.0,
+    low_freq_factor = 1.0, high_freq_factor = 4.0, original_max_seq_len = 8192} (Llama 3's rule);
+    {rope_type = "default"}: plain RoPE; unset: the flavor's. For rotary families (llama, qwen3, mixtral,
+    olmo3, deepseek_v3, gpt_oss); a resume may change it (context extension, docs/training.md)."""
     mup_base_dim: int = 0
     """0: off; else the width (model.dim) the hyperparameters were tuned at: the model is
     parametrized (muP) so the best learning rate found at that width holds at larger widths."""
@@ -65,6 +71,28 @@ class ModelConfig:
         if unknown:
             raise ForjaError(f"model.fused_ops_overrides has no op {unknown[0]!r}; ops: {', '.join(FUSED_OPS)}")
         self._check_overrides()
+        self.scaling()  # a bad table stops at load, naming model.rope_scaling
+
+    def scaling(self) -> Any:
+        """model.rope_scaling as the family's args take it (RopeScaling, YarnScaling or None for
+        plain RoPE); refused for a family without rotary scaling, or set twice."""
+        from forja.models.common.rope import rope_scaling_from
+        from forja.models.registry import FAMILIES
+
+        if self.rope_scaling is None:
+            return None
+        if "rope_type" not in self.rope_scaling:
+            raise ForjaError("model.rope_scaling needs a rope_type: \"yarn\", \"llama3\" or \"default\" (plain RoPE)")
+        scaling = rope_scaling_from(self.rope_scaling, key="model.rope_scaling")
+        spec = FAMILIES.get(self.family)
+        if spec is not None and "rope_scaling" not in {f.name for f in dataclasses.fields(spec.args_cls)}:
+            with_it = sorted(n for n, f in FAMILIES.items()
+                             if "rope_scaling" in {x.name for x in dataclasses.fields(f.args_cls)})
+            raise ForjaError(f"model.rope_scaling: the {self.family} family has no rotary scaling; remove the key, "
+                             f"or use one of {', '.join(with_it)}")
+        if "rope_scaling" in self.overrides:
+            raise ForjaError("model.rope_scaling and model.overrides.rope_scaling are both set; keep model.rope_scaling")
+        return scaling
 
     def _check_overrides(self) -> None:
         """Every key of model.overrides must be a field of the family's args, caught at load rather
@@ -88,8 +116,11 @@ def run_model_args(model_cfg: ModelConfig, vocab_size: int) -> TransformerArgs:
     """The model's typed args from the [model] section and the tokenizer's vocabulary."""
     from forja.models.registry import model_args  # the registry imports every family: only when asked
 
+    overrides = dict(model_cfg.overrides)
+    if model_cfg.rope_scaling is not None:
+        overrides["rope_scaling"] = model_cfg.scaling()
     args = model_args(model_cfg.family, model_cfg.flavor, attention=model_cfg.attention,
-                      fused_ops=model_cfg.enabled_fused_ops(), **{"vocab_size": vocab_size, **model_cfg.overrides})
+                      fused_ops=model_cfg.enabled_fused_ops(), **{"vocab_size": vocab_size, **overrides})
     if args.vocab_size < vocab_size:
         raise ForjaError(f"model.overrides.vocab_size = {args.vocab_size} is smaller than the tokenizer's "
                          f"{vocab_size} tokens; remove the override or make it larger")

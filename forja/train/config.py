@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -96,7 +97,18 @@ class TrainConfig:
     seed: int = 0
     """Seed of the weights, the data order and everything random."""
     seq_len: int = 512
-    """Tokens per training sequence."""
+    """Tokens per training sequence: the run's full length, the one validation, the layout and the
+    memory check use; a resume may raise it (context extension: the data continues from the tokens
+    consumed, docs/training.md)."""
+    seq_len_schedule: list[list[int]] = field(default_factory=list)
+    """A sequence-length warmup: [[step, length], ...], each length taking effect once `step` steps are
+    done (the first entry at step 0, steps increasing, the last length = train.seq_len), e.g.
+    [[0, 1024], [1000, 4096]]; empty: train.seq_len throughout. The global batch stays
+    global_batch_size sequences, so tokens per step grow with the length."""
+    seq_len_schedule_kind: Literal["step", "linear"] = "step"
+    """step: each entry's length holds until the next entry; linear: the length ramps from each entry to
+    the next, in multiples of the greatest common divisor of the listed lengths (so whatever divides
+    every listed length divides every length used)."""
     global_batch_size: int = 32
     """Sequences per optimizer step, over all data-parallel ranks."""
     micro_batch_size: int = 8
@@ -147,3 +159,46 @@ class TrainConfig:
                              "(such as 65536.0), so that scaling is exact")
         if self.fp16_growth_interval < 1:
             raise ForjaError(f"train.fp16_growth_interval = {self.fp16_growth_interval} must be at least 1")
+        check_seq_len_schedule(self.seq_len_schedule, self.seq_len)
+
+    def seq_len_at(self, steps: int) -> int:
+        """The sequence length of the step after `steps` completed steps."""
+        table = self.seq_len_schedule
+        if not table:
+            return self.seq_len
+        i = bisect.bisect_right([s for s, _ in table], steps) - 1
+        step, length = table[i]
+        if self.seq_len_schedule_kind == "step" or i + 1 == len(table):
+            return length
+        next_step, next_length = table[i + 1]
+        g = math.gcd(*(n for _, n in table))
+        # Integer arithmetic: every rank and every resume computes the same length.
+        return length + g * ((next_length - length) // g * (steps - step) // (next_step - step))
+
+    def seq_lens(self) -> tuple[int, ...]:
+        """Every sequence length the run's train.steps steps use, ascending: each must pass the
+        layout's divisibility checks (forja/parallel/checks.py), not train.seq_len alone."""
+        table = self.seq_len_schedule
+        if not table:
+            return (self.seq_len,)
+        if self.seq_len_schedule_kind == "step":
+            return tuple(sorted({n for s, n in table if s < self.steps} | {self.seq_len}))
+        return tuple(sorted({self.seq_len_at(s) for s in range(self.steps)} | {self.seq_len}))
+
+
+def check_seq_len_schedule(table: list[list[int]], seq_len: int) -> None:
+    """train.seq_len_schedule: [step, length] pairs from step 0, steps increasing, lengths
+    positive, ending at train.seq_len; stops with the key and the fix."""
+    if not table:
+        return
+    example = f"e.g. [[0, {max(1, seq_len // 4)}], [1000, {seq_len}]]"
+    if any(len(entry) != 2 for entry in table):
+        raise ForjaError(f"train.seq_len_schedule = {table}: each entry must be [step, length], {example}")
+    steps, lengths = [s for s, _ in table], [n for _, n in table]
+    if steps[0] != 0 or any(b <= a for a, b in zip(steps, steps[1:])):
+        raise ForjaError(f"train.seq_len_schedule steps {steps} must start at 0 and increase, {example}")
+    if min(lengths) < 1:
+        raise ForjaError(f"train.seq_len_schedule lengths {lengths} must be positive numbers of tokens")
+    if lengths[-1] != seq_len:
+        raise ForjaError(f"train.seq_len_schedule ends at length {lengths[-1]} but train.seq_len = {seq_len}; "
+                         f"end the schedule at train.seq_len (the length validation and the layout use)")

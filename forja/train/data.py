@@ -139,7 +139,8 @@ def loaders(cfg: Config, dataset: Any, *, dp_rank: int, dp_size: int) -> tuple[A
     t = cfg.train
     train = DataLoader(dataset, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
                        micro_batch_size=t.micro_batch_size, dp_rank=dp_rank, dp_world_size=dp_size,
-                       seed=t.seed, prefetch=cfg.data.prefetch)
+                       seed=t.seed, prefetch=cfg.data.prefetch,
+                       seq_len_at=t.seq_len_at if t.seq_len_schedule else None)
     val = None
     if t.val_interval > 0 and t.val_batches > 0:
         val = ValidationLoader(dataset, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,

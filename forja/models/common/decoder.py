@@ -44,8 +44,9 @@ class RotaryDecoder(Transformer):
         raise NotImplementedError
 
     def rope_scale(self) -> float:
-        """A factor on cos and sin (YaRN's attention temperature); 1 otherwise."""
-        return 1.0
+        """A factor on cos and sin (YaRN's attention temperature, from the args' rope_scaling); 1 otherwise."""
+        scaling = getattr(self.args, "rope_scaling", None)
+        return 1.0 if scaling is None else scaling.rope_scale()
 
     # -- shared ------------------------------------------------------------------------------
     def build_block(self, layer: int) -> TransformerBlock:

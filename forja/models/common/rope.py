@@ -12,16 +12,21 @@ with bounds counted in rotations over the original context and also rescales att
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from forja.errors import ForjaError
 
 # The rotation itself is the fused op's reference implementation; it lives with the op
 # (ops know nothing of models) and is re-exported here for the model code.
 from forja.ops.rope import apply_rope
 
-__all__ = ["RopeScaling", "YarnScaling", "apply_rope", "rope_cos_sin", "rope_frequencies", "yarn_mscale"]
+__all__ = ["ROPE_TYPES", "RopeScaling", "YarnScaling", "apply_rope", "rope_cos_sin", "rope_frequencies",
+           "rope_scaling_from", "rope_scaling_from_hf", "rope_scaling_to_hf", "yarn_mscale"]
 
 
 @dataclass(kw_only=True)
@@ -36,6 +41,14 @@ class RopeScaling:
     """Wavelengths below original_max_seq_len / high_freq_factor are left alone."""
     original_max_seq_len: int = 8192
     """Context length the model was pre-trained with before scaling."""
+
+    def rope_scale(self) -> float:
+        """The factor on cos and sin: none (Llama 3's rule rescales frequencies only)."""
+        return 1.0
+
+    def softmax_scale(self, scale: float) -> float:
+        """The attention's softmax scale, unchanged."""
+        return scale
 
 
 @dataclass(kw_only=True)
@@ -81,6 +94,106 @@ class YarnScaling:
         return scale * m * m
 
 
+ROPE_TYPES: dict[str, type] = {"llama3": RopeScaling, "yarn": YarnScaling}
+"""Hugging Face's `rope_type` of each scaling forja computes; "default" means plain RoPE."""
+
+Scaling = RopeScaling | YarnScaling
+_HF_NAMES = {"original_max_position_embeddings": "original_max_seq_len"}  # config.json's spelling -> ours
+
+
+def rope_scaling_from(value: Any, *, key: str = "model.rope_scaling", default: str = "llama3") -> Scaling | None:
+    """A scaling from a config value: None, a RopeScaling/YarnScaling, or a table like Hugging
+    Face's, {rope_type = "yarn", factor = 8.0, original_max_seq_len = 4096} ("llama3" or "yarn";
+    "default" is plain RoPE, None; a table without rope_type is `default`'s kind). Field names
+    are the dataclasses' (original_max_position_embeddings is read as original_max_seq_len).
+    A bad table stops with one sentence naming `key` and the fix."""
+    if value is None or isinstance(value, (RopeScaling, YarnScaling)):
+        return value
+    if not isinstance(value, dict):
+        raise ForjaError(f"{key} = {value!r} must be a table such as {{rope_type = \"yarn\", factor = 8.0, "
+                         "original_max_seq_len = 4096}")
+    fields = {_HF_NAMES.get(k, k): v for k, v in value.items() if k not in ("rope_type", "type")}
+    kind = value.get("rope_type", value.get("type")) or _kind_of(fields, default)
+    if kind == "default":
+        return None
+    cls = ROPE_TYPES.get(kind)
+    if cls is None:
+        raise ForjaError(f"{key}.rope_type = {kind!r} is not one forja computes; use \"llama3\" (Llama 3's rule), "
+                         "\"yarn\" or \"default\" (plain RoPE)")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(fields) - set(names))
+    if unknown:
+        raise ForjaError(f"{key}.{unknown[0]} is not a field of rope_type {kind!r}; its fields: {', '.join(names)}")
+    try:
+        scaling = cls(**fields)
+    except TypeError as exc:
+        raise ForjaError(f"{key}: {exc}") from None
+    _check(scaling, key)
+    return scaling
+
+
+def _kind_of(fields: dict, default: str) -> str:
+    """The rope_type a table without one names by its fields (a checkpoint's recorded args are
+    the dataclass's fields), else `default`."""
+    only = {kind: {f.name for f in dataclasses.fields(cls)} for kind, cls in ROPE_TYPES.items()}
+    for kind, names in only.items():
+        others = set().union(*(n for k, n in only.items() if k != kind))
+        if set(fields) & (names - others):
+            return kind
+    return default
+
+
+def _check(s: Scaling, key: str) -> None:
+    numbers = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name not in ("truncate",)}
+    bad = [k for k, v in numbers.items() if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))]
+    if bad:
+        raise ForjaError(f"{key}.{bad[0]} = {numbers[bad[0]]!r} must be a number")
+    if not s.factor >= 1 or s.original_max_seq_len < 1:
+        raise ForjaError(f"{key}: factor = {s.factor} must be >= 1 (the context's growth) and original_max_seq_len "
+                         f"= {s.original_max_seq_len} the pre-training length, >= 1")
+    if isinstance(s, RopeScaling) and not 0 < s.low_freq_factor < s.high_freq_factor:
+        raise ForjaError(f"{key}: low_freq_factor = {s.low_freq_factor} and high_freq_factor = {s.high_freq_factor} "
+                         "need 0 < low_freq_factor < high_freq_factor (Llama 3.1: 1 and 4)")
+    if isinstance(s, YarnScaling) and not 0 < s.beta_slow < s.beta_fast:
+        raise ForjaError(f"{key}: beta_slow = {s.beta_slow} and beta_fast = {s.beta_fast} need "
+                         "0 < beta_slow < beta_fast (YaRN: 1 and 32)")
+
+
+def rope_scaling_to_hf(s: Scaling) -> dict:
+    """config.json's `rope_scaling` (transformers 4.x dialect, which 5.x reads) of a scaling."""
+    if isinstance(s, RopeScaling):
+        return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_seq_len}
+    out = {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
+           "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "truncate": s.truncate}
+    if s.attention_factor is not None:
+        out["attention_factor"] = s.attention_factor
+    out.update({k: getattr(s, k) for k in ("mscale", "mscale_all_dim") if getattr(s, k)})
+    return out
+
+
+def rope_scaling_from_hf(rope: dict | None, max_len: int, *, where: str = "config.json") -> Scaling | None:
+    """A scaling from config.json's `rope_scaling` or `rope_parameters` (None or "default":
+    plain RoPE), with transformers' defaults for absent keys (`max_len`: max_position_embeddings)."""
+    rope = rope or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ROPE_TYPES:
+        raise ForjaError(f"{where}: rope type {kind!r} is not supported; forja reads 'default', 'llama3' and 'yarn'")
+    original = int(rope.get("original_max_position_embeddings") or max_len)
+    if kind == "llama3":
+        return RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                           high_freq_factor=float(rope["high_freq_factor"]), original_max_seq_len=original)
+    attention_factor = rope.get("attention_factor")
+    return YarnScaling(
+        factor=float(rope.get("factor") or max_len / original), original_max_seq_len=original,
+        beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+        mscale=float(rope.get("mscale") or 0.0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(rope.get("truncate", True)))
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (1 when not extending)."""
     if factor <= 1:
@@ -88,7 +201,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | None = None) -> torch.Tensor:
+def rope_frequencies(head_dim: int, theta: float, scaling: Scaling | None = None) -> torch.Tensor:
     """Inverse frequencies, float32, shape (head_dim // 2,)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)

@@ -12,6 +12,7 @@ Any of `tok_embeddings`, `norm`, `output` may be set to None by a pipeline split
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,9 @@ class TransformerArgs:
     """Rows of the embedding and of the output projection."""
     max_seq_len: int = 2048
     """Longest sequence the model is built for (learned positions, KV cache size)."""
+    learned_positions: ClassVar[bool] = False
+    """Whether max_seq_len sizes a weight (a learned position table): such a model cannot be
+    resumed at a longer context; a rotary one computes its positions and can."""
     norm_eps: float = 1e-5
     """Epsilon of the normalization layers."""
     tie_embeddings: bool = False

@@ -39,7 +39,7 @@ import torch
 
 from forja.errors import ForjaError
 from forja.models.common.hf_rules import HFAdapter, TensorRule
-from forja.models.common.rope import YarnScaling
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from_hf, rope_scaling_to_hf
 from forja.models.deepseek_v3.model import DeepSeekV3Args
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -53,15 +53,15 @@ def _refuse(key: str, value, why: str) -> ForjaError:
     return ForjaError(f"config.json: {key}={value!r} is not supported; {why}")
 
 
-def _yarn(cfg: dict) -> tuple[float, YarnScaling | None]:
+def _yarn(cfg: dict) -> tuple[float, YarnScaling | RopeScaling | None]:
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or params
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return theta, None
+    if kind in ("default", "llama3"):
+        return theta, rope_scaling_from_hf(scaling, cfg.get("max_position_embeddings", 4096))
     if kind != "yarn":
-        raise _refuse("rope type", kind, "forja reads 'default' and 'yarn'")
+        raise _refuse("rope type", kind, "forja reads 'default', 'llama3' and 'yarn'")
     original = int(scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 4096))
     factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
     attention_factor = scaling.get("attention_factor")
@@ -162,7 +162,9 @@ def config_from_args(a: DeepSeekV3Args) -> dict:
         # The 4.x dialect, as DeepSeek's checkpoints write it; 5.x reads it too.
         "rope_theta": a.rope_theta, "rope_scaling": None,
     }
-    if a.rope_scaling is not None:
+    if isinstance(a.rope_scaling, RopeScaling):
+        cfg["rope_scaling"] = rope_scaling_to_hf(a.rope_scaling)
+    elif a.rope_scaling is not None:
         s = a.rope_scaling
         cfg["rope_scaling"] = {"rope_type": "yarn", "factor": s.factor,
                                "original_max_position_embeddings": s.original_max_seq_len,

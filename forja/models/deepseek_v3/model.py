@@ -33,7 +33,7 @@ from forja.models.common.attention import KVCache
 from forja.models.common.decoder import RotaryDecoder
 from forja.models.common.mla import MLA, LatentAttentionArgs
 from forja.models.common.moe import MoEArgs
-from forja.models.common.rope import YarnScaling, rope_frequencies
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
 from forja.models.common.transformer import TransformerArgs
 
 
@@ -58,7 +58,7 @@ class DeepSeekV3Args(TransformerArgs, MoEArgs, LatentAttentionArgs):
     """Per-head value width."""
     rope_theta: float = 10_000.0
     """Base of the rotary frequencies."""
-    rope_scaling: YarnScaling | None = None
+    rope_scaling: YarnScaling | RopeScaling | None = None
     """YaRN frequency scaling; None for plain RoPE."""
     score_func: Literal["softmax", "sigmoid"] = "sigmoid"
     """Router scores: independent sigmoids (V3) or a softmax over experts (V2)."""
@@ -66,8 +66,8 @@ class DeepSeekV3Args(TransformerArgs, MoEArgs, LatentAttentionArgs):
     """V3's auxiliary-loss-free balancing bias (Hugging Face `e_score_correction_bias`)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.rope_scaling, dict):  # from TOML or a flavor override
-            self.rope_scaling = YarnScaling(**self.rope_scaling)
+        # A table from TOML or a flavor override; YaRN unless its rope_type says "llama3".
+        self.rope_scaling = rope_scaling_from(self.rope_scaling, key="model.overrides.rope_scaling", default="yarn")
         if self.head_dim is None:
             self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:

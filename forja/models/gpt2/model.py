@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ class GPT2Args(TransformerArgs):
 
     max_seq_len: int = 1024
     """Rows of the learned position embedding (n_positions)."""
+    learned_positions: ClassVar[bool] = True
     tie_embeddings: bool = True
     """GPT-2 shares the token embedding with the output projection."""
     bias: bool = True

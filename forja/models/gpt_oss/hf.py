@@ -29,7 +29,7 @@ import torch
 
 from forja.errors import ForjaError
 from forja.models.common.hf_rules import HFAdapter, TensorRule, decoder_config
-from forja.models.common.rope import YarnScaling
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from_hf, rope_scaling_to_hf
 from forja.models.gpt_oss.model import GptOssArgs, alternating_layer_types
 
 ARCHITECTURES = ("GptOssForCausalLM",)
@@ -40,7 +40,7 @@ def _refuse(key: str, value, why: str) -> ForjaError:
     return ForjaError(f"config.json: {key}={value!r} is not supported by forja's gpt-oss ({why})")
 
 
-def _rope(cfg: dict) -> tuple[float, YarnScaling | None]:
+def _rope(cfg: dict) -> tuple[float, YarnScaling | RopeScaling | None]:
     """(rope base, YaRN or None for plain RoPE), as transformers' GptOssConfig reads them."""
     params = cfg.get("rope_parameters") or {}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 150_000.0)))
@@ -50,10 +50,10 @@ def _rope(cfg: dict) -> tuple[float, YarnScaling | None]:
         return theta, YarnScaling(factor=32.0, original_max_seq_len=4096, beta_fast=32.0, beta_slow=1.0,
                                   truncate=False)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return theta, None
+    if kind in ("default", "llama3"):
+        return theta, rope_scaling_from_hf(scaling, cfg.get("max_position_embeddings", 4096))
     if kind != "yarn":
-        raise _refuse(f"{key}.rope_type", kind, "forja reads 'yarn' and 'default'")
+        raise _refuse(f"{key}.rope_type", kind, "forja reads 'yarn', 'llama3' and 'default'")
     original = int(scaling.get("original_max_position_embeddings") or 4096)
     factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
     attention_factor = scaling.get("attention_factor")
@@ -122,6 +122,8 @@ def _rope_scaling(a: GptOssArgs) -> dict:
     s = a.rope_scaling
     if s is None:
         return {"rope_type": "default"}
+    if isinstance(s, RopeScaling):
+        return rope_scaling_to_hf(s)
     out = {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
            "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "truncate": s.truncate}
     if s.mscale or s.mscale_all_dim:

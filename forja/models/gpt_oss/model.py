@@ -32,7 +32,7 @@ from forja.errors import ForjaError
 from forja.models.common.attention import Attention
 from forja.models.common.decoder import RotaryDecoder
 from forja.models.common.moe import MoEArgs
-from forja.models.common.rope import YarnScaling, rope_frequencies
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
 from forja.models.common.transformer import TransformerArgs
 
 
@@ -62,7 +62,7 @@ class GptOssArgs(TransformerArgs, MoEArgs):
     """Positions a sliding-attention block sees, itself included."""
     rope_theta: float = 150_000.0
     """Base of the rotary frequencies."""
-    rope_scaling: YarnScaling | None = field(default_factory=_gpt_oss_yarn)
+    rope_scaling: YarnScaling | RopeScaling | None = field(default_factory=_gpt_oss_yarn)
     """YaRN frequency scaling (a dict of YarnScaling's fields from TOML); None: plain RoPE."""
     n_experts: int = 32
     """Routed experts per block (Hugging Face `num_local_experts`)."""
@@ -78,8 +78,8 @@ class GptOssArgs(TransformerArgs, MoEArgs):
     """The experts' clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.rope_scaling, dict):  # from TOML or a flavor override
-            self.rope_scaling = YarnScaling(**self.rope_scaling)
+        # A table from TOML or a flavor override; YaRN unless its rope_type says "llama3".
+        self.rope_scaling = rope_scaling_from(self.rope_scaling, key="model.overrides.rope_scaling", default="yarn")
         if not self.layer_types:
             self.layer_types = alternating_layer_types(self.n_layers)
         if self.moe_ffn_dim == 0:

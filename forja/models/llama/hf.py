@@ -9,28 +9,17 @@ from __future__ import annotations
 
 from forja.errors import ForjaError
 from forja.models.common.hf_rules import HFAdapter, TensorRule
-from forja.models.common.rope import RopeScaling
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from_hf, rope_scaling_to_hf
 from forja.models.llama.model import LlamaArgs
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 IGNORED: tuple[str, ...] = ()  # patterns of Hugging Face tensors forja does not need
 
 
-def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
+def _rope(cfg: dict) -> tuple[float, RopeScaling | YarnScaling | None]:
     params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or params
     theta = params.get("rope_theta", cfg.get("rope_theta", 10_000.0))
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return float(theta), None
-    if kind != "llama3":
-        raise ForjaError(f"config.json: rope type {kind!r} is not supported; forja reads 'default' and 'llama3'")
-    return float(theta), RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_seq_len=int(scaling["original_max_position_embeddings"]),
-    )
+    return float(theta), rope_scaling_from_hf(cfg.get("rope_scaling") or params, cfg.get("max_position_embeddings", 2048))
 
 
 def args_from_config(cfg: dict) -> LlamaArgs:
@@ -81,10 +70,7 @@ def config_from_args(a: LlamaArgs) -> dict:
         "rope_scaling": None,
     }
     if a.rope_scaling is not None:
-        s = a.rope_scaling
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                               "high_freq_factor": s.high_freq_factor,
-                               "original_max_position_embeddings": s.original_max_seq_len}
+        cfg["rope_scaling"] = rope_scaling_to_hf(a.rope_scaling)
     return cfg
 
 

@@ -14,7 +14,7 @@ import torch
 
 from forja.models.common.attention import Attention
 from forja.models.common.decoder import RotaryDecoder
-from forja.models.common.rope import RopeScaling, rope_frequencies
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
 from forja.models.common.transformer import TransformerArgs
 
 
@@ -24,12 +24,12 @@ class LlamaArgs(TransformerArgs):
 
     rope_theta: float = 500_000.0
     """Base of the rotary frequencies."""
-    rope_scaling: RopeScaling | None = None
-    """Llama 3.1 frequency scaling; None for plain RoPE."""
+    rope_scaling: RopeScaling | YarnScaling | None = None
+    """Llama 3.1's frequency scaling or YaRN (model.rope_scaling, a table whose rope_type is "llama3",
+    the default here, or "yarn"); None for plain RoPE."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.rope_scaling, dict):  # from TOML or a flavor override
-            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        self.rope_scaling = rope_scaling_from(self.rope_scaling, key="model.overrides.rope_scaling", default="llama3")
         super().__post_init__()
 
 

@@ -26,6 +26,7 @@ import torch
 
 from forja.errors import ForjaError
 from forja.models.common.hf_rules import HFAdapter, TensorRule, decoder_config
+from forja.models.common.rope import ROPE_TYPES, rope_scaling_from_hf, rope_scaling_to_hf
 from forja.models.mixtral.model import MixtralArgs
 
 ARCHITECTURES = ("MixtralForCausalLM",)
@@ -51,8 +52,8 @@ def _check_supported(cfg: dict) -> None:
     for key in ("rope_scaling", "rope_parameters"):  # 4.x and 5.x dialects
         scaling = cfg.get(key) or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind != "default":
-            raise _refuse(f"{key}.rope_type", kind, "plain RoPE only, 'default'")
+        if kind != "default" and kind not in ROPE_TYPES:
+            raise _refuse(f"{key}.rope_type", kind, "'default', 'llama3' or 'yarn'")
     for key, neutral in _FOREIGN.items():
         if cfg.get(key, neutral) not in (neutral, None):
             raise _refuse(key, cfg[key], f"a Mixtral has no such option; it must be {neutral!r} or absent")
@@ -74,6 +75,8 @@ def args_from_config(cfg: dict) -> MixtralArgs:
         norm_eps=cfg.get("rms_norm_eps", 1e-5),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_theta=float(params.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))),
+        rope_scaling=rope_scaling_from_hf(cfg.get("rope_scaling") or params,
+                                          cfg.get("max_position_embeddings", 4096 * 32)),
         sliding_window=cfg.get("sliding_window"),
         n_experts=cfg.get("num_local_experts", 8),
         top_k=cfg.get("num_experts_per_tok", 2),
@@ -120,6 +123,7 @@ def config_from_args(a: MixtralArgs) -> dict:
         "router_jitter_noise": 0.0,
         # The 4.x dialect: what the released Mixtral checkpoints use, and 5.x still reads.
         "rope_theta": a.rope_theta,
+        "rope_scaling": None if a.rope_scaling is None else rope_scaling_to_hf(a.rope_scaling),
     }
 
 

@@ -25,7 +25,7 @@ from forja.errors import ForjaError
 from forja.models.common.attention import Attention
 from forja.models.common.decoder import RotaryDecoder
 from forja.models.common.moe import MoEArgs
-from forja.models.common.rope import rope_frequencies
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
 from forja.models.common.transformer import TransformerArgs
 
 
@@ -39,12 +39,15 @@ class MixtralArgs(TransformerArgs, MoEArgs):
     """Epsilon of every RMSNorm (Hugging Face `rms_norm_eps`)."""
     rope_theta: float = 1_000_000.0
     """Base of the rotary frequencies."""
+    rope_scaling: RopeScaling | YarnScaling | None = None
+    """YaRN (the default rope_type here) or Llama 3's frequency scaling (model.rope_scaling); None: plain RoPE."""
     n_experts: int = 8
     """Routed experts per block (Hugging Face `num_local_experts`)."""
     top_k: int = 2
     """Experts each token is sent to (`num_experts_per_tok`)."""
 
     def __post_init__(self) -> None:
+        self.rope_scaling = rope_scaling_from(self.rope_scaling, key="model.overrides.rope_scaling", default="yarn")
         if self.moe_ffn_dim == 0:
             self.moe_ffn_dim = self.ffn_dim
         if self.moe_ffn_dim != self.ffn_dim:
@@ -64,4 +67,4 @@ class Mixtral(RotaryDecoder):
         return self.gqa_attention()
 
     def rope_frequencies(self) -> torch.Tensor:
-        return rope_frequencies(self.args.head_dim, self.args.rope_theta)
+        return rope_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from forja.errors import ForjaError
 from forja.models.common.hf_rules import HFAdapter, TensorRule
-from forja.models.common.rope import YarnScaling
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from_hf, rope_scaling_to_hf
 from forja.models.olmo3.model import Olmo3Args
 
 ARCHITECTURES = ("Olmo3ForCausalLM",)
@@ -56,10 +56,10 @@ def _kind(rope: dict) -> str:
     return rope.get("rope_type", rope.get("type", "default"))
 
 
-def _yarn(rope: dict, max_len: int) -> YarnScaling | None:
+def _yarn(rope: dict, max_len: int) -> YarnScaling | RopeScaling | None:
     kind = _kind(rope)
-    if kind == "default":
-        return None
+    if kind in ("default", "llama3"):
+        return rope_scaling_from_hf(rope, max_len)
     if kind != "yarn":
         raise _refuse("rope_scaling.rope_type", kind, "forja's OLMo 3 reads 'default' and 'yarn'")
     original = int(rope.get("original_max_position_embeddings") or max_len)
@@ -116,7 +116,9 @@ def _check_exportable(a: Olmo3Args) -> None:
                              f"({why}); export a model trained without it")
 
 
-def _yarn_dict(s: YarnScaling, theta: float) -> dict:
+def _yarn_dict(s: YarnScaling | RopeScaling, theta: float) -> dict:
+    if isinstance(s, RopeScaling):
+        return {**rope_scaling_to_hf(s), "rope_theta": theta}
     out = {"rope_type": "yarn", "rope_theta": theta, "factor": s.factor,
            "original_max_position_embeddings": s.original_max_seq_len, "beta_fast": s.beta_fast,
            "beta_slow": s.beta_slow, "truncate": s.truncate}

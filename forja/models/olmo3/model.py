@@ -28,7 +28,7 @@ from torch import nn
 
 from forja.models.common.attention import Attention, KVCache
 from forja.models.common.decoder import RotaryDecoder
-from forja.models.common.rope import YarnScaling, rope_cos_sin, rope_frequencies
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_cos_sin, rope_frequencies, rope_scaling_from
 from forja.models.common.transformer import ATTENTION_TYPES, TransformerArgs
 
 
@@ -49,12 +49,12 @@ class Olmo3Args(TransformerArgs):
     """Base of the full-attention blocks' rotary frequencies."""
     local_rope_theta: float = 500_000.0
     """Base of the sliding blocks' rotary frequencies (the same in every released model)."""
-    rope_scaling: YarnScaling | None = None
+    rope_scaling: YarnScaling | RopeScaling | None = None
     """YaRN scaling of the full-attention blocks' frequencies; None: plain RoPE."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.rope_scaling, dict):  # from TOML or a flavor override
-            self.rope_scaling = YarnScaling(**self.rope_scaling)
+        # A table from TOML or a flavor override; YaRN unless its rope_type says "llama3".
+        self.rope_scaling = rope_scaling_from(self.rope_scaling, key="model.overrides.rope_scaling", default="yarn")
         super().__post_init__()
 
 

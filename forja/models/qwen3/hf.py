@@ -20,6 +20,7 @@ import torch
 
 from forja.errors import ForjaError
 from forja.models.common.hf_rules import HFAdapter, TensorRule, decoder_config
+from forja.models.common.rope import ROPE_TYPES, rope_scaling_from_hf, rope_scaling_to_hf
 from forja.models.qwen3.model import Qwen3Args
 
 ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -49,8 +50,8 @@ def _check_supported(cfg: dict) -> None:
     for key in ("rope_scaling", "rope_parameters"):  # 4.x and 5.x dialects
         scaling = cfg.get(key) or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind != "default":
-            raise _refuse(f"{key}.rope_type", kind, "plain RoPE only, 'default'")
+        if kind != "default" and kind not in ROPE_TYPES:
+            raise _refuse(f"{key}.rope_type", kind, "'default', 'llama3' or 'yarn'")
     for key, neutral in _FOREIGN_ROUTER.items():
         if cfg.get(key, neutral) not in (neutral, None):
             raise _refuse(key, cfg[key], f"a Qwen3-MoE router has no such option; it must be {neutral!r} or absent")
@@ -96,6 +97,7 @@ def args_from_config(cfg: dict) -> Qwen3Args:
         qk_norm=True,
         # transformers' default when a config names no base (as its Qwen3Config does).
         rope_theta=float(params.get("rope_theta", cfg.get("rope_theta", 10_000.0))),
+        rope_scaling=rope_scaling_from_hf(cfg.get("rope_scaling") or params, cfg.get("max_position_embeddings", 32768)),
         **moe,
     )
 
@@ -129,7 +131,7 @@ def config_from_args(a: Qwen3Args) -> dict:
         "sliding_window": None,
         # The 4.x dialect: what the released Qwen3 checkpoints use, and 5.x still reads.
         "rope_theta": a.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": None if a.rope_scaling is None else rope_scaling_to_hf(a.rope_scaling),
     }
     if a.n_experts:
         cfg.update(num_experts=a.n_experts, num_experts_per_tok=a.top_k, moe_intermediate_size=a.moe_ffn_dim,

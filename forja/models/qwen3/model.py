@@ -27,7 +27,7 @@ from forja.errors import ForjaError
 from forja.models.common.attention import Attention
 from forja.models.common.decoder import RotaryDecoder
 from forja.models.common.moe import MoEArgs
-from forja.models.common.rope import rope_frequencies
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
 from forja.models.common.transformer import TransformerArgs
 
 
@@ -42,6 +42,9 @@ class Qwen3Args(TransformerArgs, MoEArgs):
     """Per-head RMSNorm of queries and keys; every released Qwen3 has it."""
     rope_theta: float = 1_000_000.0
     """Base of the rotary frequencies."""
+    rope_scaling: RopeScaling | YarnScaling | None = None
+    """YaRN (Qwen's long-context rule, the default rope_type here) or Llama 3's frequency scaling
+    (model.rope_scaling); None: plain RoPE."""
     decoder_sparse_step: int = 1
     """Every this-many-th block (1-based) is a mixture of experts; 1: all of them."""
     mlp_only_layers: tuple[int, ...] = ()
@@ -49,6 +52,7 @@ class Qwen3Args(TransformerArgs, MoEArgs):
 
     def __post_init__(self) -> None:
         self.mlp_only_layers = tuple(int(i) for i in self.mlp_only_layers)  # a list from TOML
+        self.rope_scaling = rope_scaling_from(self.rope_scaling, key="model.overrides.rope_scaling", default="yarn")
         super().__post_init__()
         self.check_moe()
         if self.decoder_sparse_step < 1:
@@ -70,4 +74,4 @@ class Qwen3(RotaryDecoder):
         return self.gqa_attention()
 
     def rope_frequencies(self) -> torch.Tensor:
-        return rope_frequencies(self.args.head_dim, self.args.rope_theta)
+        return rope_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)

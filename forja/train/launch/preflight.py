@@ -50,6 +50,15 @@ def layout_request(cfg: Config, args: TransformerArgs, world_size: int, device_t
                          precision=t.precision)
 
 
+def check_positions(args: TransformerArgs, seq_len: int) -> None:
+    """A model with a learned position table (GPT-2) has a row per position up to max_seq_len and
+    cannot be extended past it; rotary models compute their positions and can."""
+    if args.learned_positions and seq_len > args.max_seq_len:
+        raise ForjaError(f"train.seq_len = {seq_len} is longer than the model's learned position table "
+                         f"(max_seq_len = {args.max_seq_len} rows), which a resume cannot extend; lower "
+                         "train.seq_len, or train a rotary family (llama, qwen3, ...) to extend context")
+
+
 def _nvidia_smi_device() -> tuple[str, float] | None:
     """(name, memory in bytes) of GPU 0, asked of nvidia-smi: the launcher must not create a
     CUDA context of its own on a GPU its workers need."""
@@ -118,7 +127,10 @@ class Preflight:
         hw = self.hw = device_hardware(self.device_type, ranks_here=self.ranks_here, in_worker=self.in_worker)
         if self.cfg.parallel.auto:
             self.cfg = self._auto_layout(hw)
-        check_layout(layout_request(self.cfg, self.args, self.world_size, self.device_type))
+        request = layout_request(self.cfg, self.args, self.world_size, self.device_type)
+        for seq_len in self.cfg.train.seq_lens():  # each length of train.seq_len_schedule, not the last alone
+            check_layout(dataclasses.replace(request, seq_len=seq_len))
+        check_positions(self.args, self.cfg.train.seq_lens()[-1])
         if self.cfg.train.float8 != "none":  # float8 that would convert no layer (a meta model tells)
             check_float8(build_from_args(self.args, device="meta"), self.cfg.train.float8,
                          self.cfg.train.float8_min_features)

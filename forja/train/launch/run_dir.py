@@ -7,7 +7,8 @@
     <run.dir>/metrics.jsonl     one line per logged step
 
 Rerunning on a run directory resumes it, if its config is the same apart from keys that
-may change between launches (steps, intervals, logging, parallel layout). Anything else
+may change between launches (steps, intervals, logging, parallel layout, a longer
+sequence length with the RoPE settings that go with it). Anything else
 (another model, data, optimizer...) is refused unless `run.start_over` is set.
 """
 
@@ -47,11 +48,17 @@ RESUMABLE = ("run.", "checkpoint.", "metrics.", "parallel.", "train.steps", "tra
              "train.val_batches", "train.micro_batch_size", "train.sample_tokens", "train.sample_prompt",
              "train.on_nonfinite", "train.spike", "train.rollback", "debug.", "train.gc_interval", "train.profile_at", "train.device",
              "data.workers", "data.prefetch", "model.attention", "model.fused_ops", "model.fused_ops_overrides",
-             "train.float8")
+             "train.float8",
+             # Context extension: a longer length, its schedule and how a rotary model places positions
+             # (whether the model allows it is the checkpoint identity's call: forja/checkpoint/identity.py).
+             "train.seq_len", "model.rope_scaling", "model.overrides.max_seq_len", "model.overrides.rope_scaling",
+             "model.overrides.rope_theta")
 
 
 def _flat(cfg: Config) -> dict[str, object]:
-    return {f"{s}.{k}": v for s, values in cfg.to_dict().items() for k, v in values.items()}
+    flat = {f"{s}.{k}": v for s, values in cfg.to_dict().items() for k, v in values.items()}
+    overrides = flat.pop("model.overrides", {}) or {}  # key by key: a position override alone may change
+    return {**flat, **{f"model.overrides.{k}": v for k, v in overrides.items()}}
 
 
 def config_differences(old: Config, new: Config) -> list[str]:

@@ -136,9 +136,9 @@ def test_args_refuse_a_second_expert_width_and_no_experts():
 @pytest.mark.parametrize(("changes", "message"), [
     (dict(router_jitter_noise=0.01), r"router_jitter_noise=0\.01 is not supported"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+    (dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6,
                            "original_max_position_embeddings": 512}),
-     r"rope_parameters\.rope_type='yarn' is not supported"),
+     r"rope_parameters\.rope_type='longrope' is not supported"),
     (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), r"rope_scaling\.rope_type='dynamic'"),
     (dict(attention_bias=True), r"attention_bias=True is not supported"),
     (dict(norm_topk_prob=False), r"norm_topk_prob=False is not supported"),
