@@ -95,3 +95,17 @@ def test_a_run_resumed_at_twice_the_length_with_yarn_carries_on(tmp_path, train_
     assert extended.counters.tokens_seen == STOP * G * 32 + (STEPS - STOP) * G * 64
     assert extended.loader.tokens == extended.counters.tokens_seen
     assert torch.isfinite(torch.tensor(records[-1]["grad_norm"]))
+
+
+def test_a_seq_len_schedule_trains_and_resumes_across_its_boundary_bit_exact(tmp_path, train_data):
+    """train.seq_len_schedule through the trainer: 16 tokens for 3 steps, then 32; a run stopped
+    before the boundary and resumed gives the uninterrupted run's losses bit for bit."""
+    changes = {"train.steps": "6", "train.seq_len_schedule": "[[0, 16], [3, 32]]"}
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    uninterrupted = Trainer(_cfg(whole, train_data, 32, **changes))
+    uninterrupted.run()
+    assert uninterrupted.counters.tokens_seen == G * (3 * 16 + 3 * 32)
+    Trainer(_cfg(parts, train_data, 32, **changes), callbacks=[StopAfter(2)]).run()
+    Trainer(_cfg(parts, train_data, 32, **changes)).run()
+    expected = [r["loss"] for r in read_metrics(whole) if "loss" in r]
+    assert [r["loss"] for r in read_metrics(parts) if "loss" in r] == expected and len(expected) == 6
