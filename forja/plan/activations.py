@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 from forja.models.common.mla import LatentAttentionArgs
+from forja.plan.context_parallel import cp_saved_extra, mixer_length, replicas
 from forja.plan.job import Job
 from forja.plan.layout import Layout
 from forja.plan.shape import BlockShape
@@ -105,6 +106,8 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
     else:
         k_width, v_width, extra = hkv, hkv, 0.0
     out_width = v_width * a.n_heads / a.n_kv_heads if not latent else v_width
+    # All-to-all CP: SDPA keeps k and v as they arrive, a KV head per rank when cp exceeds them.
+    rep = replicas(a.n_kv_heads / t, lay.cp) if lay.cp > 1 and lay.cp_kind == "all-to-all" and not latent else 1.0
     # QK-norm (per head or over the whole projection alike): its input upcast, the normalized x
     # (fp32 in a (1 + w) norm; such blocks' QK-norms are (1 + w) too).
     qk_norm = (FP32 + (FP32 if block.zero_centered else w.lin)) * (hq + hkv) if a.qk_norm else 0.0
@@ -116,7 +119,8 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
         sdpa += heads * T * w.lin if w.lin != FP32 else 0.0  # its cast for probs @ v under autocast
         sdpa += out_width * w.lin + T / lay.sequences_per_microbatch(job.global_batch_size)  # out; bool (T, T) mask
     else:
-        sdpa = (hq + k_width + v_width + out_width) * w.lin + heads * FP32  # q, k, v, out; log-sum-exp
+        sdpa = (hq + (k_width + v_width) * rep + out_width) * w.lin + heads * FP32  # q, k, v, out; log-sum-exp
+        sdpa += cp_saved_extra(job, lay)  # ring's fp32 output, or all-to-all's full-sequence one
         sdpa += 2 * heads * FP32 if block.sinks else 0.0  # FlexAttention's sinks: sigmoid(lse - sink), its cast
         sdpa += _mask_saved(job, lay, block)
     gate = 2 * hq * w.lin if block.output_gate else 0.0  # sigmoid(x W_g) and the gated output (wo's input)
@@ -142,7 +146,7 @@ def linear_attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) 
     C - 1 more tokens per document in the rule's tensors), which the count leaves out: it
     depends on the documents' lengths."""
     n_k, n_v, dk, dv, taps, C = block.mixer
-    t, T = lay.tp, job.seq_len
+    t, T = lay.tp, mixer_length(job, lay)  # under ring CP a rank scans its T/cp shard
     key, value, hv = n_k * dk / t, n_v * dv / t, n_v / t
     conv = (2 + (taps - 1) / T) * (2 * key + value) * w.lin  # each convolution's input (window too), SiLU's input
     gates = hv * (w.lin + 2 * FP32)  # beta's sigmoid; the decay's softplus input and its product

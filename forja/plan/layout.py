@@ -14,12 +14,12 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from forja.errors import ForjaError
-from forja.parallel.config import ParallelConfig
+from forja.parallel.config import CP_KINDS, ParallelConfig
 from forja.parallel.pp_split import stages_per_rank
 
 # The layout's fields that are `parallel.*` keys (the rest of ParallelConfig is left as the recipe says).
-PARALLEL_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "reshard_after_forward", "cpu_offload",
-                 "sequence_parallel", "ac", "ac_every", "pp_schedule", "pp_microbatches")
+PARALLEL_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "cp_kind", "ep", "reshard_after_forward",
+                 "cpu_offload", "sequence_parallel", "ac", "ac_every", "pp_schedule", "pp_microbatches")
 AC_MODES = (("none", 0), ("selective", 0), ("full", 0))
 DEGREE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 
@@ -34,6 +34,8 @@ class Layout:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    cp_kind: str = "ring"
+    """Under cp > 1: "ring" (K/V passed around the cp ranks) or "all-to-all" (re-sharded over heads)."""
     reshard_after_forward: bool = True
     """ZeRO-3 (True) or ZeRO-2 (False) under FSDP."""
     cpu_offload: bool = False
@@ -81,9 +83,10 @@ class Layout:
         return out
 
     def describe(self) -> str:
-        """A short name, e.g. 'dp_shard 8 x tp 8 x pp 4 | zero-3 | ac full | mbs 1 | 1f1b x 16'."""
-        degrees = [f"{k} {getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
-                   if getattr(self, k) > 1] or ["1 rank"]
+        """A short name, e.g. 'dp_shard 8 x tp 8 x pp 4 | zero-3 | ac full | mbs 1 | 1f1b x 16' (a CP
+        degree names its kind: 'cp 4 ring', 'cp 2 all-to-all')."""
+        degrees = [f"{k} {getattr(self, k)}" + (f" {self.cp_kind}" if k == "cp" else "")
+                   for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep") if getattr(self, k) > 1] or ["1 rank"]
         parts = [" x ".join(degrees)]
         if self.fsdp > 1 or self.dp_replicate > 1:
             parts.append("zero-3" if self.reshard_after_forward else "zero-2")
@@ -124,6 +127,8 @@ def parse_fixed(text: str, like: Layout = Layout()) -> dict[str, Any]:
             raise ForjaError(f"--layout item {item!r}: expected KEY=VALUE with KEY one of parallel.{{"
                              f"{', '.join(PARALLEL_KEYS)}}} or train.micro_batch_size")
         values[name] = _parse_value(value.strip(), getattr(like, name), item)
+        if name == "cp_kind" and values[name] not in CP_KINDS:
+            raise ForjaError(f"--layout item {item!r}: parallel.cp_kind is one of {', '.join(CP_KINDS)}")
     return values
 
 
@@ -154,6 +159,8 @@ class SearchSpace:
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     pp_schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b", "zero-bubble")
     allow_cp: bool = True
+    cp_kinds: tuple[str, ...] = CP_KINDS
+    """The kinds of context parallelism tried for each cp > 1 (a held parallel.cp_kind: that one)."""
     allow_offload: bool = True
     fixed: tuple[tuple[str, Any], ...] = ()
     """Any Layout keys held fixed (a partial `forja plan --layout`), degrees or options alike,
@@ -176,6 +183,8 @@ class SearchSpace:
             space = replace(space, pp_schedules=(fixed["pp_schedule"],))
         if fixed.get("cp", 1) > 1:
             space = replace(space, allow_cp=True)
+        if "cp_kind" in fixed:
+            space = replace(space, cp_kinds=(fixed["cp_kind"],))
         if fixed.get("cpu_offload"):
             space = replace(space, allow_offload=True)
         return space
@@ -206,12 +215,23 @@ def _layouts(world: int, n_layers: int, n_heads: int, n_kv_heads: int, n_experts
             continue
         rest = world // (tp * pp)
         for cp in (divisors(rest) if space.allow_cp else [1]):
-            if (cp > 1 and (seq_len % (2 * cp) or cp > 8)) or not space.allows(cp=cp):
-                continue
             dp = rest // cp
-            if global_batch_size % dp:
+            if cp > 8 or global_batch_size % dp or not space.allows(cp=cp):
                 continue
-            yield from _dp_splits(dp, tp, pp, cp, n_layers, n_experts, global_batch_size, space)
+            for kind in _cp_kinds(cp, n_heads // tp, seq_len, space):
+                for lay in _dp_splits(dp, tp, pp, cp, n_layers, n_experts, global_batch_size, space):
+                    yield replace(lay, cp_kind=kind)
+
+
+def _cp_kinds(cp: int, heads: int, seq_len: int, space: SearchSpace) -> list[str]:
+    """The kinds of context parallelism a cp degree is tried with: ring needs 2 cp load-balanced
+    chunks of the sequence; all-to-all splits a TP rank's `heads` over the cp ranks. A kind the
+    user holds is tried whatever (the validator then says why it cannot run)."""
+    if cp == 1:
+        return ["ring"]  # the key's default: no context parallelism to choose a kind for
+    held = "cp_kind" in dict(space.fixed)
+    divides = {"ring": seq_len % (2 * cp) == 0, "all-to-all": seq_len % cp == 0 and heads % cp == 0}
+    return [k for k in space.cp_kinds if held or divides.get(k, True)]
 
 
 def _dp_splits(dp: int, tp: int, pp: int, cp: int, n_layers: int, n_experts: int, global_batch_size: int,

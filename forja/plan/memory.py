@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields
 
 from forja.parallel.pp_split import StageCosts, balanced_layers, rank_stages
 from forja.plan.activations import FP32, block_activations, widths
+from forja.plan.context_parallel import cp_buffers
 from forja.plan.job import Job
 from forja.plan.layout import Layout
 from forja.plan.optimizer_memory import optimizer_memory
@@ -56,7 +57,8 @@ class MemoryBreakdown(Breakdown):
     logits: float = 0.0
     optimizer_temporaries: float = 0.0
     buffers: float = 0.0
-    """Communication staging (pipeline send/receive, FSDP copy-in/out)."""
+    """Communication staging (pipeline send/receive, FSDP copy-in/out, context parallelism's
+    K/V ring buffers or all-to-all's other copy of q, k, v and the output)."""
     pp_rank: int = 0
     phase: str = ""
     """When the peak happens: forward end, loss backward, block backward, optimizer step."""
@@ -78,7 +80,7 @@ def weight_casts(job: Job, lay: Layout, block: BlockShape, index: int) -> float:
 def _block_activations_cached(job: Job, lay: Layout, block: BlockShape, index: int) -> tuple[float, float]:
     """block_activations, remembered: of a search's thousands of layouts only a few differ in
     what decides a block's activations (tp, sequence parallelism, AC)."""
-    key = ("activations", lay.tp, lay.sequence_parallel, lay.ac, lay.ac_every, block, index)
+    key = ("activations", lay.tp, lay.sequence_parallel, lay.ac, lay.ac_every, lay.cp, lay.cp_kind, block, index)
     if key not in job.memo:
         job.memo[key] = block_activations(job, lay, block, index)
     return job.memo[key]
@@ -221,6 +223,8 @@ def rank_peak(job: Job, lay: Layout, rm: RankModel) -> MemoryBreakdown:
     if lay.pp > 1 and lay.pp_schedule == "gpipe":
         loss_kept *= micro  # every micro-batch's forward (and loss) runs before any backward
     buffers = (4 * tokens * job.args.dim * widths(job).lin * rm.stages) if lay.pp > 1 else 0.0
+    # Context parallelism's transients: one block computes at a time, so the largest block's.
+    buffers += max((cp_buffers(job, lay, b, tokens) for b, _ in rm.groups), default=0.0)
     # FSDP: the root stays gathered through forward and backward; ZeRO-3 regathers each block
     # (itself and the prefetched next), ZeRO-2 keeps every block gathered until its backward.
     gathered = 0.0

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from forja.models.common.moe import MoEArgs
+from forja.plan.context_parallel import a2a_elements, act_bytes, ring_attention_work, ring_kv_bytes, ring_scan_bytes
 from forja.plan.hardware import Hardware
 from forja.plan.job import Job
 from forja.plan.layout import Layout
@@ -180,14 +181,17 @@ def _compute_time(job: Job, lay: Layout, hw: Hardware, rm, tokens_mb: float, tok
     rate = peak * matmul_efficiency(tokens_mb, min(a.dim, a.n_heads * a.head_dim / lay.tp), hw)
     fp8 = job.float8 and hw.fp8_flops > 0
     linear_rate = rate * (hw.fp8_flops / peak if fp8 else 1.0)
-    attention = 12 * a.n_heads * a.head_dim * job.seq_len  # per token and block, as reported (full scores)
-    attn_rate = peak * ATTENTION_EFFICIENCY * 2  # causal: half the counted FLOPs are computed
+    attn_rate = attention_rate(job, hw)
     hbm = hw.hbm_bytes_per_s * HBM_EFFICIENCY
     linear = attn = memory = 0.0
+    ring = ring_attention_seconds(job, lay, hw) if lay.cp > 1 and lay.cp_kind == "ring" else None
     for b, idx in rm.groups:
-        n = len(idx)
+        n, attention = len(idx), attention_flops(job, b)
         linear += n * (b.flops_per_token - attention) * recompute_factor(lay) / lay.tp / linear_rate
-        attn += n * attention * recompute_factor(lay) / lay.tp / attn_rate
+        if ring and attention:  # forja's ring blocks, not the fused kernel (per micro-batch -> per token)
+            attn += n * (ring[0] * (1 + forward_reruns(lay)) + ring[1]) / tokens_mb
+        else:
+            attn += n * attention * recompute_factor(lay) / lay.tp / attn_rate
         memory += n * (elementwise_bytes(job, lay, b) + (float8_cast_bytes(job, lay, b, tokens_mb) if fp8 else 0.0))
     out = job.shape.output_flops_per_token / lay.tp / linear_rate if rm.last else 0.0
     memory += loss_bytes(job, lay) if rm.last else 0.0
@@ -210,12 +214,7 @@ def _rank_time(job: Job, lay: Layout, hw: Hardware, rm) -> TimeBreakdown:
         # Async TP splits each collective into tp chunks run under the matmul of the chunk
         # before: what shows is the first chunk and whatever the matmuls cannot cover.
         t.tp_comm = comm / lay.tp + max(0.0, comm * (1 - 1 / lay.tp) - tp_matmuls) if job.async_tp else comm
-    attention = 12 * a.n_heads * a.head_dim * job.seq_len
-    attn_time = tokens * attention * n_blocks / lay.tp / (peak_flops(job, hw) * ATTENTION_EFFICIENCY * 2)
-    if lay.cp > 1:  # ring attention passes K and V around; it overlaps the attention kernels
-        kv = 2 * tokens_mb * a.n_kv_heads * a.head_dim * act
-        ring = 3 * (lay.cp - 1) * kv / link_bandwidth(hw, lay, "cp") * n_blocks * micro
-        t.cp_comm = max(0.0, ring - attn_time)
+    t.cp_comm = micro * sum(len(idx) * cp_block_time(job, lay, hw, b, tokens_mb) for b, idx in rm.groups)
     moe_blocks = sum(len(idx) for b, idx in rm.groups if b.moe)
     if lay.ep > 1 and moe_blocks:  # dispatch and combine, forward and backward
         volume = (a.top_k if isinstance(a, MoEArgs) else 1) * tokens_mb * a.dim * act
@@ -226,6 +225,63 @@ def _rank_time(job: Job, lay: Layout, hw: Hardware, rm) -> TimeBreakdown:
         t.pp_bubble = compute * bubble_fraction(lay, micro)
         t.pp_comm = 2 * micro * tokens_mb * a.dim * act / link_bandwidth(hw, lay, "pp") * rm.stages
     return t
+
+
+def attention_flops(job: Job, block) -> float:
+    """Training FLOPs per token of a block's attention scores as the model reports them (12 H hd
+    x the keys a query sees, full scores; the causal kernel computes half); none in a
+    linear-attention block, whose scan is counted with its matmuls."""
+    a = job.args
+    if block.kind == "linear_attention":
+        return 0.0
+    keys = job.seq_len if block.kind != "sliding_attention" else min(job.seq_len, a.sliding_window)
+    return 12 * a.n_heads * a.head_dim * keys
+
+
+def attention_rate(job: Job, hw: Hardware) -> float:
+    """FLOP/s on attention_flops: half the counted FLOPs are computed (causal)."""
+    return peak_flops(job, hw) * ATTENTION_EFFICIENCY * 2
+
+
+def cp_block_time(job: Job, lay: Layout, hw: Hardware, block, tokens_mb: float) -> float:
+    """Seconds of one block's context-parallel communication on the critical path, per
+    micro-batch (forward, backward, and the forward again where AC recomputes the block).
+
+    all-to-all: four all-to-alls forward, four backward, none hidden. ring: each hop's K, V
+    (dK, dV with them in backward) go under the attention blocks of the hop, 1/cp of the
+    rank's (causal masking skips the hidden blocks, the load-balanced chunks even the rest);
+    what a hop's transfer takes beyond that shows, and the last dK, dV hop home. A Gated
+    DeltaNet block under ring all-gathers its state transitions and sends its halo instead."""
+    if lay.cp == 1:
+        return 0.0
+    reruns = forward_reruns(lay)
+    if lay.cp_kind == "all-to-all":
+        volume = tokens_mb * a2a_elements(job, lay, block) * act_bytes(job)
+        return (2 + reruns) * all_to_all_time(volume, lay.cp, hw, lay.tp)
+    bw = link_bandwidth(hw, lay, "cp")
+    if block.kind == "linear_attention":
+        state, halo = ring_scan_bytes(job, lay, block, lay.sequences_per_microbatch(job.global_batch_size))
+        return (2 + reruns) * (ring_time(state * lay.cp, lay.cp, bw) + halo / bw)
+    kv, dkv = ring_kv_bytes(job, lay, tokens_mb)
+    attention_forward, attention_backward = ring_attention_seconds(job, lay, hw)  # each hop 1/cp of them
+    hops = lay.cp - 1
+    forward = hops * max(0.0, kv / bw - attention_forward / lay.cp)
+    backward = hops * max(0.0, (kv + dkv) / bw - attention_backward / lay.cp) + dkv / bw
+    return (1 + reruns) * forward + backward
+
+
+def forward_reruns(lay: Layout) -> float:
+    """Forwards AC runs again per block: 1 under full AC, 1/k checkpointing every k-th block."""
+    return 3 * (recompute_factor(lay) - 1)
+
+
+def ring_attention_seconds(job: Job, lay: Layout, hw: Hardware) -> tuple[float, float]:
+    """(forward, backward) seconds of one attention block under forja's ring, per micro-batch on
+    one rank: its blocks' fp32 matmuls at the fp32 GEMM rate, then their score passes at the
+    memory's (forja/plan/context_parallel.py: no fused kernel yet)."""
+    flops, traffic = ring_attention_work(job, lay, lay.sequences_per_microbatch(job.global_batch_size))
+    rate, hbm = hw.fp32_flops * gemm_efficiency(hw), hw.hbm_bytes_per_s * HBM_EFFICIENCY
+    return flops[0] / rate + traffic[0] / hbm, flops[1] / rate + traffic[1] / hbm
 
 
 def bubble_fraction(lay: Layout, micro: int) -> float:

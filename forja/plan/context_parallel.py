@@ -1,0 +1,140 @@
+"""What context parallelism moves and holds, per block and micro-batch, for each kind
+(`parallel.cp_kind`): the volumes the speed model puts on the cp link and the transient
+buffers the memory model adds. Formulas in docs/planner.md ("CP").
+
+- ring: each rank's K and V (B, Hkv/tp, T/cp, hd each) travel the ring, cp - 1 hops forward;
+  backward passes K, V again and their gradient accumulators dK, dV (one hop more, back to
+  their owners). Its blocks are fp32 PyTorch matmuls over materialized scores (below). Gated DeltaNet blocks scan across the shards instead: an all-gather of
+  each rank's state transition (B, Hv/tp, dk, dk + dv) in fp32 and the convolutions' halos.
+- all-to-all (Ulysses): q, k, v (B, T/cp, H/tp hd) re-sharded over heads to (B, T, H/(tp cp) hd)
+  and the output back, one all-to-all each; the same four in backward. KV heads fewer than
+  cp are replicated, one per rank, so the k and v all-to-alls carry cp / Hkv times more.
+"""
+
+from __future__ import annotations
+
+from forja.models.common.mla import LatentAttentionArgs
+from forja.plan.job import Job
+from forja.plan.layout import Layout
+from forja.plan.shape import BlockShape
+
+FP32 = 4
+# forja's ring (forja/parallel/cp/ring.py) computes each block of T/(2cp) queries by T/(2cp)
+# keys with PyTorch's fp32 matmuls, its scores materialized (no fused kernel yet: the fallback
+# record says "cp.ring"): q, k, v are upcast first, so K, V and their gradients travel in fp32,
+# and every op on a block's scores streams them through memory. Fp32 reads and writes of each
+# computed score, counted from ring.py's ops: forward 10 (the scores written, scaled, the
+# log-sum-exp's read, s - lse, exp, p read by p @ v), backward 16 (the scores, s - lse and exp
+# again, p read by dV's einsum, dO V^T written, minus D, times p, ds read by dQ's and dK's).
+RING_KV_BYTES = FP32
+RING_GRAD_BYTES = FP32
+RING_SCORE_PASSES = (10, 16)
+# FLOPs per score and head dimension: q k^T and p v forward (4); backward recomputes q k^T and
+# makes dV, dO V^T, dQ and dK (10).
+RING_SCORE_FLOPS = (4, 10)
+# Score-sized fp32 temporaries alive at once in a block's backward (p, dO V^T, ds).
+RING_SCORE_TEMPS = 3
+
+
+def act_bytes(job: Job) -> int:
+    """Bytes of one element of q, k, v and the attention output (the matmuls' dtype)."""
+    return 2 if job.bf16 else FP32
+
+
+def replicas(heads: float, cp: int) -> float:
+    """How much larger a tensor of `heads` heads (per TP rank) grows in an all-to-all over cp
+    ranks: heads fewer than cp are replicated, one per rank."""
+    return cp / heads if 0 < heads < cp else 1.0
+
+
+def attention_widths(job: Job, lay: Layout) -> tuple[float, float, float, float]:
+    """Elements per token of q, k, v and the output on one TP rank (latent attention expands
+    its keys and values to every head)."""
+    a, t = job.args, lay.tp
+    q = a.n_heads * a.head_dim / t
+    if isinstance(a, LatentAttentionArgs):
+        return q, q, a.n_heads * a.v_head_dim / t, a.n_heads * a.v_head_dim / t
+    kv = a.n_kv_heads * a.head_dim / t
+    return q, kv, kv, q
+
+
+def a2a_elements(job: Job, lay: Layout, block: BlockShape) -> float:
+    """Elements per token the four forward all-to-alls of one block carry: q, k, v in and the
+    output back (k and v replicated where the KV heads are fewer than cp)."""
+    if block.kind == "linear_attention":
+        n_k, n_v, dk, dv, _, _ = block.mixer
+        return (2 * n_k * dk + 2 * n_v * dv) / lay.tp  # q, k, v in; out (g and beta, a value per head, left out)
+    q, k, v, out = attention_widths(job, lay)
+    rep = 1.0 if isinstance(job.args, LatentAttentionArgs) else replicas(job.args.n_kv_heads / lay.tp, lay.cp)
+    return q + (k + v) * rep + out
+
+
+def ring_kv_bytes(job: Job, lay: Layout, tokens_mb: float) -> tuple[float, float]:
+    """(bytes of this rank's K and V, of their gradients dK and dV) in one attention block, as
+    the ring passes them (fp32)."""
+    _, k, v, _ = attention_widths(job, lay)
+    return tokens_mb * (k + v) * RING_KV_BYTES, tokens_mb * (k + v) * RING_GRAD_BYTES
+
+
+def ring_scores(job: Job, lay: Layout) -> float:
+    """Scores one rank computes per sequence, head (of its TP share) and pass of an attention
+    block under ring: of the 2cp x 2cp blocks of T/(2cp) chunks, the 2cp + 1 that causal order
+    leaves a rank of its chunk and mirror (a window or documents skip more; not counted)."""
+    c = job.seq_len / (2 * lay.cp)
+    return (2 * lay.cp + 1) * c * c * job.args.n_heads / lay.tp
+
+
+def ring_attention_work(job: Job, lay: Layout, sequences: float) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((forward FLOPs, backward FLOPs), (forward bytes, backward bytes)) of one attention
+    block's ring blocks on one rank per micro-batch: fp32 matmuls and score passes."""
+    scores = sequences * ring_scores(job, lay)
+    flops = tuple(f * scores * job.args.head_dim for f in RING_SCORE_FLOPS)
+    traffic = tuple(n * scores * FP32 for n in RING_SCORE_PASSES)
+    return flops, traffic
+
+
+def ring_scan_bytes(job: Job, lay: Layout, block: BlockShape, sequences: float) -> tuple[float, float]:
+    """(bytes of one rank's state transition, of its convolution halo) in a Gated DeltaNet
+    block under ring: the transition (B, Hv/tp, dk, dk + dv) in fp32, all-gathered over the
+    cp ranks; the last taps - 1 tokens of q, k, v sent to the next rank."""
+    n_k, n_v, dk, dv, taps, _ = block.mixer
+    state = sequences * n_v / lay.tp * dk * (dk + dv) * FP32
+    halo = sequences * (taps - 1) * (2 * n_k * dk + n_v * dv) / lay.tp * act_bytes(job)
+    return state, halo
+
+
+def cp_buffers(job: Job, lay: Layout, block: BlockShape, tokens_mb: float) -> float:
+    """Transient bytes one block's context parallelism holds while it computes, beyond what
+    autograd keeps: ring's two receive buffers of K, V and, in backward, of dK, dV (or a Gated
+    DeltaNet's gathered transitions); all-to-all's other form of q, k, v and the output (the
+    local (B, T/cp, H/tp) one or the full-sequence (B, T, H/(tp cp)) one, the same size)."""
+    if lay.cp == 1:
+        return 0.0
+    if lay.cp_kind == "all-to-all":
+        return tokens_mb * a2a_elements(job, lay, block) * act_bytes(job)
+    if block.kind == "linear_attention":
+        sequences = lay.sequences_per_microbatch(job.global_batch_size)
+        return lay.cp * ring_scan_bytes(job, lay, block, sequences)[0]
+    # Backward holds the most: fp32 copies of q, k, v, dO (under autocast), dQ, this rank's and
+    # the incoming dK, dV, the next K, V, and one block's score-sized temporaries.
+    q, k, v, out = attention_widths(job, lay)
+    copies = (q + k + v + out) if act_bytes(job) != FP32 else 0.0
+    per_token = (copies + q + 3 * (k + v)) * FP32
+    sequences = lay.sequences_per_microbatch(job.global_batch_size)
+    c = job.seq_len / (2 * lay.cp)
+    return tokens_mb * per_token + RING_SCORE_TEMPS * sequences * job.args.n_heads / lay.tp * c * c * FP32
+
+
+def cp_saved_extra(job: Job, lay: Layout) -> float:
+    """Bytes per token an attention block keeps under CP beyond SDPA's count (whose output is
+    the tensor wo keeps): ring's own fp32 output, or all-to-all's output in its full-sequence
+    form (wo keeps the copy that comes back)."""
+    if lay.cp == 1:
+        return 0.0
+    return attention_widths(job, lay)[3] * (FP32 if lay.cp_kind == "ring" else act_bytes(job))
+
+
+def mixer_length(job: Job, lay: Layout) -> float:
+    """Tokens of each sequence a rank's sequence mixer runs over: its T/cp shard under ring,
+    the whole sequence (for its share of the heads) under all-to-all."""
+    return job.seq_len / lay.cp if lay.cp > 1 and lay.cp_kind == "ring" else float(job.seq_len)
