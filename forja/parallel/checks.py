@@ -116,16 +116,17 @@ def _check_moe_tp(r: LayoutRequest, dims: ParallelDims) -> None:
 
 
 def _check_cp(r: LayoutRequest, dims: ParallelDims) -> None:
+    """The row splits into cp chunks (all-to-all) or 2 cp (ring: a chunk and its mirror)."""
     if dims.cp == 1:
         return
-    if r.device_type != "cuda":
-        raise ForjaError("parallel.cp > 1 needs CUDA: PyTorch's context parallelism runs only on CUDA "
-                         "attention kernels; set parallel.cp = 1 on CPU")
-    _divides(2 * dims.cp, r.seq_len, f"train.seq_len = {r.seq_len} (2 x parallel.cp = {2 * dims.cp}, for load "
-             "balancing)", "change train.seq_len or parallel.cp")
-    if r.document_mask:
-        raise ForjaError("parallel.cp > 1 runs causal ring attention, without document masks; set "
-                         "model.document_mask = false, or parallel.cp = 1")
+    kind = r.parallel.cp_kind
+    chunks, why = (2 * dims.cp, "2 x parallel.cp, a chunk and its mirror per rank") if kind == "ring" else (
+        dims.cp, "parallel.cp, a chunk per rank")
+    _divides(chunks, r.seq_len, f"train.seq_len = {r.seq_len} ({why} = {chunks}, under parallel.cp_kind = "
+             f"'{kind}')", "change train.seq_len or parallel.cp")
+    if dims.pp > 1:
+        raise ForjaError(f"parallel.cp = {dims.cp} with parallel.pp = {dims.pp} is not supported yet (a pipeline's "
+                         "micro-batches would each need their rows' split); set one of them to 1")
 
 
 def _check_batch(r: LayoutRequest, dims: ParallelDims) -> None:
@@ -158,12 +159,35 @@ def _check_precision(r: LayoutRequest, dims: ParallelDims) -> None:
                          "train.float8 = 'none'")
 
 def _check_mixers(r: LayoutRequest, dims: ParallelDims) -> None:
-    """Sequence mixers context parallelism does not split: anything but plain causal
-    attention (ring attention has no window, sink or recurrent state)."""
+    """What each kind of context parallelism asks of the sequence mixers: all-to-all hands
+    each rank whole heads (of every mixer, per tensor-parallel shard); ring hands a Gated
+    DeltaNet's convolution the K - 1 inputs before a chunk, so a chunk must be that long."""
+    if dims.cp == 1:
+        return
+    if r.parallel.cp_kind == "all-to-all":
+        _check_head_shares(r, dims)
+        return
     kinds = {r.args.layer_type(i) for i in range(r.args.n_layers)}
-    if dims.cp > 1 and (kinds - {"full_attention"} or r.args.attention_sinks):
-        raise ForjaError(f"parallel.cp = {dims.cp} runs ring attention, which has no sliding window, sinks or "
-                         "linear-attention state; set parallel.cp = 1 for this model")
+    kernel = getattr(r.args, "linear_conv_kernel", 4)
+    if "linear_attention" in kinds and r.seq_len // (2 * dims.cp) < kernel - 1:
+        raise ForjaError(f"train.seq_len = {r.seq_len} over 2 x parallel.cp = {2 * dims.cp} chunks leaves "
+                         f"{r.seq_len // (2 * dims.cp)} tokens per chunk, fewer than the {kernel - 1} a Gated "
+                         "DeltaNet's convolution reads before each; raise train.seq_len or lower parallel.cp")
+
+
+def _check_head_shares(r: LayoutRequest, dims: ParallelDims) -> None:
+    cp, tp = dims.cp, dims.tp
+    for name, count in r.args.head_counts().items():
+        local = count // tp
+        if name == "n_kv_heads" and local and cp % local == 0:
+            continue  # fewer key/value heads than ranks: each is repeated to one per rank
+        if local % cp:
+            what = f"model {name} = {count}" + (f" / parallel.tp = {tp} = {local} per tensor-parallel rank" if tp > 1
+                                                 else "")
+            extra = " (or a multiple of them: key/value heads are repeated)" if name == "n_kv_heads" else ""
+            raise ForjaError(f"{what} is not divisible by parallel.cp = {cp}: parallel.cp_kind = 'all-to-all' "
+                             f"gives each rank whole heads; choose a parallel.cp that divides it{extra}, or "
+                             "parallel.cp_kind = 'ring'")
 
 
 def _check_mtp(r: LayoutRequest, dims: ParallelDims) -> None:

@@ -41,6 +41,8 @@ class ParallelDims:
     cp: int
     tp: int
     ep: int = 1
+    cp_kind: str = "ring"
+    """How a cp group mixes its rows (ParallelConfig.cp_kind)."""
     _groups: _Groups | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
@@ -52,7 +54,7 @@ class ParallelDims:
                 raise ForjaError(f"world size {world_size} is not divisible by dp_replicate*tp*pp*cp = {others}; "
                                  "change the parallel degrees or the number of processes")
             dp_shard = world_size // others
-        dims = cls(cfg.pp, cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, ep=cfg.ep)
+        dims = cls(cfg.pp, cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, ep=cfg.ep, cp_kind=cfg.cp_kind)
         if dims.ep > 1 and dp_shard % dims.ep:
             raise ForjaError(f"parallel.ep = {dims.ep} does not divide parallel.dp_shard = {dp_shard}: expert "
                              "parallelism borrows its ranks from dp_shard; choose an ep that divides it")

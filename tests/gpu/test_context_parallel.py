@@ -1,18 +1,34 @@
-"""Context parallelism over 2 GPUs reproduces the single-GPU losses (needs 2 CUDA devices)."""
+"""forja's context parallelism on CUDA over NCCL (needs 2 GPUs): every mixer case of
+tests/distributed/test_cp_mixing.py, on the GPUs, and a training run's losses against one GPU."""
 
 import pytest
 import torch
 
+from forja.testing import run_distributed
 from tests.distributed.parity import layout_losses, max_difference, single_process_losses
+from tests.distributed.test_cp_mixing import ATTENTION, TOL, _all_cases
 from tests.integration.conftest import train_data  # noqa: F401  (the shared prepared corpus)
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallel 2 needs 2 CUDA GPUs")
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallel over NCCL needs 2 CUDA GPUs")
 
 
-def test_cp2_matches_one_gpu(tmp_path, train_data):  # noqa: F811
-    causal = {"model.document_mask": "false", "train.device": '"cuda"', "train.precision": '"fp32"'}
-    reference = single_process_losses(tmp_path / "ref", train_data, **causal)
-    cp2 = layout_losses(tmp_path / "cp2", train_data, 2, **causal, **{"parallel.cp": "2", "parallel.dp_shard": "1"})
-    # CUDA attention kernels in fp32 (TF32 off by default for matmuls here) differ from the
-    # single-GPU run in summation order only.
+def _on_gpus(rank: int, world: int):
+    torch.cuda.set_device(rank)
+    return _all_cases(rank, world, f"cuda:{rank}")
+
+
+def test_every_mixer_matches_whole_rows_on_cuda():
+    by_rank = run_distributed(_on_gpus, 2, backend="nccl", timeout_s=300)
+    worst = {case: max(max(r[case].values()) for r in by_rank) for case in by_rank[0]}
+    assert len(worst) == 2 * (len(ATTENTION) + 2)
+    assert all(err < 100 * TOL for err in worst.values()), worst  # TF32-free fp32, other kernels
+
+
+@pytest.mark.parametrize("kind", ["ring", "all-to-all"])
+def test_cp2_matches_one_gpu(tmp_path, train_data, kind):  # noqa: F811
+    cuda = {"train.device": '"cuda"', "train.precision": '"fp32"'}
+    reference = single_process_losses(tmp_path / "ref", train_data, **cuda)
+    cp2 = layout_losses(tmp_path / "cp2", train_data, 2, **cuda,
+                        **{"parallel.cp": "2", "parallel.dp_shard": "1", "parallel.cp_kind": f'"{kind}"'})
+    # CUDA attention kernels in fp32 differ from the single-GPU run in summation order only.
     assert max_difference(reference, cp2) < 1e-4

@@ -11,12 +11,17 @@ and shared by every layer:
 - backend "flex" on CUDA: FlexAttention with a block mask, which skips fully masked
   tiles. FlexAttention has no CPU backward, so on CPU "flex" falls back to SDPA (recorded in
   forja's fallback record: one line at start, and run.json).
+
+Under context parallelism a forward's tokens are one rank's part of each row. The model
+stays single-device: the mask of each kind of block then carries a `SequenceMixing` (made
+by forja/parallel/cp from a `SequenceShards` handed to the model's forward), and a mixer
+asks it for whatever needs the other ranks' parts (`attend`, Gated DeltaNet's scan).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +45,31 @@ class AttentionMask:
     document_ids: torch.Tensor | None = None
     """(B, T) the documents of a packed row, for sequence mixers that carry a state (linear
     attention resets it where a document starts); None: one document per row."""
+    sequence: SequenceMixing | None = None
+    """Context parallelism's mixing for this kind of block: the rows are split over ranks and
+    this object sees the whole (forja/parallel/cp); None: the whole rows are here."""
+
+
+class SequenceMixing(Protocol):
+    """What a block's sequence mixer asks for when its rows are split over ranks."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+        """`attend` over the whole rows: q (B, H, Tl, hd), k (B, Hkv, Tl, hd), v (B, Hkv, Tl, hv)
+        of this rank's Tl tokens -> (B, H, Tl, hv)."""
+
+    def gated_delta(self, mixer: nn.Module, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
+                    g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """A Gated DeltaNet's convolutions and delta rule over the whole rows, from this rank's
+        projections (forja/models/common/gated_deltanet.py `GatedDeltaNet.mix`) -> (B, Tl, Hv, dv)."""
+
+
+class SequenceShards(Protocol):
+    """A forward's rows split over ranks (context parallelism): it makes each kind of
+    block's mask, one per forward, holding that kind's `SequenceMixing`."""
+
+    def mask(self, kind: str, *, window: int | None, backend: str, flex_causal: bool) -> AttentionMask:
+        """The mask of blocks of `kind` (a layer type), with `window` for sliding ones."""
 
 
 def build_mask(
@@ -124,6 +154,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     the output by the share the real keys keep, softmax's denominator from the returned
     log-sum-exp; elsewhere the scores are written out (SDPA cannot add the term)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if mask.sequence is not None:  # the rows are split over ranks (context parallelism)
+        return mask.sequence.attend(q, k, v, scale=scale, sinks=sinks)
     if sinks is not None and mask.block_mask is not None:
         out, lse = _flex_attention(q, k, v, mask.block_mask, scale, with_lse=True)  # lse (B, H, Tq)
         kept = torch.sigmoid(lse - sinks.float()[None, :, None])  # e^lse / (e^lse + e^sink)

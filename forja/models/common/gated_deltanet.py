@@ -125,27 +125,53 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: AttentionMask, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
-        docs = mask.document_ids
-        state = cache.mixer_states.get(layer) if cache is not None else None
-        windows = state.conv if state is not None else (None, None, None)
-        q, q_window = causal_conv(self.wq(x), self.conv_q.weight, windows[0], docs)  # (B, T, Hk * dk)
-        k, k_window = causal_conv(self.wk(x), self.conv_k.weight, windows[1], docs)
-        v, v_window = causal_conv(self.wv(x), self.conv_v.weight, windows[2], docs)  # (B, T, Hv * dv)
-        q = q.view(B, T, -1, self.head_k_dim)  # (B, T, Hk, dk)
-        k = k.view(B, T, -1, self.head_k_dim)
-        v = v.view(B, T, -1, self.head_v_dim)  # (B, T, Hv, dv)
+        q_in, k_in, v_in = self.wq(x), self.wk(x), self.wv(x)  # (B, T, channels), before the convolutions
         beta = self.wb(x).sigmoid()  # (B, T, Hv)
         if self.allow_neg_eigval:
             beta = beta * 2.0
         # fp32: in half precision exp(A_log) may overflow
         g = -self.A_log.float().exp() * F.softplus(self.wa(x).float() + self.dt_bias)  # (B, T, Hv)
-        o, S = gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
-                                initial_state=state.recurrent if state is not None else None,
-                                output_final_state=cache is not None, document_ids=docs)  # (B, T, Hv, dv)
-        if cache is not None:
-            cache.mixer_states[layer] = GatedDeltaNetState(conv=(q_window, k_window, v_window), recurrent=S)
+        if mask.sequence is not None:  # the rows are split over ranks (context parallelism)
+            o = mask.sequence.gated_delta(self, q_in, k_in, v_in, g, beta)
+        else:
+            state = cache.mixer_states.get(layer) if cache is not None else None
+            o, state = self.mix(q_in, k_in, v_in, g, beta, mask.document_ids, state=state,
+                                keep_state=cache is not None)  # (B, T, Hv, dv)
+            if cache is not None:
+                cache.mixer_states[layer] = state
         z = self.wz(x).view(B, T, -1, self.head_v_dim)
         return self.wo(self.norm(o, z).reshape(B, T, -1))
+
+    def mix(self, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            document_ids: torch.Tensor | None = None, *, state: GatedDeltaNetState | None = None,
+            keep_state: bool = False, channels: tuple[slice, slice] | None = None,
+            ) -> tuple[torch.Tensor, GatedDeltaNetState | None]:
+        """The convolutions and the delta rule from the projections q_in, k_in (B, T, Hk dk),
+        v_in (B, T, Hv dv), g and beta (B, T, Hv), after `state` (None: from nothing)
+        -> (o (B, T, Hv, dv), the state after them when `keep_state`). `channels`: the key and
+        value channels these projections hold, when they are some of the heads (context
+        parallelism's all-to-all); None: all."""
+        windows = state.conv if state is not None else (None, None, None)
+        q, k, v, windows = self.convolve(q_in, k_in, v_in, document_ids, windows, channels)
+        o, S = gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
+                                initial_state=state.recurrent if state is not None else None,
+                                output_final_state=keep_state, document_ids=document_ids)  # (B, T, Hv, dv)
+        return o, GatedDeltaNetState(conv=windows, recurrent=S) if keep_state else None
+
+    def convolve(self, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
+                 document_ids: torch.Tensor | None = None, windows: tuple = (None, None, None),
+                 channels: tuple[slice, slice] | None = None) -> tuple:
+        """The three short convolutions (each after its `windows`, the inputs just before)
+        -> q, k (B, T, Hk, dk), v (B, T, Hv, dv) and the new windows, as `mix`."""
+        B, T, _ = q_in.shape
+        keys, values = channels if channels is not None else (slice(None), slice(None))
+        weights = (self.conv_q.weight[keys], self.conv_k.weight[keys], self.conv_v.weight[values])
+        outs = [causal_conv(x, w, window, document_ids) for x, w, window in zip((q_in, k_in, v_in), weights, windows)]
+        (q, q_window), (k, k_window), (v, v_window) = outs
+        q = q.view(B, T, -1, self.head_k_dim)  # (B, T, Hk, dk)
+        k = k.view(B, T, -1, self.head_k_dim)
+        v = v.view(B, T, -1, self.head_v_dim)  # (B, T, Hv, dv)
+        return q, k, v, (q_window, k_window, v_window)
 
 
 def gated_deltanet_init_rule(name: str, *, conv_kernel: int = 4, dt_bias: str = "ones") -> tuple | None:

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from forja.errors import ForjaError
-from forja.models.common.attention import ATTENTION_BACKENDS, Attention, AttentionMask, KVCache, build_mask
+from forja.models.common.attention import (ATTENTION_BACKENDS, Attention, AttentionMask, KVCache, SequenceShards,
+                                          build_mask)
 from forja.models.common.init import InitRule, init_parameters
 from forja.models.common.moe import MoE
 from forja.models.common.mtp import MultiTokenPrediction
@@ -122,7 +123,12 @@ class TransformerArgs:
     def split_counts(self) -> dict[str, int]:
         """The model fields tensor parallelism splits whole over its ranks (heads, the
         feed-forward's width), by name: each must be divisible by parallel.tp."""
-        return {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads, "ffn_dim": self.ffn_dim}
+        return {**self.head_counts(), "ffn_dim": self.ffn_dim}
+
+    def head_counts(self) -> dict[str, int]:
+        """The heads of every kind of sequence mixer, by field name (tensor parallelism and
+        all-to-all context parallelism hand out whole heads)."""
+        return {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
 
     @property
     def supported_layer_types(self) -> tuple[str, ...]:
@@ -269,14 +275,15 @@ class Transformer(nn.Module):
     # -- shared behaviour ------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, *,
                 cache: KVCache | None = None, positions: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, sequence: SequenceShards | None = None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab) in the output layer's dtype, or with
         `labels` (B, T) the mean next-token loss (0-dim), which with fused cross-entropy
         never materializes the logits.
 
         A pipeline stage past the first receives hidden states (B, T, dim) as `tokens`.
         `positions` (T,) are the tokens' places in their sequence, 0..T-1 (after the cache)
-        unless given: a rank holding a slice of the sequence (context parallelism) gives its own.
+        unless given: a rank holding a slice of the sequence (context parallelism) gives its own,
+        and `sequence`, which makes the masks and mixes across the ranks' slices.
         """
         start = cache.length if cache is not None else 0
         if positions is None:
@@ -288,7 +295,7 @@ class Transformer(nn.Module):
             h = self.add_positions(self.tok_embeddings(tokens), positions)  # (B, T, dim)
         kinds = {name: self.args.layer_type(int(name)) for name in self.layers}
         ropes = {kind: self.rope_tables_for(kind, positions) for kind in set(kinds.values())}
-        masks = {kind: self.mask_for(kind, document_ids, T, start, tokens.device) for kind in ropes}
+        masks = {kind: self.mask_for(kind, document_ids, T, start, tokens.device, sequence) for kind in ropes}
         for name, block in self.layers.items():
             h = block(h, ropes[kinds[name]], masks[kinds[name]], cache, int(name))
         if cache is not None:
@@ -319,10 +326,15 @@ class Transformer(nn.Module):
         return self.rope_tables(positions) if kind in ATTENTION_TYPES else None
 
     def mask_for(self, kind: str, document_ids: torch.Tensor | None, T: int, start: int,
-                 device: torch.device) -> AttentionMask:
+                 device: torch.device, sequence: SequenceShards | None = None) -> AttentionMask:
         """What blocks of `kind` may see, built once per forward: causal attention within each
         document (a sliding block the latest sliding_window positions of it), or for a
-        linear-attention block the documents themselves, where its state starts afresh."""
+        linear-attention block the documents themselves, where its state starts afresh.
+        With `sequence` (context parallelism) it makes the mask of the whole rows."""
+        if sequence is not None:
+            window = self.args.sliding_window if kind == "sliding_attention" else None
+            return sequence.mask(kind, window=window, backend=self.args.attention,
+                                 flex_causal=self.args.attention_sinks)
         if kind == "linear_attention":
             if document_ids is not None and start:
                 raise ValueError("document_ids cannot be combined with a KV cache")

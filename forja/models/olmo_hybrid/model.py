@@ -103,8 +103,8 @@ class OlmoHybridArgs(TransformerArgs):
     def supported_layer_types(self) -> tuple[str, ...]:
         return ("full_attention", "linear_attention")
 
-    def split_counts(self) -> dict[str, int]:
-        counts = super().split_counts()
+    def head_counts(self) -> dict[str, int]:
+        counts = super().head_counts()
         if "linear_attention" in self.layer_types:  # Gated DeltaNet splits by whole key heads
             counts.update(linear_n_k_heads=self.linear_n_k_heads, linear_n_v_heads=self.linear_n_v_heads)
         return counts

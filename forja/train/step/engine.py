@@ -49,7 +49,7 @@ from forja.checkpoint.states import stored_names
 from forja.models.common.transformer import Transformer
 from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import ParallelDims, local_value, loss_context
-from forja.parallel.cp import cp_context
+from forja.parallel.cp import ContextParallel, LocalPart
 from forja.parallel.pp import Pipeline
 from forja.train.step.attention_logits import AttentionLogits
 from forja.train.step.experts import ExpertBalance
@@ -113,6 +113,8 @@ class StepEngine:
         self.device, self.compute_dtype = device, compute_dtype
         self.scaler = scaler  # fp16's loss scaling, or None
         self.grad_clip, self.document_mask = grad_clip, document_mask
+        # context parallelism: each micro-batch's rows split over the cp group
+        self.context = ContextParallel(dims.cp_mesh.get_group(), dims.cp_kind) if dims.cp > 1 else None
         self._norm_params = _each_weight_once(parts)
         self.experts = ExpertBalance(parts, dims, device)
         self.mtp = MTPLosses(parts, dims, device)  # multi-token prediction: mtp/loss_{k}
@@ -218,12 +220,11 @@ class StepEngine:
         """Accumulate the gradients of `batches`; returns this rank's mean loss (0-dim)."""
         total = torch.zeros((), device=self.device)
         for batch in batches:
-            tokens, labels, doc_ids = self._inputs(batch)
-            positions = torch.arange(tokens.shape[1], device=self.device)  # (T,)
-            # Under context parallelism each rank keeps its slice of tokens, labels and positions.
-            with cp_context(self.dims.cp_mesh, tokens, labels, positions), self._loss_context():
+            part = self._local_part(*self._inputs(batch))
+            with self._loss_context():
                 with self.autocast():
-                    out = self.model(tokens, doc_ids, positions=positions, labels=labels)
+                    out = self.model(part.tokens, part.document_ids, positions=part.positions, labels=part.labels,
+                                     sequence=part.sequence)
                     loss = self.microbatch_loss(out, len(batches))
                 loss.backward()
             total += local_value(loss.detach())
@@ -274,6 +275,14 @@ class StepEngine:
         return total
 
     # -- helpers -----------------------------------------------------------------------------
+    def _local_part(self, tokens: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None) -> LocalPart:
+        """What this rank runs of a micro-batch: under context parallelism its part of each
+        row (the model mixes across the parts), else all of it."""
+        if self.context is not None:
+            return self.context.split(tokens, labels, doc_ids)
+        positions = torch.arange(tokens.shape[1], device=self.device)  # (T,)
+        return LocalPart(tokens, labels, doc_ids, positions, None)
+
     def _inputs(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(tokens, labels, document ids or None), each (m, T), on the device."""
         tokens = batch.input_ids.to(self.device, non_blocking=True)

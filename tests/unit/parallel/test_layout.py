@@ -30,7 +30,13 @@ def test_good_layouts_pass():
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(world=4, tp=4), r"model n_kv_heads = 2 \(parallel.tp = 4\) is not divisible by 4"),
     (dict(world=2, tp=2, seq_len=63), r"train.seq_len = 63 \(parallel.tp = 2 with sequence parallelism\)"),
-    (dict(world=2, cp=2), r"parallel.cp > 1 needs CUDA"),
+    (dict(world=2, cp=2, seq_len=66), r"train.seq_len = 66 \(2 x parallel.cp, a chunk and its mirror per rank = 4"),
+    (dict(world=4, cp=4, cp_kind="all-to-all", seq_len=66), r"train.seq_len = 66 \(parallel.cp, a chunk per rank = 4"),
+    (dict(world=8, cp=8, cp_kind="all-to-all"), r"model n_heads = 4 is not divisible by parallel.cp = 8: parallel.cp_kind"),
+    (dict(world=8, cp=4, tp=2, cp_kind="all-to-all"),
+     r"model n_heads = 4 / parallel.tp = 2 = 2 per tensor-parallel rank is not divisible by parallel.cp = 4"),
+    (dict(world=4, cp=2, pp=2), r"parallel.cp = 2 with parallel.pp = 2 is not supported yet"),
+    (dict(world=2, cp=2, seq_len=8, model=("qwen3_5", "debug")), r"leaves 2 tokens per chunk, fewer than the 3"),
     (dict(world=2, tp=2, async_tp=True), r"parallel.async_tp needs CUDA"),
     (dict(world=4, gbs=6), r"train.global_batch_size = 6 is not divisible by the data-parallel degree 4"),
     (dict(world=2, gbs=8, mbs=3), r"= 4 is not divisible by train.micro_batch_size = 3"),
@@ -55,12 +61,20 @@ def test_the_validator_gives_every_reason_at_once():
 
 def test_the_validator_judges_a_gpu_layout_on_a_cpu_machine():
     """The planner asks about CUDA ranks from anywhere: device_type, not this machine's device."""
-    assert layout_errors(_request(2, cp=2, device_type="cuda", seq_len=64)) == []
-    assert "needs CUDA" in layout_errors(_request(2, cp=2, device_type="cpu", seq_len=64))[0]
-    r = LayoutRequest(args=model_args("llama", "debug"), parallel=ParallelConfig(cp=2), world_size=2, seq_len=64,
-                      global_batch_size=8, micro_batch_size=2, device_type="cuda", document_mask=True)
-    assert layout_errors(r) == ["parallel.cp > 1 runs causal ring attention, without document masks; set "
-                                "model.document_mask = false, or parallel.cp = 1"]
+    assert layout_errors(_request(2, tp=2, async_tp=True, compile=True, device_type="cuda")) == []
+    assert "needs CUDA" in layout_errors(_request(2, tp=2, async_tp=True, compile=True, device_type="cpu"))[0]
+
+
+def test_context_parallelism_runs_on_any_device_with_document_masks():
+    for kind in ("ring", "all-to-all"):
+        for device in ("cpu", "cuda"):
+            r = LayoutRequest(args=model_args("llama", "debug"), parallel=ParallelConfig(cp=2, cp_kind=kind),
+                              world_size=2, seq_len=64, global_batch_size=8, micro_batch_size=2,
+                              device_type=device, document_mask=True)
+            assert layout_errors(r) == [], (kind, device)
+    # fewer key/value heads than ranks are repeated; heads that do not split are refused
+    assert layout_errors(_request(4, cp=4, cp_kind="all-to-all")) == []  # 4 heads, 2 kv heads
+    assert layout_errors(_request(8, cp=8)) == []  # ring: any head count
 
 
 def test_degrees_must_multiply_to_the_world_size():

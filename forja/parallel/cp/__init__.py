@@ -1,0 +1,159 @@
+"""Context parallelism of forja's own, on any backend: each row of a micro-batch split over
+the `parallel.cp` ranks of a cp group, every sequence mixer seeing the whole row.
+
+`parallel.cp_kind` chooses how:
+- "all-to-all" (Ulysses; Jacobs et al. 2023, "DeepSpeed Ulysses"): rank r holds the r-th
+  chunk of each row; a mixer's inputs are re-sharded from the sequence to the heads (one
+  all-to-all each), it runs unchanged on whole rows for cp-th of the heads (SDPA,
+  FlexAttention, windows, sinks, document masks, latent attention, Gated DeltaNet), and
+  its output goes back. Key/value heads fewer than cp are repeated so each rank gets one.
+- "ring" (ring.py): rank r holds chunks r and 2 cp - 1 - r of 2 cp; keys and values pass
+  around the ranks with an online-softmax merge; Gated DeltaNet scans across the shards
+  (scan.py).
+
+The engine splits each micro-batch (`ContextParallel.split`): tokens, labels, their
+positions (RoPE turns each token by its true place) and document ids; the model is handed a
+`ContextShards` (models/common/attention.py `SequenceShards`) that makes each kind of
+block's mask once per forward. FSDP shards parameters over dp_shard x cp, and the loss is
+averaged over both (forja/parallel/dims.py): a cp group sees one batch, in pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from forja import fallbacks
+from forja.models.common.attention import AttentionMask, attend, build_mask
+from forja.parallel.cp.comm import RingExchange, heads_to_sequence, sequence_to_heads
+from forja.parallel.cp.layout import SequenceLayout
+from forja.parallel.cp.ring import RingPlan, ring_attention
+from forja.parallel.cp.scan import gated_delta_across
+
+__all__ = ["ContextParallel", "LocalPart", "SequenceLayout"]
+
+
+@dataclass
+class LocalPart:
+    """This rank's part of a micro-batch: tokens, labels (B, Tl), their document ids (B, Tl)
+    or None, positions (Tl,) in the row, and the whole rows' description for the model."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    document_ids: torch.Tensor | None
+    positions: torch.Tensor
+    sequence: ContextShards | None
+
+
+class ContextParallel:
+    """Splits micro-batches over a cp group (`group`: this rank's; `kind`: cp_kind)."""
+
+    def __init__(self, group: dist.ProcessGroup, kind: str):
+        self.group, self.kind = group, kind
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.exchange = RingExchange(group) if kind == "ring" else None
+
+    def split(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None) -> LocalPart:
+        """This rank's part of a micro-batch of whole rows (B, T), the same on every rank of the group."""
+        layout = SequenceLayout(self.kind, self.cp, self.rank, tokens.shape[1])
+        local_docs = layout.take(document_ids) if document_ids is not None else None
+        shards = ContextShards(self, layout, document_ids, local_docs, tokens.device)
+        return LocalPart(layout.take(tokens), layout.take(labels), local_docs, layout.positions(tokens.device), shards)
+
+
+class ContextShards:
+    """One forward's rows, split (models/common/attention.py `SequenceShards`)."""
+
+    def __init__(self, cp: ContextParallel, layout: SequenceLayout, document_ids: torch.Tensor | None,
+                 local_document_ids: torch.Tensor | None, device: torch.device):
+        self.cp, self.layout, self.device = cp, layout, device
+        self.document_ids, self.local_document_ids = document_ids, local_document_ids
+
+    def mask(self, kind: str, *, window: int | None, backend: str, flex_causal: bool) -> AttentionMask:
+        docs = self.document_ids
+        if self.cp.kind == "ring":
+            mixing = RingMixing(self, RingPlan(self.layout, self.cp.exchange, docs, window))
+        else:
+            T = self.layout.seq_len
+            whole = AttentionMask(document_ids=docs) if kind == "linear_attention" else build_mask(
+                docs, q_len=T, kv_len=T, backend=backend, window=window, device=self.device, flex_causal=flex_causal)
+            mixing = UlyssesMixing(self, whole)
+        return AttentionMask(document_ids=self.local_document_ids, sequence=mixing)
+
+
+class UlyssesMixing:
+    """A mixer on whole rows for this rank's cp-th of the heads (all-to-all)."""
+
+    def __init__(self, shards: ContextShards, whole: AttentionMask):
+        self.shards, self.whole = shards, whole
+        self.group, self.cp, self.rank = shards.cp.group, shards.cp.cp, shards.cp.rank
+
+    @torch.compiler.disable
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+        if k.shape[1] % self.cp:  # fewer key/value heads than ranks: each rank gets one
+            repeat = self.cp // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        q, k, v = (sequence_to_heads(t, self.group) for t in (q, k, v))  # (B, heads / cp, T, d)
+        if sinks is not None:
+            sinks = _local(sinks).chunk(self.cp)[self.rank]
+        out = attend(q, k, v, self.whole, scale=scale, sinks=sinks)  # (B, H / cp, T, dv)
+        return heads_to_sequence(out, self.group)  # (B, H, Tl, dv)
+
+    @torch.compiler.disable
+    def gated_delta(self, mixer: nn.Module, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
+                    g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        dk, dv = mixer.head_k_dim, mixer.head_v_dim
+        keys = _share(q_in.shape[-1], self.cp, self.rank)
+        values = _share(v_in.shape[-1], self.cp, self.rank)
+        q_in, k_in = self._whole_rows(q_in, dk), self._whole_rows(k_in, dk)  # (B, T, Hk / cp * dk)
+        v_in, g, beta = self._whole_rows(v_in, dv), self._whole_rows(g, 1), self._whole_rows(beta, 1)
+        o, _ = mixer.mix(q_in, k_in, v_in, g, beta, self.whole.document_ids, channels=(keys, values))  # (B, T, Hv / cp, dv)
+        return heads_to_sequence(o.transpose(1, 2), self.group).transpose(1, 2)  # (B, Tl, Hv, dv)
+
+    def _whole_rows(self, x: torch.Tensor, d: int) -> torch.Tensor:
+        """x (B, Tl, n d), this rank's tokens of n heads -> (B, T, n / cp * d)."""
+        B, Tl, C = x.shape
+        heads = sequence_to_heads(x.view(B, Tl, C // d, d).transpose(1, 2), self.group)  # (B, n / cp, T, d)
+        return heads.transpose(1, 2).reshape(B, Tl * self.cp, -1)
+
+
+def _share(width: int, cp: int, rank: int) -> slice:
+    """The channels of heads this rank holds after the all-to-all: its cp-th of `width`."""
+    return slice(rank * width // cp, (rank + 1) * width // cp)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's local values (a DTensor's shard under tensor parallelism)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class RingMixing:
+    """A mixer on this rank's two chunks of each row, the rest passed around the ring."""
+
+    def __init__(self, shards: ContextShards, plan: RingPlan):
+        self.shards, self.plan = shards, plan
+
+    @torch.compiler.disable
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+        if q.device.type == "cuda":
+            fallbacks.record("cp.ring", asked='parallel.cp_kind = "ring"',
+                             instead="ring attention with its blocks as fp32 PyTorch matmuls",
+                             why="forja's ring has no fused flash-attention block kernel yet",
+                             fix='parallel.cp_kind = "all-to-all" runs the fused attention kernels on whole rows')
+        out, lse = ring_attention(q, k, v, self.plan, scale)  # (B, H, Tl, dv), (B, H, Tl)
+        if sinks is None:
+            return out
+        kept = torch.sigmoid(lse - _local(sinks).float()[None, :, None])  # e^lse / (e^lse + e^sink)
+        return out * kept.unsqueeze(-1).to(out.dtype)
+
+    @torch.compiler.disable
+    def gated_delta(self, mixer: nn.Module, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
+                    g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        shards = self.shards
+        return gated_delta_across(mixer, q_in, k_in, v_in, g, beta, shards.layout, shards.document_ids,
+                                  shards.cp.group)

@@ -1,0 +1,171 @@
+"""Ring attention: keys and values pass around the context-parallel ranks, and each rank
+merges its queries' attention over every block of keys it is handed (Liu et al. 2023,
+"Ring Attention with Blockwise Transformers"), with the online softmax of flash attention
+(Dao 2023): each block's output and log-sum-exp are combined without the whole row's scores.
+
+Each rank holds two chunks of its rows (layout.py: chunk r and its mirror), so a hop hands
+it another rank's two chunks of keys; of the four (query chunk, key chunk) blocks, those that
+causal order, the sliding window or the documents hide are skipped, the others masked per
+block. The backward recomputes each block's probabilities from the saved log-sum-exp and
+passes the keys and values around again, with the gradients of the keys and values riding
+one hop behind until they reach their owner. Blocks are computed in fp32 with PyTorch's own
+matmuls, on any device. Saved per layer: q, k, v, the output and the log-sum-exp, O(T / cp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forja.parallel.cp.comm import RingExchange
+from forja.parallel.cp.layout import SequenceLayout
+
+KV_TAG, GRAD_TAG = 0, 2  # exchanges in flight together (keys/values, their gradients)
+
+
+@dataclass
+class RingPlan:
+    """One forward's ring: the layout, the rows' documents and the blocks' window."""
+
+    layout: SequenceLayout
+    exchange: RingExchange
+    document_ids: torch.Tensor | None
+    """(B, T) the whole rows' documents; None: one document per row."""
+    window: int | None
+    """Sliding window (a query sees keys less than this far back); None: all."""
+
+    def block_mask(self, a: int, b: int, device: torch.device) -> torch.Tensor | None | bool:
+        """Which keys of chunk b the queries of chunk a see: False when none can (the block
+        is skipped), None when all do, else a (B or 1, c, c) bool mask."""
+        c = self.layout.chunk
+        if b > a:
+            return False
+        nearest, farthest = (a - b) * c - (c - 1), (a - b) * c + (c - 1)  # q - k over the block
+        if self.window is not None and nearest >= self.window:
+            return False
+        needs_window = self.window is not None and farthest >= self.window
+        if a > b and not needs_window and self.document_ids is None:
+            return None
+        q_pos = torch.arange(a * c, (a + 1) * c, device=device)[:, None]
+        k_pos = torch.arange(b * c, (b + 1) * c, device=device)[None, :]
+        allowed = q_pos >= k_pos  # (c, c)
+        if needs_window:
+            allowed = allowed & (q_pos - k_pos < self.window)
+        allowed = allowed[None]  # (1, c, c)
+        if self.document_ids is not None:
+            docs = self.document_ids.to(device)
+            allowed = allowed & (docs[:, a * c:(a + 1) * c, None] == docs[:, None, b * c:(b + 1) * c])
+            if not bool(allowed.any()):
+                return False
+        return allowed
+
+    def blocks(self, owner: int, device: torch.device):
+        """(local query slice, slice of the owner's keys, mask) of each block to compute."""
+        c = self.layout.chunk
+        for i, a in enumerate(self.layout.my_chunks):
+            for j, b in enumerate(self.layout.chunks_of(owner)):
+                mask = self.block_mask(a, b, device)
+                if mask is not False:
+                    yield slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), mask
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q (B, Hkv, g, cq, d), k (B, Hkv, ck, d) -> scores (B, Hkv, g, cq, ck), hidden ones -inf."""
+    B, Hkv, g, cq, d = q.shape
+    s = (q.reshape(B, Hkv, g * cq, d) @ k.transpose(-1, -2)).view(B, Hkv, g, cq, -1) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, None], float("-inf"))  # mask (B|1, cq, ck)
+    return s
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """x with -inf (a query that sees nothing yet) as 0, so exp(s - x) stays 0, not NaN."""
+    return torch.where(torch.isinf(x), torch.zeros_like(x), x)
+
+
+def _forward(q, k, v, plan: RingPlan, scale: float):
+    """q (B, Hkv, g, Tl, d) fp32 -> out (B, Hkv, g, Tl, dv), lse (B, Hkv, g, Tl)."""
+    B, Hkv, g, Tl, _ = q.shape
+    out = q.new_zeros(B, Hkv, g, Tl, v.shape[-1])
+    lse = q.new_full((B, Hkv, g, Tl), float("-inf"))
+    layout = plan.layout
+    for step in range(layout.cp):
+        owner = (layout.rank - step) % layout.cp
+        pending = plan.exchange.start((k, v), KV_TAG) if step + 1 < layout.cp else None
+        for qs, ks, mask in plan.blocks(owner, q.device):
+            s = _scores(q[..., qs, :], k[:, :, ks], mask, scale)
+            block_lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, g, c)
+            p = torch.exp(s - _finite(block_lse)[..., None])
+            block_out = (p.flatten(2, 3) @ v[:, :, ks]).view_as(out[..., qs, :])
+            merged = torch.logaddexp(lse[..., qs], block_lse)
+            keep, add = torch.exp(lse[..., qs] - _finite(merged)), torch.exp(block_lse - _finite(merged))
+            out[..., qs, :] = out[..., qs, :] * keep[..., None] + block_out * add[..., None]
+            lse[..., qs] = merged
+        if pending is not None:
+            k, v = pending.wait()
+    return out, lse
+
+
+def _backward(q, k, v, out, lse, d_out, d_lse, plan: RingPlan, scale: float):
+    """Gradients of q (B, Hkv, g, Tl, d), k and v (B, Hkv, Tl, .), all fp32."""
+    # D = rowsum(dO * O) - dlse: the softmax's backward, with the log-sum-exp's own gradient
+    D = (d_out * out).sum(-1)
+    if d_lse is not None:
+        D = D - d_lse
+    lse = _finite(lse)
+    dq = torch.zeros_like(q)
+    layout, incoming = plan.layout, None
+    for step in range(layout.cp):
+        owner = (layout.rank - step) % layout.cp
+        pending = plan.exchange.start((k, v), KV_TAG) if step + 1 < layout.cp else None
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # this rank's share for the owner's keys
+        for qs, ks, mask in plan.blocks(owner, q.device):
+            qb, kb, vb, dob = q[..., qs, :], k[:, :, ks], v[:, :, ks], d_out[..., qs, :]
+            p = torch.exp(_scores(qb, kb, mask, scale) - lse[..., qs, None])  # (B, Hkv, g, cq, ck)
+            dv[:, :, ks] += torch.einsum("bhgqk,bhgqv->bhkv", p, dob)
+            ds = p * (torch.einsum("bhgqv,bhkv->bhgqk", dob, vb) - D[..., qs, None])
+            dq[..., qs, :] += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb) * scale
+            dk[:, :, ks] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qb) * scale
+        # The owner's gradients so far come from the previous rank, which had its keys a hop ago.
+        if incoming is not None:
+            got_dk, got_dv = incoming.wait()
+            dk, dv = dk + got_dk, dv + got_dv
+        incoming = plan.exchange.start((dk, dv), GRAD_TAG)
+        if pending is not None:
+            k, v = pending.wait()
+    dk, dv = incoming.wait()  # the previous rank's last share is for this rank's own keys: complete
+    return dq, dk, dv
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: RingPlan, scale: float):
+        dtype = q.dtype
+        B, H, Tl, d = q.shape
+        Hkv = k.shape[1]
+        with torch.autocast(q.device.type, enabled=False):
+            qg = q.float().view(B, Hkv, H // Hkv, Tl, d)  # (B, Hkv, g, Tl, d): query heads by their key head
+            out, lse = _forward(qg, k.float(), v.float(), plan, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out.view(B, H, Tl, -1).to(dtype), lse.view(B, H, Tl)
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        B, H, Tl, d = q.shape
+        Hkv = k.shape[1]
+        with torch.autocast(q.device.type, enabled=False):
+            grouped = (B, Hkv, H // Hkv, Tl)
+            dq, dk, dv = _backward(q.float().view(*grouped, d), k.float(), v.float(), out, lse,
+                                   d_out.float().view(*grouped, -1),
+                                   None if d_lse is None else d_lse.float().view(grouped), ctx.plan, ctx.scale)
+        return dq.view(B, H, Tl, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, H, Tl, d), k (B, Hkv, Tl, d), v (B, Hkv, Tl, dv), this rank's tokens in its layout
+    -> (out (B, H, Tl, dv) in q's dtype, lse (B, H, Tl) fp32, natural log)."""
+    return _RingAttention.apply(q, k, v, plan, scale)

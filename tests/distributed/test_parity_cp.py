@@ -1,0 +1,109 @@
+"""forja's context parallelism reproduces the single-process losses (CPU, Gloo, fp32, 10
+steps): both kinds at cp 2 and 4, document masks, with FSDP and TP + SP, sliding windows
+and sinks (gpt-oss), a Gated DeltaNet hybrid (Qwen3.5) and latent attention (DeepSeek-V3);
+and checkpoints move between CP and non-CP layouts. Each layout's measured difference is
+printed (pytest -s) and recorded in docs/parallelism.md."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from forja.cli import main
+from tests.distributed.parity import MOE_TOL, PARITY_TOL, SharedLayouts, layout_losses, max_difference
+from tests.integration.conftest import losses, read_metrics, train_args
+from tests.distributed.parity import COMMON
+
+# Every run keeps its step-5 checkpoint, for the tests that resume under another layout.
+KEEP_5 = {"checkpoint.interval": "5", "checkpoint.keep": "0"}
+MODELS = {
+    "llama causal": {"model.document_mask": "false"},
+    "llama": {},  # document masks on, as by default
+    "gpt_oss": {"model.family": '"gpt_oss"'},
+    "qwen3_5": {"model.family": '"qwen3_5"'},
+    "deepseek_v3": {"model.family": '"deepseek_v3"'},
+}
+RING, A2A = {"parallel.cp_kind": '"ring"'}, {"parallel.cp_kind": '"all-to-all"'}
+# name -> (model, ranks, the layout's keys, bound)
+LAYOUTS = {
+    "all-to-all CP 2": ("llama causal", 2, {**A2A, "parallel.cp": "2", "parallel.dp_shard": "1"}, PARITY_TOL),
+    "ring CP 2": ("llama causal", 2, {**RING, "parallel.cp": "2", "parallel.dp_shard": "1"}, PARITY_TOL),
+    "ring CP 2, document masks": ("llama", 2, {**RING, "parallel.cp": "2", "parallel.dp_shard": "1"}, PARITY_TOL),
+    "gpt-oss ring CP 2 (sliding windows, sinks)": ("gpt_oss", 2, {**RING, "parallel.cp": "2",
+                                                                  "parallel.dp_shard": "1"}, MOE_TOL),
+    "Qwen3.5 ring CP 2 (Gated DeltaNet scan)": ("qwen3_5", 2, {**RING, "parallel.cp": "2",
+                                                               "parallel.dp_shard": "1"}, PARITY_TOL),
+    "DeepSeek-V3 all-to-all CP 2 (latent attention)": ("deepseek_v3", 2, {**A2A, "parallel.cp": "2",
+                                                                          "parallel.dp_shard": "1"}, MOE_TOL),
+    "all-to-all CP 4": ("llama causal", 4, {**A2A, "parallel.cp": "4", "parallel.dp_shard": "1"}, PARITY_TOL),
+    "ring CP 4": ("llama causal", 4, {**RING, "parallel.cp": "4", "parallel.dp_shard": "1"}, PARITY_TOL),
+    "ring CP 2 x FSDP 2": ("llama", 4, {**RING, "parallel.cp": "2", "parallel.dp_shard": "2"}, PARITY_TOL),
+    "all-to-all CP 2 x TP 2 + SP": ("llama", 4, {**A2A, "parallel.cp": "2", "parallel.tp": "2",
+                                                 "parallel.dp_shard": "1"}, PARITY_TOL),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, train_data):
+    """model -> its single-process run (checkpoint at step 5 kept), trained once when first asked for."""
+    cache: dict[str, Path] = {}
+
+    def get(model: str) -> Path:
+        if model not in cache:
+            run = tmp_path_factory.mktemp(f"ref-{model.replace(' ', '-')}") / "run"
+            assert main(train_args(run, train_data, **{**COMMON, **KEEP_5, **MODELS[model]})) == 0
+            cache[model] = run
+        return cache[model]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory, train_data):
+    layouts = {name: (nproc, {**KEEP_5, **MODELS[model], **changes})
+               for name, (model, nproc, changes, _) in LAYOUTS.items()}
+    return SharedLayouts(tmp_path_factory, train_data, layouts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name, tmp_path, references, shared_runs):
+    model, _, _, bound = LAYOUTS[name]
+    diff = max_difference(losses(references(model)), losses(shared_runs.run(name, tmp_path / "run")))
+    print(f"parity {name}: max |loss diff| = {diff:.2e}")
+    assert diff < bound
+
+
+def _resume_from_step_5(run: Path, data: Path, nproc: int, **changes: str) -> None:
+    """Drop the step-10 checkpoint and train steps 6-10 again under another layout."""
+    shutil.rmtree(run / "checkpoints" / "step-00000010")
+    logged = {r["step"]: r["time"] for r in read_metrics(run) if "loss" in r}
+    args = train_args(run, data, **{**COMMON, **KEEP_5, **changes})
+    if nproc == 1:
+        assert main(args) == 0
+    else:
+        layout_losses(run, data, nproc, **{**KEEP_5, **changes})
+    relogged = {r["step"]: r["time"] for r in read_metrics(run) if "loss" in r}
+    assert relogged[5] == logged[5] and relogged[6] != logged[6]  # it resumed at step 5
+
+
+@pytest.mark.slow
+def test_a_cp_checkpoint_resumes_in_one_process(tmp_path, train_data, references, shared_runs):
+    run = tmp_path / "run"  # a copy: it resumes
+    shutil.copytree(shared_runs.run("ring CP 2, document masks", tmp_path / "alone"), run)
+    _resume_from_step_5(run, train_data, 1)
+    diff = max_difference(losses(references("llama")), losses(run))
+    print(f"parity ring CP 2 -> 1 process from step 5: max |loss diff| = {diff:.2e}")
+    assert diff < PARITY_TOL
+
+
+@pytest.mark.slow
+def test_a_single_process_checkpoint_resumes_under_cp(tmp_path, train_data, references):
+    run = tmp_path / "run"
+    shutil.copytree(references("llama"), run)
+    _resume_from_step_5(run, train_data, 2, **A2A, **{"parallel.cp": "2", "parallel.dp_shard": "1"})
+    diff = max_difference(losses(references("llama")), losses(run))
+    print(f"parity 1 process -> all-to-all CP 2 from step 5: max |loss diff| = {diff:.2e}")
+    assert diff < PARITY_TOL
