@@ -181,9 +181,11 @@ class TrainConfig:
         table = self.seq_len_schedule
         if not table:
             return (self.seq_len,)
-        if self.seq_len_schedule_kind == "step":
-            return tuple(sorted({n for s, n in table if s < self.steps} | {self.seq_len}))
-        return tuple(sorted({self.seq_len_at(s) for s in range(self.steps)} | {self.seq_len}))
+        used = {n for s, n in table if s < self.steps} | {self.seq_len}
+        if self.seq_len_schedule_kind == "linear":  # each ramp's lengths: at most (its rise / gcd) + 1 of them
+            for (start, _), (end, _) in zip(table, table[1:]):
+                used |= {self.seq_len_at(s) for s in range(start, min(end, self.steps))}
+        return tuple(sorted(used))
 
 
 def check_seq_len_schedule(table: list[list[int]], seq_len: int) -> None:
