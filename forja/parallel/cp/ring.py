@@ -21,7 +21,7 @@ import torch
 from forja.parallel.cp.comm import RingExchange
 from forja.parallel.cp.layout import SequenceLayout
 
-KV_TAG, GRAD_TAG = 0, 2  # exchanges in flight together (keys/values, their gradients)
+KV_TAG, GRAD_TAG = 0, 1  # exchanges in flight together (keys and values, their gradients)
 
 
 @dataclass
@@ -86,13 +86,14 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
 
 def _forward(q, k, v, plan: RingPlan, scale: float):
     """q (B, Hkv, g, Tl, d) fp32 -> out (B, Hkv, g, Tl, dv), lse (B, Hkv, g, Tl)."""
-    B, Hkv, g, Tl, _ = q.shape
+    B, Hkv, g, Tl, d = q.shape
     out = q.new_zeros(B, Hkv, g, Tl, v.shape[-1])
     lse = q.new_full((B, Hkv, g, Tl), float("-inf"))
-    layout = plan.layout
+    layout, kv = plan.layout, torch.cat([k, v], dim=-1)  # one message a hop
     for step in range(layout.cp):
         owner = (layout.rank - step) % layout.cp
-        pending = plan.exchange.start((k, v), KV_TAG) if step + 1 < layout.cp else None
+        pending = plan.exchange.start((kv,), KV_TAG) if step + 1 < layout.cp else None
+        k, v = kv.split([d, kv.shape[-1] - d], dim=-1)
         for qs, ks, mask in plan.blocks(owner, q.device):
             s = _scores(q[..., qs, :], k[:, :, ks], mask, scale)
             block_lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, g, c)
@@ -103,7 +104,7 @@ def _forward(q, k, v, plan: RingPlan, scale: float):
             out[..., qs, :] = out[..., qs, :] * keep[..., None] + block_out * add[..., None]
             lse[..., qs] = merged
         if pending is not None:
-            k, v = pending.wait()
+            (kv,) = pending.wait()
     return out, lse
 
 
@@ -114,12 +115,15 @@ def _backward(q, k, v, out, lse, d_out, d_lse, plan: RingPlan, scale: float):
     if d_lse is not None:
         D = D - d_lse
     lse = _finite(lse)
+    d = q.shape[-1]
     dq = torch.zeros_like(q)
-    layout, incoming = plan.layout, None
+    layout, incoming, kv = plan.layout, None, torch.cat([k, v], dim=-1)
     for step in range(layout.cp):
         owner = (layout.rank - step) % layout.cp
-        pending = plan.exchange.start((k, v), KV_TAG) if step + 1 < layout.cp else None
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # this rank's share for the owner's keys
+        pending = plan.exchange.start((kv,), KV_TAG) if step + 1 < layout.cp else None
+        k, v = kv.split([d, kv.shape[-1] - d], dim=-1)
+        dkv = torch.zeros_like(kv)  # this rank's share of the owner's key and value gradients
+        dk, dv = dkv.split([d, kv.shape[-1] - d], dim=-1)
         for qs, ks, mask in plan.blocks(owner, q.device):
             qb, kb, vb, dob = q[..., qs, :], k[:, :, ks], v[:, :, ks], d_out[..., qs, :]
             p = torch.exp(_scores(qb, kb, mask, scale) - lse[..., qs, None])  # (B, Hkv, g, cq, ck)
@@ -129,13 +133,12 @@ def _backward(q, k, v, out, lse, d_out, d_lse, plan: RingPlan, scale: float):
             dk[:, :, ks] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qb) * scale
         # The owner's gradients so far come from the previous rank, which had its keys a hop ago.
         if incoming is not None:
-            got_dk, got_dv = incoming.wait()
-            dk, dv = dk + got_dk, dv + got_dv
-        incoming = plan.exchange.start((dk, dv), GRAD_TAG)
+            dkv = dkv + incoming.wait()[0]
+        incoming = plan.exchange.start((dkv,), GRAD_TAG)
         if pending is not None:
-            k, v = pending.wait()
-    dk, dv = incoming.wait()  # the previous rank's last share is for this rank's own keys: complete
-    return dq, dk, dv
+            (kv,) = pending.wait()
+    (dkv,) = incoming.wait()  # the previous rank's last share is for this rank's own keys: complete
+    return dq, *dkv.split([d, dkv.shape[-1] - d], dim=-1)
 
 
 class _RingAttention(torch.autograd.Function):
