@@ -41,6 +41,9 @@ class LayoutRequest:
     document_mask: bool = False
     float8: str = "none"
     precision: str = "auto"
+    seq_lens: tuple[int, ...] = ()
+    """Every sequence length the run trains at (train.seq_len_schedule), each checked as
+    seq_len is; empty: seq_len alone."""
 
 
 Check = Callable[[LayoutRequest, ParallelDims], None]
@@ -216,11 +219,14 @@ def layout_errors(r: LayoutRequest) -> list[str]:
     except ForjaError as exc:
         return [str(exc)]  # without consistent degrees nothing else can be judged
     errors = []
-    for check in CHECKS:
-        try:
-            check(r, dims)
-        except ForjaError as exc:
-            errors.append(str(exc))
+    for length in r.seq_lens or (r.seq_len,):  # a schedule's every length must split as the layout needs
+        at = dataclasses.replace(r, seq_len=length)
+        for check in CHECKS:
+            try:
+                check(at, dims)
+            except ForjaError as exc:
+                if str(exc) not in errors:
+                    errors.append(str(exc))
     return errors
 
 

@@ -47,7 +47,7 @@ def layout_request(cfg: Config, args: TransformerArgs, world_size: int, device_t
     return LayoutRequest(args=args, parallel=cfg.parallel, world_size=world_size, seq_len=t.seq_len,
                          global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                          device_type=device_type, document_mask=cfg.model.document_mask, float8=t.float8,
-                         precision=t.precision)
+                         precision=t.precision, seq_lens=t.seq_lens())
 
 
 def check_positions(args: TransformerArgs, seq_len: int) -> None:

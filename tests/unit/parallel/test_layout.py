@@ -1,5 +1,7 @@
 """Layouts checked before anything starts; activation checkpointing keeps parameter names."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -75,6 +77,14 @@ def test_context_parallelism_runs_on_any_device_with_document_masks():
     # fewer key/value heads than ranks are repeated; heads that do not split are refused
     assert layout_errors(_request(4, cp=4, cp_kind="all-to-all")) == []  # 4 heads, 2 kv heads
     assert layout_errors(_request(8, cp=8)) == []  # ring: any head count
+
+
+def test_every_length_of_a_sequence_length_schedule_is_checked():
+    r = LayoutRequest(args=model_args("llama", "debug"), parallel=ParallelConfig(cp=2), world_size=2, seq_len=64,
+                      global_batch_size=8, micro_batch_size=2, seq_lens=(30, 64))
+    assert layout_errors(r) == ["train.seq_len = 30 (2 x parallel.cp, a chunk and its mirror per rank = 4, under "
+                                "parallel.cp_kind = 'ring') is not divisible by 4; change train.seq_len or parallel.cp"]
+    assert layout_errors(dataclasses.replace(r, seq_lens=(32, 64))) == []
 
 
 def test_degrees_must_multiply_to_the_world_size():
