@@ -62,13 +62,17 @@ def _train_one_after_another(rank: int, world: int, runs: list[tuple[str, list[s
 
     import torch
 
+    from forja import fallbacks
     from forja.config import load_config
     from forja.train.trainer import Trainer
 
     torch.set_num_threads(1)
     outcome: dict[str, str | None] = {}
     for run, overrides in runs:
-        torch._dynamo.reset()  # each compiled layout compiles its own model, as in a process of its own
+        # As in a process of its own: each compiled layout compiles its own model, and each
+        # run's run.json lists only the fallbacks it took (tests read them).
+        torch._dynamo.reset()
+        fallbacks.clear()
         try:
             Trainer(load_config("debug", overrides)).run()
         except Exception:

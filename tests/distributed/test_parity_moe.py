@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.parity import MOE_TOL, layout_losses, max_difference, single_process_losses
+from tests.distributed.parity import MOE_TOL, SharedLayouts, layout_losses, max_difference, single_process_losses
 from tests.integration.conftest import forja_process, losses, train_args
 
 MOE = {"model.family": '"qwen3"', "model.flavor": '"debug-moe"',
@@ -52,6 +52,22 @@ LAYOUTS = {
 }
 
 
+SAVE_AT_5 = {"checkpoint.interval": "5", "checkpoint.keep": "0"}
+# The resharding tests resume these from step 5: they keep their checkpoints as they train
+# for parity (a checkpoint changes no loss), rather than train again.
+RESHARD_SOURCES = ("EP 2", "EP 2 x FSDP 2", "EP 2, DeepSeek-V3 routing and bias update")
+# The layouts train one after another in a shared process group per rank count (one start-up
+# each rather than one torchrun each); the first test of a group trains the whole group.
+GROUP_TIMEOUT = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory, train_data):
+    layouts = {name: (nproc, {**changes, **(SAVE_AT_5 if name in RESHARD_SOURCES else {})})
+               for name, (nproc, changes) in LAYOUTS.items()}
+    return SharedLayouts(tmp_path_factory, train_data, layouts)
+
+
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory, train_data):
     """The single-process losses of the qwen3 MoE model."""
@@ -63,21 +79,22 @@ def deepseek_reference(tmp_path_factory, train_data):
     return single_process_losses(tmp_path_factory.mktemp("ref-deepseek") / "run", train_data, **DEEPSEEK)
 
 
+@GROUP_TIMEOUT
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_moe_layout_matches_single_process(name, tmp_path, train_data, request):
-    nproc, changes = LAYOUTS[name]
+def test_moe_layout_matches_single_process(name, tmp_path, request, shared_runs):
     reference = request.getfixturevalue("deepseek_reference" if "DeepSeek" in name else "moe_reference")
-    diff = max_difference(reference, layout_losses(tmp_path / "run", train_data, nproc, **changes))
+    diff = max_difference(reference, losses(shared_runs.run(name, tmp_path / "run")))
     print(f"parity {name}: max |loss diff| = {diff:.2e}")
     assert diff < MOE_TOL
 
 
-def _saved_at_5(run, train_data, nproc, changes):
-    """Train 10 steps under a layout, keeping the step-5 checkpoint only, as if stopped at 5."""
-    layout_losses(run, train_data, nproc, **{**changes, "checkpoint.interval": "5", "checkpoint.keep": "0"})
+def _saved_at_5(run: Path, source: str, shared_runs) -> None:
+    """A copy of the source layout's run (saved at steps 5 and 10) as if it had stopped at 5."""
+    shutil.copytree(shared_runs.run(source, run.parent / "alone"), run)  # each test its own
     shutil.rmtree(run / "checkpoints" / "step-00000010")
 
 
+@GROUP_TIMEOUT
 @pytest.mark.parametrize(("source", "target"), [
     ("EP 2", "1 process"),
     ("EP 2 x FSDP 2", "EP 4"),
@@ -85,11 +102,11 @@ def _saved_at_5(run, train_data, nproc, changes):
     # routing would differ at once.
     ("EP 2, DeepSeek-V3 routing and bias update", "1 process"),
 ])
-def test_moe_checkpoint_reshards_between_ep_layouts(tmp_path, train_data, request, source, target):
+def test_moe_checkpoint_reshards_between_ep_layouts(tmp_path, train_data, request, source, target, shared_runs):
     run = tmp_path / "run"
-    _saved_at_5(run, train_data, *LAYOUTS[source])
+    _saved_at_5(run, source, shared_runs)
     model = DEEPSEEK if "DeepSeek" in source else MOE
-    resume = {"checkpoint.interval": "5", "checkpoint.keep": "0"}
+    resume = SAVE_AT_5
     if target == "1 process":
         single_process_losses(run, train_data, **model, **resume)
     else:
