@@ -22,6 +22,9 @@ from forja.parallel.cp.comm import RingExchange
 from forja.parallel.cp.layout import SequenceLayout
 
 KV_TAG, GRAD_TAG = 0, 1  # exchanges in flight together (keys and values, their gradients)
+# A block's scores are written out a tile of query rows at a time, at most this many fp32
+# values (256 MiB): a chunk of 8k tokens with 32 heads would be 8.6 GB at once.
+TILE_SCORES = 1 << 26
 
 
 @dataclass
@@ -60,14 +63,20 @@ class RingPlan:
                 return False
         return allowed
 
-    def blocks(self, owner: int, device: torch.device):
-        """(local query slice, slice of the owner's keys, mask) of each block to compute."""
+    def blocks(self, owner: int, device: torch.device, heads: int):
+        """(local query rows, slice of the owner's keys, mask rows) of each tile of each block
+        to compute, with `heads` (batch x query heads) x rows x chunk scores at most TILE_SCORES."""
         c = self.layout.chunk
+        rows = max(1, min(c, TILE_SCORES // (heads * c)))
         for i, a in enumerate(self.layout.my_chunks):
             for j, b in enumerate(self.layout.chunks_of(owner)):
                 mask = self.block_mask(a, b, device)
-                if mask is not False:
-                    yield slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), mask
+                if mask is False:
+                    continue
+                for start in range(0, c, rows):
+                    stop = min(c, start + rows)
+                    tile = None if mask is None else mask[:, start:stop]
+                    yield slice(i * c + start, i * c + stop), slice(j * c, (j + 1) * c), tile
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -94,7 +103,7 @@ def _forward(q, k, v, plan: RingPlan, scale: float):
         owner = (layout.rank - step) % layout.cp
         pending = plan.exchange.start((kv,), KV_TAG) if step + 1 < layout.cp else None
         k, v = kv.split([d, kv.shape[-1] - d], dim=-1)
-        for qs, ks, mask in plan.blocks(owner, q.device):
+        for qs, ks, mask in plan.blocks(owner, q.device, B * Hkv * g):
             s = _scores(q[..., qs, :], k[:, :, ks], mask, scale)
             block_lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, g, c)
             p = torch.exp(s - _finite(block_lse)[..., None])
@@ -124,7 +133,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, plan: RingPlan, scale: float):
         k, v = kv.split([d, kv.shape[-1] - d], dim=-1)
         dkv = torch.zeros_like(kv)  # this rank's share of the owner's key and value gradients
         dk, dv = dkv.split([d, kv.shape[-1] - d], dim=-1)
-        for qs, ks, mask in plan.blocks(owner, q.device):
+        for qs, ks, mask in plan.blocks(owner, q.device, q.shape[:3].numel()):
             qb, kb, vb, dob = q[..., qs, :], k[:, :, ks], v[:, :, ks], d_out[..., qs, :]
             p = torch.exp(_scores(qb, kb, mask, scale) - lse[..., qs, None])  # (B, Hkv, g, cq, ck)
             dv[:, :, ks] += torch.einsum("bhgqk,bhgqv->bhkv", p, dob)
