@@ -17,7 +17,8 @@ import json
 
 import pytest
 
-from tests.distributed.parity import layout_losses, max_difference, single_process_losses
+from tests.distributed.parity import SharedLayouts, max_difference, single_process_losses
+from tests.integration.conftest import losses
 
 pytest.importorskip("torchao")
 
@@ -27,6 +28,9 @@ FLOAT8_TOL = 5e-2  # emulated float8 against fp32 (tests/integration/test_train.
 # of 1, not 2) moves it by 2.7e-4 in one process.
 FIRST_TOL = 1e-4
 TP2 = {"parallel.tp": "2", "parallel.dp_shard": "1"}
+# Both layouts train in one shared 2-rank group (one start-up rather than one torchrun each).
+LAYOUTS = {f"TP 2{' + SP' if sp else ''}": (2, {**FLOAT8, **TP2, "parallel.sequence_parallel": str(sp).lower()})
+           for sp in (False, True)}
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +38,18 @@ def float8_reference(tmp_path_factory, train_data):
     return single_process_losses(tmp_path_factory.mktemp("f8-ref") / "run", train_data, **FLOAT8)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["TP 2", "TP 2 + SP"])
-def test_float8_tp_matches_single_process_float8(sequence_parallel, tmp_path, train_data, float8_reference):
-    run = layout_losses(tmp_path / "run", train_data, 2, **FLOAT8, **TP2,
-                        **{"parallel.sequence_parallel": str(sequence_parallel).lower()})
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory, train_data):
+    return SharedLayouts(tmp_path_factory, train_data, LAYOUTS)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=list(LAYOUTS))
+def test_float8_tp_matches_single_process_float8(sequence_parallel, tmp_path, float8_reference, shared_runs):
+    run_dir = shared_runs.run("TP 2 + SP" if sequence_parallel else "TP 2", tmp_path / "run")
+    run = losses(run_dir)
     diff, first = max_difference(float8_reference, run), abs(float8_reference[1] - run[1])
     print(f"parity float8 {'TP 2 + SP' if sequence_parallel else 'TP 2'}: step 1 |loss diff| = {first:.2e}, "
           f"max over {len(run)} steps = {diff:.2e}")
     assert first < FIRST_TOL and diff < FLOAT8_TOL
-    recorded = [f["key"] for f in json.loads((tmp_path / "run" / "run.json").read_text())["launches"][-1]["fallbacks"]]
+    recorded = [f["key"] for f in json.loads((run_dir / "run.json").read_text())["launches"][-1]["fallbacks"]]
     assert ("parallel.tp.float8" in recorded) == sequence_parallel  # float8 styles, unless Gloo must gather
