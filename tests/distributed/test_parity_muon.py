@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from forja.cli import main
-from tests.distributed.parity import COMMON, PP_COMMON, layout_losses, max_difference, single_process_losses
+from tests.distributed.parity import COMMON, PP_COMMON, SharedLayouts, max_difference, single_process_losses
 from tests.integration.conftest import losses, train_args
 
 # The brief's bound. NS amplifies the last-place differences of summed gradients a little, but
@@ -34,20 +34,37 @@ LAYOUTS = {
     "FSDP 2 x TP 2": (4, {"parallel.tp": "2", "parallel.dp_shard": "2"}),
     "PP 2": (2, {**PP_COMMON, "parallel.pp": "2"}),
 }
+MOE = {"model.family": '"qwen3"', "model.flavor": '"debug-moe"'}
+# A fresh debug Llama's logits are about 0.2: tau 0.15 clips heads at every step.
+CLIP = {**MUON, "optim.qk_clip_tau": "0.15"}
+# Every Muon layout of this file trains in a shared process group per rank count (one start-up
+# each rather than one torchrun each); the first test of a group trains the whole group.
+SHARED = {**{name: (nproc, {**MUON, **changes}) for name, (nproc, changes) in LAYOUTS.items()},
+          "FSDP 2, saved at step 5": (2, {**MUON, **SAVE_AT_5, "parallel.dp_shard": "2"}),
+          "EP 2 x FSDP 2 (qwen3 debug-moe)": (4, {**MUON, **MOE, "parallel.ep": "2", "parallel.dp_shard": "4"}),
+          "MuonClip FSDP 2": (2, {**CLIP, "parallel.dp_shard": "2"})}
+GROUP_TIMEOUT = pytest.mark.timeout(600)
 
 
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory, train_data):
+    return SharedLayouts(tmp_path_factory, train_data, SHARED)
+
+
+@GROUP_TIMEOUT
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_muon_layout_matches_single_process(name, tmp_path, train_data, muon_reference):
-    nproc, changes = LAYOUTS[name]
-    diff = max_difference(muon_reference, layout_losses(tmp_path / "run", train_data, nproc, **MUON, **changes))
+def test_muon_layout_matches_single_process(name, tmp_path, muon_reference, shared_runs):
+    diff = max_difference(muon_reference, losses(shared_runs.run(name, tmp_path / "run")))
     print(f"muon parity {name}: max |loss diff| = {diff:.2e}")
     assert diff < MUON_TOL
 
 
-def test_muon_fsdp_matches_and_its_checkpoint_resumes_in_one_process(tmp_path, train_data, muon_reference):
-    run = tmp_path / "run"
-    fsdp = layout_losses(run, train_data, 2, **MUON, **SAVE_AT_5, **{"parallel.dp_shard": "2"})
-    diff = max_difference(muon_reference, fsdp)
+@GROUP_TIMEOUT
+def test_muon_fsdp_matches_and_its_checkpoint_resumes_in_one_process(tmp_path, train_data, muon_reference,
+                                                                      shared_runs):
+    run = tmp_path / "run"  # a copy, since it resumes
+    shutil.copytree(shared_runs.run("FSDP 2, saved at step 5", tmp_path / "alone"), run)
+    diff = max_difference(muon_reference, losses(run))
     print(f"muon parity FSDP 2: max |loss diff| = {diff:.2e}")
     assert diff < MUON_TOL
     shutil.rmtree(run / "checkpoints" / "step-00000010")  # as if the run had stopped at step 5
@@ -57,14 +74,12 @@ def test_muon_fsdp_matches_and_its_checkpoint_resumes_in_one_process(tmp_path, t
     assert diff < MUON_TOL
 
 
-MOE = {"model.family": '"qwen3"', "model.flavor": '"debug-moe"'}
-
-
-def test_muon_expert_parallel_matches_single_process(tmp_path, train_data):
+@GROUP_TIMEOUT
+def test_muon_expert_parallel_matches_single_process(tmp_path, train_data, shared_runs):
     # Stacked experts sharded over "ep" and FSDP ("efsdp"): gathered over efsdp only, each EP
     # rank orthogonalizes its own experts.
     reference = single_process_losses(tmp_path / "ref", train_data, **MUON, **MOE)
-    run = layout_losses(tmp_path / "run", train_data, 4, **MUON, **MOE, **{"parallel.ep": "2", "parallel.dp_shard": "4"})
+    run = losses(shared_runs.run("EP 2 x FSDP 2 (qwen3 debug-moe)", tmp_path / "run"))
     diff = max_difference(reference, run)
     print(f"muon parity EP 2 x FSDP 2 (qwen3 debug-moe): max |loss diff| = {diff:.2e}")
     assert diff < MUON_TOL
@@ -151,8 +166,6 @@ def test_each_rank_orthogonalizes_its_share_and_receives_about_what_it_owns():
 
 
 # -- MuonClip: QK-clip after each Muon step, under FSDP --------------------------------------
-# A fresh debug Llama's logits are about 0.2: tau 0.15 clips heads at every step.
-CLIP = {**MUON, "optim.qk_clip_tau": "0.15"}
 
 
 def _attn(run):
@@ -161,11 +174,12 @@ def _attn(run):
     return {r["step"]: r for r in read_metrics(run) if "attn/max_logit" in r}
 
 
-def test_muonclip_fsdp_matches_single_process(tmp_path, train_data):
+@GROUP_TIMEOUT
+def test_muonclip_fsdp_matches_single_process(tmp_path, train_data, shared_runs):
     reference = single_process_losses(tmp_path / "ref", train_data, **CLIP)
-    fsdp = layout_losses(tmp_path / "run", train_data, 2, **CLIP, **{"parallel.dp_shard": "2"})
-    diff = max_difference(reference, fsdp)
-    one, two = _attn(tmp_path / "ref"), _attn(tmp_path / "run")
+    run = shared_runs.run("MuonClip FSDP 2", tmp_path / "run")
+    diff = max_difference(reference, losses(run))
+    one, two = _attn(tmp_path / "ref"), _attn(run)
     logit_diff = max(abs(one[s]["attn/max_logit"] - two[s]["attn/max_logit"]) for s in one)
     print(f"MuonClip parity FSDP 2: max |loss diff| = {diff:.2e}, max |max-logit diff| = {logit_diff:.2e}")
     assert diff < MUON_TOL and logit_diff < 1e-4
