@@ -54,7 +54,7 @@ class ModelConfig:
     factor = 8.0, original_max_seq_len = 4096} (YaRN) or {rope_type = "llama3", factor = 8.0,
     low_freq_factor = 1.0, high_freq_factor = 4.0, original_max_seq_len = 8192} (Llama 3's rule);
     {rope_type = "default"}: plain RoPE; unset: the flavor's. For rotary families (llama, qwen3, mixtral,
-    olmo3, deepseek_v3, gpt_oss); a resume may change it (context extension, docs/training.md)."""
+    olmo3, deepseek_v3, gpt_oss, gemma3); a resume may change it (context extension, docs/training.md)."""
     mup_base_dim: int = 0
     """0: off; else the width (model.dim) the hyperparameters were tuned at: the model is
     parametrized (muP) so the best learning rate found at that width holds at larger widths."""

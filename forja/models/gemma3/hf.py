@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from forja.errors import ForjaError
 from forja.models.common.hf_rules import HFAdapter, TensorRule, decoder_config
+from forja.models.common.rope import ROPE_TYPES, rope_scaling_from_hf, rope_scaling_to_hf
 from forja.models.gemma3.model import Gemma3Args, gemma3_layer_types
 
 ARCHITECTURES = ("Gemma3ForCausalLM",)
@@ -58,12 +59,12 @@ def _rope_parameters(cfg: dict) -> dict[str, dict]:
 def _linear_factor(ropes: dict[str, dict]) -> float:
     for kind, rope in ropes.items():
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if kind == "full_attention" and rope_type in ("default", "linear"):
+        if kind == "full_attention" and rope_type in ("default", "linear", *ROPE_TYPES):
             continue
         if kind == "sliding_attention" and rope_type == "default":
             continue
         raise _refuse(f"rope_parameters.{kind}.rope_type", rope_type,
-                      "forja's Gemma 3 reads 'default' and, for the global blocks, 'linear'")
+                      "forja's Gemma 3 reads 'default' and, for the global blocks, 'linear', 'llama3' and 'yarn'")
     full = ropes["full_attention"]
     return float(full.get("factor", 1.0)) if full.get("rope_type", full.get("type")) == "linear" else 1.0
 
@@ -90,6 +91,8 @@ def args_from_config(cfg: dict) -> Gemma3Args:
         rope_theta=float(ropes["full_attention"]["rope_theta"]),
         local_rope_theta=float(ropes["sliding_attention"]["rope_theta"]),
         rope_linear_factor=_linear_factor(ropes),
+        rope_scaling=(rope_scaling_from_hf(ropes["full_attention"], cfg.get("max_position_embeddings", 131_072))
+                      if ropes["full_attention"].get("rope_type") in ROPE_TYPES else None),
         query_pre_attn_scalar=int(cfg.get("query_pre_attn_scalar", 256)),
         final_logit_softcap=cfg.get("final_logit_softcapping"),
     )
@@ -114,6 +117,8 @@ def config_from_args(a: Gemma3Args) -> dict:
     full = {"rope_type": "default", "rope_theta": a.rope_theta}
     if a.rope_linear_factor != 1.0:
         full.update(rope_type="linear", factor=a.rope_linear_factor)
+    if a.rope_scaling is not None:
+        full = {**rope_scaling_to_hf(a.rope_scaling), "rope_theta": a.rope_theta}
     return {
         "architectures": list(ARCHITECTURES),
         "model_type": "gemma3_text",

@@ -36,7 +36,7 @@ from forja.errors import ForjaError
 from forja.models.common.attention import Attention, KVCache
 from forja.models.common.decoder import RotaryDecoder
 from forja.models.common.norms import RMSNorm
-from forja.models.common.rope import rope_cos_sin, rope_frequencies
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_cos_sin, rope_frequencies, rope_scaling_from
 from forja.models.common.transformer import ATTENTION_TYPES, TransformerArgs
 
 
@@ -63,13 +63,20 @@ class Gemma3Args(TransformerArgs):
     rope_linear_factor: float = 1.0
     """The global blocks' frequencies are divided by this (linear position interpolation;
     8 in the 4B, 12B and 27B models); 1: unscaled."""
+    rope_scaling: RopeScaling | YarnScaling | None = None
+    """YaRN (the default rope_type here) or Llama 3's scaling of the global blocks' frequencies
+    (model.rope_scaling), instead of rope_linear_factor; None: the linear factor alone."""
     query_pre_attn_scalar: int | None = None
     """Attention scores are multiplied by query_pre_attn_scalar ** -0.5; None: head_dim."""
     final_logit_softcap: float | None = None
     """Logits become cap * tanh(logits / cap) (`final_logit_softcapping`); None: not capped."""
 
     def __post_init__(self) -> None:
+        self.rope_scaling = rope_scaling_from(self.rope_scaling, key="model.overrides.rope_scaling", default="yarn")
         super().__post_init__()
+        if self.rope_scaling is not None and self.rope_linear_factor != 1.0:
+            raise ForjaError(f"model rope_scaling and rope_linear_factor = {self.rope_linear_factor} both scale the "
+                             "global blocks' frequencies; set rope_linear_factor = 1.0 with a rope_scaling")
         if self.query_pre_attn_scalar is None:
             self.query_pre_attn_scalar = self.head_dim
         if self.query_pre_attn_scalar <= 0 or self.rope_linear_factor <= 0:
@@ -133,11 +140,12 @@ class Gemma3(RotaryDecoder):
         return h * torch.tensor(self.args.dim**0.5, dtype=h.dtype, device=h.device)
 
     def rope_frequencies(self) -> torch.Tensor:
-        return rope_frequencies(self.args.head_dim, self.args.rope_theta) / self.args.rope_linear_factor
+        a = self.args
+        return rope_frequencies(a.head_dim, a.rope_theta, a.rope_scaling) / a.rope_linear_factor
 
     def rope_tables_for(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Global blocks: base rope_theta, frequencies / rope_linear_factor; local blocks:
-        base local_rope_theta, unscaled."""
+        """Global blocks: base rope_theta, frequencies / rope_linear_factor or scaled by
+        rope_scaling (with YaRN's factor on cos and sin); local blocks: base local_rope_theta, unscaled."""
         if kind not in ATTENTION_TYPES:
             return None
         key = (kind, positions.device)
@@ -145,7 +153,8 @@ class Gemma3(RotaryDecoder):
             freqs = (self.rope_frequencies() if kind == "full_attention"
                      else rope_frequencies(self.args.head_dim, self.args.local_rope_theta))
             self._freqs[key] = freqs.to(positions.device)
-        return rope_cos_sin(self._freqs[key], positions)
+        scale = self.rope_scale() if kind == "full_attention" else 1.0
+        return rope_cos_sin(self._freqs[key], positions, scale)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         out = super().logits(h)
