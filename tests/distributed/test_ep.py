@@ -25,16 +25,13 @@ def _tokens(rank: int, n: int) -> torch.Tensor:
     return torch.randn(1, n, DIM, generator=torch.Generator().manual_seed(100 + rank))
 
 
-def _ep_case(rank: int, world: int, kw: dict, sizes: list[int]):
+def _ep_case(rank: int, world: int, ep_mesh, kw: dict, sizes: list[int]):
     from torch.distributed.tensor import DTensor
 
-    from forja.parallel.dims import ParallelDims
     from forja.parallel.ep import apply_ep
 
-    dims = ParallelDims(1, 1, world, 1, 1, ep=world)
-    dims.build_mesh("cpu")
     moe = _layer(**kw)
-    apply_ep(moe, dims.ep_mesh)
+    apply_ep(moe, ep_mesh)
     assert isinstance(moe.experts.w1, DTensor) and moe.experts.w1.to_local().shape[0] == 4 // world
     x = _tokens(rank, sizes[rank]).requires_grad_()
     out = moe(x)
@@ -43,14 +40,34 @@ def _ep_case(rank: int, world: int, kw: dict, sizes: list[int]):
     return out.detach(), x.grad, grads
 
 
-@pytest.mark.parametrize("kw, sizes", [
+def _ep_cases(rank: int, world: int, cases: list[tuple[dict, list[int]]]) -> list:
+    """Every case on one mesh: one spawn for all of them (the start-up is most of the time)."""
+    from forja.parallel.dims import ParallelDims
+
+    dims = ParallelDims(1, 1, world, 1, 1, ep=world)
+    dims.build_mesh("cpu")
+    return [_ep_case(rank, world, dims.ep_mesh, kw, sizes) for kw, sizes in cases]
+
+
+CASES = [
     (dict(), [6, 6]),
     (dict(score_func="sigmoid", expert_bias=True, n_shared_experts=1, aux_loss_weight=0.1), [5, 9]),
     (dict(capacity_factor=0.5), [8, 8]),
     (dict(), [1, 7]),  # few tokens: some experts receive none from a rank
-])
-def test_ep2_layer_matches_one_process(kw, sizes):
-    results = run_distributed(_ep_case, 2, kw, sizes)
+]
+
+
+@pytest.fixture(scope="module")
+def ep_results() -> list[list]:
+    """rank -> case -> (output, input gradient, parameter gradients), all cases in one spawn."""
+    return run_distributed(_ep_cases, 2, CASES)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)),
+                         ids=["top-2", "sigmoid, bias, shared expert", "capacity 0.5", "few tokens"])
+def test_ep2_layer_matches_one_process(case, ep_results):
+    kw, sizes = CASES[case]
+    results = [of_rank[case] for of_rank in ep_results]
     moe = _layer(**kw)
     for rank, (out, x_grad, grads) in enumerate(results):
         x = _tokens(rank, sizes[rank]).requires_grad_()
