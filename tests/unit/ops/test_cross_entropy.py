@@ -286,13 +286,26 @@ def _tp_case(rank: int, world_size: int, layout: str, backend: str = "torch"):
     return loss.detach(), dh, w.grad.full_tensor()
 
 
-@pytest.mark.parametrize("layout", ["plain", "sequence"])
-def test_vocabulary_parallel_matches_one_process(layout):
+LAYOUTS = ["plain", "sequence"]
+
+
+def _tp_cases(rank: int, world_size: int, layouts: list[str]) -> list:
+    return [_tp_case(rank, world_size, layout) for layout in layouts]
+
+
+@pytest.fixture(scope="module")
+def tp_results() -> list[list]:
+    """rank -> layout -> (loss, input gradient, weight gradient): both layouts in one spawn."""
+    return run_distributed(_tp_cases, 2, LAYOUTS)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_vocabulary_parallel_matches_one_process(layout, tp_results):
     """Also: a weight split another way (on D) is refused with a ForjaError naming
     model.fused_ops."""
     want = _run(_plain, *_inputs(n=24, d=8, v=37))
-    for got in run_distributed(_tp_case, 2, layout):
-        _assert_close(got, want, 1e-5)
+    for of_rank in tp_results:
+        _assert_close(of_rank[LAYOUTS.index(layout)], want, 1e-5)
 
 
 def test_vocabulary_parallel_with_the_triton_kernels_interpreted(monkeypatch):
