@@ -196,7 +196,8 @@ class Trainer:
             self.counters.productive_s += step_time
         record = StepRecord(step=step, loss=out.loss, grad_norm=out.grad_norm, lr=out.lr, tokens=out.tokens,
                             step_time=step_time, data_wait=data_wait, sync_wait=sync_wait, skipped=out.skipped,
-                            replay=self.recovery.is_replay(step), extra=out.metrics)
+                            replay=self.recovery.is_replay(step),
+                            extra={"seq_len": batches[0].input_ids.shape[1], **out.metrics})  # a schedule's length
         self._call("on_step_end", record)
         return True
 

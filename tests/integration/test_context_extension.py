@@ -86,6 +86,7 @@ def test_a_run_resumed_at_twice_the_length_with_yarn_carries_on(tmp_path, train_
 
     records = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["seq_len"] for r in records] == [32] * STOP + [64] * (STEPS - STOP)
     assert all(math.isfinite(r["loss"]) for r in records)
     # The learning rate of every step, before and after the resume, is the uninterrupted schedule's.
     schedule = lr_multiplier(pretrain.schedule, STEPS)
@@ -109,3 +110,4 @@ def test_a_seq_len_schedule_trains_and_resumes_across_its_boundary_bit_exact(tmp
     Trainer(_cfg(parts, train_data, 32, **changes)).run()
     expected = [r["loss"] for r in read_metrics(whole) if "loss" in r]
     assert [r["loss"] for r in read_metrics(parts) if "loss" in r] == expected and len(expected) == 6
+    assert [r["seq_len"] for r in read_metrics(parts) if "loss" in r] == [16] * 3 + [32] * 3
