@@ -54,7 +54,7 @@ def saved_bytes(model, run) -> int:
     return loss, sum(storages.values())
 
 
-def _measure(rank: int, world: int, kind: str | None, T: int, rounds: int) -> dict[str, float]:
+def _measure(rank: int, world: int, kind: str | None, T: int, rounds: int, warmup: int) -> dict[str, float]:
     import torch.distributed as dist
 
     from forja.parallel.cp import ContextParallel
@@ -72,34 +72,35 @@ def _measure(rank: int, world: int, kind: str | None, T: int, rounds: int) -> di
         def forward():
             return model(part.tokens, positions=part.positions, labels=part.labels, sequence=part.sequence)
     times, memory = [], 0
-    for _ in range(rounds + 1):  # the first is a warm-up
+    for _ in range(rounds + warmup):
         start = time.perf_counter()
         loss, memory = saved_bytes(model, forward)
         loss.backward()
         times.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
-    return {"saved_mb": memory / 2**20, "step_s": statistics.median(times[1:])}
+    return {"saved_mb": memory / 2**20, "step_s": statistics.median(times[warmup:])}
 
 
-def _single(rank: int, world: int, T: int, rounds: int) -> dict[str, float]:
-    return _measure(rank, world, None, T, rounds)
+def _single(rank: int, world: int, T: int, rounds: int, warmup: int) -> dict[str, float]:
+    return _measure(rank, world, None, T, rounds, warmup)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384, 32768])
     ap.add_argument("--cps", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="timed steps (their median is reported)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     a = ap.parse_args()
     print(f"model: llama {MODEL}, torch {torch.__version__}, one thread per rank")
     print("| tokens | layout | activations saved per rank (MiB) | vs cp 1 | step time per rank (s) | rank-seconds vs cp 1 |")
     print("|---|---|---|---|---|---|")
     for T in a.seq_lens:
-        base = run_distributed(_single, 1, T, a.rounds, timeout_s=3600)[0]
+        base = run_distributed(_single, 1, T, a.rounds, a.warmup, timeout_s=3600)[0]
         print(f"| {T} | cp 1 | {base['saved_mb']:.1f} | 1.00 | {base['step_s']:.2f} | 1.00 |", flush=True)
         for cp in a.cps:
             for kind in ("ring", "all-to-all"):
-                ranks = run_distributed(_measure, cp, kind, T, a.rounds, timeout_s=3600)
+                ranks = run_distributed(_measure, cp, kind, T, a.rounds, a.warmup, timeout_s=3600)
                 mem = max(r["saved_mb"] for r in ranks)
                 step = max(r["step_s"] for r in ranks)
                 print(f"| {T} | {kind} cp {cp} | {mem:.1f} | {mem / base['saved_mb']:.3f} | {step:.2f} | "
