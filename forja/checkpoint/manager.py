@@ -76,12 +76,33 @@ def read_meta(path: Path) -> dict:
                          "give another checkpoint, or its run directory to use the newest intact one") from None
 
 
-def loadable_state(state: dict[str, Any], path: Path, optional: tuple[str, ...] = ()) -> dict[str, Any]:
+def loadable_state(state: dict[str, Any], path: Path, optional: tuple[str, ...] = (),
+                   partial: tuple[str, ...] = ()) -> dict[str, Any]:
     """`state` without the entries the checkpoint at `path` lacks and may lack: per-rank RNG
     states (it was saved by fewer ranks: a run resumed on more processes) and the `optional`
-    keys (state newer than the checkpoint, or of a setting it was saved without)."""
+    keys (state newer than the checkpoint, or of a setting it was saved without). A `partial`
+    entry loads the fields the checkpoint has (fields newer than it keep the object's own way
+    of filling them: the data loader's tokens, derived from its position in older checkpoints)."""
     stored = checkpoint_keys(path)
-    return {k: v for k, v in state.items() if k in stored or not (k.startswith("rng.") or k in optional)}
+    out = {k: v for k, v in state.items() if k in stored or not (k.startswith("rng.") or k in optional)}
+    if partial:
+        names = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        for key in (k for k in partial if k in out):
+            out[key] = _StoredFields(out[key], {n.split(".", 1)[1] for n in names if n.startswith(key + ".")})
+    return out
+
+
+class _StoredFields:
+    """A Stateful seen through the fields a checkpoint holds (DCP refuses to load a field it lacks)."""
+
+    def __init__(self, inner: Any, fields: set[str]):
+        self.inner, self.fields = inner, fields
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.inner.state_dict().items() if k in self.fields}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
 
 
 def checkpoint_keys(path: Path) -> set[str]:

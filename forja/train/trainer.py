@@ -139,7 +139,9 @@ class Trainer:
     def _load(self, path: Path) -> None:
         # A checkpoint saved before forja watched for spikes has no "health"; one saved in another
         # precision no "scaler" (the scale then starts from train.fp16_init_scale).
-        state = loadable_state(self.checkpoint_state(), path, optional=("health", "scaler"))
+        # One saved before the loader recorded its tokens has its position alone (the tokens follow).
+        state = loadable_state(self.checkpoint_state(), path, optional=("health", "scaler"),
+                               partial=("dataloader",))
         self.checkpoints.load(path, state, check=self.checkpoints_match)
         self.scheduler.reapply()  # train.steps may have changed, and with it the schedule
 

@@ -69,6 +69,25 @@ def test_resumed_at_a_new_length_any_world_size_sees_the_same(ds):
     assert all(torch.equal(a, b) for a, b in zip(rows([single], 3), rows(pair, 3), strict=True))
 
 
+def test_a_checkpoint_saved_before_tokens_were_recorded_loads_through_dcp(ds, tmp_path):
+    """DCP refuses a field the checkpoint lacks: the trainer loads the loader as a `partial` entry."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from forja.checkpoint.manager import loadable_state
+
+    before = loader(ds, 16)
+    rows([before], 3)
+    old = {k: v for k, v in before.state_dict().items() if k not in ("steps", "tokens")}  # the keys it had
+    dcp.save({"dataloader": old}, checkpoint_id=str(tmp_path / "ck"))
+    longer = loader(ds, 32)
+    with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict: dataloader.steps"):
+        dcp.load({"dataloader": longer}, checkpoint_id=str(tmp_path / "ck"))
+    dcp.load(loadable_state({"dataloader": longer}, tmp_path / "ck", partial=("dataloader",)),
+             checkpoint_id=str(tmp_path / "ck"))
+    assert (longer.cursor.steps, longer.tokens, longer.cursor.start(32)) == (3, 3 * G * 16, (32, 12))
+
+
 def test_a_state_saved_before_tokens_were_recorded_resumes(ds):
     fresh = loader(ds, 16)
     old = {"position": 3 * G, "seed": 0, "seq_len": 16, "split": "train", "global_batch_size": G,
