@@ -9,7 +9,7 @@ import pytest
 
 from forja.cli import main
 from forja.eval.tasks import SHIPPED
-from tests.distributed.parity import COMMON
+from tests.distributed.parity import COMMON, SharedLayouts
 
 from .conftest import forja_process, read_metrics, train_args
 
@@ -58,19 +58,26 @@ def test_two_fsdp_ranks_split_the_requests_and_agree_with_one_process(tmp_path, 
         assert _in_loop(run)[8][key] == pytest.approx(offline[key], abs=1e-5), key
 
 
-@pytest.mark.parametrize("layout", [{"parallel.tp": "2"}, {"parallel.pp": "2"}], ids=["tp2", "pp2"])
+LAYOUTS = {"tp2": {"parallel.tp": "2"}, "pp2": {"parallel.pp": "2"}}
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory, train_data):
+    """Both layouts train in one 2-rank process group (one start-up rather than one torchrun
+    each; the FSDP test above keeps torchrun, whose printed line it reads)."""
+    layouts = {name: (2, {**EVAL, "checkpoint.interval": "4", **layout}) for name, layout in LAYOUTS.items()}
+    return SharedLayouts(tmp_path_factory, train_data, layouts)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tensor_and_pipeline_parallel_ranks_score_without_gathering_and_agree_with_one_process(
-        tmp_path, train_data, capsys, layout):
+        tmp_path, capsys, layout, shared_runs):
     """Under TP the logits stay sharded over the vocabulary (vocabulary-parallel scoring);
     under PP only the last stage's rank has the scores. Both equal `forja eval` on the
     checkpoint, which loads the weights whole in one process."""
-    run = tmp_path / "run"
-    changes = {**COMMON, **EVAL, "checkpoint.interval": "4", **layout}
-    proc = forja_process(train_args(run, train_data, **changes) + ["--nproc", "2"])
-    out = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0, out[-3000:]
+    run = shared_runs.run(layout, tmp_path / "run")
     scored, offline = _in_loop(run), _offline(run, capsys)
     assert sorted(scored) == [4, 8]
-    print(f"{layout} vs forja eval, max |diff|:", max(abs(scored[8][k] - offline[k]) for k in KEYS))
+    print(f"{LAYOUTS[layout]} vs forja eval, max |diff|:", max(abs(scored[8][k] - offline[k]) for k in KEYS))
     for key in KEYS:
         assert scored[8][key] == pytest.approx(offline[key], abs=1e-5), key
