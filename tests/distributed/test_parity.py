@@ -42,9 +42,11 @@ LAYOUTS = {
 BF16 = {**FSDP2, "parallel.mixed_precision": '"bf16"'}
 SAVE_AT_5 = {"checkpoint.interval": "5", "checkpoint.keep": "0"}
 # The layouts train one after another in a few shared process groups (one start-up each
-# rather than one torchrun each): one a rank count, compiled ones last; FSDP 2 saving at step 5
-# is the run the resharding tests resume from (each a copy).
-SHARED = {**LAYOUTS, "FSDP 2 + bf16": (2, BF16), "FSDP 2, saved at step 5": (2, {**FSDP2, **SAVE_AT_5})}
+# rather than one torchrun each): one a rank count, compiled ones last. FSDP 2 (ZeRO-3) saves
+# at step 5 as it trains for parity (a checkpoint changes no loss): the run the resharding
+# tests resume from (each a copy), rather than a second run of the same layout.
+RESHARD_SOURCE = "FSDP 2 (ZeRO-3)"
+SHARED = {**LAYOUTS, RESHARD_SOURCE: (2, {**FSDP2, **SAVE_AT_5}), "FSDP 2 + bf16": (2, BF16)}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,7 @@ def test_bf16_mixed_precision_within_a_looser_bound(tmp_path, train_data, refere
 def _save_at_5_under(tmp_path, shared_runs):
     """A copy of the FSDP 2 run with checkpoints at steps 5 and 10, as if it had stopped at step 5."""
     run = tmp_path / "run"
-    shutil.copytree(shared_runs.run("FSDP 2, saved at step 5", tmp_path / "alone"), run)  # each test its own
+    shutil.copytree(shared_runs.run(RESHARD_SOURCE, tmp_path / "alone"), run)  # each test its own
     shutil.rmtree(run / "checkpoints" / "step-00000010")  # as if the run had stopped at step 5
     return run
 
