@@ -127,9 +127,7 @@ class Preflight:
         hw = self.hw = device_hardware(self.device_type, ranks_here=self.ranks_here, in_worker=self.in_worker)
         if self.cfg.parallel.auto:
             self.cfg = self._auto_layout(hw)
-        request = layout_request(self.cfg, self.args, self.world_size, self.device_type)
-        for seq_len in self.cfg.train.seq_lens():  # each length of train.seq_len_schedule, not the last alone
-            check_layout(dataclasses.replace(request, seq_len=seq_len))
+        check_layout(layout_request(self.cfg, self.args, self.world_size, self.device_type))  # every scheduled length
         check_positions(self.args, self.cfg.train.seq_lens()[-1])
         if self.cfg.train.float8 != "none":  # float8 that would convert no layer (a meta model tells)
             check_float8(build_from_args(self.args, device="meta"), self.cfg.train.float8,
