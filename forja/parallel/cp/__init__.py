@@ -145,7 +145,7 @@ class RingMixing:
                              instead="ring attention with its blocks as fp32 PyTorch matmuls",
                              why="forja's ring has no fused flash-attention block kernel yet",
                              fix='parallel.cp_kind = "all-to-all" runs the fused attention kernels on whole rows')
-        out, lse = ring_attention(q, k, v, self.plan, scale)  # (B, H, Tl, dv), (B, H, Tl)
+        out, lse = ring_attention(q, k, v, self.plan, scale, sinks=sinks is not None)  # (B, H, Tl, dv), (B, H, Tl)
         if sinks is None:
             return out
         kept = torch.sigmoid(lse - _local(sinks).float()[None, :, None])  # e^lse / (e^lse + e^sink)

@@ -6,10 +6,10 @@ merges its queries' attention over every block of keys it is handed (Liu et al. 
 Each rank holds two chunks of its rows (layout.py: chunk r and its mirror), so a hop hands
 it another rank's two chunks of keys; of the four (query chunk, key chunk) blocks, those that
 causal order, the sliding window or the documents hide are skipped, the others masked per
-block. The backward recomputes each block's probabilities from the saved log-sum-exp and
-passes the keys and values around again, with the gradients of the keys and values riding
-one hop behind until they reach their owner. Blocks are computed in fp32 with PyTorch's own
-matmuls, on any device. Saved per layer: q, k, v, the output and the log-sum-exp, O(T / cp).
+block (blocks.py computes one). The backward recomputes each block's probabilities from the
+saved log-sum-exp and passes the keys and values around again, with the gradients of the
+keys and values riding one hop behind until they reach their owner. Saved per layer: q, k,
+v, the output and the log-sum-exp, O(T / cp); computed in fp32.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from forja.parallel.cp.blocks import block_backward, block_forward, can_fuse, finite
 from forja.parallel.cp.comm import RingExchange
 from forja.parallel.cp.layout import SequenceLayout
 
@@ -79,21 +80,7 @@ class RingPlan:
                     yield slice(i * c + start, i * c + stop), slice(j * c, (j + 1) * c), tile
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q (B, Hkv, g, cq, d), k (B, Hkv, ck, d) -> scores (B, Hkv, g, cq, ck), hidden ones -inf."""
-    B, Hkv, g, cq, d = q.shape
-    s = (q.reshape(B, Hkv, g * cq, d) @ k.transpose(-1, -2)).view(B, Hkv, g, cq, -1) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask[:, None, None], float("-inf"))  # mask (B|1, cq, ck)
-    return s
-
-
-def _finite(x: torch.Tensor) -> torch.Tensor:
-    """x with -inf (a query that sees nothing yet) as 0, so exp(s - x) stays 0, not NaN."""
-    return torch.where(torch.isinf(x), torch.zeros_like(x), x)
-
-
-def _forward(q, k, v, plan: RingPlan, scale: float):
+def _forward(q, k, v, plan: RingPlan, scale: float, fused: bool):
     """q (B, Hkv, g, Tl, d) fp32 -> out (B, Hkv, g, Tl, dv), lse (B, Hkv, g, Tl)."""
     B, Hkv, g, Tl, d = q.shape
     out = q.new_zeros(B, Hkv, g, Tl, v.shape[-1])
@@ -104,12 +91,9 @@ def _forward(q, k, v, plan: RingPlan, scale: float):
         pending = plan.exchange.start((kv,), KV_TAG) if step + 1 < layout.cp else None
         k, v = kv.split([d, kv.shape[-1] - d], dim=-1)
         for qs, ks, mask in plan.blocks(owner, q.device, B * Hkv * g):
-            s = _scores(q[..., qs, :], k[:, :, ks], mask, scale)
-            block_lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, g, c)
-            p = torch.exp(s - _finite(block_lse)[..., None])
-            block_out = (p.flatten(2, 3) @ v[:, :, ks]).view_as(out[..., qs, :])
-            merged = torch.logaddexp(lse[..., qs], block_lse)
-            keep, add = torch.exp(lse[..., qs] - _finite(merged)), torch.exp(block_lse - _finite(merged))
+            block_out, block_lse = block_forward(q[..., qs, :], k[:, :, ks], v[:, :, ks], mask, scale, fused)
+            merged = torch.logaddexp(lse[..., qs], block_lse)  # the online softmax's merge
+            keep, add = torch.exp(lse[..., qs] - finite(merged)), torch.exp(block_lse - finite(merged))
             out[..., qs, :] = out[..., qs, :] * keep[..., None] + block_out * add[..., None]
             lse[..., qs] = merged
         if pending is not None:
@@ -117,13 +101,13 @@ def _forward(q, k, v, plan: RingPlan, scale: float):
     return out, lse
 
 
-def _backward(q, k, v, out, lse, d_out, d_lse, plan: RingPlan, scale: float):
+def _backward(q, k, v, out, lse, d_out, d_lse, plan: RingPlan, scale: float, fused: bool):
     """Gradients of q (B, Hkv, g, Tl, d), k and v (B, Hkv, Tl, .), all fp32."""
     # D = rowsum(dO * O) - dlse: the softmax's backward, with the log-sum-exp's own gradient
     D = (d_out * out).sum(-1)
     if d_lse is not None:
         D = D - d_lse
-    lse = _finite(lse)
+    lse = finite(lse)
     d = q.shape[-1]
     dq = torch.zeros_like(q)
     layout, incoming, kv = plan.layout, None, torch.cat([k, v], dim=-1)
@@ -134,12 +118,11 @@ def _backward(q, k, v, out, lse, d_out, d_lse, plan: RingPlan, scale: float):
         dkv = torch.zeros_like(kv)  # this rank's share of the owner's key and value gradients
         dk, dv = dkv.split([d, kv.shape[-1] - d], dim=-1)
         for qs, ks, mask in plan.blocks(owner, q.device, q.shape[:3].numel()):
-            qb, kb, vb, dob = q[..., qs, :], k[:, :, ks], v[:, :, ks], d_out[..., qs, :]
-            p = torch.exp(_scores(qb, kb, mask, scale) - lse[..., qs, None])  # (B, Hkv, g, cq, ck)
-            dv[:, :, ks] += torch.einsum("bhgqk,bhgqv->bhkv", p, dob)
-            ds = p * (torch.einsum("bhgqv,bhkv->bhgqk", dob, vb) - D[..., qs, None])
-            dq[..., qs, :] += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb) * scale
-            dk[:, :, ks] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qb) * scale
+            grads = block_backward(q[..., qs, :], k[:, :, ks], v[:, :, ks], out[..., qs, :], lse[..., qs],
+                                   d_out[..., qs, :], D[..., qs], mask, scale, fused)
+            dq[..., qs, :] += grads[0]
+            dk[:, :, ks] += grads[1]
+            dv[:, :, ks] += grads[2]
         # The owner's gradients so far come from the previous rank, which had its keys a hop ago.
         if incoming is not None:
             dkv = dkv + incoming.wait()[0]
@@ -152,13 +135,14 @@ def _backward(q, k, v, out, lse, d_out, d_lse, plan: RingPlan, scale: float):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan, scale: float):
+    def forward(ctx, q, k, v, plan: RingPlan, scale: float, sinks: bool):
         dtype = q.dtype
         B, H, Tl, d = q.shape
         Hkv = k.shape[1]
         with torch.autocast(q.device.type, enabled=False):
             qg = q.float().view(B, Hkv, H // Hkv, Tl, d)  # (B, Hkv, g, Tl, d): query heads by their key head
-            out, lse = _forward(qg, k.float(), v.float(), plan, scale)
+            ctx.fused = can_fuse(qg, v, sinks)
+            out, lse = _forward(qg, k.float(), v.float(), plan, scale, ctx.fused)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale = plan, scale
         return out.view(B, H, Tl, -1).to(dtype), lse.view(B, H, Tl)
@@ -172,12 +156,13 @@ class _RingAttention(torch.autograd.Function):
             grouped = (B, Hkv, H // Hkv, Tl)
             dq, dk, dv = _backward(q.float().view(*grouped, d), k.float(), v.float(), out, lse,
                                    d_out.float().view(*grouped, -1),
-                                   None if d_lse is None else d_lse.float().view(grouped), ctx.plan, ctx.scale)
-        return dq.view(B, H, Tl, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+                                   None if d_lse is None else d_lse.float().view(grouped), ctx.plan, ctx.scale, ctx.fused)
+        return dq.view(B, H, Tl, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, sinks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, H, Tl, d), k (B, Hkv, Tl, d), v (B, Hkv, Tl, dv), this rank's tokens in its layout
-    -> (out (B, H, Tl, dv) in q's dtype, lse (B, H, Tl) fp32, natural log)."""
-    return _RingAttention.apply(q, k, v, plan, scale)
+    -> (out (B, H, Tl, dv) in q's dtype, lse (B, H, Tl) fp32, natural log). `sinks`: the
+    caller differentiates through lse (the blocks are then written out)."""
+    return _RingAttention.apply(q, k, v, plan, scale, sinks)
