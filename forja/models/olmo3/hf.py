@@ -56,20 +56,12 @@ def _kind(rope: dict) -> str:
     return rope.get("rope_type", rope.get("type", "default"))
 
 
-def _yarn(rope: dict, max_len: int) -> YarnScaling | RopeScaling | None:
+def _scaling(rope: dict, max_len: int) -> YarnScaling | RopeScaling | None:
+    """The full-attention blocks' frequency scaling (common/rope.py reads each kind)."""
     kind = _kind(rope)
-    if kind in ("default", "llama3"):
-        return rope_scaling_from_hf(rope, max_len)
-    if kind != "yarn":
-        raise _refuse("rope_scaling.rope_type", kind, "forja's OLMo 3 reads 'default' and 'yarn'")
-    original = int(rope.get("original_max_position_embeddings") or max_len)
-    attention_factor = rope.get("attention_factor")
-    return YarnScaling(
-        factor=float(rope.get("factor") or max_len / original), original_max_seq_len=original,
-        beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
-        mscale=float(rope.get("mscale") or 0.0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
-        attention_factor=None if attention_factor is None else float(attention_factor),
-        truncate=bool(rope.get("truncate", True)))
+    if kind not in ("default", "llama3", "yarn"):
+        raise _refuse("rope_scaling.rope_type", kind, "forja's OLMo 3 reads 'default', 'llama3' and 'yarn'")
+    return rope_scaling_from_hf(rope, max_len)
 
 
 def args_from_config(cfg: dict) -> Olmo3Args:
@@ -98,7 +90,7 @@ def args_from_config(cfg: dict) -> Olmo3Args:
         layer_types=tuple(layer_types),
         rope_theta=float(ropes["full_attention"]["rope_theta"]),
         local_rope_theta=float(ropes["sliding_attention"]["rope_theta"]),
-        rope_scaling=_yarn(ropes["full_attention"], max_len),
+        rope_scaling=_scaling(ropes["full_attention"], max_len),
     )
 
 
