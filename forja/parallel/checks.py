@@ -127,9 +127,6 @@ def _check_cp(r: LayoutRequest, dims: ParallelDims) -> None:
         dims.cp, "parallel.cp, a chunk per rank")
     _divides(chunks, r.seq_len, f"train.seq_len = {r.seq_len} ({why} = {chunks}, under parallel.cp_kind = "
              f"'{kind}')", "change train.seq_len or parallel.cp")
-    if dims.pp > 1:
-        raise ForjaError(f"parallel.cp = {dims.cp} with parallel.pp = {dims.pp} is not supported yet (a pipeline's "
-                         "micro-batches would each need their rows' split); set one of them to 1")
 
 
 def _check_batch(r: LayoutRequest, dims: ParallelDims) -> None:

@@ -176,15 +176,20 @@ class Pipeline:
         return self._schedule
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None, *,
-             n_batches: int, loss_fn: Callable[[torch.Tensor, int], torch.Tensor]) -> list[torch.Tensor]:
+             n_batches: int, loss_fn: Callable[[torch.Tensor, int], torch.Tensor],
+             cp_rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Forwards and backwards of this rank's stages over the local batch, tokens and
         labels (local batch, T), accumulating gradients in the parts. `loss_fn(out, n)`
         turns the last stage's output for one of n microbatches into what that microbatch
-        adds to the step's loss. Returns those losses on the last stage's rank, [] elsewhere."""
+        adds to the step's loss. Returns those losses on the last stage's rank, [] elsewhere.
+        Under context parallelism tokens and labels are this rank's part of each row and
+        `cp_rows` (local batch, T) the whole rows' documents (forja/parallel/cp `stage_hook`)."""
         schedule = self._schedule_for(tokens.shape[0], n_batches, loss_fn)
         kwargs = {"labels": labels}  # every stage's forward gets its microbatch's slice
         if document_ids is not None:
             kwargs["document_ids"] = document_ids
+        if cp_rows is not None:
+            kwargs["cp_rows"] = cp_rows
         args = (tokens,) if self.has_first else ()
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         schedule.step(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False,

@@ -55,6 +55,7 @@ class ContextParallel:
         self.group, self.kind = group, kind
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.exchange = RingExchange(group) if kind == "ring" else None
+        self._documents = False  # whether the rows a pipeline's stages get (`split_rows`) are documents
 
     def split(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None) -> LocalPart:
         """This rank's part of a micro-batch of whole rows (B, T), the same on every rank of the group."""
@@ -62,6 +63,32 @@ class ContextParallel:
         local_docs = layout.take(document_ids) if document_ids is not None else None
         shards = ContextShards(self, layout, document_ids, local_docs, tokens.device)
         return LocalPart(layout.take(tokens), layout.take(labels), local_docs, layout.positions(tokens.device), shards)
+
+    # -- under pipeline parallelism ----------------------------------------------------------
+    # The schedule cuts a step's rows into micro-batches and hands each stage its tensors only,
+    # so the rows' documents travel as one more keyword tensor, `cp_rows` (B, T), and a
+    # forward pre-hook on each stage (`stage_hook`) makes that micro-batch's part from it.
+    def split_rows(self, tokens: torch.Tensor, labels: torch.Tensor,
+                   document_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's tokens and labels (B, Tl) of a step's rows (B, T), and the `cp_rows` for
+        the stages: the rows' document ids, or (B, T) zeros without document masks."""
+        layout = SequenceLayout(self.kind, self.cp, self.rank, tokens.shape[1])
+        self._documents = document_ids is not None
+        rows = document_ids if document_ids is not None else torch.zeros_like(tokens)
+        return layout.take(tokens), layout.take(labels), rows
+
+    def stage_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """A stage's forward pre-hook: `cp_rows` (a micro-batch's, (b, T)) becomes the model's
+        document_ids, positions and sequence. Without it (validation) nothing changes."""
+        rows = kwargs.pop("cp_rows", None)
+        if rows is None:
+            return None
+        layout = SequenceLayout(self.kind, self.cp, self.rank, rows.shape[1])
+        docs = rows if self._documents else None
+        local = layout.take(docs) if docs is not None else None
+        kwargs.update(document_ids=local, positions=layout.positions(rows.device),
+                      sequence=ContextShards(self, layout, docs, local, rows.device))
+        return args, kwargs
 
 
 class ContextShards:

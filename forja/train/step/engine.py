@@ -318,6 +318,9 @@ class PipelineEngine(StepEngine):
         # and the last stage's copy (both, on a V schedule's rank 0).
         held = {id(p): p for part in parts for name, p in part.named_parameters() if name in part.tied_parameters()}
         self._tied = list(held.values())
+        if self.context is not None:  # each stage makes its micro-batch's part of the rows
+            for part in parts:
+                part.register_forward_pre_hook(self.context.stage_hook, with_kwargs=True)
 
     @property
     def model(self) -> Transformer | None:
@@ -328,10 +331,15 @@ class PipelineEngine(StepEngine):
         tokens = torch.cat([t for t, _, _ in inputs])  # (local batch, T)
         labels = torch.cat([y for _, y, _ in inputs])
         doc_ids = torch.cat([d for _, _, d in inputs]) if self.document_mask else None
+        rows = None
+        if self.context is not None:  # this rank's part of each row; the stages get the rows' documents
+            tokens, labels, rows = self.context.split_rows(tokens, labels, doc_ids)
+            doc_ids = None
         # The schedule interleaves forwards and backwards, so backwards run inside autocast too;
         # autograd gives each backward op its forward op's dtype either way.
         with self.autocast(), self._loss_context():
-            losses = self.pipeline.step(tokens, labels, doc_ids, n_batches=len(batches), loss_fn=self.microbatch_loss)
+            losses = self.pipeline.step(tokens, labels, doc_ids, n_batches=len(batches), loss_fn=self.microbatch_loss,
+                                        cp_rows=rows)
         total = torch.zeros((), device=self.device)
         for loss in losses:
             total += local_value(loss.detach())

@@ -37,7 +37,6 @@ def test_good_layouts_pass():
     (dict(world=8, cp=8, cp_kind="all-to-all"), r"model n_heads = 4 is not divisible by parallel.cp = 8: parallel.cp_kind"),
     (dict(world=8, cp=4, tp=2, cp_kind="all-to-all"),
      r"model n_heads = 4 / parallel.tp = 2 = 2 per tensor-parallel rank is not divisible by parallel.cp = 4"),
-    (dict(world=4, cp=2, pp=2), r"parallel.cp = 2 with parallel.pp = 2 is not supported yet"),
     (dict(world=2, cp=2, seq_len=8, model=("qwen3_5", "debug")), r"leaves 2 tokens per chunk, fewer than the 3"),
     (dict(world=2, tp=2, async_tp=True), r"parallel.async_tp needs CUDA"),
     (dict(world=4, gbs=6), r"train.global_batch_size = 6 is not divisible by the data-parallel degree 4"),
@@ -77,6 +76,7 @@ def test_context_parallelism_runs_on_any_device_with_document_masks():
     # fewer key/value heads than ranks are repeated; heads that do not split are refused
     assert layout_errors(_request(4, cp=4, cp_kind="all-to-all")) == []  # 4 heads, 2 kv heads
     assert layout_errors(_request(8, cp=8)) == []  # ring: any head count
+    assert layout_errors(_request(4, cp=2, pp=2)) == []  # with a pipeline
 
 
 def test_every_length_of_a_sequence_length_schedule_is_checked():
