@@ -30,7 +30,7 @@ from forja.parallel.config import ParallelConfig
 from forja.parallel.process_group import apply_timeout, new_group, set_group_timeout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-EXPERT_MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "tp")
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "efsdp", "cp", "ep", "tp")
 
 
 @dataclass
@@ -58,8 +58,6 @@ class ParallelDims:
         if dims.ep > 1 and dp_shard % dims.ep:
             raise ForjaError(f"parallel.ep = {dims.ep} does not divide parallel.dp_shard = {dp_shard}: expert "
                              "parallelism borrows its ranks from dp_shard; choose an ep that divides it")
-        if dims.ep > 1 and dims.cp > 1:
-            raise ForjaError("parallel.ep > 1 with parallel.cp > 1 is not supported; set one of them to 1")
         if dims.world_size != world_size:
             raise ForjaError(f"parallel degrees multiply to {dims.world_size} "
                              f"(pp={dims.pp} x dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x "
@@ -144,11 +142,13 @@ class ParallelDims:
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh | None:
         """What FSDP shards routed experts over under EP: the data-parallel ranks holding the
-        same experts (efsdp), 2-D with dp_replicate for HSDP; None without EP."""
+        same experts (efsdp, joined with cp when the rows are split: those ranks see other
+        tokens too), 2-D with dp_replicate for HSDP; None without EP."""
         if self.ep == 1:
             return None
         mesh = self.groups.expert_mesh
-        return mesh["dp_replicate", "efsdp"] if self.dp_replicate > 1 else mesh["efsdp"]
+        shard = "efsdp_cp" if self.cp > 1 else "efsdp"
+        return mesh["dp_replicate", shard] if self.dp_replicate > 1 else mesh[shard]
 
     @property
     def dp_rank(self) -> int:
@@ -212,10 +212,14 @@ def _pp_ends_group(dims: ParallelDims, mesh: DeviceMesh) -> dist.ProcessGroup | 
 def _expert_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh | None:
     if dims.ep == 1:
         return None
-    # Same ranks, dp_shard split as (efsdp, ep) with ep innermost (cp is 1 under EP).
-    ranks = mesh.mesh.reshape(dims.pp, dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep, dims.tp)
+    # Same ranks, dp_shard split as (efsdp, ep) with ep innermost of it, and ep moved next to tp:
+    # an expert weight's mesh (FSDP's efsdp x cp, then ep) must list its dimensions in order.
+    ranks = mesh.mesh.reshape(dims.pp, dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep, dims.cp, dims.tp)
+    ranks = ranks.transpose(3, 4)  # (pp, dp_replicate, efsdp, cp, ep, tp)
     expert = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
     apply_timeout(expert)
+    if dims.cp > 1:  # the experts' FSDP ranks: the same experts, other tokens
+        _flatten(expert, ("efsdp", "cp"), "efsdp_cp")
     # Known to DTensor, the flattened (efsdp, ep) group lets it reduce an expert gradient's
     # norm in one all-reduce instead of one per dimension.
     _flatten(expert, ("efsdp", "ep"), "efsdp_ep")

@@ -16,8 +16,9 @@ so), and page-locked (pinned) CPU memory exists only with CUDA, so on a CPU-only
 offload runs unpinned: a no-op in memory terms, but the same code path, tested in CI.
 
 Under expert parallelism each MoE layer's routed experts are their own FSDP unit over the
-expert mesh's data-parallel ranks (`dims.expert_fsdp_mesh`): their gradients already sum the
-tokens of the whole EP group, so the reduction divides by the full data-parallel degree.
+expert mesh's data-parallel ranks (`dims.expert_fsdp_mesh`, with the cp ranks): their gradients
+already sum the tokens of the whole EP group, so the reduction divides by the full data-parallel
+degree (times cp).
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ def _shard_experts(block: nn.Module, dims: ParallelDims, reshard: bool, kwargs: 
     """Make a block's routed experts (sharded over "ep" already) an FSDP unit of their own."""
     for _, moe in moe_layers(block):
         fully_shard(moe.experts, reshard_after_forward=reshard, **{**kwargs, "mesh": dims.expert_fsdp_mesh})
-        # Each expert's gradient sums every EP rank's tokens: average over all dp ranks.
-        moe.experts.set_gradient_divide_factor(float(dims.dp))
-        if dims.dp_shard // dims.ep > 1:
+        # Each expert's gradient sums every EP rank's tokens: average over all dp (x cp) ranks.
+        moe.experts.set_gradient_divide_factor(float(dims.dp * dims.cp))
+        if dims.dp_shard // dims.ep * dims.cp > 1:
             # A custom factor is applied with NCCL's PREMUL_SUM, which Gloo lacks: divide apart.
             # Not with one shard: torch 2.11-2.13 then divide twice (the copy and the post-divide).
             moe.experts.set_force_sum_reduction_for_comms(True)

@@ -1,5 +1,5 @@
 """forja's context parallelism reproduces the single-process losses (CPU, Gloo, fp32, 10
-steps): both kinds at cp 2 and 4, document masks, with FSDP, TP + SP and PP, sliding windows
+steps): both kinds at cp 2 and 4, document masks, with FSDP, TP + SP, PP and EP, sliding windows
 and sinks (gpt-oss), a Gated DeltaNet hybrid (Qwen3.5) and latent attention (DeepSeek-V3);
 and checkpoints move between CP and non-CP layouts. Each layout's measured difference is
 printed (pytest -s) and recorded in docs/parallelism.md."""
@@ -42,6 +42,9 @@ LAYOUTS = {
     "ring CP 2 x FSDP 2": ("llama", 4, {**RING, "parallel.cp": "2", "parallel.dp_shard": "2"}, PARITY_TOL),
     "all-to-all CP 2 x TP 2 + SP": ("llama", 4, {**A2A, "parallel.cp": "2", "parallel.tp": "2",
                                                  "parallel.dp_shard": "1"}, PARITY_TOL),
+    # the experts' FSDP ranks join cp: the same experts see each cp rank's tokens
+    "DeepSeek-V3 ring CP 2 x EP 2": ("deepseek_v3", 4, {**RING, "parallel.cp": "2", "parallel.ep": "2",
+                                                      "parallel.dp_shard": "2"}, MOE_TOL),
     # each stage makes its micro-batch's part of the rows from the documents the schedule hands it
     "ring CP 2 x PP 2 (1f1b)": ("llama", 4, {**RING, "parallel.cp": "2", "parallel.pp": "2",
                                              "parallel.dp_shard": "1"}, PARITY_TOL),
