@@ -24,6 +24,7 @@ import torch
 
 from forja.errors import ForjaError
 from forja.models.common.hf_rules import HFAdapter, TensorRule
+from forja.models.common.rope import ROPE_TYPES, rope_scaling_from_hf, rope_scaling_to_hf
 from forja.models.qwen3_5.model import Qwen3_5Args
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
@@ -50,8 +51,9 @@ def check_supported(cfg: dict, family: str = "Qwen3.5") -> None:
     if kinds:
         raise refuse("layer_types", kinds[0], "each block is 'full_attention' or 'linear_attention'", family)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise refuse("rope_parameters.rope_type", rope.get("rope_type"), "plain (partial) RoPE only", family)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default" and kind not in ROPE_TYPES:
+        raise refuse("rope_parameters.rope_type", kind, "'default', 'llama3' or 'yarn' (of the rotating dims)", family)
     if cfg.get("router_jitter_noise"):
         raise refuse("router_jitter_noise", cfg["router_jitter_noise"], "the router has no noise", family)
     moe, shared = cfg.get("moe_intermediate_size"), cfg.get("shared_expert_intermediate_size")
@@ -74,6 +76,7 @@ def common_args(cfg: dict) -> dict:
         # transformers' defaults where the file names none, as its config classes read them.
         rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10_000.0))),
         partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
+        rope_scaling=rope_scaling_from_hf(rope or cfg.get("rope_scaling") or {}, cfg.get("max_position_embeddings", 32768)),
         layer_types=tuple(cfg.get("layer_types") or ()),
         full_attention_interval=cfg.get("full_attention_interval", 4),
         linear_n_k_heads=cfg.get("linear_num_key_heads", 16), linear_n_v_heads=cfg.get("linear_num_value_heads", 32),
@@ -150,7 +153,8 @@ def common_config(a: Qwen3_5Args) -> dict:
         "linear_key_head_dim": a.linear_k_head_dim, "linear_value_head_dim": a.linear_v_head_dim,
         "linear_num_key_heads": a.linear_n_k_heads, "linear_num_value_heads": a.linear_n_v_heads,
         "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta,
-                            "partial_rotary_factor": a.partial_rotary_factor},
+                            "partial_rotary_factor": a.partial_rotary_factor,
+                            **(rope_scaling_to_hf(a.rope_scaling) if a.rope_scaling is not None else {})},
     }
     if a.n_experts:
         cfg.update(num_experts=a.n_experts, num_experts_per_tok=a.top_k, moe_intermediate_size=a.moe_ffn_dim,

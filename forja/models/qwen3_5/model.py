@@ -34,7 +34,7 @@ from forja.models.common.gated_delta_rule import gated_delta_rule_flops
 from forja.models.common.gated_deltanet import GatedDeltaNet, gated_deltanet_init_rule
 from forja.models.common.moe import MoEArgs
 from forja.models.common.norms import RMSNorm
-from forja.models.common.rope import rope_frequencies
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
 from forja.models.common.mtp import MultiTokenPrediction
 from forja.models.common.transformer import TransformerArgs, TransformerBlock
 
@@ -52,6 +52,9 @@ class Qwen3_5Args(TransformerArgs, MoEArgs):
     """Base of the rotary frequencies."""
     partial_rotary_factor: float = 0.25
     """The share of each attention head's width that rotates; the rest carries no position."""
+    rope_scaling: RopeScaling | YarnScaling | None = None
+    """YaRN (Qwen's long-context rule, the default rope_type here) or Llama 3's frequency scaling of
+    the rotating dims (model.rope_scaling); None: plain RoPE."""
     full_attention_interval: int = 4
     """Every this-many-th block (1-based) is full attention, the others Gated DeltaNet; used
     when `layer_types` is empty."""
@@ -67,6 +70,7 @@ class Qwen3_5Args(TransformerArgs, MoEArgs):
     """Taps of the short causal convolution before the delta rule."""
 
     def __post_init__(self) -> None:
+        self.rope_scaling = rope_scaling_from(self.rope_scaling, key="model.overrides.rope_scaling", default="yarn")
         if not self.layer_types and self.full_attention_interval >= 1:
             interval = self.full_attention_interval
             self.layer_types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
@@ -119,7 +123,7 @@ class Qwen3_5(RotaryDecoder):
         return RMSNorm(self.args.dim, self.args.norm_eps, zero_centered=True)
 
     def rope_frequencies(self) -> torch.Tensor:
-        return rope_frequencies(self.args.rotary_dim, self.args.rope_theta)
+        return rope_frequencies(self.args.rotary_dim, self.args.rope_theta, self.args.rope_scaling)
 
     def build_mtp(self) -> MultiTokenPrediction:
         """The published checkpoints' multi-token prediction module (`mtp_depth` 1; off in the

@@ -161,7 +161,7 @@ def test_published_parameter_counts_equal_transformers(flavor):
     (dict(attention_bias=True), "attention_bias=True is not supported by forja's Qwen3.5"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(layer_types=["sliding_attention"] * 4), "layer_types='sliding_attention'"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e7}), "rope_type='yarn'"),
+    (dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e7}), "rope_type='longrope'"),
 ])
 def test_unsupported_config_option_is_named(checkpoints, tmp_path, changes, message):
     edited_checkpoint(checkpoints["dense"][0], tmp_path, **changes)

@@ -269,7 +269,7 @@ def test_published_parameter_counts_equal_transformers(flavor):
     (dict(attention_bias=True), "attention_bias=True is not supported by forja's Qwen3-Next"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(layer_types=["sliding_attention"] * 4), "layer_types='sliding_attention'"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e7}), "rope_type='yarn'"),
+    (dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e7}), "rope_type='longrope'"),
     (dict(shared_expert_intermediate_size=96), "shared_expert_intermediate_size=96"),
     (dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
     (dict(mtp_num_hidden_layers=2), "mtp_num_hidden_layers=2 is not supported by forja's Qwen3-Next"),

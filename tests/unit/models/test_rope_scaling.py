@@ -16,7 +16,7 @@ from tests.helpers import max_logit_diff
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_seq_len": 16}
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_seq_len": 16}
-ROTARY = ["llama", "qwen3", "mixtral", "olmo3", "deepseek_v3", "gpt_oss", "gemma3"]
+ROTARY = ["llama", "qwen3", "mixtral", "olmo3", "deepseek_v3", "gpt_oss", "gemma3", "qwen3_5", "qwen3_next"]
 
 
 @pytest.mark.parametrize("family", ROTARY)
@@ -70,7 +70,7 @@ def test_recorded_args_read_back_as_the_same_rule():
 
 @pytest.mark.parametrize("family, hf_class", [("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
                                               ("mixtral", "MixtralForCausalLM"), ("olmo3", "Olmo3ForCausalLM"),
-                                              ("gemma3", "Gemma3ForCausalLM")])
+                                              ("gemma3", "Gemma3ForCausalLM"), ("qwen3_5", "Qwen3_5ForCausalLM")])
 @pytest.mark.parametrize("table", [YARN, LLAMA3])
 def test_hugging_face_export_keeps_the_scaling(tmp_path, family, hf_class, table):
     transformers = pytest.importorskip("transformers")
