@@ -198,6 +198,7 @@ def _bridge(name, model, gpus, tps, seq, batch, mbs, layout, gpu, *, float8="ten
 QWEN30 = {"model.family": "qwen3", "model.flavor": "30b-a3b", "data.vocab_size": 151936}
 QWEN235 = {"model.family": "qwen3", "model.flavor": "235b-a22b", "data.vocab_size": 151936}
 DSV3 = {"model.family": "deepseek_v3", "model.flavor": "671b", "data.vocab_size": 129280}
+GPT_OSS = {"model.family": "gpt_oss", "model.flavor": "120b", "data.vocab_size": 201088}
 L70 = {**LLAMA, "model.flavor": "3.1-70b"}
 L405 = {**LLAMA, "model.flavor": "3.1-405b"}
 L8 = {**LLAMA, "model.flavor": "3.1-8b"}
@@ -220,8 +221,8 @@ RUNS += [
             dict(dp_shard=32, ep=8, pp=8), "b200"),
     _bridge("Qwen3-235B-A22B, H100, FP8, TP 2 x PP 8 VP 4 x EP 32", QWEN235, 256, 1712, 4096, 8192, 1,
             dict(dp_shard=16, tp=2, pp=8, ep=32, pp_schedule="interleaved-1f1b"), "h100", inexpressible=VP.format(4)),
-    _bridge("GPT-OSS 120B, H100, BF16, PP 4 x EP 8", {}, 64, 5824, 4096, 1280, 1, dict(dp_shard=16, pp=4, ep=8),
-            "h100", float8="none", inexpressible="forja has no gpt-oss family"),
+    _bridge("GPT-OSS 120B, H100, BF16, PP 4 x EP 8", GPT_OSS, 64, 5824, 4096, 1280, 1, dict(dp_shard=16, pp=4, ep=8),
+            "h100", float8="none"),
     _bridge("Llama 3 8B, H100, FP8-CS, FSDP 8", L8, 8, 14451, 8192, 128, 1, dict(dp_shard=8), "h100",
             source="megatron-bridge-25.11"),
     _bridge("Llama 3 8B, B200, FP8-CS, DP 8", L8, 8, 30624, 8192, 128, 2, dict(dp_replicate=8), "b200",
