@@ -158,8 +158,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
         return mask.sequence.attend(q, k, v, scale=scale, sinks=sinks)
     if sinks is not None and mask.block_mask is not None:
         out, lse = _flex_attention(q, k, v, mask.block_mask, scale, with_lse=True)  # lse (B, H, Tq)
-        kept = torch.sigmoid(lse - sinks.float()[None, :, None])  # e^lse / (e^lse + e^sink)
-        return out * kept.unsqueeze(-1).to(out.dtype)
+        return rescale_for_sinks(out, lse, sinks)
     if sinks is not None:
         return _attend_with_sinks(q, k, v, mask, scale, sinks)
     if mask.block_mask is not None:
@@ -168,6 +167,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=mask.is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
+
+
+def rescale_for_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention out (B, H, Tq, hv) over the real keys, with the log-sum-exp lse (B, H, Tq) of
+    their scores, as if each head's sink (H,) had joined the softmax: times the share the real
+    keys keep, e^lse / (e^lse + e^sink)."""
+    kept = torch.sigmoid(lse - sinks.float()[None, :, None])
+    return out * kept.unsqueeze(-1).to(out.dtype)
 
 
 def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float,

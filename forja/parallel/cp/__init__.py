@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from forja import fallbacks
-from forja.models.common.attention import AttentionMask, attend, build_mask
+from forja.models.common.attention import AttentionMask, attend, build_mask, rescale_for_sinks
 from forja.parallel.cp.comm import RingExchange, heads_to_sequence, sequence_to_heads
 from forja.parallel.cp.layout import SequenceLayout
 from forja.parallel.cp.ring import RingPlan, ring_attention
@@ -49,12 +49,18 @@ class LocalPart:
 
 
 class ContextParallel:
-    """Splits micro-batches over a cp group (`group`: this rank's; `kind`: cp_kind)."""
+    """Splits micro-batches over a cp group (`group`: this rank's; `kind`: cp_kind; `device`:
+    the ranks' device, for the fallback record)."""
 
-    def __init__(self, group: dist.ProcessGroup, kind: str):
+    def __init__(self, group: dist.ProcessGroup, kind: str, device: torch.device | None = None):
         self.group, self.kind = group, kind
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.exchange = RingExchange(group) if kind == "ring" else None
+        if kind == "ring" and device is not None and device.type == "cuda":  # decided once, here
+            fallbacks.record("cp.ring", asked='parallel.cp_kind = "ring"',
+                             instead="ring attention with its blocks as fp32 PyTorch matmuls",
+                             why="forja's ring has no fused flash-attention block kernel yet",
+                             fix='parallel.cp_kind = "all-to-all" runs the fused attention kernels on whole rows')
         self._documents = False  # whether the rows a pipeline's stages get (`split_rows`) are documents
 
     def split(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None) -> LocalPart:
@@ -167,16 +173,8 @@ class RingMixing:
     @torch.compiler.disable
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                sinks: torch.Tensor | None) -> torch.Tensor:
-        if q.device.type == "cuda":
-            fallbacks.record("cp.ring", asked='parallel.cp_kind = "ring"',
-                             instead="ring attention with its blocks as fp32 PyTorch matmuls",
-                             why="forja's ring has no fused flash-attention block kernel yet",
-                             fix='parallel.cp_kind = "all-to-all" runs the fused attention kernels on whole rows')
         out, lse = ring_attention(q, k, v, self.plan, scale, sinks=sinks is not None)  # (B, H, Tl, dv), (B, H, Tl)
-        if sinks is None:
-            return out
-        kept = torch.sigmoid(lse - _local(sinks).float()[None, :, None])  # e^lse / (e^lse + e^sink)
-        return out * kept.unsqueeze(-1).to(out.dtype)
+        return out if sinks is None else rescale_for_sinks(out, lse, _local(sinks))
 
     @torch.compiler.disable
     def gated_delta(self, mixer: nn.Module, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,

@@ -1,7 +1,7 @@
 """The collectives context parallelism differentiates through, on any backend (Gloo, NCCL).
 
-`all_to_all` swaps a tensor's leading dimension over the group (its own adjoint, so the
-backward is the same exchange); `all_gather` stacks every rank's tensor (the backward adds
+`all_to_all` swaps a tensor's leading dimension over the group (forja/parallel/ep.py's, whose
+backward is the exchange the other way); `all_gather` stacks every rank's tensor (the backward adds
 up every rank's gradient and keeps this rank's share); `RingExchange` sends to the next rank
 and receives from the previous one, asynchronously, for ring attention.
 """
@@ -11,28 +11,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _exchange(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _exchange(grad, ctx.group), None
-
-
-def _exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
+from forja.parallel.ep import all_to_all as expert_all_to_all
 
 
 def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """x (cp, ...): piece j goes to rank j; returns (cp, ...), piece j from rank j."""
-    return _AllToAll.apply(x, group)
+    """x (cp, ...): piece j goes to rank j; returns (cp, ...), piece j from rank j (expert
+    parallelism's differentiable all-to-all, one row of pieces each way)."""
+    ones = [1] * x.shape[0]
+    return expert_all_to_all(x, ones, ones, group)
 
 
 def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -114,7 +114,7 @@ class StepEngine:
         self.scaler = scaler  # fp16's loss scaling, or None
         self.grad_clip, self.document_mask = grad_clip, document_mask
         # context parallelism: each micro-batch's rows split over the cp group
-        self.context = ContextParallel(dims.cp_mesh.get_group(), dims.cp_kind) if dims.cp > 1 else None
+        self.context = ContextParallel(dims.cp_mesh.get_group(), dims.cp_kind, device) if dims.cp > 1 else None
         self._norm_params = _each_weight_once(parts)
         self.experts = ExpertBalance(parts, dims, device)
         self.mtp = MTPLosses(parts, dims, device)  # multi-token prediction: mtp/loss_{k}
