@@ -40,10 +40,15 @@ def gated_delta_across(mixer: nn.Module, q_in: torch.Tensor, k_in: torch.Tensor,
     # every segment's (transition, state from zero), in the row's order
     ends = all_gather(torch.stack([torch.cat([M, S], dim=-1) for _, _, M, S in runs]), group)  # (cp, n, B, Hv, dk, dk + dv)
     dk = runs[0][2].shape[-1]
-    by_chunk = {a: ends[r, i] for r in range(layout.cp) for i, a in enumerate(layout.chunks_of(r))}
+    by_chunk = _by_chunk(ends, layout)
     starts = _initial_states(by_chunk, dk, layout, document_ids)
     outs = [o + torch.einsum("bthk,bhkv->bthv", o_M, starts[a]).to(o.dtype) for (o, o_M, _, _), a in zip(runs, mine)]
     return torch.cat(outs, dim=1)
+
+
+def _by_chunk(gathered: torch.Tensor, layout: SequenceLayout) -> dict[int, torch.Tensor]:
+    """Each rank's gathered pieces (cp, n, ...) by the chunk of the row they belong to."""
+    return {a: gathered[r, i] for r in range(layout.cp) for i, a in enumerate(layout.chunks_of(r))}
 
 
 def _segment(mixer, inputs, g, beta, docs, windows):
@@ -83,7 +88,7 @@ def _halos(inputs, layout: SequenceLayout, document_ids, K: int, group) -> list[
     tails = torch.stack([torch.cat([x[:, (i + 1) * c - w:(i + 1) * c] for x in inputs], -1)
                          for i in range(len(mine))])  # (n, B, K - 1, channels of q, k, v)
     every = all_gather(tails, group)  # (cp, n, B, K - 1, C)
-    tail_of = {a: every[r, i] for r in range(layout.cp) for i, a in enumerate(layout.chunks_of(r))}
+    tail_of = _by_chunk(every, layout)
     widths = [x.shape[-1] for x in inputs]
     halos = []
     for a in mine:
