@@ -183,6 +183,13 @@ class TokenStream:
             pos = shard.token_start + hi
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def document_bounds(self) -> np.ndarray:
+        """Where each document starts in the stream, and the end: (documents + 1,) int64."""
+        if not self._shards:
+            return np.zeros(1, dtype=np.int64)
+        parts = [np.asarray(s.offsets[:-1], dtype=np.int64) + s.token_start for s in self._shards]
+        return np.concatenate(parts + [np.array([self.num_tokens], dtype=np.int64)])
+
     def document(self, index: int) -> np.ndarray:
         """The tokens of document `index` (its end-of-document token included), a copy."""
         if not 0 <= index < self.num_documents:
