@@ -34,7 +34,8 @@ def add_tokenizer_cli(subparsers: Any) -> None:
 
 def add_prepare_cli(subparsers: Any) -> None:
     from_doc = "tokenize a source into shards for training (see docs/data.md)"
-    parser = subparsers.add_parser("prepare", help=from_doc, description=from_doc)
+    # No abbreviations: --part must never be read as --parts (nor --work as --workers).
+    parser = subparsers.add_parser("prepare", help=from_doc, description=from_doc, allow_abbrev=False)
     parser.add_argument("--source", required=True,
                         help='source spec, or a mixture like "stdlib:0.7,jsonl:x.jsonl:0.3"')
     parser.add_argument("--tokenizer", required=True, help="tokenizer.json, or a directory holding one")
@@ -46,6 +47,11 @@ def add_prepare_cli(subparsers: Any) -> None:
     parser.add_argument("--skip-bad-lines", action="store_true", help="skip and count bad JSONL lines or records")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument("--no-progress", action="store_true", help="no live progress line")
+    parser.add_argument("--part", type=int, default=None, metavar="K",
+                        help="on many machines: tokenize only share K (0 to N-1) into OUT/.parts/ (needs --parts)")
+    parser.add_argument("--parts", type=int, default=None, metavar="N", help="the number of shares (workers)")
+    parser.add_argument("--merge", action="store_true",
+                        help="write OUT from its finished parts, exactly as one `forja prepare` would")
     parser.set_defaults(func=_prepare)
 
 
@@ -74,19 +80,27 @@ def _tokenizer_info(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     from forja.data.mixture import Mixture
+    from forja.data.parts import PartDone
     from forja.data.prepare import prepare
 
     options = {k: v for k, v in (("val_fraction", args.val_fraction), ("workers", args.workers),
                                  ("shard_tokens", args.shard_tokens)) if v is not None}
     started = time.perf_counter()
     result = prepare(args.source, args.tokenizer, args.out, skip_bad_lines=args.skip_bad_lines,
-                     overwrite=args.overwrite, progress=not args.no_progress, **options)
+                     overwrite=args.overwrite, progress=not args.no_progress, part=args.part, parts=args.parts,
+                     merge=args.merge, **options)
     seconds = time.perf_counter() - started
+    if isinstance(result, PartDone):
+        print(f"wrote part {result.part} of {result.parts} ({result.path}): {result.documents:,} documents, "
+              f"{result.tokens:,} tokens in {result.seconds:.1f} s, "
+              f"{result.tokens / max(result.seconds, 1e-9):,.0f} tokens/s")
+        return 0
     datasets = result.datasets if isinstance(result, Mixture) else (result,)
     for dataset in datasets:
         print(_summary(dataset.meta))
     tokens = sum(d.num_tokens("train") + d.num_tokens("val") for d in datasets)
-    print(f"wrote {args.out}: {tokens:,} tokens in {seconds:.1f} s, {tokens / max(seconds, 1e-9):,.0f} tokens/s")
+    done = "merged the parts into" if args.merge else "wrote"
+    print(f"{done} {args.out}: {tokens:,} tokens in {seconds:.1f} s, {tokens / max(seconds, 1e-9):,.0f} tokens/s")
     return 0
 
 
