@@ -19,6 +19,7 @@ from typing import Any
 
 from forja.data.shards import PreparedDataset, open_prepared, write_json
 from forja.errors import ForjaError
+from forja.storage import exists, is_url, join, read_bytes
 
 MIXTURE = "mixture.json"
 _FORMAT = "forja-mixture"
@@ -66,6 +67,8 @@ class Mixture:
 
 
 def is_mixture_dir(path: str | os.PathLike[str]) -> bool:
+    if is_url(path):
+        return exists(join(str(path), MIXTURE))
     return (Path(path).expanduser() / MIXTURE).is_file()
 
 
@@ -79,11 +82,13 @@ def write_mixture(directory: Path, components: Sequence[tuple[str, str, float]])
 
 def open_mixture(path: str | os.PathLike[str], tokenizer: Any = None) -> Mixture:
     """Open a mixture directory written by `forja prepare`."""
-    root = Path(path).expanduser()
-    file = root / MIXTURE
+    remote = is_url(path)  # an object store: the components are URLs below it
+    root: Any = str(path).rstrip("/") if remote else Path(path).expanduser()
+    file = join(root, MIXTURE) if remote else root / MIXTURE
     try:
-        spec = json.loads(file.read_text(encoding="utf-8"))
-        components = [(root / c["path"], float(c["weight"])) for c in spec["components"]]
+        spec = json.loads(read_bytes(file).decode("utf-8") if remote else file.read_text(encoding="utf-8"))
+        components = [(join(root, c["path"]) if remote else root / c["path"], float(c["weight"]))
+                      for c in spec["components"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ForjaError(f"{file} is not a valid mixture file ({exc}); prepare the data again") from exc
     if spec.get("format") != _FORMAT:

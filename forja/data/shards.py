@@ -9,7 +9,9 @@ A prepared directory (written by `forja prepare`, see docs/data.md):
 
 Every document ends with the end-of-document token and lies in one shard, so its boundaries
 are the offsets. Shards are memory-mapped: only the pages a sample touches are read, so a
-corpus much larger than RAM works.
+corpus much larger than RAM works. A prepared directory given as an object-store URL
+(`s3://bucket/prepared`) is read the same way by byte ranges through a bounded local block
+cache (see remote.py): `_Shard.tokens` is then a RemoteTokens, sliced like the memory map.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 
 from forja.errors import ForjaError
 from forja.files import write_atomic
+from forja.storage import is_url, join
 
 FORMAT = "forja-prepared"
 FORMAT_VERSION = 1
@@ -129,9 +132,14 @@ def take_document(directory: Path, entry: dict[str, Any], index: int, dtype: np.
     return taken
 
 
+def _child(root: Path | str, name: str) -> Path | str:
+    """`name` under a local directory (a Path) or an object-store URL (a str: Path would fold its "//")."""
+    return join(root, name) if isinstance(root, str) else root / name
+
+
 @dataclass
 class _Shard:
-    tokens: np.ndarray  # memory map, (num_tokens,)
+    tokens: Any  # (num_tokens,): a memory map, or remote.RemoteTokens (sliced the same way)
     offsets: np.ndarray  # (documents + 1,) int64, starts at 0
     token_start: int  # first token's position in the split's stream
     doc_start: int  # first document's index in the split
@@ -140,18 +148,23 @@ class _Shard:
 class TokenStream:
     """One split as a single stream of tokens over its memory-mapped shards."""
 
-    def __init__(self, root: Path, entry: dict[str, Any], dtype: np.dtype, redo: str = "prepare the data again"):
+    def __init__(self, root: Path | str, entry: dict[str, Any], dtype: np.dtype, redo: str = "prepare the data again"):
         self.num_documents = int(entry["documents"])
         self.num_tokens = int(entry["tokens"])
         self._shards: list[_Shard] = []
         token_start = doc_start = 0
+        infos = None
+        if isinstance(root, str):  # one listing per split directory gives every shard's size
+            from forja.data.remote import listing
+
+            infos = listing(root, entry["shards"])
         for shard in entry["shards"]:
-            opened = _open_shard(root, shard, dtype, token_start, doc_start, redo)
+            opened = _open_shard(root, shard, dtype, token_start, doc_start, redo, infos)
             self._shards.append(opened)
             token_start += len(opened.tokens)
             doc_start += len(opened.offsets) - 1
         if (token_start, doc_start) != (self.num_tokens, self.num_documents):
-            raise ForjaError(f"{root / META} counts {self.num_tokens} tokens in {self.num_documents} documents "
+            raise ForjaError(f"{_child(root, META)} counts {self.num_tokens} tokens in {self.num_documents} documents "
                              f"but the shards hold {token_start} in {doc_start}; {redo}")
         self._token_starts = np.array([s.token_start for s in self._shards] + [token_start], dtype=np.int64)
         self._doc_starts = np.array([s.doc_start for s in self._shards] + [doc_start], dtype=np.int64)
@@ -199,8 +212,12 @@ class TokenStream:
         return np.array(shard.tokens[shard.offsets[local]:shard.offsets[local + 1]])
 
 
-def _open_shard(root: Path, entry: dict[str, Any], dtype: np.dtype, token_start: int, doc_start: int,
-                redo: str) -> _Shard:
+def _open_shard(root: Path | str, entry: dict[str, Any], dtype: np.dtype, token_start: int, doc_start: int,
+                redo: str, infos: dict[str, Any] | None = None) -> _Shard:
+    if isinstance(root, str):
+        from forja.data.remote import open_shard
+
+        return _Shard(*open_shard(root, entry, dtype, redo, infos or {}), token_start, doc_start)
     tokens_path, offsets_path = root / entry["tokens"], root / entry["offsets"]
     try:
         offsets = np.load(offsets_path, mmap_mode="r")
@@ -226,7 +243,7 @@ class PreparedDataset:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, source: str | None = None):
-        self.path = Path(path).expanduser()
+        self.path: Path | str = str(path).rstrip("/") if is_url(path) else Path(path).expanduser()
         self.cached = source is not None
         self.name = source if source is not None else str(self.path)
         self.redo = ("prepare the data again" if source is None else
@@ -278,7 +295,7 @@ class PreparedDataset:
                              f"with {recorded['vocab_size']}; use the tokenizer it was prepared with "
                              f"or {self.redo}")
         if tokenizer.fingerprint != recorded["fingerprint"]:
-            where = self.name if self.cached else self.path / META
+            where = self.name if self.cached else _child(self.path, META)
             raise ForjaError(f"the tokenizer's fingerprint {tokenizer.fingerprint[:12]} differs from "
                              f"{recorded['fingerprint'][:12]} recorded in {where}; use the "
                              f"tokenizer it was prepared with or {self.redo}")
@@ -287,14 +304,23 @@ class PreparedDataset:
         return f"PreparedDataset({str(self.path)!r}, train={self.num_tokens('train')} tokens)"
 
 
-def _read_meta(path: Path, redo: str) -> dict[str, Any]:
-    file = path / META
-    if not file.is_file():
-        hint = ("it is a mixture: open it with forja.data.open_dataset" if (path / "mixture.json").is_file()
-                else "run `forja prepare` to make one")
+def _read_meta(path: Path | str, redo: str) -> dict[str, Any]:
+    file = _child(path, META)
+    if isinstance(path, str):
+        from forja.data.remote import has_object, read_meta
+
+        raw = read_meta(path)
+        mixture = raw is None and has_object(path, "mixture.json")
+    else:
+        raw = file.read_bytes() if file.is_file() else None
+        mixture = raw is None and (path / "mixture.json").is_file()
+    if raw is None:
+        hint = ("it is a mixture: open it with forja.data.open_dataset" if mixture
+                else "run `forja prepare` to make one (meta.json is written last: without it, a prepared "
+                     "directory is incomplete)")
         raise ForjaError(f"{path} is not a prepared data directory (no {META}); {hint}")
     try:
-        meta = json.loads(file.read_text(encoding="utf-8"))
+        meta = json.loads(raw.decode("utf-8"))
     except (OSError, ValueError) as exc:
         raise ForjaError(f"{file} is not valid JSON ({exc}); {redo}") from exc
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
