@@ -17,8 +17,8 @@ from forja.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 
 _LAZY = {
     "DataLoader": "forja.data.loader",
-    "ValidationLoader": "forja.data.loader",
-    "Batch": "forja.data.loader",
+    "ValidationLoader": "forja.data.windows",
+    "Batch": "forja.data.batch",
     "DataConfig": "forja.data.config",
 }
 

@@ -1,39 +1,35 @@
 """The training data loader: deterministic, resumable at any data-parallel world size.
 
-Samples are fixed windows of `seq_len + 1` tokens of a split's token stream (documents packed
-back to back): sample i covers tokens [i*seq_len, i*seq_len + seq_len], so consecutive
-samples share one token and every token but the first is a label exactly once per epoch.
+Samples are `seq_len + 1` tokens cut from a source's split by its packing (data.packing,
+forja/data/packing.py): windows of the stream, samples from document starts, or whole
+documents placed best-fit with padding.
 
-The global order is a function of the seed alone. Global position p (0, 1, 2, ...) picks a
-dataset of the mixture (`order.Interleave`, by weight) and that dataset's own position q;
-epoch e = q // n of that dataset draws sample `Permutation(n, key(seed, dataset, e))(q % n)`.
-So within an epoch no sample repeats, and every epoch is reshuffled.
+The global order is a function of the seed alone. A run's data comes in stages (data.path,
+then `[[data.stages]]`, forja/data/stages.py), each a mixture of sources; the order is cut into
+segments of one stage at one length (forja/data/cursor.py). Position p of a segment picks a
+component of the stage's mixture by weight (`order.Interleave`) and that source's next sample
+q of its own order; epoch e = q // n of the source draws sample `Permutation(n, key(seed,
+source, e))(q % n)`. So within an epoch of a source no sample repeats, every epoch is
+reshuffled, and a source shared by two stages goes on where it was.
 
-Global step s is positions [s*G, (s+1)*G), G = global_batch_size. Rank r of w takes the
-contiguous block [s*G + r*G/w, s*G + (r+1)*G/w), cut in order into micro-batches of m. A
+Step s of a segment is its positions [s*G, (s+1)*G), G = global_batch_size. Rank r of w takes
+the contiguous block [s*G + r*G/w, s*G + (r+1)*G/w), cut in order into micro-batches of m. A
 single process with G/m accumulation steps therefore sees exactly the union of all ranks.
 
-The state is a global cursor, not a per-rank one: the steps taken, the position in the order of
-the current seq_len and the tokens consumed. A run saved at step k with w ranks resumes at step
-k with any w' and sees what an uninterrupted run would have seen (for the same seed, data,
-global batch size and sequence lengths).
+The state is a global cursor, not a per-rank one: the steps taken, each source's position and
+tokens, the current segment, and the stages begun. A run saved at step k with w ranks resumes
+at step k with any w' and sees what an uninterrupted run would have seen; stages that have not
+begun may be edited or appended in between, a begun one may not (it stops, naming it).
 
-The sequence length may change between steps (`seq_len_at`, train.seq_len_schedule) or between
-launches (a run resumed with a longer train.seq_len). A new length T' starts a new segment of
-the order: the order of T'-windows of the same seed, entered at position ceil(tokens / T'),
-tokens being every token consumed so far (the sum of each step's G x T). That is the exact
-token position in this sense: in the stream's own order (unshuffled) window p of length T
-starts at token p * T, so the first T'-window taken is the one starting at the first token not
-yet consumed, rounded up to a whole window (fewer than T' tokens passed over, none repeated);
-under the shuffle, the run's place in the epoch is kept to the token (an epoch of either length
-holds the same tokens, so the epoch ends where it would have), and the rest of the epoch is the
-same seed's permutation of the T'-windows from there. What the shuffle does not give is the
-complement of the T-windows already seen: a T'-window overlaps T-windows both seen and not,
-and only cutting the unseen ones into pieces would avoid that -- which splits documents at
-random, the opposite of what a longer context is for. So in the epoch of a change about the
-fraction of it already done is seen twice, as much not at all; from the next epoch on, every
-token once per epoch again. Every step of a segment is a whole global batch of G sequences
-of one length: the batch is fixed in sequences, so tokens per step follow the length.
+A new length T' (train.seq_len_schedule, a stage's seq_len, a resume at a longer train.seq_len)
+starts a new segment in which each source enters the order of T'-samples at ceil(tokens / T'),
+tokens being what it has given so far. For window packing that is the first T'-window starting
+at or past the first token not yet consumed in the stream's own order: under the shuffle the
+run's place in each source's epoch is kept to the token, and the rest of the epoch is the same
+seed's permutation of the T'-windows from there (a T'-window overlaps T-windows seen and not,
+so in the epoch of a change about the fraction already done is seen twice, as much not at all;
+from the next epoch on, every token once per epoch again). A new global batch size on resume
+starts a new segment the same way, exactly (positions are whole samples at one length).
 """
 
 from __future__ import annotations
@@ -43,138 +39,25 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from forja.data.mixture import Mixture
-from forja.data.order import Interleave, Permutation, derive_key
-from forja.data.prepare import open_dataset
+from forja.data.batch import Batch, DataArg, as_mixture
+from forja.data.cursor import Cursor, Segment, SourceCursor
+from forja.data.order import Permutation, derive_key
+from forja.data.packing import IGNORE, PACKINGS, PAD_DOCUMENT, Packing, build_packing
 from forja.data.shards import PreparedDataset
+from forja.data.stages import Stage, StageSet
+from forja.data.windows import Samples, ValidationLoader, too_short
+
+__all__ = ["Batch", "DataArg", "DataLoader", "Samples", "Stage", "ValidationLoader", "as_mixture", "check_batch_sizes"]
 from forja.errors import ForjaError
 
-
-@dataclass
-class Batch:
-    """One micro-batch: (m, T) int64 tensors."""
-
-    input_ids: torch.Tensor
-    """Token ids, (m, T)."""
-    labels: torch.Tensor
-    """The next token of each position, (m, T)."""
-    document_ids: torch.Tensor
-    """Per-token document index, (m, T): equal ids are one document (attention stays within)."""
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.numel()
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        return Batch(*(t.to(device, non_blocking=non_blocking)
-                       for t in (self.input_ids, self.labels, self.document_ids)))
-
-
-DataArg = PreparedDataset | Mixture | str | os.PathLike[str] | Sequence[tuple[Any, float]]
-
-
-def as_mixture(data: DataArg, tokenizer: Any = None) -> Mixture:
-    """A Mixture from a dataset, a Mixture, a path or source spec, or (data, weight) pairs."""
-    if isinstance(data, (str, os.PathLike)):
-        mixture = Mixture.of(open_dataset(data, tokenizer))
-    elif isinstance(data, (PreparedDataset, Mixture)):
-        mixture = Mixture.of(data)
-    else:
-        mixture = Mixture.of([(_single(d, tokenizer), w) for d, w in data])
-    if tokenizer is not None:
-        mixture.check_tokenizer(tokenizer)
-    return mixture
-
-
-def _single(data: Any, tokenizer: Any) -> PreparedDataset:
-    if isinstance(data, PreparedDataset):
-        return data
-    datasets = as_mixture(data, tokenizer).datasets
-    if len(datasets) != 1:
-        raise ForjaError(f"a part of a mixture cannot itself be a mixture ({data}); list its parts instead")
-    return datasets[0]
-
-
-def _too_short(dataset: PreparedDataset, split: str, tokens: int, seq_len: int) -> str:
-    """Why `split` of `dataset` holds no sample of seq_len + 1 tokens, and what to do."""
-    without = "or set train.val_interval = 0 to train without validation"
-    if split != "val":
-        return (f"the {split} split of {dataset.name} has {tokens} tokens, too few for one sample of "
-                f"train.seq_len + 1 = {seq_len + 1}; lower train.seq_len or add data")
-    if tokens == 0:
-        fraction, documents = dataset.meta.get("val_fraction", 0), dataset.meta["source"]["documents"]
-        if not fraction:
-            why, fix = "it was prepared with a validation fraction of 0", "prepare it with one above 0"
-        elif documents == 1:
-            why, fix = "its only document went to training", "add documents"
-        else:  # prepared by a forja that let a small corpus leave validation empty
-            why, fix = f"none of its {documents} documents went to it", dataset.redo
-        return f"the validation split of {dataset.name} is empty ({why}); {fix}, {without}"
-    return (f"the validation split of {dataset.name} has {tokens} tokens, too few for one sample of "
-            f"train.seq_len + 1 = {seq_len + 1}; lower train.seq_len, prepare it with a larger validation "
-            f"fraction (data.val_fraction), {without}")
-
-
-class Samples:
-    """Global positions of one split of a mixture -> micro-batches."""
-
-    def __init__(self, mixture: Mixture, split: str, seq_len: int):
-        if seq_len < 1:
-            raise ForjaError(f"seq_len {seq_len} must be a positive number of tokens")
-        self.seq_len = seq_len
-        self.streams = [d.split(split) for d in mixture.datasets]
-        self.counts = [(s.num_tokens - 1) // seq_len for s in self.streams]
-        for dataset, stream, count in zip(mixture.datasets, self.streams, self.counts, strict=True):
-            if count < 1:
-                raise ForjaError(_too_short(dataset, split, stream.num_tokens, seq_len))
-        # Document ids are made unique across the datasets of a mixture.
-        self.doc_base = np.cumsum([0] + [s.num_documents for s in self.streams])
-        self.interleave = Interleave(mixture.weights)
-        self._perms: dict[tuple[int, int], Permutation] = {}
-        self._seed: int | None = None
-
-    @property
-    def samples_per_epoch(self) -> int:
-        return sum(self.counts)
-
-    def locate(self, positions: np.ndarray, seed: int | None) -> tuple[np.ndarray, np.ndarray]:
-        """Global positions -> (dataset, sample index); seed None means unshuffled."""
-        dataset, local = self.interleave.locate(positions)
-        counts = np.asarray(self.counts, dtype=np.int64)[dataset]
-        epoch, index = np.divmod(local, counts)
-        if seed is None:
-            return dataset, index
-        for d, e in sorted(set(zip(dataset.tolist(), epoch.tolist(), strict=True))):
-            where = (dataset == d) & (epoch == e)
-            index[where] = self._permutation(seed, d, e)(index[where])
-        return dataset, index
-
-    def _permutation(self, seed: int, dataset: int, epoch: int) -> Permutation:
-        if self._seed != seed or len(self._perms) > 64:
-            self._perms, self._seed = {}, seed
-        key = (dataset, epoch)
-        if key not in self._perms:
-            self._perms[key] = Permutation(self.counts[dataset], derive_key("forja", seed, dataset, epoch))
-        return self._perms[key]
-
-    def batch(self, positions: np.ndarray, seed: int | None) -> Batch:
-        datasets, indices = self.locate(positions, seed)
-        T = self.seq_len
-        tokens = np.empty((len(positions), T + 1), dtype=np.int64)
-        docs = np.empty((len(positions), T), dtype=np.int64)
-        for row, (d, i) in enumerate(zip(datasets.tolist(), indices.tolist(), strict=True)):
-            stream = self.streams[d]
-            tokens[row] = stream.read(i * T, T + 1)
-            docs[row] = stream.document_ids(i * T, T) + self.doc_base[d]
-        t = torch.from_numpy(tokens)
-        # Contiguous copies: losses call .view(-1) on labels, which a strided slice refuses.
-        return Batch(t[:, :-1].contiguous(), t[:, 1:].contiguous(), torch.from_numpy(docs))  # (m, T) each
+# A document id is its source's number in the high bits and its index (or piece) in the source
+# below: ids stay distinct across the sources of a mixture and of every stage.
+_SOURCE_SHIFT = 40
 
 
 def check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_world_size: int) -> int:
@@ -190,33 +73,6 @@ def check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_world_si
     return global_batch_size // per_step
 
 
-@dataclass(frozen=True)
-class Cursor:
-    """Where the global order stands before a step: what the loader's state records."""
-
-    steps: int = 0
-    """Optimizer steps consumed."""
-    position: int = 0
-    """Global samples consumed in the order of `seq_len`: the next step starts there."""
-    tokens: int = 0
-    """Tokens consumed, every step's G x its seq_len, over every length the run has used."""
-    seq_len: int = 0
-    """The length of the segment `position` counts in."""
-
-    def start(self, seq_len: int) -> tuple[int, int]:
-        """(seq_len, first position) of the next step at `seq_len`: where it is, or at a new
-        length the first window of that order at or past the tokens consumed."""
-        if seq_len == self.seq_len:
-            return seq_len, self.position
-        return seq_len, -(-self.tokens // seq_len)  # ceil: no token seen twice in the stream's order
-
-    def after(self, seq_len: int, global_batch_size: int) -> Cursor:
-        """The cursor once a step of global_batch_size sequences of seq_len is consumed."""
-        _, start = self.start(seq_len)
-        return Cursor(steps=self.steps + 1, position=start + global_batch_size,
-                      tokens=self.tokens + global_batch_size * seq_len, seq_len=seq_len)
-
-
 class DataLoader:
     """Micro-batches for one data-parallel rank, one optimizer step at a time.
 
@@ -224,45 +80,158 @@ class DataLoader:
     iterating the loader yields the same lists forever. Batches are built by a background
     thread `prefetch` steps ahead; `data_wait_s` is the time the caller spent blocked.
     `seq_len_at(steps)`, when given, is the sequence length of the step after `steps` steps
-    (train.seq_len_schedule); else every step has `seq_len`.
+    (train.seq_len_schedule); else every step has `seq_len`. `stages` are the data stages
+    after `data` (stage 0); `packing` one of forja.data.packing.PACKINGS.
     """
 
     def __init__(self, data: DataArg, *, seq_len: int, global_batch_size: int, micro_batch_size: int,
                  dp_rank: int = 0, dp_world_size: int = 1, seed: int = 0, split: str = "train",
                  prefetch: int = 2, tokenizer: Any = None, pin_memory: bool = False,
-                 seq_len_at: Callable[[int], int] | None = None):
+                 seq_len_at: Callable[[int], int] | None = None, stages: Sequence[Stage] = (),
+                 packing: str = "window", max_doc_tokens: int = 0, pack_buffer: int = 4096):
         if not 0 <= dp_rank < dp_world_size:
             raise ForjaError(f"data-parallel rank {dp_rank} is outside world size {dp_world_size}")
+        if packing not in PACKINGS:
+            raise ForjaError(f"data.packing = {packing!r} is not a packing; use one of {', '.join(PACKINGS)}")
         self.accumulation_steps = check_batch_sizes(global_batch_size, micro_batch_size, dp_world_size)
-        self.mixture = as_mixture(data, tokenizer)
+        all_stages = [Stage(1, data, None, _name(data))]
+        all_stages += list(stages)
+        self.stages = StageSet(all_stages, [as_mixture(s.data, tokenizer) for s in all_stages])
+        self.mixture = self.stages.mixtures[0]
         self.seq_len_at = seq_len_at or (lambda steps: seq_len)
         self.seq_len, self.split, self.seed = seq_len, split, seed
-        self._samples: dict[int, Samples] = {}  # seq_len -> its windows, made when first used
-        self.samples = self._samples_of(seq_len)  # the run's length: a split too short for it stops here
+        self.packing, self.max_doc_tokens, self.pack_buffer = packing, max_doc_tokens, pack_buffer
+        self._packings: dict[tuple[int, int], Packing] = {}  # (source, seq_len) -> its samples
+        self._perms: dict[tuple[int, int], Permutation] = {}
+        self.samples = Samples(self.mixture, split, seq_len)  # stage 0 at the run's length: too short stops here
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.prefetch, self.pin_memory = max(0, prefetch), pin_memory
-        self.cursor = Cursor(seq_len=self.seq_len_at(0))
+        self.cursor = Cursor()
         """The global order consumed by completed steps (what the state records)."""
         self._before: Cursor | None = None  # the cursor before the last next_step, for rewind_step
         self.data_wait_s = 0.0
         """Seconds `next_step` spent waiting for data, cumulative."""
         self._prefetcher: _Prefetcher | None = None
 
-    def _samples_of(self, seq_len: int) -> Samples:
-        if seq_len not in self._samples:
-            self._samples[seq_len] = Samples(self.mixture, self.split, seq_len)
-        return self._samples[seq_len]
+    # -- the order ------------------------------------------------------------------------------
+    def _packing(self, source: int, seq_len: int) -> Packing:
+        key = (source, seq_len)
+        if key not in self._packings:
+            dataset = self.stages.sources[source]
+            stream = dataset.split(self.split)
+            packed = build_packing(self.packing, stream, seq_len, max_doc_tokens=self.max_doc_tokens,
+                                   buffer=self.pack_buffer, pad_id=_pad_id(dataset))
+            if packed.count < 1:
+                raise ForjaError(too_short(dataset, self.split, stream.num_tokens, seq_len))
+            self._packings[key] = packed
+        return self._packings[key]
 
-    @property
-    def position(self) -> int:
-        """Global samples consumed in the order of the current length."""
-        return self.cursor.position
+    def _permutation(self, source: int, epoch: int, n: int) -> Permutation:
+        if len(self._perms) > 64:
+            self._perms = {}
+        key = (source, epoch, n)
+        if key not in self._perms:
+            self._perms[key] = Permutation(n, derive_key("forja", self.seed, source, epoch))
+        return self._perms[key]
 
+    def segment(self, cursor: Cursor) -> Segment:
+        """The segment of the step after `cursor`: its stage, length and where each source starts."""
+        stage = self.stages.at(cursor.steps + 1)
+        seq_len = self.stages.stages[stage].seq_len or self.seq_len_at(cursor.steps)
+        return cursor.segment_for(stage, seq_len, self.packing, self.global_batch_size,
+                                  self.stages.component_fingerprints(stage))
+
+    def _draws(self, segment: Segment, positions: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Segment positions -> per source drawn: (source, rows among `positions`, sample index)."""
+        component, local = self.stages.interleaves[segment.stage].locate(positions)
+        out = []
+        for j in np.unique(component).tolist():
+            rows = np.flatnonzero(component == j)
+            source = self.stages.components[segment.stage][j]
+            packed = self._packing(source, segment.seq_len)
+            epoch, index = np.divmod(segment.bases[j] + local[rows], packed.count)
+            for e in np.unique(epoch).tolist():
+                where = epoch == e
+                index[where] = self._permutation(source, e, packed.count)(index[where])
+            out.append((source, rows, index))
+        return out
+
+    def _batch(self, segment: Segment, positions: np.ndarray) -> Batch:
+        T, m = segment.seq_len, len(positions)
+        tokens = np.empty((m, T + 1), dtype=np.int64)
+        docs = np.empty((m, T + 1), dtype=np.int64)
+        pieces = cut = 0
+        for source, rows, index in self._draws(segment, positions):
+            got = self._packing(source, T).rows(index)
+            tokens[rows] = got.tokens
+            docs[rows] = np.where(got.docs == PAD_DOCUMENT, PAD_DOCUMENT, got.docs + (source << _SOURCE_SHIFT))
+            pieces, cut = pieces + int(got.pieces.sum()), cut + int(got.cut.sum())
+        t = torch.from_numpy(tokens)
+        labels = t[:, 1:].clone()
+        labels[torch.from_numpy(docs[:, 1:] == PAD_DOCUMENT)] = IGNORE
+        # Contiguous copies: losses call .view(-1) on labels, which a strided slice refuses.
+        return Batch(t[:, :-1].contiguous(), labels, torch.from_numpy(docs[:, :-1]).contiguous(),  # (m, T) each
+                     documents=pieces, cut_documents=cut)
+
+    def _padding(self, segment: Segment, first: int) -> int:
+        """Padding tokens of the whole global batch of the step (every rank's samples)."""
+        positions = np.arange(first, first + self.global_batch_size)
+        return sum(int(self._packing(s, segment.seq_len).padding(index).sum())
+                   for s, _, index in self._draws(segment, positions))
+
+    def build_step(self, cursor: Cursor) -> list[Batch]:
+        """This rank's micro-batches of the global batch of the step after `cursor`."""
+        segment = self.segment(cursor)
+        start = (cursor.steps - segment.start_steps) * self.global_batch_size
+        first = start + self.dp_rank * (self.global_batch_size // self.dp_world_size)
+        step_labels = self.global_batch_size * segment.seq_len
+        if self.packing == "best-fit":  # labels of padding train nothing: the loss is over the rest
+            step_labels -= self._padding(segment, start)
+        m = self.micro_batch_size
+        steps = []
+        for j in range(self.accumulation_steps):
+            batch = self._batch(segment, np.arange(first + j * m, first + (j + 1) * m))
+            batch.step_labels = step_labels
+            if self.pin_memory and torch.cuda.is_available():
+                batch = batch.pinned()
+            steps.append(batch)
+        return steps
+
+    def _advance(self, cursor: Cursor) -> Cursor:
+        segment = self.segment(cursor)
+        start = (cursor.steps - segment.start_steps) * self.global_batch_size
+        interleave = self.stages.interleaves[segment.stage]
+        before, after = interleave.count(start), interleave.count(start + self.global_batch_size)
+        return cursor.after(segment, self.stages.component_fingerprints(segment.stage),
+                            before.tolist(), after.tolist())
+
+    # -- what the trainer reads --------------------------------------------------------------
     @property
     def tokens(self) -> int:
         """Tokens of the global order consumed by completed steps."""
         return self.cursor.tokens
+
+    @property
+    def stage(self) -> int:
+        """The stage of the last step taken (of the next one before any)."""
+        return self.stages.at(max(self.cursor.steps, 1))
+
+    def source_tokens(self) -> dict[str, int]:
+        """Input tokens each source has filled so far, by its label (its spec)."""
+        return {label: self.cursor.source(fp).tokens
+                for label, fp in zip(self.stages.labels, self.stages.fingerprints, strict=True)}
+
+    def step_metrics(self, batches: Sequence[Batch]) -> dict[str, float]:
+        """The data record of a step just returned: its stage, the share of padding (of the whole
+        global batch) and of documents cut (this rank's samples), tokens per source so far."""
+        tokens = sum(b.num_tokens for b in batches) * self.dp_world_size
+        documents = sum(b.documents for b in batches)
+        record: dict[str, float] = {"stage": self.stage,
+                                    "data/padding": 1 - batches[0].step_labels / max(tokens, 1),
+                                    "data/cut_docs": sum(b.cut_documents for b in batches) / max(documents, 1)}
+        record |= {f"tokens/{label}": n for label, n in self.source_tokens().items()}
+        return record
 
     @property
     def samples_per_epoch(self) -> int:
@@ -270,26 +239,9 @@ class DataLoader:
 
     def next_seq_len(self) -> int:
         """The sequence length of the next step."""
-        return self.seq_len_at(self.cursor.steps)
+        return self.segment(self.cursor).seq_len
 
-    def build_step(self, cursor: Cursor) -> list[Batch]:
-        """This rank's micro-batches of the global batch of the step after `cursor`."""
-        seq_len, start = cursor.start(self.seq_len_at(cursor.steps))
-        samples = self._samples_of(seq_len)
-        per_rank = self.global_batch_size // self.dp_world_size
-        first = start + self.dp_rank * per_rank
-        m = self.micro_batch_size
-        steps = []
-        for j in range(self.accumulation_steps):
-            batch = samples.batch(np.arange(first + j * m, first + (j + 1) * m), self.seed)
-            if self.pin_memory and torch.cuda.is_available():
-                batch = Batch(*(t.pin_memory() for t in (batch.input_ids, batch.labels, batch.document_ids)))
-            steps.append(batch)
-        return steps
-
-    def _advance(self, cursor: Cursor) -> Cursor:
-        return cursor.after(self.seq_len_at(cursor.steps), self.global_batch_size)
-
+    # -- stepping ---------------------------------------------------------------------------
     def next_step(self) -> list[Batch]:
         """The micro-batches of the next optimizer step (a list of accumulation_steps)."""
         started = time.perf_counter()
@@ -325,28 +277,51 @@ class DataLoader:
         while True:
             yield self.next_step()
 
+    # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The global cursor, and what a resume must match."""
+        """The global cursor (as JSON: its shape must not depend on the sources), the stages
+        begun, and what a resume must match. `position`, `tokens` and `seq_len` are kept for
+        tools that read them."""
         c = self.cursor
-        return {"position": c.position, "steps": c.steps, "tokens": c.tokens, "seq_len": c.seq_len,
+        seg = c.segment
+        return {"progress": c.to_json(), "stages": self.stages.history(c.steps), "steps": c.steps,
+                "position": 0 if seg is None else (c.steps - seg.start_steps) * seg.batch,
+                "tokens": c.tokens, "seq_len": 0 if seg is None else seg.seq_len,
                 "seed": self.seed, "split": self.split, "data_fingerprint": self.mixture.fingerprint,
                 "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at the saved cursor; any data-parallel world size works, and any sequence
-        length: a new one continues from the tokens consumed (the module's docstring). A state
-        saved before the cursor held steps and tokens had one length all along."""
-        for key, mine in (("seed", self.seed), ("split", self.split),
-                          ("data_fingerprint", self.mixture.fingerprint)):
+        """Resume at the saved cursor; any data-parallel world size works, any sequence length
+        and batch size (a new segment from the tokens consumed: forja/data/cursor.py), and stages
+        edited after the point reached (forja/data/stages.py checks the rest)."""
+        for key, mine in (("seed", self.seed), ("split", self.split)):
             if state.get(key) != mine:
                 raise ForjaError(f"the checkpoint's data loader state has {key} {state.get(key)!r} but this run "
                                  f"has {mine!r}; resume with the same data settings or start a new run")
-        position, seq_len = int(state["position"]), int(state["seq_len"])
-        steps = int(state.get("steps", position // int(state.get("global_batch_size", self.global_batch_size))))
+        if "progress" in state:
+            cursor = Cursor.from_json(state["progress"])
+            self.stages.check_history(state["stages"], cursor.steps)
+        else:
+            cursor = self._legacy_cursor(state)
         self.close()
-        self.cursor = Cursor(steps=steps, position=position, tokens=int(state.get("tokens", position * seq_len)),
-                             seq_len=seq_len)
-        self._before = None
+        self.cursor, self._before = cursor, None
+
+    def _legacy_cursor(self, state: dict[str, Any]) -> Cursor:
+        """A state saved before stages: one global position in stage 0's order (and, before the
+        cursor held steps and tokens, one length all along)."""
+        if state.get("data_fingerprint") != self.mixture.fingerprint:
+            raise ForjaError(f"the checkpoint's data loader state has data_fingerprint "
+                             f"{state.get('data_fingerprint')!r} but this run has {self.mixture.fingerprint!r}; "
+                             "resume with the same data settings or start a new run")
+        position, seq_len = int(state["position"]), int(state["seq_len"])
+        batch = int(state.get("global_batch_size", self.global_batch_size))
+        steps = int(state.get("steps", position // batch))
+        counts = self.stages.interleaves[0].count(position).tolist()
+        fingerprints = self.stages.component_fingerprints(0)
+        sources = {fp: SourceCursor(position=n, seq_len=seq_len, tokens=n * seq_len)
+                   for fp, n in zip(fingerprints, counts, strict=True)}
+        segment = Segment(0, seq_len, "window", batch, steps - position // batch, (0,) * len(fingerprints))
+        return Cursor(steps=steps, sources=sources, segment=segment)
 
     def close(self) -> None:
         """Stop the prefetch thread (it restarts at the current position when needed)."""
@@ -357,6 +332,18 @@ class DataLoader:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _name(data: DataArg) -> str:
+    if isinstance(data, (str, os.PathLike)):
+        return str(data)
+    datasets = getattr(data, "datasets", None) or [getattr(data, "name", "the data")]
+    return ", ".join(getattr(d, "name", str(d)) for d in datasets)
+
+
+def _pad_id(dataset: PreparedDataset) -> int:
+    tok = dataset.meta["tokenizer"]
+    return int(tok["pad_id"] if tok.get("pad_id") is not None else tok["eos_id"])
 
 
 class _Prefetcher:
@@ -394,31 +381,3 @@ class _Prefetcher:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-
-
-class ValidationLoader:
-    """A fixed number of unshuffled micro-batches of a split, sharded by rank; no state.
-
-    Batch b on rank r holds global positions [(b*w + r)*m, (b*w + r + 1)*m) in the split's
-    natural order (positions past the end wrap around), so every pass sees the same samples.
-    """
-
-    def __init__(self, data: DataArg, *, seq_len: int, micro_batch_size: int, num_batches: int,
-                 dp_rank: int = 0, dp_world_size: int = 1, split: str = "val", tokenizer: Any = None):
-        if num_batches < 1 or micro_batch_size < 1:
-            raise ForjaError(f"validation needs num_batches ({num_batches}) and micro_batch_size "
-                             f"({micro_batch_size}) of at least 1")
-        if not 0 <= dp_rank < dp_world_size:
-            raise ForjaError(f"data-parallel rank {dp_rank} is outside world size {dp_world_size}")
-        self.samples = Samples(as_mixture(data, tokenizer), split, seq_len)
-        self.micro_batch_size, self.num_batches = micro_batch_size, num_batches
-        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
-
-    def __len__(self) -> int:
-        return self.num_batches
-
-    def __iter__(self) -> Iterator[Batch]:
-        m = self.micro_batch_size
-        for b in range(self.num_batches):
-            first = (b * self.dp_world_size + self.dp_rank) * m
-            yield self.samples.batch(np.arange(first, first + m), seed=None)

@@ -98,6 +98,13 @@ class Interleave:
         return dataset, block * self.counts[dataset] + self._rank[offset]
 
 
+    def count(self, n: int) -> np.ndarray:
+        """How many of the global positions [0, n) each dataset draws: (datasets,) int64."""
+        block, offset = divmod(int(n), self.period)
+        within = np.bincount(self._pattern[:offset], minlength=len(self.counts))
+        return block * self.counts + within
+
+
 def _integer_shares(weights: Sequence[float]) -> np.ndarray:
     """Largest-remainder integer shares of _RESOLUTION, reduced by their gcd."""
     total = float(sum(weights))

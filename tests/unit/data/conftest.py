@@ -85,3 +85,11 @@ def prepared_sharded_dir(corpus_dir: Path, tokenizer, tmp_path_factory: pytest.T
     out = tmp_path_factory.mktemp("prepared") / "sharded"
     prepare(str(corpus_dir), tokenizer, out, val_fraction=0.2, workers=1, shard_tokens=997)
     return out
+
+
+@pytest.fixture(scope="session")
+def other_dir(corpus_dir: Path, tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The corpus split another way (40% validation): other data, with the same tokenizer."""
+    out = tmp_path_factory.mktemp("prepared") / "other"
+    prepare(str(corpus_dir), tokenizer, out, val_fraction=0.4, workers=1)
+    return out

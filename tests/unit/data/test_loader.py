@@ -104,8 +104,10 @@ def test_resume_goes_across_epochs(ds) -> None:
     (loader,) = loaders(ds, 1, global_batch_size=64, micro_batch_size=64)
     steps = loader.samples_per_epoch // 64 + 2
     run = global_batches([loader], steps)
+    (skipped,) = loaders(ds, 1, global_batch_size=64, micro_batch_size=64)
+    skipped.skip_steps(steps - 1)  # into the second epoch without building the first
     (again,) = loaders(ds, 1, global_batch_size=64, micro_batch_size=64)
-    again.load_state_dict({**loader.state_dict(), "position": (steps - 1) * 64})
+    again.load_state_dict(skipped.state_dict())
     assert torch.equal(global_batches([again], 1)[0], run[-1])
 
 
@@ -140,14 +142,18 @@ def test_divisibility_errors_name_the_config_keys(ds) -> None:
         DataLoader(ds, seq_len=T, global_batch_size=8, micro_batch_size=2, dp_rank=2, dp_world_size=2)
 
 
-def test_resume_refuses_other_settings(ds) -> None:
+def test_resume_refuses_other_settings(ds, other_dir: Path) -> None:
     (loader,) = loaders(ds, 1)
     state = loader.state_dict()
     (other,) = loaders(ds, 1, seed=5)
     with pytest.raises(ForjaError, match="seed 0 but this run has 5"):
         other.load_state_dict(state)
-    with pytest.raises(ForjaError, match="data_fingerprint"):
-        loader.load_state_dict({**state, "data_fingerprint": "elsewhere"})
+    (elsewhere,) = loaders(open_prepared(other_dir), 1)
+    with pytest.raises(ForjaError, match=r"data.path \(stage 0\) differs in its data or weights"):
+        elsewhere.load_state_dict(state)
+    legacy = {k: state[k] for k in ("position", "seq_len", "seed", "split", "global_batch_size")}
+    with pytest.raises(ForjaError, match="data_fingerprint"):  # a state from before data stages
+        loader.load_state_dict({**legacy, "data_fingerprint": "elsewhere"})
 
 
 def test_data_wait_is_reported(ds) -> None:
@@ -175,14 +181,14 @@ def test_loader_opens_a_path_and_checks_the_tokenizer(prepared_dir: Path, tokeni
                    tokenizer=train_tokenizer("stdlib:json", vocab_size=300))
 
 
-def test_mixture_follows_weights_with_distinct_document_ids(ds, prepared_sharded_dir: Path) -> None:
-    other = open_prepared(prepared_sharded_dir)
+def test_mixture_follows_weights_with_distinct_document_ids(ds, other_dir: Path) -> None:
+    other = open_prepared(other_dir)
     (loader,) = loaders(Mixture.of([(ds, 3.0), (other, 1.0)]), 1, global_batch_size=40, micro_batch_size=40)
     dataset, _ = loader.samples.locate(np.arange(400), seed=0)
     assert np.bincount(dataset).tolist() == [300, 100]
     (batch,) = loader.next_step()
     from_other = torch.tensor(dataset[:40] == 1)
-    assert (batch.document_ids[from_other] >= ds.num_documents("train")).all()
+    assert (batch.document_ids[from_other] >= 1 << 40).all()  # the source's number in the high bits
     assert (batch.document_ids[~from_other] < ds.num_documents("train")).all()
     assert loader.state_dict()["data_fingerprint"] != loaders(ds, 1)[0].state_dict()["data_fingerprint"]
 
