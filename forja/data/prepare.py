@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,16 @@ import numpy as np
 import forja
 from forja.data.encoding import DIGEST_BYTES, Encoded, EncoderPool, batches, val_threshold
 from forja.data.mixture import Mixture, is_mixture_dir, open_mixture, write_mixture
+from forja.data.parts import (
+    PartDone,
+    check_out,
+    check_part_args,
+    check_parts,
+    merged,
+    merged_stats,
+    prepare_part,
+    read_parts,
+)
 from forja.data.progress import PrepareProgress
 from forja.data.shards import (
     FORMAT,
@@ -77,20 +87,36 @@ def prepare(
     overwrite: bool = False,
     progress: bool = False,
     batch_chars: int = DEFAULT_BATCH_CHARS,
-) -> PreparedDataset | Mixture:
+    part: int | None = None,
+    parts: int | None = None,
+    merge: bool = False,
+) -> PreparedDataset | Mixture | PartDone:
     """Tokenize `source` (a spec or a mixture) into `out`; return the opened result.
 
     A mixture is written as one subdirectory per part plus mixture.json (see mixture.py).
     Every input is checked before any work, and nothing appears at `out` unless all succeeds.
+    With `part=K, parts=N`, only the K-th of N shares is tokenized, into out/.parts/ (and its
+    PartDone returned); `merge=True` then writes `out` from the N parts, exactly as without
+    them (parts.py). `parts` may be given to the merge too, to check the count.
     """
     tok = load_tokenizer(tokenizer)
-    parts = parse_mixture(source)
-    sources = [parse_source(spec, skip_bad_lines=skip_bad_lines) for spec, _ in parts]
+    check_part_args(part, parts, merge)
+    pairs = parse_mixture(source)
+    sources = [parse_source(spec, skip_bad_lines=skip_bad_lines) for spec, _ in pairs]
     _check_options(tok, val_fraction, shard_tokens)
     out = Path(out).expanduser()
+    workers = workers or default_workers()
+    if part is not None or merge:
+        check_out(out, overwrite)
+        weighted = [(src, w) for src, (_, w) in zip(sources, pairs, strict=True)]
+        recorded = dict(val_fraction=val_fraction, shard_tokens=shard_tokens, skip_bad_lines=skip_bad_lines)
+        if not merge:
+            return prepare_part(weighted, tok, out, part=part, parts=parts, options=recorded,  # type: ignore[arg-type]
+                                workers=workers, progress=progress, batch_chars=batch_chars)
+        return _merge(weighted, tok, out, parts, recorded, progress, source, pairs)
     if out.exists() and not overwrite:
         raise ForjaError(f"{out} already exists; choose another --out or pass --overwrite to replace it")
-    options = dict(val_fraction=val_fraction, workers=workers or default_workers(), shard_tokens=shard_tokens,
+    options = dict(val_fraction=val_fraction, workers=workers, shard_tokens=shard_tokens,
                    progress=progress, batch_chars=batch_chars)
     with _staging(out, overwrite, source) as tmp:
         if len(sources) == 1:
@@ -98,8 +124,28 @@ def prepare(
         else:
             for i, src in enumerate(sources):
                 _prepare_one(src, tok, tmp / str(i), **options)
-            write_mixture(tmp, [(str(i), spec, w) for i, (spec, w) in enumerate(parts)])
+            write_mixture(tmp, [(str(i), spec, w) for i, (spec, w) in enumerate(pairs)])
         tok.save(tmp / TOKENIZER)  # prepared data carries its tokenizer: decodable on its own
+    return open_dataset(out, tok)
+
+
+def _merge(sources: list[tuple[Source, float]], tok: Tokenizer, out: Path, parts: int | None,
+           options: dict[str, Any], progress: bool, source: SourceArg,
+           pairs: list[tuple[str, float]]) -> PreparedDataset | Mixture:
+    """Write `out` from its finished parts, through the same writer and staging as `prepare`."""
+    records = read_parts(out, parts)  # every refusal comes before anything is written
+    check_parts(records, sources, tok, options, out)
+    dtype = token_dtype(tok.vocab_size)
+    # `out` holds only the parts (check_out): it is replaced whole, and the parts go with it.
+    with _staging(out, True, source) as tmp:
+        for i, (src, _) in enumerate(sources):
+            with PrepareProgress(f"{src.spec} (merging {len(records)} parts)", enabled=progress) as bar:
+                write_prepared(merged(out, records, i, dtype, options["val_fraction"]), merged_stats(records, i),
+                               src.spec, tok, tmp if len(sources) == 1 else tmp / str(i),
+                               val_fraction=options["val_fraction"], shard_tokens=options["shard_tokens"], bar=bar)
+        if len(sources) > 1:
+            write_mixture(tmp, [(str(i), spec, w) for i, (spec, w) in enumerate(pairs)])
+        tok.save(tmp / TOKENIZER)
     return open_dataset(out, tok)
 
 
@@ -159,22 +205,38 @@ def _alive(pid: int) -> bool:
 
 def _prepare_one(src: Source, tok: Tokenizer, directory: Path, *, val_fraction: float, workers: int,
                  shard_tokens: int, progress: bool, batch_chars: int) -> None:
+    dtype = token_dtype(tok.vocab_size)
+    stats = SourceStats()
+    with EncoderPool(tok, dtype, val_threshold(val_fraction), workers) as pool, \
+            PrepareProgress(src.spec, enabled=progress) as bar:
+        encoded = pool.map(batches(src.documents(stats), batch_chars))
+        write_prepared(encoded, stats, src.spec, tok, directory, val_fraction=val_fraction,
+                       shard_tokens=shard_tokens, bar=bar)
+
+
+def write_prepared(encoded: Iterable[Encoded], stats: SourceStats, spec: str, tok: Tokenizer, directory: Path,
+                   *, val_fraction: float, shard_tokens: int, bar: PrepareProgress | None = None) -> None:
+    """Write encoded documents, in source order, as one prepared directory (shards + meta.json).
+
+    The one writer of prepared data: `forja prepare` feeds it from its encoder pool, and
+    `--merge` (parts.py) from the parts' files, so both write the same bytes. `stats` is read
+    once `encoded` is exhausted (a source counts as it is read).
+    """
     directory.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(tok.vocab_size)
     writers = {s: ShardWriter(directory, s, dtype, shard_tokens) for s in ("train", "val")}
-    stats, digest, lowest = SourceStats(), hashlib.sha256(), _LowestHash()
-    with EncoderPool(tok, dtype, val_threshold(val_fraction), workers) as pool, \
-            PrepareProgress(src.spec, enabled=progress) as bar:
-        for enc in pool.map(batches(src.documents(stats), batch_chars)):
-            lowest.update(enc, first_index=writers["train"].documents)
-            token_is_val = np.repeat(enc.is_val, enc.lengths)
-            writers["val"].add(enc.tokens[token_is_val], enc.lengths[enc.is_val])
-            writers["train"].add(enc.tokens[~token_is_val], enc.lengths[~enc.is_val])
-            digest.update(enc.digests)
+    digest, lowest = hashlib.sha256(), _LowestHash()
+    for enc in encoded:
+        lowest.update(enc, first_index=writers["train"].documents)
+        token_is_val = np.repeat(enc.is_val, enc.lengths)
+        writers["val"].add(enc.tokens[token_is_val], enc.lengths[enc.is_val])
+        writers["train"].add(enc.tokens[~token_is_val], enc.lengths[~enc.is_val])
+        digest.update(enc.digests)
+        if bar is not None:
             bar.advance(len(enc.lengths), len(enc.tokens))
     splits = {s: w.close() for s, w in writers.items()}
     if stats.documents == 0 or stats.characters == 0:
-        raise ForjaError(f"source {src.spec!r} holds no text ({_counts(stats)}); check the source")
+        raise ForjaError(f"source {spec!r} holds no text ({_counts(stats)}); check the source")
     if val_fraction > 0 and splits["val"]["documents"] == 0 and splits["train"]["documents"] >= 2:
         # A small corpus (14 files at 1%) often has no hash below the threshold: the document
         # with the lowest hash, the first to join at a larger fraction, validates alone.
@@ -183,7 +245,7 @@ def _prepare_one(src: Source, tok: Tokenizer, directory: Path, *, val_fraction: 
         val.add(moved, np.array([len(moved)], dtype=np.int64))
         splits["val"] = val.close()
     if splits["train"]["documents"] == 0:
-        raise ForjaError(f"every document of {src.spec!r} went to the validation split; lower the validation "
+        raise ForjaError(f"every document of {spec!r} went to the validation split; lower the validation "
                          f"fraction (--val-fraction, or data.val_fraction in a config) or add documents")
     write_json(directory / META, {
         "format": FORMAT,
@@ -194,7 +256,7 @@ def _prepare_one(src: Source, tok: Tokenizer, directory: Path, *, val_fraction: 
         "dtype": dtype.name,
         "val_fraction": val_fraction,
         "shard_tokens": shard_tokens,
-        "source": {"spec": src.spec, "fingerprint": digest.hexdigest(), **vars(stats)},
+        "source": {"spec": spec, "fingerprint": digest.hexdigest(), **vars(stats)},
         "splits": splits,
     })
 
