@@ -20,8 +20,11 @@ from forja.errors import ForjaError
 from forja.optim.config import ScheduleConfig
 
 
-def lr_multiplier(cfg: ScheduleConfig, total_steps: int) -> Callable[[int], float]:
-    """step (0-based count of completed optimizer steps) -> multiplier of the peak lr."""
+def lr_multiplier(cfg: ScheduleConfig, total_steps: int,
+                  decay_steps: tuple[int, int] | None = None) -> Callable[[int], float]:
+    """step (0-based count of completed optimizer steps) -> multiplier of the peak lr. `decay_steps`:
+    wsd's decay over steps [first, last] (a data stage's lr_phase), held at the floor after,
+    instead of the last schedule.decay_fraction of the steps."""
     warmup, floor = cfg.warmup_steps, cfg.min_lr_ratio
 
     def decay(progress: float) -> float:  # progress 0 -> 1 over the decay phase
@@ -38,16 +41,19 @@ def lr_multiplier(cfg: ScheduleConfig, total_steps: int) -> Callable[[int], floa
         if cfg.name == "constant":
             return 1.0
         if cfg.name == "wsd":
-            decay_start = max(total_steps - max(1, round(cfg.decay_fraction * total_steps)), warmup)
+            decay_start, decay_end = max(total_steps - max(1, round(cfg.decay_fraction * total_steps)), warmup), last
+            if decay_steps is not None:
+                decay_start, decay_end = max(decay_steps[0], warmup), decay_steps[1]
             if step < decay_start:
                 return 1.0
-            return decay((step - decay_start) / max(1, last - decay_start))
+            return decay((step - decay_start) / max(1, decay_end - decay_start))
         return decay((step - warmup) / max(1, last - warmup))
 
     return multiplier
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int) -> LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int,
+                    decay: tuple[int, int] | None = None) -> LambdaLR:
     """One multiplier per parameter group: a group named in `schedule.groups` (its "name"
     entry: muon and adamw under Muon) warms up and decays by its own keys."""
     names = [g.get("name", "") for g in optimizer.param_groups]
@@ -55,7 +61,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total
     if unknown:
         raise ForjaError(f"schedule.groups names {unknown[0]!r}, which is not a parameter group of this "
                          f"optimizer; its groups: {', '.join(n for n in names if n)}")
-    return LambdaLR(optimizer, [lr_multiplier(cfg.for_group(name), total_steps) for name in names])
+    return LambdaLR(optimizer, [lr_multiplier(cfg.for_group(name), total_steps, decay) for name in names])
 
 
 def reapply(scheduler: LambdaLR) -> None:
@@ -72,8 +78,9 @@ def reapply(scheduler: LambdaLR) -> None:
 class SchedulerGroup:
     """The same schedule on every optimizer of an `OptimizerGroup`; one state for all."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer], cfg: ScheduleConfig, total_steps: int):
-        self.schedulers = [build_scheduler(opt, cfg, total_steps) for opt in optimizers]
+    def __init__(self, optimizers: list[torch.optim.Optimizer], cfg: ScheduleConfig, total_steps: int,
+                 decay: tuple[int, int] | None = None):
+        self.schedulers = [build_scheduler(opt, cfg, total_steps, decay) for opt in optimizers]
 
     def step(self) -> None:
         for s in self.schedulers:

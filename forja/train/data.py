@@ -91,7 +91,8 @@ def check_splits(cfg: Config, tokenizer: Tokenizer | None) -> None:
     """Prepared data opens with its tokenizer (the fingerprints agree), and each split the run
     reads holds at least one sample of train.seq_len + 1 tokens. (A source string is checked
     when it is prepared: forja/data keeps a validation document whenever there are two.)"""
-    from forja.data.loader import Samples, as_mixture
+    from forja.data.batch import as_mixture
+    from forja.data.windows import Samples
 
     if tokenizer is None or not _is_prepared(Path(cfg.data.path).expanduser()):
         return  # prepared data always has its tokenizer (check_data stops otherwise)
@@ -132,15 +133,80 @@ def _keep_tokenizer(tokenizer: Tokenizer, run_dir: Path, rank: int) -> None:
         tokenizer.save(saved)
 
 
-def loaders(cfg: Config, dataset: Any, *, dp_rank: int, dp_size: int) -> tuple[Any, Any]:
-    """The training loader (resumable, rank-sharded) and the validation loader (or None)."""
+def stages(cfg: Config, tokenizer: Tokenizer, *, rank: int) -> list[Any]:
+    """The later data stages (`[[data.stages]]`), opened with the run's one tokenizer; a source
+    spec is prepared on first use by rank 0 (cached), the other ranks wait and open it."""
+    from forja.data.stages import Stage
+
+    d = cfg.data
+    options = dict(val_fraction=d.val_fraction, workers=d.workers or None)
+    if rank == 0:
+        for stage in d.stages:
+            if not _is_prepared(Path(stage.path).expanduser()):
+                open_dataset(stage.path, tokenizer, progress=True, **options)
+    barrier()
+    return [Stage(s.start_step, open_dataset(s.path, tokenizer, **options), s.seq_len, s.path) for s in d.stages]
+
+
+def check_stages(cfg: Config) -> None:
+    """The preflight's checks of `[[data.stages]]`: each names data that exists (a prepared
+    directory, or sources that parse, weights positive), a length the model is built for, and
+    an lr phase its schedule has."""
+    t = cfg.train
+    for i, stage in enumerate(cfg.data.stages):
+        name = f"data.stages[{i}] (from step {stage.start_step})"
+        if not _is_prepared(Path(stage.path).expanduser()):
+            for part, _ in _parts(stage.path, name):
+                try:
+                    parse_source(part)
+                except ForjaError as exc:
+                    raise ForjaError(f"{name}: {exc}; or give a directory written by `forja prepare`") from None
+        if stage.seq_len is not None and stage.seq_len > t.seq_len:
+            raise ForjaError(f"{name} has seq_len = {stage.seq_len}, longer than train.seq_len = {t.seq_len} (the "
+                             f"length the model is built for); raise train.seq_len to {stage.seq_len}")
+        if stage.lr_phase == "decay" and cfg.schedule.name != "wsd":
+            raise ForjaError(f"{name} has lr_phase = \"decay\", which needs schedule.name = \"wsd\" (a stable "
+                             f"phase to decay from) but it is {cfg.schedule.name!r}; set schedule.name = \"wsd\"")
+    if sum(s.lr_phase == "decay" for s in cfg.data.stages) > 1:
+        raise ForjaError("more than one data stage has lr_phase = \"decay\"; the learning rate decays once: "
+                         "keep it on the stage whose steps should anneal")
+
+
+def _parts(spec: str, name: str) -> list[tuple[str, float]]:
+    try:
+        return parse_mixture(spec)
+    except ForjaError as exc:
+        raise ForjaError(f"{name}: {exc}") from None
+
+
+def run_seq_lens(cfg: Config) -> tuple[int, ...]:
+    """Every sequence length the run trains at: train.seq_len_schedule's and the stages'."""
+    lengths = set(cfg.train.seq_lens())
+    lengths |= {s.seq_len for s in cfg.data.stages if s.seq_len is not None and s.start_step <= cfg.train.steps}
+    return tuple(sorted(lengths))
+
+
+def decay_window(cfg: Config) -> tuple[int, int] | None:
+    """(first, last) completed-step counts of a stage's lr_phase = "decay": from the stage's
+    first step to the next stage's start or train.steps; None without one."""
+    stages = cfg.data.stages
+    for i, stage in enumerate(stages):
+        if stage.lr_phase == "decay":
+            end = stages[i + 1].start_step - 1 if i + 1 < len(stages) else cfg.train.steps
+            return stage.start_step - 1, min(end, cfg.train.steps) - 1
+    return None
+
+
+def loaders(cfg: Config, dataset: Any, *, dp_rank: int, dp_size: int, later: Any = ()) -> tuple[Any, Any]:
+    """The training loader (resumable, rank-sharded; stage 0 is `dataset`, `later` the rest) and
+    the validation loader (or None), which reads stage 0's validation split."""
     from forja.data import DataLoader, ValidationLoader
 
-    t = cfg.train
+    t, d = cfg.train, cfg.data
     train = DataLoader(dataset, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
                        micro_batch_size=t.micro_batch_size, dp_rank=dp_rank, dp_world_size=dp_size,
-                       seed=t.seed, prefetch=cfg.data.prefetch,
-                       seq_len_at=t.seq_len_at if t.seq_len_schedule else None)
+                       seed=t.seed, prefetch=d.prefetch, seq_len_at=t.seq_len_at if t.seq_len_schedule else None,
+                       stages=later, packing=d.packing, max_doc_tokens=d.max_doc_tokens, pack_buffer=d.pack_buffer)
     val = None
     if t.val_interval > 0 and t.val_batches > 0:
         val = ValidationLoader(dataset, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,

@@ -5,7 +5,7 @@ computed, and with `--nproc`/`--nnodes` in the launcher before torchrun starts.
     cfg = pre.cfg                                                    # parallel.auto's layout applied
 
 It checks, in this order: the run directory (writable, not another run's), the eval task
-files and the data source and tokenizer exist, the layout (the one validator, forja/parallel/checks.py;
+files and the data source and tokenizer exist, the data stages name data that exists, the layout (the one validator, forja/parallel/checks.py;
 `parallel.auto` chooses among the layouts it accepts), the layout's predicted peak memory
 per rank against the device's (forja plan's model), and prepared data (it matches its
 tokenizer and both splits hold a sample).
@@ -35,7 +35,7 @@ from forja.plan.hardware import Hardware, get_hardware, hardware_for_device
 from forja.plan.job import Job, job_from_config
 from forja.plan.layout import PARALLEL_KEYS, Layout, from_config
 from forja.plan.planner import Candidate, evaluate, plan, usable_memory
-from forja.train.data import check_data, check_splits
+from forja.train.data import check_data, check_splits, check_stages, run_seq_lens
 from forja.train.launch.run_dir import RunDir
 
 GB = 1e9
@@ -47,7 +47,7 @@ def layout_request(cfg: Config, args: TransformerArgs, world_size: int, device_t
     return LayoutRequest(args=args, parallel=cfg.parallel, world_size=world_size, seq_len=t.seq_len,
                          global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                          device_type=device_type, document_mask=cfg.model.document_mask, float8=t.float8,
-                         precision=t.precision, seq_lens=t.seq_lens())
+                         precision=t.precision, seq_lens=run_seq_lens(cfg))
 
 
 def check_positions(args: TransformerArgs, seq_len: int) -> None:
@@ -123,12 +123,13 @@ class Preflight:
         RunDir(self.cfg, rank=self.rank).check()
         check_tasks(self.cfg.eval.tasks)
         tokenizer = check_data(self.cfg)
+        check_stages(self.cfg)
         self.args = run_model_args(self.cfg.model, tokenizer.vocab_size if tokenizer else self.cfg.data.vocab_size)
         hw = self.hw = device_hardware(self.device_type, ranks_here=self.ranks_here, in_worker=self.in_worker)
         if self.cfg.parallel.auto:
             self.cfg = self._auto_layout(hw)
         check_layout(layout_request(self.cfg, self.args, self.world_size, self.device_type))  # every scheduled length
-        check_positions(self.args, self.cfg.train.seq_lens()[-1])
+        check_positions(self.args, run_seq_lens(self.cfg)[-1])
         if self.cfg.train.float8 != "none":  # float8 that would convert no layer (a meta model tells)
             check_float8(build_from_args(self.args, device="meta"), self.cfg.train.float8,
                          self.cfg.train.float8_min_features)

@@ -20,7 +20,10 @@ one place a micro-batch's loss is composed; a mixture of experts' auxiliary loss
 gradients with the same share, forja/train/step/experts.py, and so do multi-token prediction's,
 forja/train/step/mtp.py), and averaging over the data-parallel ranks (FSDP's
 gradient reduction, and `loss_group` for the reported value) makes it the global mean: any
-layout computes the loss and gradients of one process.
+layout computes the loss and gradients of one process. With padding (data.packing =
+"best-fit") micro-batches hold different numbers of labels; each mean is then weighed by its
+share of the step's labels (`_label_share`), so the loss is still the mean over every label of
+the global batch. (Under pipeline parallelism the schedule's micro-batch means count equally.)
 
 What scales a step comes from its caller, in one `StepScales`: the loss scale (fp16's,
 forja/train/step/scaler.py; the MoE auxiliary losses get it too), a drill's fault on this rank's
@@ -46,6 +49,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from forja.checkpoint.states import stored_names
+from forja.models.common.mtp import IGNORE
 from forja.models.common.transformer import Transformer
 from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import ParallelDims, local_value, loss_context
@@ -219,12 +223,15 @@ class StepEngine:
     def forward_backward(self, batches: Sequence) -> torch.Tensor:
         """Accumulate the gradients of `batches`; returns this rank's mean loss (0-dim)."""
         total = torch.zeros((), device=self.device)
+        padded = self._padded(batches)
         for batch in batches:
             part = self._local_part(*self._inputs(batch))
             with self._loss_context():
                 with self.autocast():
                     out = self.model(part.tokens, part.document_ids, positions=part.positions, labels=part.labels,
                                      sequence=part.sequence)
+                    if padded:
+                        out = out * self._label_share(part.labels, batch.step_labels, len(batches))
                     loss = self.microbatch_loss(out, len(batches))
                 loss.backward()
             total += local_value(loss.detach())
@@ -275,6 +282,20 @@ class StepEngine:
         return total
 
     # -- helpers -----------------------------------------------------------------------------
+    def _padded(self, batches: Sequence) -> bool:
+        """Whether the step's samples hold padding (data.packing = "best-fit"): its labels are then
+        fewer than its positions, and micro-batches hold different numbers of them."""
+        step_labels = getattr(batches[0], "step_labels", 0)
+        return bool(step_labels) and step_labels != sum(b.input_ids.numel() for b in batches) * self.dims.dp
+
+    def _label_share(self, labels: torch.Tensor, step_labels: int, n: int) -> torch.Tensor:
+        """What turns this rank's micro-batch mean into its part of the mean over the step's
+        `step_labels` labels: its labels x n micro-batches x the ranks averaged over / step_labels.
+        Without padding that is 1, and no factor is applied (bit-exact with packed windows)."""
+        ranks = dist.get_world_size(self.dims.loss_group) if dist.is_initialized() else 1
+        held = (labels != IGNORE).sum()  # a tensor: no host sync
+        return held * (n * ranks / step_labels)
+
     def _local_part(self, tokens: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None) -> LocalPart:
         """What this rank runs of a micro-batch: under context parallelism its part of each
         row (the model mixes across the parts), else all of it."""
