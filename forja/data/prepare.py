@@ -303,12 +303,16 @@ def cache_key(source: str, tokenizer: Tokenizer, *, val_fraction: float = DEFAUL
 
 def prepare_cached(source: SourceArg, tokenizer: Tokenizer | str | os.PathLike[str], *,
                    cache: str | os.PathLike[str] | None = None, **options: Any) -> PreparedDataset | Mixture:
-    """Prepare each part of `source` once into the cache and open the result."""
+    """Prepare each part of `source` once into the cache and open the result. A part that is
+    itself a prepared directory (`"data/web:0.7,data/code:0.3"`) opens as it is."""
     tok = load_tokenizer(tokenizer)
     root = Path(cache).expanduser() if cache is not None else cache_root()
     keyed = {k: options[k] for k in ("val_fraction", "shard_tokens", "skip_bad_lines") if k in options}
     opened = []
     for spec, weight in parse_mixture(source):
+        if (Path(spec).expanduser() / META).is_file():
+            opened.append((open_prepared(Path(spec).expanduser(), tok), weight))
+            continue
         out = root / "prepared" / cache_key(spec, tok, **keyed)
         cached = (out / META).is_file()
         if not cached or _lacks_validation(out):
