@@ -24,10 +24,20 @@ from forja.data.sources import parse_mixture, parse_source
 from forja.data.tokenizer import Tokenizer
 from forja.errors import ForjaError
 from forja.parallel.process_group import barrier
+from forja.storage import check_reachable, is_url
 
 
-def _is_prepared(path: Path) -> bool:
+def _is_prepared(path: Path | str) -> bool:
+    if is_url(path):  # prepared data on an object store (forja/data/store.py)
+        from forja.data.store import is_prepared
+
+        return is_prepared(path)
     return (path / META).is_file() or is_mixture_dir(path)
+
+
+def _where(path: str) -> Path | str:
+    """data.path as a local Path, or as the URL it is (Path would fold its "//")."""
+    return path if is_url(path) else Path(path).expanduser()
 
 
 def _cached_tokenizer(source: str, vocab_size: int) -> Path:
@@ -37,16 +47,31 @@ def _cached_tokenizer(source: str, vocab_size: int) -> Path:
     return cache_root() / "tokenizers" / key / "tokenizer.json"
 
 
-def _tokenizer_path(cfg: Config, path: Path) -> Path:
+def _tokenizer_path(cfg: Config, path: Path | str) -> Path:
     d = cfg.data
+    if d.tokenizer is not None and is_url(d.tokenizer):
+        return _fetched(d.tokenizer, "data.tokenizer")
     if d.tokenizer is not None:
         return Path(d.tokenizer).expanduser()
+    if is_url(path):
+        return _fetched(path, "data.path")
     if _is_prepared(path):
         if (path / "tokenizer.json").is_file():
             return path / "tokenizer.json"
         raise ForjaError(f"data.path {path} is prepared data without a tokenizer.json beside it; "
                          "set data.tokenizer to the tokenizer it was prepared with")
     return _cached_tokenizer(d.path, d.vocab_size)
+
+
+def _fetched(url: str, key: str) -> Path:
+    """A local copy (in the cache) of the tokenizer at `url`, for the tokenizers library."""
+    from forja.data.store import fetch_tokenizer
+
+    try:
+        return fetch_tokenizer(url)
+    except FileNotFoundError:
+        raise ForjaError(f"{key} {url} has no tokenizer.json; set data.tokenizer to the tokenizer the data "
+                         "was prepared with") from None
 
 
 def _train_and_prepare(cfg: Config, tok_path: Path) -> tuple[Tokenizer, Any]:
@@ -75,9 +100,16 @@ def _check_sources(spec: str) -> None:
 def check_data(cfg: Config) -> Tokenizer | None:
     """The preflight's data checks, before any work on the data: the source exists, a given
     tokenizer exists. Returns the run's tokenizer when it exists already (None: it is trained
-    on first use, to data.vocab_size tokens)."""
-    path = Path(cfg.data.path).expanduser()
+    on first use, to data.vocab_size tokens). A URL is checked to be reachable first, with
+    credentials, and to hold prepared data (forja prepares sources only into a local cache)."""
+    path = _where(cfg.data.path)
+    for url in (cfg.data.path, cfg.data.tokenizer):
+        if url is not None and is_url(url):
+            check_reachable(url, write=False, what="data.path" if url == cfg.data.path else "data.tokenizer")
     prepared = _is_prepared(path)
+    if is_url(path) and not prepared:
+        raise ForjaError(f"data.path {path} holds no prepared data (no meta.json or mixture.json there); "
+                         f"write it with `forja prepare --out {path}`, or give a local source")
     if not prepared:
         _check_sources(cfg.data.path)
     tok_path = _tokenizer_path(cfg, path)
@@ -94,7 +126,7 @@ def check_splits(cfg: Config, tokenizer: Tokenizer | None) -> None:
     from forja.data.batch import as_mixture
     from forja.data.windows import Samples
 
-    if tokenizer is None or not _is_prepared(Path(cfg.data.path).expanduser()):
+    if tokenizer is None or not _is_prepared(_where(cfg.data.path)):
         return  # prepared data always has its tokenizer (check_data stops otherwise)
     dataset = open_dataset(cfg.data.path, tokenizer)
     t = cfg.train
@@ -108,7 +140,7 @@ def check_splits(cfg: Config, tokenizer: Tokenizer | None) -> None:
 
 def data(cfg: Config, *, rank: int, run_dir: Path) -> tuple[Tokenizer, Any]:
     """(tokenizer, dataset) of the run; the tokenizer is also saved into the run directory."""
-    path = Path(cfg.data.path).expanduser()
+    path = _where(cfg.data.path)
     prepared = _is_prepared(path)
     if not prepared:
         _check_sources(cfg.data.path)
