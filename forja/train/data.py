@@ -174,7 +174,7 @@ def stages(cfg: Config, tokenizer: Tokenizer, *, rank: int) -> list[Any]:
     options = dict(val_fraction=d.val_fraction, workers=d.workers or None)
     if rank == 0:
         for stage in d.stages:
-            if not _is_prepared(Path(stage.path).expanduser()):
+            if not _is_prepared(_where(stage.path)):
                 open_dataset(stage.path, tokenizer, progress=True, **options)
     barrier()
     return [Stage(s.start_step, open_dataset(s.path, tokenizer, **options), s.seq_len, s.path) for s in d.stages]
@@ -187,7 +187,7 @@ def check_stages(cfg: Config) -> None:
     t = cfg.train
     for i, stage in enumerate(cfg.data.stages):
         name = f"data.stages[{i}] (from step {stage.start_step})"
-        if not _is_prepared(Path(stage.path).expanduser()):
+        if not _is_prepared(_where(stage.path)):
             for part, _ in _parts(stage.path, name):
                 try:
                     parse_source(part)
