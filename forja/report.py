@@ -10,7 +10,10 @@ gets expert_load.png, one panel each: the busiest expert's load over the mean an
 coefficient of variation; the CV of every MoE layer; and, when non-zero, the share of
 token-slots dropped and the router losses. An "expert load" table then summarizes them. A run with downstream evaluation in the loop
 (`eval/<task>/<metric>` keys, forja/train/evaluation.py) gets eval.png: accuracy, normalized
-accuracy and bits per byte of each task over steps.
+accuracy and bits per byte of each task over steps. A run whose records carry the data
+loader's keys (`stage`, `tokens/<source>`, `data/padding`, `data/cut_docs`; forja/data/loader.py)
+gets data.png: the tokens each source has given, with each data stage's first step marked, and
+the shares of padding and of cut documents.
 """
 
 from __future__ import annotations
@@ -200,7 +203,7 @@ def plot(runs: list[Run], out_dir: Path) -> list[Path]:
         path = out_dir / f"{stem}.png"
         _save(fig, path)
         written.append(path)
-    extra = [plot_expert_load(runs, out_dir, Figure), plot_eval(runs, out_dir, Figure)]
+    extra = [plot_expert_load(runs, out_dir, Figure), plot_eval(runs, out_dir, Figure), plot_data(runs, out_dir, Figure)]
     return written + [path for path in extra if path]
 
 
@@ -230,6 +233,40 @@ def plot_eval(runs: list[Run], out_dir: Path, Figure) -> Path | None:
         ax.legend()
     axes[-1].set(xlabel="step")
     path = out_dir / "eval.png"
+    _save(fig, path)
+    return path
+
+
+def stage_starts(run: Run) -> list[tuple[int, int]]:
+    """(step, stage) where each data stage after the first begins in the run's records."""
+    steps, stages = run.series("stage")
+    return [(s, int(k)) for i, (s, k) in enumerate(zip(steps, stages)) if i and k != stages[i - 1]]
+
+
+def plot_data(runs: list[Run], out_dir: Path, Figure) -> Path | None:
+    """data.png: tokens per source over steps (stage starts dotted), padding and cut documents;
+    None when no run logged per-source tokens."""
+    sources = sorted({k for run in runs for r in run.records for k in r if k.startswith("tokens/")})
+    if not sources:
+        return None
+    fig = Figure(figsize=(8, 6), layout="constrained")
+    tokens, shares = fig.subplots(2, 1, sharex=True)
+    for i, run in enumerate(runs):
+        for j, key in enumerate(sources):
+            style = ("-", "--", ":", "-.")[i % 4]
+            _plot_line(tokens, run.series(key), style, f"C{j % 10}", f"{run.name}: {key.removeprefix('tokens/')}")
+        for step, stage in stage_starts(run):
+            tokens.axvline(step, color="grey", linestyle=":", linewidth=1)
+            tokens.annotate(f"stage {stage}", (step, 1), xycoords=("data", "axes fraction"), fontsize=8,
+                            va="top", ha="left")
+        _plot_line(shares, run.series("data/padding"), "-", f"C{i % 10}", f"{run.name}: padding")
+        _plot_line(shares, run.series("data/cut_docs"), "--", f"C{i % 10}", f"{run.name}: documents cut")
+    tokens.set(title="tokens given by each source (dotted: a data stage begins)", ylabel="tokens")
+    shares.set(title="share of padding (solid) and of documents cut (dashed)", xlabel="step", ylim=(0, 1.05))
+    for ax in (tokens, shares):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    path = out_dir / "data.png"
     _save(fig, path)
     return path
 
