@@ -136,8 +136,11 @@ def storage_options(url: str, *, inner_attempts: int = 1) -> dict[str, Any]:
 def filesystem(url: str, *, inner_attempts: int = 1) -> tuple[Any, str]:
     """The fsspec filesystem holding `url` and the path within it. One instance per protocol,
     options and credential environment, so a changed AWS_* variable gets a new client."""
-    from fsspec.core import url_to_fs  # lazy: local training never imports fsspec
-
+    try:
+        from fsspec.core import url_to_fs  # lazy: local training never imports fsspec
+    except ImportError:
+        raise ForjaError(f"{url} needs fsspec, which is not installed; pip install 'forja[s3]' "
+                         "(or fsspec and the package of that store)") from None
     if not is_url(url):
         url = str(local_path(url))
     options = storage_options(url, inner_attempts=inner_attempts)
@@ -148,7 +151,11 @@ def filesystem(url: str, *, inner_attempts: int = 1) -> tuple[Any, str]:
     with _cache_lock:
         fs = _cache.get(key)
     if fs is None:
-        fs, _ = url_to_fs(url, **options)
+        try:
+            fs, _ = url_to_fs(url, **options)
+        except ImportError as exc:  # fsspec knows the protocol but its package is missing
+            fix = "pip install 'forja[s3]'" if protocol(url) in _S3 else "install that package"
+            raise ForjaError(f"{url} needs a package that is not installed ({exc}); {fix} and run again") from None
         if protocol(url) in _S3:
             fs.retries = inner_attempts  # s3fs's own retry loop (a class attribute, not an option)
         with _cache_lock:

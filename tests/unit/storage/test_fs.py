@@ -3,6 +3,7 @@ that fails requests, one sentence for each bad setup, atomic commits, lazy impor
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -109,6 +110,14 @@ def test_an_unreachable_endpoint_is_one_sentence(s3_bucket, monkeypatch) -> None
     with pytest.raises(ForjaError, match=r"^s3://forja-test-\w+/x cannot be reached: http://127\.0\.0\.1:9 does "
                                          r"not answer \(\w+\); check AWS_ENDPOINT_URL and the network$"):
         check_reachable(join(s3_bucket, "x"), write=False)
+
+
+def test_a_store_whose_package_is_missing_is_one_sentence() -> None:
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
+    with pytest.raises(ForjaError, match=r"^gs://b/x needs a package that is not installed \(.*gcsfs.*\); install "
+                                         r"that package and run again$"):
+        storage.filesystem("gs://b/x")
 
 
 def test_importing_forja_storage_loads_neither_fsspec_nor_s3fs() -> None:
