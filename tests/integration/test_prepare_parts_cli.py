@@ -72,3 +72,18 @@ def test_a_part_out_of_range_is_one_line(work: Path) -> None:
     done = forja("prepare", *ARGS, "--out", "bad", "--part", "3", "--parts", "3", cwd=work)
     assert error_line(done, "prepare") == "forja prepare: error: --part 3 is out of range for --parts 3; give 0 to 2"
     assert not (work / "bad").exists()
+
+
+def test_slurm_template_submits_the_array_then_a_merge_after_it(tmp_path: Path) -> None:
+    """scripts/prepare.sbatch on the login node, with a stand-in sbatch that records its calls."""
+    script = Path(__file__).parents[2] / "scripts" / "prepare.sbatch"
+    (tmp_path / "sbatch").write_text('#!/bin/bash\necho "$*" >> "$LOG"\necho 4242\n')
+    (tmp_path / "sbatch").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "LOG": str(tmp_path / "log")}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    array, merge = (tmp_path / "log").read_text().splitlines()
+    assert array == f"--parsable --array=0-15 {script} part"
+    assert merge == f"--dependency=afterok:4242 --kill-on-invalid-dep=yes --cpus-per-task=2 {script} merge"
+    bad = subprocess.run(["bash", str(script), "nonsense"], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage:" in bad.stderr
