@@ -7,6 +7,7 @@ within its limit, and a server failing a share of requests must still give the s
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -116,3 +117,42 @@ def test_a_flaky_server_gives_the_same_batches(prepared_sharded_dir, tokenizer, 
                                   np.stack(_loader_steps(open_prepared(prepared_sharded_dir))))
     assert flaky_s3.failed > 3, (flaky_s3.failed, flaky_s3.forwarded)
     assert json.loads(read_bytes(join(url, "meta.json")))["format"] == "forja-prepared"
+
+
+def test_forja_prepare_out_s3_and_its_refusals(corpus_dir, tokenizer_path, s3_bucket, monkeypatch, capsys) -> None:
+    from forja.cli import main
+    from forja.storage import clear_cache
+
+    out = join(s3_bucket, "cli")
+    args = ["prepare", "--source", str(corpus_dir), "--tokenizer", str(tokenizer_path), "--workers", "1",
+            "--no-progress", "--out"]
+    assert main(args + [out]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert open_dataset(out).num_tokens("train") > 0
+
+    def refused(extra: list[str]) -> str:
+        assert main(args + extra) != 0
+        return capsys.readouterr().err
+
+    assert "already exists; choose another --out or pass --overwrite" in refused([out])
+    assert refused([s3_bucket + "-missing/x"]).startswith(
+        f"forja prepare: error: bucket {s3_bucket[5:]}-missing of --out {s3_bucket}-missing/x does not exist at ")
+    assert "--part and --merge need a local or shared-disk --out" in refused([join(out, "p"), "--part", "0",
+                                                                              "--parts", "2"])
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    clear_cache()
+    assert f"error: no credentials for {join(s3_bucket, 'other')}; set AWS_ACCESS_KEY_ID" in refused(
+        [join(s3_bucket, "other")])
+    staging = Path(os.environ["FORJA_CACHE"]) / "staging"
+    assert not staging.exists() or not any(staging.iterdir())  # nothing was staged, or is left
+
+
+def test_a_mixture_on_s3_opens_as_the_local_one(corpus_dir, tokenizer, s3_bucket, tmp_path) -> None:
+    spec = f"{corpus_dir}:0.7,stdlib:json:0.3"
+    local = prepare(spec, tokenizer, tmp_path / "mix", val_fraction=0.2, workers=1)
+    remote = prepare(spec, tokenizer, join(s3_bucket, "mix"), val_fraction=0.2, workers=1)
+    assert exists(join(s3_bucket, "mix", "mixture.json")) and remote.weights == local.weights
+    for a, b in zip(local.datasets, remote.datasets, strict=True):
+        np.testing.assert_array_equal(a.split("train").read(0, a.num_tokens("train")),
+                                      b.split("train").read(0, b.num_tokens("train")))
+    assert open_dataset(join(s3_bucket, "mix"), tokenizer).fingerprint == local.fingerprint
