@@ -60,8 +60,9 @@ _FORMAT = "forja-prepare-part"
 _FORMAT_VERSION = 1
 # The options a part records and the merge must be given alike (key -> the flag that sets it).
 _OPTIONS = {"val_fraction": "--val-fraction", "shard_tokens": "--shard-tokens", "skip_bad_lines": "--skip-bad-lines"}
-# Documents per piece the merge hands to the writer: bounded memory whatever a part holds.
-_MERGE_DOCUMENTS = 1 << 16
+# At most this many documents and (but for one long document) tokens per piece the merge
+# hands to the writer: bounded memory whatever a part holds.
+_MERGE_DOCUMENTS, _MERGE_TOKENS = 1 << 16, 1 << 24
 
 
 @dataclass(frozen=True)
@@ -162,16 +163,21 @@ def split_kind(src: Source, parts: int) -> str:
 
 
 def file_range(src: Source, part: int, parts: int) -> tuple[int, int]:
-    """Part `part`'s files [lo, hi): a file goes to the part its middle byte falls in, of N equal
+    """Part `part`'s files [lo, hi) (see file_ranges)."""
+    return file_ranges(src, parts)[part]
+
+
+def file_ranges(src: Source, parts: int) -> list[tuple[int, int]]:
+    """Each part's files [lo, hi): a file goes to the part its middle byte falls in, of N equal
     byte ranges over the files back to back (contiguous, balanced by size to within a file, the
     same on every machine that sees the same files)."""
     sizes = [f.stat().st_size for f in src.files]  # type: ignore[attr-defined]
-    total, start, owners = sum(sizes), 0, []
+    total, start, counts = sum(sizes), 0, [0] * parts
     for i, size in enumerate(sizes):
-        owners.append((2 * start + size) * parts // (2 * total) if total else i * parts // len(sizes))
+        counts[min(parts - 1, (2 * start + size) * parts // (2 * total)) if total else i * parts // len(sizes)] += 1
         start += size
-    lo = sum(1 for o in owners if o < part)
-    return lo, lo + sum(1 for o in owners if o == part)
+    ends = np.cumsum([0, *counts]).tolist()
+    return list(zip(ends[:-1], ends[1:], strict=True))
 
 
 def _blocks(src: Source, part: int, parts: int, block: int, stats: SourceStats) -> Iterator[str]:
@@ -231,6 +237,9 @@ def check_parts(records: list[dict[str, Any]], sources: list[tuple[Source, float
                 options: dict[str, Any], out: Path) -> None:
     """Stop, naming the part, unless every part was made by these ARGS from these inputs."""
     n = len(records)
+    # How each source divides now (stat-ing every file once, not once per part).
+    plans = [(src.stat_fingerprint(), split_kind(src, n),
+              file_ranges(src, n) if split_kind(src, n) == "files" else None) for src, _ in sources]
     for k, rec in enumerate(records):
         name = f"part {k} of {n} under {out / PARTS_DIR}"
         rerun = f"rerun it with `forja prepare ARGS --part {k} --parts {n}` and the merge's ARGS"
@@ -247,9 +256,9 @@ def check_parts(records: list[dict[str, Any]], sources: list[tuple[Source, float
         if [(c["spec"], c["weight"]) for c in rec["sources"]] != given:
             raise ForjaError(f"{name} was prepared from source {_spec(rec['sources'])!r}, not "
                              f"{_spec([{'spec': s, 'weight': w} for s, w in given])!r}; {rerun}")
-        for (src, _), comp in zip(sources, rec["sources"], strict=True):
-            if comp["stat_fingerprint"] != src.stat_fingerprint() or comp["split"] != split_kind(src, n) or (
-                    comp["split"] == "files" and comp["files"] != list(file_range(src, k, n))):
+        for (src, _), comp, now in zip(sources, rec["sources"], plans, strict=True):
+            if (comp["stat_fingerprint"], comp["split"]) != now[:2] or (
+                    comp["split"] == "files" and comp["files"] != list(now[2][k])):
                 raise ForjaError(f"source {src.spec!r} changed (its files' names, sizes or modification times) "
                                  f"since {name} was prepared; run every part again, then --merge")
     for c, (src, _) in enumerate(sources):
@@ -308,9 +317,11 @@ class _PartReader:
     def take(self, count: int) -> Iterator[Encoded]:
         end = self._doc + count
         while self._doc < end:
-            lo, hi = self._doc, min(end, self._doc + _MERGE_DOCUMENTS)
-            lengths = np.array(self.lengths[lo:hi])
-            size = int(lengths.sum())
+            lo = self._doc
+            lengths = np.array(self.lengths[lo:min(end, lo + _MERGE_DOCUMENTS)])
+            cut = int(np.searchsorted(np.cumsum(lengths), _MERGE_TOKENS, side="right"))
+            lengths = lengths[:max(cut, 1)]  # at least one document, however long
+            hi, size = lo + len(lengths), int(lengths.sum())
             digests = self.digests[lo * DIGEST_BYTES:hi * DIGEST_BYTES].tobytes()
             # A document's split hash is the first 8 bytes of its digest, little-endian (encoding.py).
             is_val = np.frombuffer(digests, dtype="<u8")[::DIGEST_BYTES // 8] < self.threshold

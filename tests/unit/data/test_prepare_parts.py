@@ -10,7 +10,7 @@ import pytest
 
 from forja.data import prepare, train_tokenizer
 from forja.data import parts as parts_module
-from forja.data.parts import MARKER, PARTS_DIR, PartDone, block_counts, file_range, split_kind
+from forja.data.parts import MARKER, PARTS_DIR, PartDone, block_counts, file_range, file_ranges, split_kind
 from forja.data.sources import SourceStats, parse_source, register_source
 from forja.errors import ForjaError
 
@@ -51,7 +51,12 @@ def rows_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("n", [1, 3])
-def test_directory_source_merges_byte_identical(corpus_dir: Path, tokenizer, tmp_path: Path, n: int) -> None:
+def test_directory_source_merges_byte_identical(corpus_dir: Path, tokenizer, tmp_path: Path, n: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # The merge reads its parts in small pieces (5 documents, or 200 tokens but for one long
+    # document): the writer cuts the same shards whatever the pieces.
+    monkeypatch.setattr(parts_module, "_MERGE_DOCUMENTS", 5)
+    monkeypatch.setattr(parts_module, "_MERGE_TOKENS", 200)
     files = assert_merge_is_exact(str(corpus_dir), tokenizer, tmp_path, n, val_fraction=0.2, shard_tokens=997)
     assert len([f for f in files if f.startswith("train/tokens-")]) > 5  # shards re-cut across part boundaries
 
@@ -91,7 +96,7 @@ def test_more_parts_than_files_leaves_parts_empty(corpus_dir: Path, tokenizer, t
     assert_merge_is_exact(f"{corpus_dir}/doc000[0-2].txt", tokenizer, tmp_path, 5, val_fraction=0.0)
 
 
-def test_file_ranges_are_contiguous_and_balanced(corpus_dir: Path) -> None:
+def test_file_ranges_are_contiguous_and_balanced(corpus_dir: Path, tmp_path: Path) -> None:
     src = parse_source(str(corpus_dir))
     ranges = [file_range(src, k, 4) for k in range(4)]
     assert ranges[0][0] == 0 and ranges[-1][1] == len(src.files)
@@ -99,6 +104,12 @@ def test_file_ranges_are_contiguous_and_balanced(corpus_dir: Path) -> None:
     sizes = [sum(f.stat().st_size for f in src.files[lo:hi]) for lo, hi in ranges]
     largest = max(f.stat().st_size for f in src.files)
     assert all(abs(size - sum(sizes) / 4) <= largest for size in sizes), sizes  # balanced to within a file
+    empty_last = tmp_path / "e"
+    empty_last.mkdir()
+    for name, text in (("a", "x" * 10), ("b", "y" * 30), ("c", "")):
+        (empty_last / name).write_text(text)
+    assert file_ranges(parse_source(str(empty_last)), 2) == [(0, 1), (1, 3)]
+    assert file_ranges(parse_source(f"{empty_last}/c"), 3) == [(0, 1), (1, 1), (1, 1)]  # no bytes: by count
     assert block_counts(100, 3, 16) == [16 + 16 + 4, 16 + 16, 16 + 16] and sum(block_counts(5, 4, 16)) == 5
 
 
