@@ -244,7 +244,9 @@ def bucket_of(url: str) -> str:
 def check_reachable(url: str, *, write: bool, what: str = "") -> None:
     """Stop with one sentence, before any work, unless `url`'s store answers, its bucket exists,
     credentials are found and (with `write`) an object can be written there. Local paths: no-op
-    (forja.files.check_writable covers them)."""
+    (forja.files.check_writable covers them). Each request gets `retrying`'s full attempts: a
+    launch checks its store several times, and a store that fails a share of its requests must
+    not fail the preflight that a run through it would survive."""
     if not is_url(url):
         return
     label = f"{what} {url}".strip()
@@ -252,7 +254,7 @@ def check_reachable(url: str, *, write: bool, what: str = "") -> None:
     bucket = bucket_of(url)
     try:
         retrying(lambda: fs.ls(bucket, detail=False, refresh=True) if protocol(url) in _OBJECT_STORES - {"memory"}
-                 else fs.exists(path), what=f"reaching {label}", attempts=2, url=url)
+                 else fs.exists(path), what=f"reaching {label}", url=url)
     except ForjaError as exc:
         if exc.__cause__ is not None and is_transient(exc.__cause__):
             raise ForjaError(f"{label} cannot be reached: {endpoint(url)} does not answer "
@@ -268,8 +270,8 @@ def check_reachable(url: str, *, write: bool, what: str = "") -> None:
         probe = join(url, f".forja-write-test-{uuid.uuid4().hex[:12]}")
         _, probe_path = filesystem(probe)
         try:
-            retrying(lambda: fs.pipe_file(probe_path, b""), what=f"writing to {label}", attempts=3, url=url)
-            retrying(lambda: fs.rm_file(probe_path), what=f"cleaning up {probe}", attempts=3, url=url)
+            retrying(lambda: fs.pipe_file(probe_path, b""), what=f"writing to {label}", url=url)
+            retrying(lambda: fs.rm_file(probe_path), what=f"cleaning up {probe}", url=url)
         except PermissionError as exc:
             raise ForjaError(f"{label} cannot be written ({_brief(exc)}); use credentials allowed to "
                              f"write bucket {bucket}, or choose another location") from None
