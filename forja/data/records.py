@@ -8,6 +8,7 @@ source_base.py, so the imports run one way.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 from collections.abc import Iterator
@@ -16,13 +17,19 @@ from typing import Any
 
 from forja.data.source_base import Source, SourceStats, clean_str, decode_utf8, expand_paths, stat_hash
 from forja.errors import ForjaError
+from forja.storage.paths import StoredPath
 
 _SKIP_HINT = "fix it, or pass --skip-bad-lines (skip_bad_lines=True) to skip and count such records"
 _HF_BATCH = 1000
 
 
 def _split_spec(rest: str, kind: str, default_field: str) -> tuple[str, str]:
-    path, _, field = rest.partition(":")
+    scheme, sep, tail = rest.partition("://")  # a URL (s3://...): its own colon is not the field's
+    if sep and scheme.isalnum():
+        path, _, field = tail.partition(":")
+        path = f"{scheme}://{path}"
+    else:
+        path, _, field = rest.partition(":")
     if not path:
         raise ForjaError(f"source '{kind}:' names no file; write {kind}:PATH[:FIELD]")
     return path, field or default_field
@@ -39,8 +46,9 @@ class JsonlSource(Source):
 
     def documents(self, stats: SourceStats) -> Iterator[str]:
         for path in self.files:
-            opener = gzip.open if path.suffix == ".gz" else open
-            with opener(path, "rb") as f:
+            # path.open: a local Path or a StoredPath (an object streamed from a store)
+            with path.open("rb") as raw, (gzip.GzipFile(fileobj=raw) if path.suffix == ".gz"
+                                          else contextlib.nullcontext(raw)) as f:
                 for lineno, raw in enumerate(f, 1):
                     if raw.strip():
                         text = self._parse(raw, path, lineno, stats)
@@ -79,7 +87,7 @@ class ParquetSource(Source):
 
     def documents(self, stats: SourceStats) -> Iterator[str]:
         for path in self.files:
-            pfile = self._pq.ParquetFile(path)
+            pfile = self._pq.ParquetFile(path.open("rb") if isinstance(path, StoredPath) else path)
             names = pfile.schema_arrow.names
             if self.column not in names:
                 raise ForjaError(f"{path} has no column {self.column!r} (columns: {', '.join(names)}); "

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forja.errors import ForjaError
+from forja.storage import is_url
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -92,7 +93,12 @@ def _is_glob(pattern: str) -> bool:
 
 
 def expand_paths(pattern: str, *, what: str) -> list[Path]:
-    """A file, a directory (walked, hidden entries skipped) or a glob -> sorted files."""
+    """A file, a directory (walked, hidden entries skipped) or a glob -> sorted files. A URL
+    (s3://...) names objects of a store instead, given as StoredPaths (forja/storage/paths.py)."""
+    if is_url(pattern):
+        from forja.storage.paths import expand
+
+        return expand(pattern, what=what)  # type: ignore[return-value]
     expanded = os.path.expanduser(pattern)
     if _is_glob(expanded):
         files = sorted(Path(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))

@@ -156,3 +156,28 @@ def test_a_mixture_on_s3_opens_as_the_local_one(corpus_dir, tokenizer, s3_bucket
         np.testing.assert_array_equal(a.split("train").read(0, a.num_tokens("train")),
                                       b.split("train").read(0, b.num_tokens("train")))
     assert open_dataset(join(s3_bucket, "mix"), tokenizer).fingerprint == local.fingerprint
+
+
+def test_a_corpus_on_s3_is_a_source_as_on_disk(tokenizer, s3_bucket, tmp_path) -> None:
+    import gzip
+
+    from forja.data.sources import SourceStats, parse_source
+
+    lines = b"".join(json.dumps({"text": f"document {i} " * (i + 1)}).encode() + b"\n" for i in range(40))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.jsonl").write_bytes(lines)
+    (tmp_path / "c" / "b.jsonl.gz").write_bytes(gzip.compress(lines))
+    for name in ("a.jsonl", "b.jsonl.gz"):
+        write_bytes_atomic(join(s3_bucket, "corpus", name), (tmp_path / "c" / name).read_bytes())
+    write_bytes_atomic(join(s3_bucket, "corpus", ".partial"), b"skipped, as hidden files on disk are")
+    remote = parse_source(f"jsonl:{s3_bucket}/corpus")
+    assert [f.name for f in remote.files] == ["a.jsonl", "b.jsonl.gz"]
+    local = parse_source(f"jsonl:{tmp_path}/c")
+    assert list(remote.documents(SourceStats())) == list(local.documents(SourceStats()))
+    a = prepare(f"jsonl:{s3_bucket}/corpus/*.jsonl*:text", tokenizer, tmp_path / "from-s3", workers=1)
+    b = prepare(f"jsonl:{tmp_path}/c", tokenizer, tmp_path / "from-disk", workers=1)
+    assert a.meta["source"]["fingerprint"] == b.meta["source"]["fingerprint"]
+    with pytest.raises(ForjaError, match=r"^bucket \S+-missing of JSONL file s3://\S+ does not exist at "):
+        parse_source(f"jsonl:{s3_bucket}-missing/corpus")
+    with pytest.raises(ForjaError, match=r"JSONL file 's3://\S+/nothing' matches no object"):
+        parse_source(f"jsonl:{s3_bucket}/nothing")
