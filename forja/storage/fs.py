@@ -253,16 +253,18 @@ def check_reachable(url: str, *, write: bool, what: str = "") -> None:
     fs, path = filesystem(url)
     bucket = bucket_of(url)
     try:
-        retrying(lambda: fs.ls(bucket, detail=False, refresh=True) if protocol(url) in _OBJECT_STORES - {"memory"}
-                 else fs.exists(path), what=f"reaching {label}", url=url)
+        # The URL's own prefix, not the bucket's root: credentials may be allowed to list only
+        # below a prefix. An empty prefix is fine here (a missing object is the caller's to name).
+        retrying(lambda: fs.ls(path, detail=False, refresh=True), what=f"reaching {label}", url=url)
+    except FileNotFoundError as exc:
+        if _missing_bucket(exc):
+            raise ForjaError(f"bucket {bucket} of {label} does not exist at {endpoint(url)}; create it "
+                             f"or fix the URL") from None
     except ForjaError as exc:
         if exc.__cause__ is not None and is_transient(exc.__cause__):
             raise ForjaError(f"{label} cannot be reached: {endpoint(url)} does not answer "
                              f"({type(exc.__cause__).__name__}); check AWS_ENDPOINT_URL and the network") from None
         raise
-    except FileNotFoundError:
-        raise ForjaError(f"bucket {bucket} of {label} does not exist at {endpoint(url)}; create it "
-                         f"or fix the URL") from None
     except PermissionError as exc:
         raise ForjaError(f"access to {label} is denied ({_brief(exc)}); use credentials allowed to "
                          f"{'write' if write else 'read'} bucket {bucket}") from None
@@ -275,6 +277,20 @@ def check_reachable(url: str, *, write: bool, what: str = "") -> None:
         except PermissionError as exc:
             raise ForjaError(f"{label} cannot be written ({_brief(exc)}); use credentials allowed to "
                              f"write bucket {bucket}, or choose another location") from None
+
+
+def _missing_bucket(exc: BaseException) -> bool:
+    """Whether a FileNotFoundError says the bucket itself is missing (not only an object)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") == "NoSuchBucket":
+            return True
+        if "bucket does not exist" in str(exc).lower() or "nosuchbucket" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def exists(url: str) -> bool:
