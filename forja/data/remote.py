@@ -1,6 +1,7 @@
 """Prepared data on an object store (`data.path = "s3://bucket/prepared"`), read by ranges.
 
-meta.json and each shard's offsets are small and read whole; the token shards are not:
+meta.json and each shard's offsets are small and read whole (the offsets kept on local disk and
+memory-mapped, as they are for a local directory); the token shards are not:
 `RemoteTokens` slices like the memory map of a local shard (`tokens[lo:hi]`) and reads only
 those bytes, through the machine's bounded block cache (forja/storage/blocks.py), with retries.
 Opening lists each split's directory once, so every shard's size is checked against its
@@ -18,8 +19,9 @@ from typing import Any
 import numpy as np
 
 from forja.errors import ForjaError
+from forja.files import write_atomic
 from forja.storage import filesystem, join, read_bytes, retrying
-from forja.storage.blocks import BlockCache, default_cache, object_key
+from forja.storage.blocks import BlockCache, cache_root, default_cache, object_key
 
 
 class RemoteTokens:
@@ -77,12 +79,27 @@ def listing(root: str, shards: list[dict[str, Any]]) -> dict[str, dict[str, Any]
     return found
 
 
+def _offsets(url: str, info: dict[str, Any] | None) -> np.ndarray:
+    """A shard's offsets, memory-mapped from a local copy in $FORJA_CACHE/remote/offsets/ (keyed by
+    the object's identity): held in RAM by every rank, the offsets of a large corpus would take
+    gigabytes, as they do not on local disk where they are memory-mapped too."""
+    if info is None:
+        raise FileNotFoundError(f"{url} is missing")
+    local = cache_root() / "remote" / "offsets" / f"{object_key(url, info)}.npy"
+    if not local.is_file():
+        data = read_bytes(url)
+        np.load(io.BytesIO(data), allow_pickle=False)  # damaged: said before it is kept
+        local.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(local, data)
+    return np.load(local, mmap_mode="r")
+
+
 def open_shard(root: str, entry: dict[str, Any], dtype: np.dtype, redo: str,
                infos: dict[str, dict[str, Any]]) -> tuple[Any, np.ndarray]:
     """(tokens, offsets) of one remote shard, its size checked against its offsets."""
     tokens_url, offsets_url = join(root, entry["tokens"]), join(root, entry["offsets"])
     try:
-        offsets = np.load(io.BytesIO(read_bytes(offsets_url)), allow_pickle=False)
+        offsets = _offsets(offsets_url, infos.get(entry["offsets"]))
     except (OSError, ValueError) as exc:
         raise ForjaError(f"offsets file {offsets_url} is missing or damaged ({exc}); {redo}") from exc
     if offsets.ndim != 1 or len(offsets) != int(entry["documents"]) + 1 or offsets[0] != 0:
