@@ -348,7 +348,9 @@ def upload_dir(local: str | os.PathLike[str], url: str, *, last: Iterable[str] =
     last = [str(name) for name in last]
     names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
     order = [n for n in names if n not in last] + [n for n in last if n in names]
-    fs, _ = filesystem(url)
+    # A large file goes up in parts (multipart upload): botocore retries each part itself, so
+    # one failed part does not send the whole file again; forja's retry still wraps the file.
+    fs, _ = filesystem(url, inner_attempts=3)
     for name in order:
         target = join(url, name)
         _, path = filesystem(target)
