@@ -157,7 +157,7 @@ def filesystem(url: str, *, inner_attempts: int = 1) -> tuple[Any, str]:
             fix = "pip install 'forja[s3]'" if protocol(url) in _S3 else "install that package"
             raise ForjaError(f"{url} needs a package that is not installed ({exc}); {fix} and run again") from None
         if protocol(url) in _S3:
-X
+            fs.retries = 1  # s3fs's own retry loop (a class attribute): botocore's is the inner one
         with _cache_lock:
             _cache[key] = fs
     return fs, fs._strip_protocol(url)
