@@ -25,6 +25,7 @@ def _pct(v: float) -> str:
 
 # The keys a log line shows, in this order, and how; every key is in metrics.jsonl anyway.
 _FORMATS: dict[str, Callable[[float], str]] = {
+    "stage": lambda v: f"stage {int(v)}",
     "loss": lambda v: f"loss {v:.4f}",
     "val_loss": lambda v: f"val_loss {v:.4f}",
     "lr": lambda v: f"lr {v:.2e}",
@@ -40,7 +41,8 @@ _FORMATS: dict[str, Callable[[float], str]] = {
 
 def format_metrics(metrics: Metrics) -> list[str]:
     """The shown metrics as 'name value' strings; other val_* keys follow in their order."""
-    parts = [fmt(metrics[key]) for key, fmt in _FORMATS.items() if metrics.get(key) is not None]
+    parts = [fmt(metrics[key]) for key, fmt in _FORMATS.items()
+             if metrics.get(key) is not None and (key != "stage" or metrics[key])]  # stage 0: said by nothing
     for key, value in metrics.items():
         if key.startswith("val_") and key not in _FORMATS and value is not None:
             parts.append(f"{key} {value:.4g}")
