@@ -22,7 +22,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from forja.storage.fs import filesystem, retrying
+from forja.errors import ForjaError
+from forja.storage.fs import env_number, filesystem, retrying
 
 DEFAULT_BLOCK_MB = 8
 DEFAULT_LIMIT_GB = 20.0
@@ -47,12 +48,13 @@ class BlockCache:
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, limit_bytes: int | None = None,
                  block_size: int | None = None):
         self.directory = Path(directory) if directory is not None else cache_root() / "blocks"
-        gb = float(os.environ.get("FORJA_CACHE_GB") or DEFAULT_LIMIT_GB)
+        gb = env_number("FORJA_CACHE_GB", DEFAULT_LIMIT_GB, least=0)
         self.limit = int(limit_bytes if limit_bytes is not None else gb * 2**30)
-        mb = float(os.environ.get("FORJA_BLOCK_MB") or DEFAULT_BLOCK_MB)
+        mb = env_number("FORJA_BLOCK_MB", DEFAULT_BLOCK_MB, least=0)
         self.block_size = int(block_size if block_size is not None else mb * 2**20)
         if self.block_size < 1 or self.limit < self.block_size:
-            raise ValueError(f"a block cache of {self.limit} bytes cannot hold one block of {self.block_size}")
+            raise ForjaError(f"the block cache (FORJA_CACHE_GB, {self.limit} bytes) cannot hold one block "
+                             f"(FORJA_BLOCK_MB, {self.block_size} bytes); raise the first or lower the second")
         self.fetched = 0  # blocks fetched from the store by this process (tests, statistics)
         self._lock = threading.Lock()
         self._touched: dict[str, float] = {}

@@ -196,8 +196,8 @@ def retrying(fn: Callable[[], T], *, what: str, attempts: int | None = None, url
     after `attempts` (FORJA_STORAGE_ATTEMPTS, default 6) one ForjaError naming `what`.
     A missing object, a refused permission or any other lasting error is raised at once, unchanged
     (missing credentials as the ForjaError of `credentials_error`)."""
-    attempts = attempts or int(os.environ.get("FORJA_STORAGE_ATTEMPTS") or ATTEMPTS)
-    backoff = float(os.environ.get("FORJA_STORAGE_BACKOFF_S") or BACKOFF_S)
+    attempts = attempts or int(env_number("FORJA_STORAGE_ATTEMPTS", ATTEMPTS, least=1))
+    backoff = env_number("FORJA_STORAGE_BACKOFF_S", BACKOFF_S, least=0)
     for attempt in range(1, attempts + 1):
         try:
             return fn()
@@ -213,6 +213,20 @@ def retrying(fn: Callable[[], T], *, what: str, attempts: int | None = None, url
                                  f"FORJA_STORAGE_ATTEMPTS, and run again") from exc
             time.sleep(random.uniform(0, min(MAX_BACKOFF_S, backoff * 2 ** (attempt - 1))))
     raise AssertionError("unreachable")
+
+
+def env_number(name: str, default: float, *, least: float) -> float:
+    """The number in environment variable `name` (unset or empty: `default`), at least `least`."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= least:
+        raise ForjaError(f"{name}={text} is not a number of at least {least:g}; set it to one or unset it")
+    return value
 
 
 def _brief(exc: BaseException) -> str:

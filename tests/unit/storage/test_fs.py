@@ -124,3 +124,17 @@ def test_importing_forja_storage_loads_neither_fsspec_nor_s3fs() -> None:
     code = "import sys, forja.storage, forja.data.shards; print(sorted({'fsspec', 's3fs', 'boto3'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_bad_settings_are_one_sentence(monkeypatch, tmp_path) -> None:
+    from forja.storage.blocks import BlockCache
+
+    monkeypatch.setenv("FORJA_CACHE_GB", "lots")
+    with pytest.raises(ForjaError, match=r"^FORJA_CACHE_GB=lots is not a number of at least 0; set it"):
+        BlockCache(tmp_path)
+    monkeypatch.setenv("FORJA_CACHE_GB", "0.001")
+    with pytest.raises(ForjaError, match=r"cannot hold one block \(FORJA_BLOCK_MB, 8388608 bytes\)"):
+        BlockCache(tmp_path)
+    monkeypatch.setenv("FORJA_STORAGE_ATTEMPTS", "0")
+    with pytest.raises(ForjaError, match=r"^FORJA_STORAGE_ATTEMPTS=0 is not a number of at least 1"):
+        retrying(lambda: None, what="x")
