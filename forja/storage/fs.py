@@ -20,15 +20,17 @@ Retries happen in one layer: forja's `retrying` (exponential backoff with jitter
 errors, timeouts, 5xx and throttling; FORJA_STORAGE_ATTEMPTS attempts, default 6). The
 filesystems handed out here have botocore's and s3fs's own retries turned down to one attempt,
 so a request that fails is seen by forja and retried with its backoff, not retried 5 x 5 times
-below it. Code that hands a filesystem to a library making its own calls that forja cannot wrap
-(DCP's fsspec storage) asks for `storage_options(url, inner_attempts=ATTEMPTS)` instead, so that
-botocore retries each of those requests itself.
+below it. Where one call is many requests that forja cannot wrap one by one (DCP's fsspec
+storage, a streamed corpus file, a multipart upload), the filesystem is asked for with
+`inner_attempts` (or `storage_options(url, inner_attempts=ATTEMPTS)`), so that botocore retries
+each of those requests itself. fsspec's own `config_kwargs` for s3 (timeouts, retries) win.
 
 Stores without an atomic rename (S3, GCS) still write one object atomically: a PUT is seen
 whole or not at all. A directory of objects is committed by writing a small marker object last
 (for prepared data, meta.json); readers trust a directory only once its marker exists.
 
-Imports of fsspec and s3fs are lazy: training on local paths never loads them.
+Imports of fsspec and s3fs are lazy: training on local paths never loads them (torch's DCP
+imports fsspec itself when it is installed; s3fs and boto never load).
 """
 
 from __future__ import annotations
@@ -122,10 +124,17 @@ def storage_options(url: str, *, inner_attempts: int = 1) -> dict[str, Any]:
     sends one request (1: forja's `retrying` is the only retry layer)."""
     if protocol(url) not in _S3:
         return {}
+    config = {"retries": {"total_max_attempts": inner_attempts, "mode": "standard"},
+              "connect_timeout": 5, "read_timeout": 30}
+    try:  # fsspec merges its configuration's keys under these, but not inside config_kwargs: here
+        from fsspec.config import conf
+
+        config.update(conf.get("s3", {}).get("config_kwargs") or {})
+    except ImportError:
+        pass
     options: dict[str, Any] = {
         "skip_instance_cache": True,  # forja caches by options and environment below, not s3fs
-        "config_kwargs": {"retries": {"total_max_attempts": inner_attempts, "mode": "standard"},
-                          "connect_timeout": 5, "read_timeout": 30},
+        "config_kwargs": config,
     }
     found = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if found:
