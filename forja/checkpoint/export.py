@@ -9,6 +9,10 @@ holds the tokenizer, so a checkpoint is loaded without the data or the original 
 Its files are checked first (verify.py): their sizes always, their checksums for an export.
 A run directory's newest intact checkpoint is used (a damaged newer one is named in one line
 on stderr); a damaged checkpoint given by name stops with one sentence.
+
+Either side may be in an object store (`forja export s3://b/runs/x --hf s3://b/models/x`): a
+store's export is written locally first, then uploaded with config.json last, so a directory
+transformers can load (it needs config.json) is always whole.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import os
 import pickle
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -26,6 +31,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from forja import storage
+from forja.checkpoint import remote
 from forja.checkpoint.manager import read_meta
 from forja.checkpoint.states import ModelState
 from forja.checkpoint.verify import damage, newest_intact
@@ -35,20 +42,36 @@ from forja.models.common.transformer import Transformer
 from forja.models.quantize import DTYPES
 
 
-def resolve_checkpoint(src: str | os.PathLike, *, checksums: bool = False) -> tuple[Path, Path]:
+def _place(src: str | os.PathLike) -> Path | str:
+    """A local path as a Path, a store's URL as a str (a Path would fold its "//")."""
+    return str(src).rstrip("/") if storage.is_url(src) else Path(src).expanduser()
+
+
+def _child(path: Path | str, name: str) -> Path | str:
+    return storage.join(path, name) if isinstance(path, str) else path / name
+
+
+def _holds(path: Path | str, name: str) -> bool:
+    return storage.exists(storage.join(path, name)) if isinstance(path, str) else (path / name).is_file()
+
+
+def resolve_checkpoint(src: str | os.PathLike, *, checksums: bool = False) -> tuple[Path | str, Path | str]:
     """(run directory, checkpoint directory) of a run dir (its newest intact checkpoint) or of an
-    intact checkpoint; `checksums` checks the bytes of every file too, not only the sizes."""
-    path = Path(src).expanduser()
-    if (path / "forja.json").is_file():
+    intact checkpoint; `checksums` checks the bytes of every file too, not only the sizes.
+    In a store both are URLs (str); the store must answer (one sentence if not)."""
+    path = _place(src)
+    if isinstance(path, str):
+        storage.check_reachable(path, write=False, what="checkpoint source")
+    if _holds(path, "forja.json"):
         if problem := damage(path, checksums=checksums):
             raise ForjaError(f"{path} is damaged ({problem}); give another checkpoint of the run, or the run "
                              "directory to use its newest intact one")
-        return path.parent.parent, path
-    if (path / "config.toml").is_file():
-        pick = newest_intact(path / "checkpoints", checksums=checksums)
+        return (remote.run_of(path) if isinstance(path, str) else path.parent.parent), path
+    if _holds(path, "config.toml"):
+        pick = newest_intact(_child(path, "checkpoints"), checksums=checksums)
         if pick.path is None and pick.damaged:
-            raise ForjaError(f"{pick.none_intact(path / 'checkpoints')}; resume the run (forja train) to write "
-                             "a new one")
+            raise ForjaError(f"{pick.none_intact(_child(path, 'checkpoints'))}; resume the run (forja train) to "
+                             "write a new one")
         if pick.path is None:
             raise ForjaError(f"run {path} has no complete checkpoint yet; train it first (forja train)")
         if pick.damaged and not (dist.is_initialized() and dist.get_rank() > 0):  # model.init_from: every rank
@@ -59,12 +82,26 @@ def resolve_checkpoint(src: str | os.PathLike, *, checksums: bool = False) -> tu
 
 
 def is_forja_source(src: str | os.PathLike) -> bool:
-    path = Path(src).expanduser()
-    return (path / "forja.json").is_file() or (path / "config.toml").is_file()
+    path = _place(src)
+    return _holds(path, "forja.json") or _holds(path, "config.toml")
+
+
+def run_tokenizer(run_dir: Path | str):
+    """The tokenizer a run directory keeps (tokenizer.json), on disk or in a store."""
+    from forja.data.tokenizer import load_tokenizer
+
+    if not isinstance(run_dir, str):
+        return load_tokenizer(run_dir / "tokenizer.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            return load_tokenizer(remote.local_copy(storage.join(run_dir, "tokenizer.json"), Path(tmp)))
+        except FileNotFoundError:
+            raise ForjaError(f"run {run_dir} has no tokenizer.json; give a run directory forja train "
+                             "wrote") from None
 
 
 def load_checkpoint_model(src: str | os.PathLike, *, device: str | torch.device = "cpu",
-                          checksums: bool = False) -> tuple[Transformer, Path]:
+                          checksums: bool = False) -> tuple[Transformer, Path | str]:
     """The model of a checkpoint (unsharded, on one device) and its run directory."""
     run_dir, ckpt = resolve_checkpoint(src, checksums=checksums)
     identity = read_meta(ckpt)["model"]
@@ -73,7 +110,8 @@ def load_checkpoint_model(src: str | os.PathLike, *, device: str | torch.device 
     with warnings.catch_warnings():  # DCP warns that one process loads alone: that is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load({"model": ModelState(model)}, checkpoint_id=str(ckpt), no_dist=not dist.is_initialized())
+            dcp.load({"model": ModelState(model)}, no_dist=not dist.is_initialized(),
+                     **remote.dcp_target(ckpt, write=False))
         except (CheckpointException, OSError, EOFError, pickle.UnpicklingError) as exc:
             # Damage that the sizes alone do not show (bytes overwritten in place) can surface here.
             raise ForjaError(f"{ckpt} could not be read ({type(exc).__name__}), so it is likely damaged; give "
@@ -87,10 +125,10 @@ def load_model_and_tokenizer(src: str | os.PathLike, *, device: str | torch.devi
     from forja.data.tokenizer import load_tokenizer
     from forja.models import load_hf_checkpoint
 
+    if is_forja_source(src):
+        model, run_dir = load_checkpoint_model(src, device=device)
+        return model, run_tokenizer(run_dir)
     path = Path(src).expanduser()
-    if is_forja_source(path):
-        model, run_dir = load_checkpoint_model(path, device=device)
-        return model, load_tokenizer(run_dir / "tokenizer.json")
     if path.is_dir() and (path / "config.json").is_file():
         if not (path / "tokenizer.json").is_file():
             raise ForjaError(f"{path} has no tokenizer.json, so text cannot be turned into tokens; "
@@ -105,17 +143,15 @@ def document_start(src: str | os.PathLike, tok) -> int | None:
     or a scored text: a forja run's end-of-document token (its data packs documents, each
     after one; its BOS token is never trained), a Hugging Face model's BOS when it has one
     (a forja export declares its EOS as the BOS: hf_tokenizer_files), else None."""
-    if is_forja_source(Path(src).expanduser()):
+    if is_forja_source(src):
         return tok.eos_id
     return tok.bos_id
 
 
-def hf_tokenizer_files(run_dir: Path, max_len: int) -> tuple[dict[str, str], dict[str, int]]:
+def hf_tokenizer_files(run_dir: Path | str, max_len: int) -> tuple[dict[str, str], dict[str, int]]:
     """tokenizer.json and a tokenizer_config.json that `AutoTokenizer` understands, plus the
     special-token ids for config.json."""
-    from forja.data.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(run_dir / "tokenizer.json")
+    tok = run_tokenizer(run_dir)
     roles = dict(tok.roles)
     # A forja run's documents each follow the end-of-document token (the data packs them so);
     # its BOS token is never trained. Declared as the BOS, the EOS is what Hugging Face tools
@@ -132,13 +168,39 @@ def hf_tokenizer_files(run_dir: Path, max_len: int) -> tuple[dict[str, str], dic
 
 
 def export_hf(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
-              dtype: torch.dtype | None = None) -> Path:
+              dtype: torch.dtype | None = None) -> Path | str:
+    to_store = storage.is_url(out)
+    if to_store:  # before any work: the store answers, may be written, holds no other export
+        out = str(out).rstrip("/")
+        storage.check_reachable(out, write=True, what="export directory")
+        if storage.exists(out) and not overwrite:
+            raise ForjaError(f"{out} already exists and is not empty; choose another directory, or pass "
+                             "--overwrite (overwrite=True from Python)")
     model, run_dir = load_checkpoint_model(src, checksums=True)  # an export is kept: check every byte
     files, token_ids = hf_tokenizer_files(run_dir, model.args.max_seq_len)
-    out = save_hf_checkpoint(model, out, overwrite=overwrite, dtype=dtype, extra_files=files,
-                             config_updates=token_ids)
-    _umask_modes(out)
+    if not to_store:
+        out = save_hf_checkpoint(model, out, overwrite=overwrite, dtype=dtype, extra_files=files,
+                                 config_updates=token_ids)
+        _umask_modes(out)
+        return out
+    with tempfile.TemporaryDirectory(prefix="forja-export-") as tmp:
+        local = save_hf_checkpoint(model, Path(tmp) / "hf", dtype=dtype, extra_files=files, config_updates=token_ids)
+        _upload_export(local, out)
     return out
+
+
+def _upload_export(local: Path, out: str) -> None:
+    """Upload an export written at `local` to `out`, config.json last; an export already there
+    loses its config.json first, so no reader takes half of the old and half of the new."""
+    if storage.exists(out):
+        marker = storage.join(out, "config.json")
+        fs, path = storage.filesystem(marker)
+        try:
+            storage.retrying(lambda: fs.rm_file(path), what=f"deleting {marker}", url=out)
+        except FileNotFoundError:
+            pass
+        storage.remove_tree(out)
+    storage.upload_dir(local, out, last=("config.json",))
 
 
 def _umask_modes(folder: Path) -> None:

@@ -13,6 +13,9 @@ a kill -9 during a save leaves the previous checkpoint as the one to resume from
 DCP writes each rank's shards, so a checkpoint saved under one parallel layout loads
 under another.
 
+In an object store (run.dir = "s3://..."), which has no rename, a checkpoint is written under
+its own name and complete once its forja.json is written last (remote.py).
+
 With `async_save`, `save()` copies the state into fresh CPU memory (torch's DefaultStager,
 synchronously, so training may update parameters and optimizer state in place as soon as it
 returns) and the write continues in a background thread. The trainer calls `poll()` after
@@ -46,6 +49,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from forja import storage
+from forja.checkpoint import remote
 from forja.checkpoint.config import CheckpointConfig
 from forja.checkpoint.verify import (MANIFEST_KEY, META_FILE, complete_checkpoints, digests, newest_intact,
                                      own_files, set_aside)
@@ -65,12 +70,19 @@ def checkpoint_name(step: int) -> str:
 __all__ = ["CheckpointManager", "checkpoint_name", "complete_checkpoints", "read_meta", "META_FILE"]
 
 
-def read_meta(path: Path) -> dict:
-    meta = path / META_FILE
-    if not meta.is_file():
-        raise ForjaError(f"{path} is not a complete forja checkpoint (it has no {META_FILE})")
+def read_meta(path: Path | str) -> dict:
+    if remote.is_remote(path):
+        try:
+            text = remote.read_text(f"{str(path).rstrip('/')}/{META_FILE}")
+        except FileNotFoundError:
+            raise ForjaError(f"{path} is not a complete forja checkpoint (it has no {META_FILE})") from None
+    else:
+        meta = path / META_FILE
+        if not meta.is_file():
+            raise ForjaError(f"{path} is not a complete forja checkpoint (it has no {META_FILE})")
+        text = meta.read_text()
     try:
-        return json.loads(meta.read_text())
+        return json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ForjaError(f"{path} is damaged (its {META_FILE} is not valid JSON: cut short or overwritten); "
                          "give another checkpoint, or its run directory to use the newest intact one") from None
@@ -86,7 +98,7 @@ def loadable_state(state: dict[str, Any], path: Path, optional: tuple[str, ...] 
     stored = checkpoint_keys(path)
     out = {k: v for k, v in state.items() if k in stored or not (k.startswith("rng.") or k in optional)}
     if partial:
-        names = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        names = remote.reader(path).read_metadata().state_dict_metadata
         for key in (k for k in partial if k in out):
             out[key] = _StoredFields(out[key], {n.split(".", 1)[1] for n in names if n.startswith(key + ".")})
     return out
@@ -107,7 +119,7 @@ class _StoredFields:
 
 def checkpoint_keys(path: Path) -> set[str]:
     """Top-level keys stored in a DCP checkpoint ('model', 'optim', 'rng.rank0', ...)."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = remote.reader(path).read_metadata()
     return {key.split(".", 1)[0] if not key.startswith("rng.") else ".".join(key.split(".")[:2])
             for key in metadata.state_dict_metadata}
 
@@ -118,7 +130,7 @@ class _PendingSave:
 
     future: concurrent.futures.Future  # the write, then the hashing of this rank's files: their digests
     stager: DefaultStager  # holds the staged copy of the state until the write is done
-    partial: Path
+    partial: Path | str
     meta: dict
     start: float  # time.perf_counter() when this save began its own work
 
@@ -127,10 +139,11 @@ class CheckpointManager:
     """Saves and loads a run's checkpoints. Build it at the same point on every rank, after
     the process group exists: with `async_save` on more than one rank it creates two groups."""
 
-    def __init__(self, cfg: CheckpointConfig, folder: Path, *, rank: int = 0,
+    def __init__(self, cfg: CheckpointConfig, folder: Path | str, *, rank: int = 0,
                  meta: dict[str, Any] | None = None):
         self.cfg = cfg
-        self.folder = folder
+        self.folder = folder  # a URL (str) for a run.dir in an object store
+        self.remote = remote.is_remote(folder)
         self.rank = rank
         self.meta = meta or {}  # identity of the run's model, written into forja.json
         self._pending: _PendingSave | None = None
@@ -158,7 +171,7 @@ class CheckpointManager:
             raise ForjaError(f"{pick.none_intact(self.folder)}; restore them from a copy, or pass --start-over "
                              "to begin the run afresh")
         if self.rank == 0:
-            names = ", ".join(f"{p.name}.damaged" for p, _ in pick.damaged)
+            names = ", ".join(f"{remote.name_of(p)}.damaged" for p, _ in pick.damaged)
             what = "one is" if len(pick.damaged) == 1 else "ones are"
             print(f"forja: {pick.notice('resuming from')} (the damaged {what} set aside as {names})",
                   file=sys.stderr, flush=True)
@@ -169,12 +182,17 @@ class CheckpointManager:
 
     def clean_partial(self) -> None:
         """Remove checkpoints left half-written by a crash (rank 0, before training)."""
-        if self.rank == 0 and self.folder.is_dir():
+        if self.rank == 0 and self.remote:
+            remote.clean_partial(self.folder)
+        elif self.rank == 0 and self.folder.is_dir():
             for p in self.folder.glob("*.partial"):
                 shutil.rmtree(p, ignore_errors=True)
 
     def check_writable(self) -> None:
         """Fail before training, not at the first save, when the folder cannot be written."""
+        if self.remote:
+            storage.check_reachable(self.folder, write=self.rank == 0, what="checkpoint folder")
+            return
         check_writable(self.folder, what="checkpoint folder", fix="choose a writable run.dir or free some space",
                        rank=self.rank)
 
@@ -185,18 +203,17 @@ class CheckpointManager:
         called = time.perf_counter()
         self.wait()  # one save at a time: its stall counts in this one's blocking time
         start = time.perf_counter()
-        final = self.folder / checkpoint_name(step)
-        partial = final.with_name(final.name + ".partial")
+        final, partial = self._names(step)
         meta = {**self.meta, **(extra_meta or {}), "step": step}
         if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
+            self._remove(partial)
         barrier()
         try:
             if self.cfg.async_save:
                 self._pending = self._start_async(state, partial, meta, start)
             else:
-                dcp.save(state, checkpoint_id=str(partial))
-                files = digests(partial, own_files(partial, self.rank))
+                dcp.save(state, **remote.dcp_target(partial, write=True))
+                files = self._files(partial)
         except (OSError, CheckpointException) as exc:
             self._abandon(partial, exc)
         except RuntimeError as exc:  # torch.save's stream writer on a full disk: no errno, "unexpected pos"
@@ -209,7 +226,27 @@ class CheckpointManager:
         self.last_blocking_s = time.perf_counter() - called
         return final
 
-    def _start_async(self, state: dict[str, Any], partial: Path, meta: dict, start: float) -> _PendingSave:
+    def _names(self, step: int) -> tuple[Path | str, Path | str]:
+        """(final, partial) place of the checkpoint of `step`: the same in a store (no rename)."""
+        if self.remote:
+            final = storage.join(self.folder, checkpoint_name(step))
+            return final, final
+        final = self.folder / checkpoint_name(step)
+        return final, final.with_name(final.name + ".partial")
+
+    def _remove(self, path: Path | str) -> None:
+        if self.remote:
+            remote.remove(path)  # a complete one of this step too: its manifest goes first
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _files(self, partial: Path | str) -> dict[str, dict]:
+        """This rank's manifest entries of the checkpoint just written at `partial`."""
+        if self.remote:
+            return remote.sizes(partial, self.rank)
+        return digests(partial, own_files(partial, self.rank))
+
+    def _start_async(self, state: dict[str, Any], partial: Path | str, meta: dict, start: float) -> _PendingSave:
         # torch's default staging, made here so that it can be closed when the write is done
         # (torch 2.11 never closes the one it makes, and its cached copy of the whole state
         # then lives until a full garbage collection). Synchronous staging: async_save returns
@@ -217,14 +254,14 @@ class CheckpointManager:
         stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                               use_async_staging=False, use_non_blocking_copy=False))
         try:
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._save_group,
-                                    async_stager=stager)
+            future = dcp.async_save(state, process_group=self._save_group, async_stager=stager,
+                                    **remote.dcp_target(partial, write=True))
         except BaseException:
             stager.close()
             raise
         return _PendingSave(self._then_hash(future, partial), stager, partial, meta, start)
 
-    def _then_hash(self, write: concurrent.futures.Future, partial: Path) -> concurrent.futures.Future:
+    def _then_hash(self, write: concurrent.futures.Future, partial: Path | str) -> concurrent.futures.Future:
         """A future of this rank's digests, computed by the writing thread once `write` is done
         (the files are then in the page cache, and the main thread keeps training)."""
         hashed: concurrent.futures.Future = concurrent.futures.Future()
@@ -234,7 +271,7 @@ class CheckpointManager:
                 if (error := done.exception()) is not None:
                     hashed.set_exception(error)
                 else:
-                    hashed.set_result(digests(partial, own_files(partial, self.rank)))
+                    hashed.set_result(self._files(partial))
             except BaseException as exc:  # an exception in a done-callback would only be logged
                 hashed.set_exception(exc)
 
@@ -287,16 +324,19 @@ class CheckpointManager:
         self.last_total_s = time.perf_counter() - pending.start
         return final
 
-    def _abandon(self, partial: Path, exc: Exception) -> None:
+    def _abandon(self, partial: Path | str, exc: Exception) -> None:
         if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
+            self._remove(partial)
         previous = self.latest()
-        kept = f"{previous.name} is intact" if previous else "no earlier checkpoint exists"
-        raise ForjaError(f"could not write checkpoint {partial.name.removesuffix('.partial')} to {self.folder} "
+        kept = f"{remote.name_of(previous)} is intact" if previous else "no earlier checkpoint exists"
+        name = remote.name_of(partial).removesuffix(".partial")
+        raise ForjaError(f"could not write checkpoint {name} to {self.folder} "
                          f"({_reason(exc)}); {kept}. Free space or choose another run.dir") from None
 
-    def _finalize(self, partial: Path, meta: dict, files: dict[str, dict]) -> Path:
+    def _finalize(self, partial: Path | str, meta: dict, files: dict[str, dict]) -> Path | str:
         files = _gather_files(files)  # and every rank's shards are on disk
+        if self.remote:
+            return self._commit(partial, {**meta, MANIFEST_KEY: files})
         final = partial.with_name(partial.name.removesuffix(".partial"))
         if self.rank == 0:
             try:
@@ -309,11 +349,22 @@ class CheckpointManager:
         barrier()
         return final
 
+    def _commit(self, url: str, meta: dict) -> str:
+        """A store checkpoint's finalization: its manifest written last (rank 0)."""
+        if self.rank == 0:
+            try:
+                remote.commit(url, meta)
+            except (OSError, ForjaError) as exc:  # ForjaError: the store failed every retry
+                self._abandon(url, exc)
+            self._retain()
+        barrier()
+        return url
+
     def _retain(self) -> None:
         if self.cfg.keep <= 0:
             return
         for _, path in complete_checkpoints(self.folder)[: -self.cfg.keep]:
-            shutil.rmtree(path, ignore_errors=True)
+            self._remove(path)
 
     # -- loading ----------------------------------------------------------------------------
     def load(self, path: Path, state: dict[str, Any], check: Callable[[dict], None] | None = None) -> dict:
@@ -324,7 +375,7 @@ class CheckpointManager:
         meta = read_meta(path)
         if check is not None:
             check(meta)
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, **remote.dcp_target(path, write=False))
         return meta
 
 

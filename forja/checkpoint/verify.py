@@ -26,20 +26,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata
 
-MANIFEST_KEY = "files"
-META_FILE = "forja.json"
+from forja.checkpoint import remote
+from forja.checkpoint.remote import metadata_damage
+
+MANIFEST_KEY = remote.MANIFEST_KEY
+META_FILE = remote.META_FILE
 _STEP_NAME = re.compile(r"step-(\d{8})")
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")  # a file DCP's FileSystemWriter wrote for that rank
 BLOCK = 32 << 20  # bytes per CRC: the unit hashed in parallel
 _READ = 8 << 20  # bytes read per call: large enough that crc32 runs at full speed, small in memory
 
 
-def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+def complete_checkpoints(folder: Path | str) -> list[tuple[int, Path]]:
     """(step, path) of every complete checkpoint in `folder` (renamed from .partial, with a
-    forja.json), oldest first."""
+    forja.json), oldest first; in a store (a URL), (step, URL) of those with a forja.json."""
+    if remote.is_remote(folder):
+        return remote.complete_checkpoints(str(folder))
     if not folder.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in folder.iterdir()
@@ -98,8 +101,10 @@ def damage(path: Path, *, checksums: bool, rank: int = 0, world: int = 1) -> str
     """What is wrong with the checkpoint at `path`, in a few words; None when nothing is.
 
     With `world` > 1 each rank checks its share of the files: call it on every rank and
-    combine the answers with `agree`.
+    combine the answers with `agree`. A checkpoint in a store is checked by rank 0 (remote.py).
     """
+    if remote.is_remote(path):
+        return remote.damage(str(path), rank=rank)
     try:
         meta = json.loads((path / META_FILE).read_text())
     except OSError as exc:
@@ -126,7 +131,7 @@ def damage(path: Path, *, checksums: bool, rank: int = 0, world: int = 1) -> str
     except (KeyError, TypeError):
         return f"the file list in its {META_FILE} is malformed"
     # Without checksums an overwritten .metadata of the same size passes the sizes: unpickle it.
-    return _metadata_damage(path)[0] if rank == 0 and not checksums else None
+    return metadata_damage(path)[0] if rank == 0 and not checksums else None
 
 
 def _size_damage(path: Path, expected: int, *, exact: bool = True) -> str | None:
@@ -141,21 +146,9 @@ def _size_damage(path: Path, expected: int, *, exact: bool = True) -> str | None
     return None
 
 
-def _metadata_damage(path: Path) -> tuple[str | None, Metadata | None]:
-    try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    except FileNotFoundError:
-        return ".metadata is missing", None
-    except Exception as exc:  # unpickling garbage raises any kind of error (EOF, KeyError, ...)
-        return f"its .metadata cannot be read ({type(exc).__name__}): cut short or overwritten", None
-    if not isinstance(metadata, Metadata):
-        return f"its .metadata holds a {type(metadata).__name__}, not DCP's Metadata", None
-    return None, metadata
-
-
 def _legacy_damage(path: Path) -> str | None:
     """A checkpoint without a manifest: its .metadata readable, the files it names long enough."""
-    problem, metadata = _metadata_damage(path)
+    problem, metadata = metadata_damage(path)
     if problem is not None:
         return problem
     needed: dict[str, int] = {}
@@ -186,11 +179,11 @@ class Pick:
     def notice(self, verb: str) -> str:
         """One sentence: which checkpoints are damaged and which one is used instead."""
         (first, why), rest = self.damaged[0], self.damaged[1:]
-        text = f"{first} is damaged ({why})" + "".join(f"; so is {p.name} ({w})" for p, w in rest)
-        return f"{text}; {verb} {self.path.name}, the newest intact checkpoint"
+        text = f"{first} is damaged ({why})" + "".join(f"; so is {remote.name_of(p)} ({w})" for p, w in rest)
+        return f"{text}; {verb} {remote.name_of(self.path)}, the newest intact checkpoint"
 
     def none_intact(self, folder: Path) -> str:
-        listed = "; ".join(f"{p.name}: {w}" for p, w in self.damaged)
+        listed = "; ".join(f"{remote.name_of(p)}: {w}" for p, w in self.damaged)
         return f"no checkpoint in {folder} is intact ({listed})"
 
 
@@ -215,6 +208,8 @@ def newest_intact(folder: Path, *, checksums: bool, rank: int = 0, world: int = 
 def set_aside(path: Path) -> Path:
     """Rename a damaged checkpoint to `<name>.damaged`: no longer a checkpoint to load, out of the
     way of the one the run writes again at that step, and kept to be looked at."""
+    if remote.is_remote(path):
+        return remote.set_aside(str(path))
     aside = path.with_name(path.name + ".damaged")
     shutil.rmtree(aside, ignore_errors=True)
     path.rename(aside)
