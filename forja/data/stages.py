@@ -38,8 +38,12 @@ def stage_name(index: int) -> str:
 
 
 def source_label(dataset: PreparedDataset) -> str:
-    """A source's name in metrics: the spec it was prepared from."""
-    return str(dataset.meta.get("source", {}).get("spec") or dataset.name)
+    """A source's name in metrics: the spec it was prepared from ("jsonl:s3://b/web.jsonl" as
+    "jsonl:s3:b/web.jsonl": trackers such as MLflow refuse "//" in a metric's name)."""
+    label = str(dataset.meta.get("source", {}).get("spec") or dataset.name)
+    while "//" in label:
+        label = label.replace("//", "/")
+    return label.replace(":/", ":")
 
 
 class StageSet:

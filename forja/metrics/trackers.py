@@ -139,8 +139,9 @@ class WandbSink(Sink):
         if self.cfg.wandb_mode != "disabled":
             save_tracking(self.run_dir, wandb_run_id=run_id)
         self._run.define_metric("step")
-        # Every group forja logs under (tracker_key, moe/, attn/, health/, eval/) is drawn against forja's step.
-        for group in ("train/*", "val/*", "eval/*", "moe/*", "attn/*", "health/*", "samples/*"):
+        # Every group forja logs under (tracker_key, moe/, attn/, health/, eval/, data/, tokens/) is drawn
+        # against forja's step.
+        for group in ("train/*", "val/*", "eval/*", "moe/*", "attn/*", "health/*", "samples/*", "data/*", "tokens/*"):
             self._run.define_metric(group, step_metric="step")
 
     def log(self, step: int, metrics: Metrics) -> None:

@@ -51,5 +51,18 @@ def test_all_sinks_record_the_run(tmp_path, train_data, monkeypatch):
         [(s, pytest.approx(v)) for s, v in expected.items()]
     assert [(m.step, m.value) for m in client.get_metric_history(mlflow_id, "health/skipped_steps")] == [(5, 1.0)]
     assert client.get_run(mlflow_id).data.params["model.flavor"] == "debug"
+
+    # The data loader's accounts reach every tracker: the stage and the tokens each source gave.
+    from .conftest import read_metrics
+
+    given = {r["step"]: r["tokens/stdlib:json"] for r in read_metrics(run) if "tokens/stdlib:json" in r}
+    assert sorted(given) == [2, 4, 6] and given[6] == 6 * 8 * 64
+    assert [(e.step, e.value) for e in tb.Scalars("tokens/stdlib:json")] == sorted(given.items())
+    assert [(e.step, e.value) for e in tb.Scalars("train/stage")] == [(2, 0), (4, 0), (6, 0)]
+    assert [(r["step"], r["tokens/stdlib:json"]) for r in wandb_history(session)
+            if "tokens/stdlib:json" in r] == sorted(given.items())
+    assert [(m.step, m.value) for m in client.get_metric_history(mlflow_id, "tokens/stdlib:json")] == \
+        sorted(given.items())
+    assert [m.step for m in client.get_metric_history(mlflow_id, "data/padding")] == [2, 4, 6]
     tags = client.get_run(mlflow_id).data.tags
     assert (tags["baseline"], tags["data/tiny"]) == ("", "")
