@@ -74,7 +74,8 @@ class Trainer:
         # Every check that can fail the launch, before anything is written or computed.
         preflight = Preflight(c, world_size=info.world_size, device_type=self.device.type, rank=self.rank).run()
         c = self.cfg = preflight.cfg  # with parallel.auto's layout
-        self.run_dir: Path = RunDir(c, rank=self.rank).prepare()
+        self.directory = RunDir(c, rank=self.rank)  # run.dir in a store: self.run_dir is its local mirror
+        self.run_dir: Path = self.directory.prepare()
         preflight.write_plan(self.run_dir)
         self.goodput = Goodput(self.run_dir, rank=self.rank)
         self.goodput.start(launched)
@@ -98,8 +99,7 @@ class Trainer:
                                    device=self.device, precision=c.train.precision, grad_clip=c.train.grad_clip,
                                    document_mask=c.model.document_mask, scaler=loss_scaler(c.train))
         self.loader, self.val_loader = loaders(c, dataset, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp)
-        self.checkpoints = CheckpointManager(c.checkpoint, self.run_dir / "checkpoints", rank=self.rank,
-                                             meta=identity)
+        self.checkpoints = CheckpointManager(c.checkpoint, self.directory.checkpoints, rank=self.rank, meta=identity)
         self.sinks = build_sinks(c.metrics, run_dir=self.run_dir, run_name=c.run.name or self.run_dir.name,
                                  config=c.to_dict(), rank=self.rank)
         self.callbacks = default_callbacks(c, flops_per_token=self.flops_per_token, num_devices=self.dims.world_size,
@@ -170,6 +170,7 @@ class Trainer:
         self.checkpoints.wait()
         self.watchdog.stop()
         self._finish()
+        self.directory.sync()  # a store's run.dir: its files as they end (metrics.jsonl is flushed per line)
 
     def train_one_step(self) -> bool:
         """One optimizer step (or a rollback); False when the ranks agreed to stop before it."""
@@ -229,6 +230,7 @@ class Trainer:
         path = self.checkpoints.save(self.counters.step, self.checkpoint_state(),
                                      {"tokens_seen": self.counters.tokens_seen})
         self.goodput.beat(checkpoint_s=time.perf_counter() - started)  # the loop stood still this long
+        self.directory.sync()  # a store's run.dir: metrics, goodput and run.json as of this checkpoint
         self.recovery.checkpointed(self.counters.step)
         self._call("on_checkpoint", self.counters.step, path)
 
@@ -265,6 +267,7 @@ class Trainer:
     # -- logging, through the run's metric sinks ---------------------------------------------
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self.sinks.log(step, metrics)
+        self.directory.sync_often()  # a store's run.dir: metrics.jsonl uploaded every few seconds
 
     def log_text(self, step: int, name: str, text: str) -> None:
         self.sinks.log_text(step, name, text)
@@ -348,5 +351,7 @@ class Trainer:
             self.sinks.close()
         if getattr(self, "loader", None) is not None:
             self.loader.close()  # stops its prefetch thread
+        if getattr(self, "directory", None) is not None:
+            self.directory.final_sync()  # a failed run's files reach its store too, as far as they can
         if getattr(self, "owns_process_group", True):  # a host program's group outlives the run
             shutdown_distributed()

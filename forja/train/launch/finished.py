@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from forja.checkpoint.verify import complete_checkpoints, damage
 from forja.config import Config, config_from_dict
 from forja.errors import ForjaError
-from forja.train.launch.run_dir import config_differences
+from forja.train.launch.run_dir import RunDir, config_differences
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,15 +26,17 @@ else:  # pragma: no cover
 def completed_step(cfg: Config) -> int | None:
     """The step this run stands at when it has reached train.steps; None when there is work
     (or when run.dir holds another run, or run.start_over: RunDir.prepare handles those)."""
-    path = Path(cfg.run.dir).expanduser()
-    saved = path / "config.toml"
-    if cfg.run.start_over or not saved.is_file():
+    run = RunDir(cfg)
+    if cfg.run.start_over:
         return None
     try:
-        old = config_from_dict(tomllib.loads(saved.read_text()), f"in {saved}")
+        saved = run.saved_config()  # a store's run.dir: read there (an unreachable one: the preflight says so)
+        if saved is None:
+            return None
+        old = config_from_dict(tomllib.loads(saved[1]), f"in {saved[0]}")
     except (ForjaError, OSError, ValueError):  # tomllib's decode error is a ValueError
         return None  # RunDir.prepare names the problem
-    found = complete_checkpoints(path / "checkpoints")
+    found = complete_checkpoints(run.checkpoints)
     if config_differences(old, cfg) or not found or found[-1][0] < cfg.train.steps:
         return None
     step, latest = found[-1]

@@ -6,6 +6,9 @@
     <run.dir>/checkpoints/      see forja/checkpoint/manager.py
     <run.dir>/metrics.jsonl     one line per logged step
 
+A run.dir in an object store (`s3://bucket/runs/x`, any fsspec URL) is worked on through a
+local mirror, its checkpoints written to the store directly (run_store.py).
+
 Rerunning on a run directory resumes it, if its config is the same apart from keys that
 may change between launches (steps, intervals, logging, parallel layout, a longer
 sequence length with the RoPE settings that go with it). Anything else
@@ -30,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import forja
-from forja import fallbacks
+from forja import fallbacks, storage
 from forja.config import Config, config_from_dict, dump_toml
 
 if sys.version_info >= (3, 11):
@@ -42,6 +45,7 @@ from forja.errors import ForjaError
 from forja.files import check_writable, write_atomic
 from forja.parallel.process_group import barrier
 from forja.train.config import DebugConfig
+from forja.train.launch.run_store import SYNC_S, RunStore, mirror_of
 
 # Keys that may differ between launches of one run ("section." means the whole section).
 RESUMABLE = ("run.", "checkpoint.", "metrics.", "parallel.", "train.steps", "train.val_interval",
@@ -72,33 +76,77 @@ class RunDir:
     def __init__(self, cfg: Config, *, rank: int = 0):
         self.cfg = cfg
         self.rank = rank
-        self.path = Path(cfg.run.dir).expanduser()
+        self.store: RunStore | None = None
+        if storage.is_url(cfg.run.dir):
+            self.store = RunStore(cfg.run.dir, mirror_of(cfg.run.dir), rank=rank)
+            self.path = self.store.mirror  # where the run's files are written; the store gets them
+        else:
+            self.path = Path(cfg.run.dir).expanduser()
 
-    def check(self) -> None:
+    @property
+    def checkpoints(self) -> Path | str:
+        """The checkpoint folder: a URL in the store for a store's run."""
+        return self.store.url_of("checkpoints") if self.store else self.path / "checkpoints"
+
+    def sync(self, *, every_s: float = 0.0) -> None:
+        """Upload the run's changed files to its store (rank 0; nothing for a local run.dir)."""
+        if self.store is not None:
+            self.store.sync(every_s=every_s)
+
+    def sync_often(self) -> None:
+        """`sync`, at most every run_store.SYNC_S seconds (as metrics are logged)."""
+        self.sync(every_s=SYNC_S)
+
+    def final_sync(self) -> None:
+        if self.store is not None:
+            self.store.final_sync()
+
+    def saved_config(self) -> tuple[str, str] | None:
+        """(where, text) of the config.toml the run directory holds, if any."""
+        if self.store is not None:
+            text = self.store.read("config.toml")
+            return (self.store.url_of("config.toml"), text) if text is not None else None
+        saved = self.path / "config.toml"
+        return (str(saved), saved.read_text()) if saved.is_file() else None
+
+    def check(self, *, reach: bool = True) -> None:
         """The preflight's part (writes nothing): the directory can be made and written, and
-        holds no other run (unless run.start_over)."""
+        holds no other run (unless run.start_over). A store's run.dir must answer, with
+        credentials allowed to write there (rank 0 writes and deletes one probe object);
+        `reach=False` skips asking that again (`prepare`, after the preflight has)."""
+        if self.store is not None and reach:
+            storage.check_reachable(self.store.url, write=self.rank == 0, what="run.dir")
         existing = self.path
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            if self.store is not None:
+                raise ForjaError(f"the local copy {self.path} of run.dir {self.store.url} cannot be written "
+                                 f"({existing} is not a writable directory); set FORJA_CACHE to a writable directory")
             raise ForjaError(f"run.dir {self.path} cannot be written ({existing} is not a writable directory); "
                              "choose a writable directory")
-        saved = self.path / "config.toml"
-        if saved.is_file() and not self.cfg.run.start_over:
-            old = config_from_dict(tomllib.loads(saved.read_text()), f"in {saved}")
+        saved = self.saved_config()
+        if saved is not None and not self.cfg.run.start_over:
+            old = config_from_dict(tomllib.loads(saved[1]), f"in {saved[0]}")
             changed = config_differences(old, self.cfg)
             if changed:
                 more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
-                raise ForjaError(f"run.dir {self.path} holds another run: {changed[0]}{more}. Choose another "
+                raise ForjaError(f"run.dir {self.cfg.run.dir if self.store else self.path} holds another run: "
+                                 f"{changed[0]}{more}. Choose another "
                                  "run.dir, or pass --start-over to delete that run and begin afresh")
 
     def prepare(self) -> Path:
         """Record this launch (rank 0), after the preflight's `check` passed; returns the
         directory. With run.start_over, what the directory held is deleted first."""
-        self.check()
+        self.check(reach=False)
         check_writable(self.path, what="run.dir", fix="choose a writable directory", rank=self.rank)
         saved = self.path / "config.toml"
-        if saved.is_file() and self.cfg.run.start_over:
+        if self.store is not None:
+            if self.cfg.run.start_over and self.rank == 0 and self.store.has_run():
+                self.store.wipe()
+            if self.rank == 0:
+                self.store.pull()  # the store is the truth: the mirror gets its files
+        elif saved.is_file() and self.cfg.run.start_over:
             self._wipe()
         barrier()
         if self.rank == 0:
@@ -109,6 +157,7 @@ class RunDir:
                                        debug=DebugConfig())
             write_atomic(saved, dump_toml(kept))
             self._record_launch()
+            self.sync()  # the launch is recorded in the store before any training
         barrier()
         return self.path
 
