@@ -88,6 +88,13 @@ def set_s3_env(monkeypatch: pytest.MonkeyPatch, endpoint: str, tmp_path) -> None
     _clear_clients()
 
 
+def _private_cache(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import os
+
+    if not os.environ.get("FORJA_CACHE", "").startswith(str(tmp_path)):
+        monkeypatch.setenv("FORJA_CACHE", str(tmp_path / "forja-cache"))
+
+
 def make_bucket(endpoint: str) -> str:
     """Create a fresh bucket on the server at `endpoint` directly (no proxy); its name."""
     import boto3
@@ -101,8 +108,11 @@ def make_bucket(endpoint: str) -> str:
 
 @pytest.fixture
 def s3_bucket(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[str]:
-    """"s3://<bucket>": a new empty bucket on the session's moto server, the environment set."""
+    """"s3://<bucket>": a new empty bucket on the session's moto server, the environment set
+    (FORJA_CACHE too, unless the test set it: the blocks read from the store stay in the test's
+    own directory, not in ~/.cache/forja)."""
     set_s3_env(monkeypatch, moto_endpoint, tmp_path)
+    _private_cache(monkeypatch, tmp_path)
     yield f"s3://{make_bucket(moto_endpoint)}"
     _clear_clients()
 
@@ -210,6 +220,7 @@ def flaky_s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> I
     proxy.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     proxy.url = f"s3://{bucket}"
     set_s3_env(monkeypatch, proxy.endpoint, tmp_path)
+    _private_cache(monkeypatch, tmp_path)
     yield proxy
     server.shutdown()
     server.server_close()
