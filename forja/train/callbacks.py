@@ -107,7 +107,9 @@ class MetricsCallback(Callback):
         trainer.log(record.step, metrics)
 
     def on_validation_end(self, trainer: TrainerView, step: int, val_loss: float) -> None:
-        trainer.log(step, {"val_loss": val_loss, **trainer.activation_sizes})
+        loader = getattr(trainer, "loader", None)  # the data stage the model has reached, as on step records
+        stage = {"stage": loader.stage} if hasattr(loader, "stage") else {}
+        trainer.log(step, {"val_loss": val_loss, **stage, **trainer.activation_sizes})
 
 
 class SampleCallback(Callback):

@@ -137,7 +137,8 @@ def test_wandb_offline_run_resumes_the_same_run(tmp_path, monkeypatch):
     # Each group forja logs under is charted against its step, not W&B's own counter.
     globs = {r.metric.glob_name: r.metric.step_metric for r in finished_records(files[0])
              if r.WhichOneof("record_type") == "metric" and r.metric.glob_name}
-    assert globs == dict.fromkeys(["train/*", "val/*", "eval/*", "moe/*", "attn/*", "health/*", "samples/*"], "step")
+    assert globs == dict.fromkeys(["train/*", "val/*", "eval/*", "moe/*", "attn/*", "health/*", "samples/*",
+                                  "data/*", "tokens/*"], "step")
 
 
 # -- MLflow -----------------------------------------------------------------------------------
