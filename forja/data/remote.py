@@ -8,11 +8,13 @@ Opening lists each split's directory once, so every shard's size is checked agai
 offsets before any training, as for a local directory.
 
 meta.json is the prepared directory's commit marker: `forja prepare --out s3://...` uploads it
-last, so a directory without it is incomplete and is refused.
+last, so a directory without it is incomplete and is refused. A tokenizer on a store is
+copied into the cache (`fetch_tokenizer`), since the tokenizers library reads local files.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 from typing import Any
 
@@ -113,3 +115,29 @@ def open_shard(root: str, entry: dict[str, Any], dtype: np.dtype, redo: str,
                          f"(truncated or damaged); {redo}")
     tokens = RemoteTokens(tokens_url, info, dtype) if expected else np.zeros(0, dtype)
     return tokens, offsets
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def fetch_tokenizer(url: str) -> Path:
+    """A local copy of the tokenizer at `url` (a tokenizer.json, or a directory holding one, and
+    the Hugging Face config files beside it when there), kept in $FORJA_CACHE/remote/ under a key
+    of its URL and version, so the tokenizers library can read it. FileNotFoundError: none there."""
+    url = str(url).rstrip("/")
+    folder = url.rsplit("/", 1)[0] if url.endswith(".json") else url
+    main = url if url.endswith(".json") else join(folder, "tokenizer.json")
+    fs, path = filesystem(main)
+    info = retrying(lambda: fs.info(path), what=f"looking up {main}", url=main)
+    version = info.get("ETag") or info.get("mtime") or info.get("LastModified") or info.get("size")
+    key = hashlib.sha256(f"{main}\0{version}".encode()).hexdigest()[:24]
+    local = cache_root() / "remote" / key
+    if not (local / "tokenizer.json").is_file():
+        local.mkdir(parents=True, exist_ok=True)
+        for name in _TOKENIZER_FILES[1:]:
+            try:
+                write_atomic(local / name, read_bytes(join(folder, name)))
+            except FileNotFoundError:
+                pass
+        write_atomic(local / "tokenizer.json", read_bytes(main))  # last: its presence means complete
+    return local / "tokenizer.json"

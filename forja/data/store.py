@@ -10,13 +10,11 @@ Reachability, credentials and an existing --out are checked before any work.
     @to_store                       on prepare(): an object-store `out` goes through here
     open_stored(url, tokenizer)     a prepared or mixture directory at a URL
     is_prepared(path)               a local path or URL holding prepared data or a mixture
-    fetch_tokenizer(url)            a local copy of a tokenizer.json on a store (in the cache)
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -26,8 +24,7 @@ from forja.data.mixture import MIXTURE, is_mixture_dir, open_mixture
 from forja.data.shards import META, open_prepared
 from forja.data.tokenizer import load_tokenizer
 from forja.errors import ForjaError
-from forja.files import write_atomic
-from forja.storage import check_reachable, exists, filesystem, is_url, join, read_bytes, remove_tree, retrying, upload_dir
+from forja.storage import check_reachable, exists, is_url, join, remove_tree, upload_dir
 from forja.storage.blocks import cache_root
 
 
@@ -88,28 +85,3 @@ def is_prepared(path: str | Any) -> bool:
     local = Path(path).expanduser()
     return (local / META).is_file() or is_mixture_dir(local)
 
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def fetch_tokenizer(url: str) -> Path:
-    """A local copy of the tokenizer at `url` (a tokenizer.json, or a directory holding one, and
-    the Hugging Face config files beside it when there), kept in $FORJA_CACHE/remote/ under a key
-    of its URL and version, so the tokenizers library can read it. FileNotFoundError: none there."""
-    url = str(url).rstrip("/")
-    folder = url.rsplit("/", 1)[0] if url.endswith(".json") else url
-    main = url if url.endswith(".json") else join(folder, "tokenizer.json")
-    fs, path = filesystem(main)
-    info = retrying(lambda: fs.info(path), what=f"looking up {main}", url=main)
-    version = info.get("ETag") or info.get("mtime") or info.get("LastModified") or info.get("size")
-    key = hashlib.sha256(f"{main}\0{version}".encode()).hexdigest()[:24]
-    local = cache_root() / "remote" / key
-    if not (local / "tokenizer.json").is_file():
-        local.mkdir(parents=True, exist_ok=True)
-        for name in _TOKENIZER_FILES[1:]:
-            try:
-                write_atomic(local / name, read_bytes(join(folder, name)))
-            except FileNotFoundError:
-                pass
-        write_atomic(local / "tokenizer.json", read_bytes(main))  # last: its presence means complete
-    return local / "tokenizer.json"

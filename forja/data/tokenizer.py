@@ -23,6 +23,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from forja.data.config import MIN_VOCAB_SIZE
 from forja.errors import ForjaError
 from forja.files import write_atomic
+from forja.storage import is_url
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 # Names other tokenizers use for the same roles, tried when no config says which is which.
@@ -49,7 +50,16 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Load a `tokenizer.json`, or a directory holding one (a Hugging Face model dir)."""
+        """Load a `tokenizer.json`, or a directory holding one (a Hugging Face model dir), local or
+        on an object store (s3://...: copied into the cache first, see remote.fetch_tokenizer)."""
+        if is_url(path):
+            from forja.data.remote import fetch_tokenizer
+
+            try:
+                path = fetch_tokenizer(str(path))
+            except FileNotFoundError:
+                raise ForjaError(f"tokenizer {path} does not exist (nor a tokenizer.json below it); train one "
+                                 "with `forja tokenizer train` or give a tokenizer.json") from None
         given = Path(path).expanduser()
         file = given / "tokenizer.json" if given.is_dir() else given
         if not file.is_file():

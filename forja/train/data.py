@@ -65,7 +65,7 @@ def _tokenizer_path(cfg: Config, path: Path | str) -> Path:
 
 def _fetched(url: str, key: str) -> Path:
     """A local copy (in the cache) of the tokenizer at `url`, for the tokenizers library."""
-    from forja.data.store import fetch_tokenizer
+    from forja.data.remote import fetch_tokenizer
 
     try:
         return fetch_tokenizer(url)

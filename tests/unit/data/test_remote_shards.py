@@ -181,3 +181,15 @@ def test_a_corpus_on_s3_is_a_source_as_on_disk(tokenizer, s3_bucket, tmp_path) -
         parse_source(f"jsonl:{s3_bucket}-missing/corpus")
     with pytest.raises(ForjaError, match=r"JSONL file 's3://\S+/nothing' matches no object"):
         parse_source(f"jsonl:{s3_bucket}/nothing")
+
+
+def test_a_tokenizer_on_s3_loads_through_the_cache(tokenizer, tokenizer_path, s3_bucket) -> None:
+    from forja.data import load_tokenizer
+
+    write_bytes_atomic(join(s3_bucket, "tok", "tokenizer.json"), tokenizer_path.read_bytes())
+    for url in (join(s3_bucket, "tok"), join(s3_bucket, "tok", "tokenizer.json")):
+        loaded = load_tokenizer(url)
+        assert loaded.fingerprint == tokenizer.fingerprint
+        assert any((Path(os.environ["FORJA_CACHE"]) / "remote").iterdir())  # the copy the library read
+    with pytest.raises(ForjaError, match=r"^tokenizer s3://\S+/none does not exist \(nor a tokenizer.json below it\)"):
+        load_tokenizer(join(s3_bucket, "none"))
