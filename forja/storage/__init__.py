@@ -1,7 +1,8 @@
 """Object storage: fsspec URLs (`s3://`, `gs://`, ...) wherever forja takes a path.
 
 `fs` holds the filesystem, retry, check and commit helpers (no torch, fsspec imported lazily);
-`blocks` the bounded local block cache through which prepared shards are read by ranges.
+`blocks` the bounded local block cache through which prepared shards are read by ranges;
+`paths` StoredPath, a corpus object in place of a local Path for the data sources.
 """
 
 from forja.storage.fs import (
