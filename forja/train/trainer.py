@@ -38,7 +38,7 @@ from forja.parallel.checks import check_layout
 from forja.parallel.process_group import init_distributed, shutdown_distributed, timeout_error
 from forja.train.build import build_model_parts
 from forja.train.callbacks import Callback, StepRecord, default_callbacks
-from forja.train.data import data, loaders
+from forja.train.data import data, decay_window, loaders, stages
 from forja.train.resilience.drills import Drills, loss_factor
 from forja.train.step.engine import StepScales, build_engine
 from forja.train.evaluation import EvalCallback
@@ -94,11 +94,12 @@ class Trainer:
         self.parts = built.parts
         report_fallbacks(self.run_dir, rank=self.rank, group=self.dims.cpu_group)  # one line each, and run.json
         self.optimizers = OptimizerGroup(self.parts, c.optim)
-        self.scheduler = SchedulerGroup(self.optimizers.optimizers, c.schedule, c.train.steps)
+        self.scheduler = SchedulerGroup(self.optimizers.optimizers, c.schedule, c.train.steps, decay=decay_window(c))
         self.engine = build_engine(self.parts, built.pipeline, self.optimizers, self.scheduler, self.dims,
                                    device=self.device, precision=c.train.precision, grad_clip=c.train.grad_clip,
                                    document_mask=c.model.document_mask, scaler=loss_scaler(c.train))
-        self.loader, self.val_loader = loaders(c, dataset, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp)
+        self.loader, self.val_loader = loaders(c, dataset, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp,
+                                               later=stages(c, self.tokenizer, rank=self.rank))
         self.checkpoints = CheckpointManager(c.checkpoint, self.directory.checkpoints, rank=self.rank, meta=identity)
         self.sinks = build_sinks(c.metrics, run_dir=self.run_dir, run_name=c.run.name or self.run_dir.name,
                                  config=c.to_dict(), rank=self.rank)
@@ -200,7 +201,8 @@ class Trainer:
         record = StepRecord(step=step, loss=out.loss, grad_norm=out.grad_norm, lr=out.lr, tokens=out.tokens,
                             step_time=step_time, data_wait=data_wait, sync_wait=sync_wait, skipped=out.skipped,
                             replay=self.recovery.is_replay(step),
-                            extra={"seq_len": batches[0].input_ids.shape[1], **out.metrics})  # a schedule's length
+                            extra={"seq_len": batches[0].input_ids.shape[1], **self.loader.step_metrics(batches),
+                                   **out.metrics})  # a schedule's length, the data stage, tokens per source
         self._call("on_step_end", record)
         return True
 

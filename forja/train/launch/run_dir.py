@@ -51,7 +51,11 @@ from forja.train.launch.run_store import SYNC_S, RunStore, mirror_of
 RESUMABLE = ("run.", "checkpoint.", "metrics.", "parallel.", "train.steps", "train.val_interval",
              "train.val_batches", "train.micro_batch_size", "train.sample_tokens", "train.sample_prompt",
              "train.on_nonfinite", "train.spike", "train.rollback", "debug.", "train.gc_interval", "train.profile_at", "train.device",
-             "data.workers", "data.prefetch", "model.attention", "model.fused_ops", "model.fused_ops_overrides",
+             "data.workers", "data.prefetch",
+             # Data stages not yet begun may be edited or appended, and the packing changed (the loader
+             # refuses a change to a begun stage, naming it: forja/data/stages.py).
+             "data.stages", "data.packing", "data.max_doc_tokens", "data.pack_buffer",
+             "model.attention", "model.fused_ops", "model.fused_ops_overrides",
              "train.float8",
              # Context extension: a longer length, its schedule and how a rotary model places positions
              # (whether the model allows it is the checkpoint identity's call: forja/checkpoint/identity.py).
