@@ -73,8 +73,11 @@ def test_a_resume_across_a_stage_boundary_continues_bit_exact(uninterrupted, tra
     toml, wsgi = sources
     edited = (f'[{{start_step = 4, path = "{train_data}:3,{toml}:1"}}, '
               f'{{start_step = 7, path = "{wsgi}", seq_len = 32, lr_phase = "decay"}}]')
-    with pytest.raises(ForjaError, match=r"data.stages\[0\] \(stage 1\) differs in its data or weights"):
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with pytest.raises(ForjaError, match=r"data.stages\[0\] \(stage 1\) has path .*:3,.* but this run trained on "
+                                         r"it with .*:1,.* a stage already begun cannot change"):
         Trainer(config(run, train_data, edited, **{"train.steps": "12"})).run()
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before  # the preflight wrote nothing
 
 
 def test_a_stage_naming_an_unknown_source_stops_before_any_write(train_data, tmp_path):

@@ -5,7 +5,8 @@ computed, and with `--nproc`/`--nnodes` in the launcher before torchrun starts.
     cfg = pre.cfg                                                    # parallel.auto's layout applied
 
 It checks, in this order: the run directory (writable, not another run's), the eval task
-files and the data source and tokenizer exist, the data stages name data that exists, the layout (the one validator, forja/parallel/checks.py;
+files and the data source and tokenizer exist, the data stages name data that exists (and,
+resumed, that the stages begun are as they were trained), the layout (the one validator, forja/parallel/checks.py;
 `parallel.auto` chooses among the layouts it accepts), the layout's predicted peak memory
 per rank against the device's (forja plan's model), and prepared data (it matches its
 tokenizer and both splits hold a sample).
@@ -37,6 +38,7 @@ from forja.plan.layout import PARALLEL_KEYS, Layout, from_config
 from forja.plan.planner import Candidate, evaluate, plan, usable_memory
 from forja.train.data import check_data, check_splits, check_stages, run_seq_lens
 from forja.train.launch.run_dir import RunDir
+from forja.train.launch.stage_history import check_stage_history
 
 GB = 1e9
 
@@ -124,6 +126,7 @@ class Preflight:
         check_tasks(self.cfg.eval.tasks)
         tokenizer = check_data(self.cfg)
         check_stages(self.cfg)
+        check_stage_history(self.cfg)
         self.args = run_model_args(self.cfg.model, tokenizer.vocab_size if tokenizer else self.cfg.data.vocab_size)
         hw = self.hw = device_hardware(self.device_type, ranks_here=self.ranks_here, in_worker=self.in_worker)
         if self.cfg.parallel.auto:

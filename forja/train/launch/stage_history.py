@@ -1,0 +1,74 @@
+"""The preflight's check of a resumed run's data stages against what it has trained on.
+
+The loader checks every begun stage's data by fingerprint when it loads its state
+(forja/data/stages.py); by then the model is built and the launch recorded. This check reads
+only the stages record of the run's latest complete checkpoint (a few hundred bytes through
+DCP) and compares each begun stage's start, path and length with the config, so that the
+common mistake -- a past stage edited -- stops before anything is written or computed.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+
+from forja import storage
+from forja.checkpoint import remote
+from forja.checkpoint.verify import complete_checkpoints
+from forja.config import Config
+from forja.data.stages import stage_name
+from forja.errors import ForjaError
+
+
+def checkpoints_of(cfg: Config) -> Path | str:
+    """Where the run's checkpoints live: a folder, or a URL for a run.dir in a store."""
+    if storage.is_url(cfg.run.dir):
+        return storage.join(cfg.run.dir, "checkpoints")
+    return Path(cfg.run.dir).expanduser() / "checkpoints"
+
+
+def recorded_stages(cfg: Config) -> tuple[list[dict], int] | None:
+    """(the stages begun, steps done) as the latest complete checkpoint records them; None for a
+    new run, or a checkpoint from before data stages."""
+    found = complete_checkpoints(checkpoints_of(cfg))
+    if not found:
+        return None
+    state = {"dataloader": {"stages": "", "steps": 0}}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming ... a single process": each rank reads it alone, on purpose
+            dcp.load(state, **remote.dcp_target(found[-1][1], write=False), no_dist=True)
+    except Exception:  # noqa: BLE001 -- an older or damaged checkpoint: the resume itself says what is wrong
+        return None
+    return json.loads(state["dataloader"]["stages"]), int(state["dataloader"]["steps"])
+
+
+def check_stage_history(cfg: Config) -> None:
+    """Stop, naming the stage, when a stage the run has begun (after stage 0, whose data.path the
+    run directory's own check guards) differs in the config in its start, path or length."""
+    if cfg.run.start_over:
+        return
+    recorded = recorded_stages(cfg)
+    if recorded is None:
+        return
+    past, steps = recorded
+    stages = cfg.data.stages
+    for i, then in enumerate(past[1:], start=1):
+        if i > len(stages):
+            raise ForjaError(f"{stage_name(i)} was trained on from step {then['start_step']} ({then['path']}) but "
+                             f"this config has no such stage; a stage already begun cannot be removed: restore "
+                             f"it, or change only stages that start after step {steps}")
+        now = stages[i - 1]
+        for key, value in (("start_step", now.start_step), ("path", now.path), ("seq_len", now.seq_len)):
+            if then[key] != value:
+                raise ForjaError(f"{stage_name(i)} has {key} {value!r} but this run trained on it with {then[key]!r} "
+                                 f"(from step {then['start_step']}); a stage already begun cannot change: restore "
+                                 f"it, or change only stages that start after step {steps}")
+    begun = sum(1 for s in stages if s.start_step <= max(steps, 1))
+    if begun > len(past) - 1:
+        stage = stages[len(past) - 1]
+        raise ForjaError(f"{stage_name(len(past))} starts at step {stage.start_step}, but this run is past step "
+                         f"{steps} without it; a new stage must start after step {steps}")
