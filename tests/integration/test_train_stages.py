@@ -86,6 +86,13 @@ def test_a_stage_naming_an_unknown_source_stops_before_any_write(train_data, tmp
     with pytest.raises(ForjaError, match=r"data.stages\[0\] \(from step 4\): .*nowhere"):
         Trainer(config(run, train_data, bad)).run()
     assert not run.exists()
+    zero = f'[{{start_step = 4, path = "{train_data}:0,{train_data}:0"}}]'
+    with pytest.raises(ForjaError, match=r"data.stages\[0\] \(from step 4\): source .* has weight 0.0; weights must "
+                                         r"be positive numbers"):
+        Trainer(config(run, train_data, zero)).run()
+    with pytest.raises(ForjaError, match=r"data.stages\[0\] \(from step 4\) has seq_len = 128, longer than "
+                                         r"train.seq_len = 64"):
+        Trainer(config(run, train_data, f'[{{start_step = 4, path = "{train_data}", seq_len = 128}}]')).run()
     with pytest.raises(ForjaError, match=r"lr_phase = \"decay\", which needs schedule.name = \"wsd\""):
         Trainer(config(run, train_data, f'[{{start_step = 4, path = "{train_data}", lr_phase = "decay"}}]',
                        **{"schedule.name": '"cosine"'})).run()
