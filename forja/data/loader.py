@@ -48,6 +48,7 @@ from forja.data.batch import Batch, DataArg, as_mixture
 from forja.data.cursor import Cursor, Segment, SourceCursor
 from forja.data.order import Permutation, derive_key
 from forja.data.packing import IGNORE, PACKINGS, PAD_DOCUMENT, Packing, build_packing
+from forja.data.prepare import cache_root
 from forja.data.shards import PreparedDataset
 from forja.data.stages import Stage, StageSet
 from forja.data.windows import Samples, ValidationLoader, too_short
@@ -121,7 +122,8 @@ class DataLoader:
             dataset = self.stages.sources[source]
             stream = dataset.split(self.split)
             packed = build_packing(self.packing, stream, seq_len, max_doc_tokens=self.max_doc_tokens,
-                                   buffer=self.pack_buffer, pad_id=_pad_id(dataset))
+                                   buffer=self.pack_buffer, pad_id=_pad_id(dataset),
+                                   cache=cache_root() / "packing" / f"{dataset.fingerprint[:24]}-{self.split}")
             if packed.count < 1:
                 raise ForjaError(too_short(dataset, self.split, stream.num_tokens, seq_len))
             self._packings[key] = packed

@@ -12,17 +12,26 @@
   best-fit decreasing within a buffer of `buffer` consecutive pieces; the rest of each sample
   is padding, whose labels are ignored (-100) and whose document id is -1.
 
-Every packing is a pure function of the stream, T and its options, indexed once when first
-used: sample i is the same on every rank and every launch, so the loader's positions resume
-exactly at any sample. `stats(indices)` gives the padding and the documents a sample cuts,
-for the metrics (`data/padding`, `data/cut_docs`), and `valid(indices)` the labels a sample
-trains on (what the step's loss is normalized by when there is padding).
+Every packing is a pure function of the stream, T and its options: sample i is the same on
+every rank and every launch, so the loader's positions resume exactly at any sample. Window
+needs no index (and holds no per-document array: a corpus of a billion documents costs it
+nothing). bos and best-fit are indexed once per dataset, length and options, into
+`$FORJA_CACHE/packing/<key>/` (written whole, then renamed), and memory-mapped: later launches
+and the other ranks of a node read the same pages. `rows(indices)` also counts, per sample,
+its documents and those it holds only in part, for the metrics (`data/cut_docs`), and
+`padding(indices)` its padding (`data/padding`, and the labels the step's loss is over).
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -32,6 +41,7 @@ from forja.errors import ForjaError
 PACKINGS = ("window", "bos", "best-fit")
 PAD_DOCUMENT = -1  # the document id of padding: no real token attends to it
 IGNORE = -100  # the cross-entropy's ignore_index: padding trains nothing
+_INDEX_VERSION = 1
 
 
 @dataclass
@@ -48,7 +58,6 @@ class Packing:
     """Samples of one split at one length; `count` per epoch."""
 
     count: int
-    num_ids: int  # document ids used are [0, num_ids), then PAD_DOCUMENT
 
     def rows(self, indices: np.ndarray) -> Rows:
         raise NotImplementedError
@@ -59,28 +68,36 @@ class Packing:
 
 
 def build_packing(kind: str, stream: TokenStream, seq_len: int, *, max_doc_tokens: int, buffer: int,
-                  pad_id: int) -> Packing:
+                  pad_id: int, cache: Path | None = None) -> Packing:
+    """`cache`: the directory for this dataset's split's indexes (None: built in memory)."""
     if kind == "window":
         return WindowPacking(stream, seq_len)
     piece = min(max_doc_tokens or seq_len + 1, seq_len + 1)
     if kind == "bos":
-        return BosPacking(stream, seq_len, piece)
+        return BosPacking(stream, seq_len, piece, cache=cache)
     if kind == "best-fit":
-        return BestFitPacking(stream, seq_len, piece, buffer, pad_id)
+        return BestFitPacking(stream, seq_len, piece, max(1, buffer), pad_id, cache=cache)
     raise ForjaError(f"data.packing = {kind!r} is not a packing; use one of {', '.join(PACKINGS)}")
 
 
-def _cut_pieces(docs: np.ndarray, starts: np.ndarray, ends: np.ndarray, lo: np.ndarray,
-                hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row: distinct documents among its tokens, and how many of them the row holds only in
-    part (a document's first token before `lo` or its last at or past `hi`)."""
+def _spans(stream: TokenStream, starts: np.ndarray, seq_len: int) -> Rows:
+    """Rows of T + 1 consecutive stream tokens from each start, and what they cut: a row's first
+    document is cut when the token before the row is in it, its last when the token after is."""
+    n, width, total = len(starts), seq_len + 1, stream.num_tokens
+    tokens = np.empty((n, width), dtype=np.int64)
+    docs = np.empty((n, width), dtype=np.int64)
+    cut = np.zeros(n, dtype=np.int64)
+    for row, start in enumerate(np.asarray(starts, dtype=np.int64).tolist()):
+        lo, hi = max(start - 1, 0), min(start + width + 1, total)
+        ids = stream.document_ids(lo, hi - lo)  # one token either side where there is one
+        inner = ids[start - lo:start - lo + width]
+        tokens[row], docs[row] = stream.read(start, width), inner
+        before = int(start > 0 and ids[0] == inner[0])
+        after = int(start + width < total and ids[-1] == inner[-1])
+        cut[row] = 1 if before and after and inner[0] == inner[-1] else before + after  # one document: once
     changes = np.ones(docs.shape, dtype=bool)
     changes[:, 1:] = docs[:, 1:] != docs[:, :-1]
-    pieces = changes.sum(axis=1)
-    first, last = docs[:, 0], docs[:, -1]
-    cut = (starts[first] < lo).astype(np.int64) + (ends[last] > hi)
-    cut -= (first == last) & (cut == 2)  # one document cut at both ends counts once
-    return pieces, cut
+    return Rows(tokens, docs, changes.sum(axis=1), cut)
 
 
 class WindowPacking(Packing):
@@ -89,16 +106,9 @@ class WindowPacking(Packing):
     def __init__(self, stream: TokenStream, seq_len: int):
         self.stream, self.seq_len = stream, seq_len
         self.count = (stream.num_tokens - 1) // seq_len
-        self.num_ids = stream.num_documents
-        self._bounds = stream.document_bounds()  # (documents + 1,) token positions
 
     def rows(self, indices: np.ndarray) -> Rows:
-        T = self.seq_len
-        tokens = np.stack([self.stream.read(int(i) * T, T + 1) for i in indices]).astype(np.int64)
-        docs = np.stack([self.stream.document_ids(int(i) * T, T + 1) for i in indices]).astype(np.int64)
-        lo = np.asarray(indices, dtype=np.int64) * T
-        pieces, cut = _cut_pieces(docs, self._bounds[:-1], self._bounds[1:], lo, lo + T + 1)
-        return Rows(tokens, docs, pieces, cut)
+        return _spans(self.stream, np.asarray(indices, dtype=np.int64) * self.seq_len, self.seq_len)
 
 
 def _piece_starts(bounds: np.ndarray, piece: int) -> np.ndarray:
@@ -111,23 +121,45 @@ def _piece_starts(bounds: np.ndarray, piece: int) -> np.ndarray:
     return first + within * piece
 
 
+def cached_index(cache: Path | None, key: dict, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The arrays `build()` makes, kept under `cache`/<hash of key>/ and memory-mapped from there;
+    built in memory when `cache` is None. Concurrent builders (every rank of a node) each write
+    their own temporary copy; the first rename wins and the others are dropped."""
+    if cache is None:
+        return build()
+    folder = cache / hashlib.sha256(json.dumps({**key, "v": _INDEX_VERSION}, sort_keys=True).encode()).hexdigest()[:24]
+    if not (folder / "done").is_file():
+        arrays = build()
+        tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name, array in arrays.items():
+            np.save(tmp / f"{name}.npy", array)
+        (tmp / "done").write_text(json.dumps(key, sort_keys=True))
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process's copy is there already
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {p.stem: np.load(p, mmap_mode="r") for p in folder.glob("*.npy")}
+
+
 class BosPacking(Packing):
     """Samples that start at document (or piece) starts."""
 
-    def __init__(self, stream: TokenStream, seq_len: int, piece: int):
+    def __init__(self, stream: TokenStream, seq_len: int, piece: int, *, cache: Path | None = None):
         self.stream, self.seq_len = stream, seq_len
-        self.num_ids = stream.num_documents
-        self._bounds = stream.document_bounds()
-        self.starts = self._index(_piece_starts(self._bounds, piece))
+        key = {"packing": "bos", "seq_len": seq_len, "piece": piece}
+        self.starts = cached_index(cache, key, lambda: {"starts": self._index(piece)})["starts"]
         self.count = len(self.starts)
         if self.count < 1:
             raise ForjaError(f"no document start of {stream.num_tokens} tokens leaves room for a sample of "
                              f"{seq_len + 1}; lower train.seq_len or add data")
 
-    def _index(self, piece_starts: np.ndarray) -> np.ndarray:
+    def _index(self, piece: int) -> np.ndarray:
         """Greedy over the stream: each sample from a start, the next at the first start at or
         after its last token (which it shares as its first input, like window's)."""
         T, N = self.seq_len, self.stream.num_tokens
+        piece_starts = _piece_starts(self.stream.document_bounds(), piece)
         following = np.searchsorted(piece_starts, piece_starts + T, side="left")  # (pieces,)
         chosen, j = [], 0
         while j < len(piece_starts) and piece_starts[j] + T + 1 <= N:
@@ -136,50 +168,53 @@ class BosPacking(Packing):
         return np.asarray(chosen, dtype=np.int64)
 
     def rows(self, indices: np.ndarray) -> Rows:
-        T = self.seq_len
-        lo = self.starts[np.asarray(indices, dtype=np.int64)]
-        tokens = np.stack([self.stream.read(int(s), T + 1) for s in lo]).astype(np.int64)
-        docs = np.stack([self.stream.document_ids(int(s), T + 1) for s in lo]).astype(np.int64)
-        pieces, cut = _cut_pieces(docs, self._bounds[:-1], self._bounds[1:], lo, lo + T + 1)
-        return Rows(tokens, docs, pieces, cut)
+        return _spans(self.stream, self.starts[np.asarray(indices, dtype=np.int64)], self.seq_len)
 
 
 class BestFitPacking(Packing):
     """Whole pieces placed by best-fit decreasing within buffers of consecutive pieces.
 
     The index is CSR: sample k holds pieces `order[ptr[k]:ptr[k+1]]` of the piece table
-    (start, length, id), in the order they were placed.
+    (`piece_start`, lengths from consecutive starts), in the order they were placed; `fill`
+    is each sample's real tokens, `piece_cut` whether a piece is part of a longer document.
+    A piece's document id is its own index: pieces never merge, even two of one document.
     """
 
-    def __init__(self, stream: TokenStream, seq_len: int, piece: int, buffer: int, pad_id: int):
+    def __init__(self, stream: TokenStream, seq_len: int, piece: int, buffer: int, pad_id: int, *,
+                 cache: Path | None = None):
         self.stream, self.seq_len, self.pad_id = stream, seq_len, pad_id
-        bounds = stream.document_bounds()
-        self.piece_start = _piece_starts(bounds, piece)  # (pieces,)
-        ends = np.append(self.piece_start[1:], stream.num_tokens)
-        self.piece_len = ends - self.piece_start  # (pieces,) each <= piece
-        # A piece is cut when its document is longer than one piece.
-        self.piece_doc = np.searchsorted(bounds, self.piece_start, side="right") - 1
-        doc_len = np.diff(bounds)[self.piece_doc]
-        self.piece_cut = doc_len > self.piece_len
-        self.num_ids = len(self.piece_start)  # each piece its own document id: pieces never merge
-        self.ptr, self.order, self.fill = self._index(max(1, buffer))
+        key = {"packing": "best-fit", "seq_len": seq_len, "piece": piece, "buffer": buffer}
+        index = cached_index(cache, key, lambda: self._index(piece, buffer))
+        self.piece_start, self.piece_cut = index["piece_start"], index["piece_cut"]
+        self.ptr, self.order, self.fill = index["ptr"], index["order"], index["fill"]
         self.count = len(self.fill)
 
-    def _index(self, buffer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _index(self, piece: int, buffer: int) -> dict[str, np.ndarray]:
+        bounds = self.stream.document_bounds()
+        starts = _piece_starts(bounds, piece)  # (pieces,)
+        lengths = np.diff(np.append(starts, self.stream.num_tokens))  # (pieces,) each <= piece
+        doc = np.searchsorted(bounds, starts, side="right") - 1
         capacity = self.seq_len + 1
-        order: list[int] = []
-        ptr, fill = [0], []
-        for lo in range(0, len(self.piece_len), buffer):
-            lengths = self.piece_len[lo:lo + buffer]
-            bins = _best_fit_decreasing(lengths, capacity)
-            for members in bins:
-                order.extend(lo + m for m in members)
-                ptr.append(len(order))
-                fill.append(int(lengths[members].sum()))
-        return np.asarray(ptr, dtype=np.int64), np.asarray(order, dtype=np.int64), np.asarray(fill, dtype=np.int64)
+        order: list[np.ndarray] = []
+        sizes: list[int] = []
+        fill: list[int] = []
+        for lo in range(0, len(lengths), buffer):
+            chunk = lengths[lo:lo + buffer]
+            for members in _best_fit_decreasing(chunk, capacity):
+                order.append(lo + members)
+                sizes.append(len(members))
+                fill.append(int(chunk[members].sum()))
+        return {"piece_start": starts, "piece_cut": (np.diff(bounds)[doc] > lengths).astype(np.uint8),
+                "ptr": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+                "order": np.concatenate(order).astype(np.int64) if order else np.zeros(0, np.int64),
+                "fill": np.asarray(fill, dtype=np.int64)}
+
+    def _piece_len(self, p: int) -> int:
+        end = self.piece_start[p + 1] if p + 1 < len(self.piece_start) else self.stream.num_tokens
+        return int(end - self.piece_start[p])
 
     def padding(self, indices: np.ndarray) -> np.ndarray:
-        return self.seq_len + 1 - self.fill[np.asarray(indices, dtype=np.int64)]
+        return self.seq_len + 1 - np.asarray(self.fill[np.asarray(indices, dtype=np.int64)], dtype=np.int64)
 
     def rows(self, indices: np.ndarray) -> Rows:
         width = self.seq_len + 1
@@ -189,13 +224,13 @@ class BestFitPacking(Packing):
         pieces, cut = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         for row, k in enumerate(np.asarray(indices, dtype=np.int64).tolist()):
             at = 0
-            members = self.order[self.ptr[k]:self.ptr[k + 1]]
+            members = np.asarray(self.order[self.ptr[k]:self.ptr[k + 1]])
             for p in members.tolist():
-                length = int(self.piece_len[p])
+                length = self._piece_len(p)
                 tokens[row, at:at + length] = self.stream.read(int(self.piece_start[p]), length)
                 docs[row, at:at + length] = p
                 at += length
-            pieces[row], cut[row] = len(members), int(self.piece_cut[members].sum())
+            pieces[row], cut[row] = len(members), int(np.asarray(self.piece_cut[members]).sum())
         return Rows(tokens, docs, pieces, cut)
 
 

@@ -37,7 +37,7 @@ def rows(ranks: list[DataLoader], steps: int) -> list[torch.Tensor]:
 def test_bos_samples_start_at_document_starts_and_never_overlap(ds) -> None:
     stream = ds.split("train")
     bounds = stream.document_bounds()
-    packed = BosPacking(stream, T, piece=T + 1)
+    packed = BosPacking(stream, T, piece=T + 1)  # built in memory (no cache)
     long_docs = np.diff(bounds) > T + 1  # their pieces start inside them
     piece_starts = set(bounds[:-1].tolist())
     for start, length in zip(bounds[:-1][long_docs].tolist(), np.diff(bounds)[long_docs].tolist(), strict=True):
@@ -63,7 +63,7 @@ def test_best_fit_places_whole_documents_and_pads(ds) -> None:
     assert pad.any() and (got.tokens[k][pad] == 2).all()
     assert pad[np.argmax(pad):].all()  # padding only at the end
     first = packed.order[packed.ptr[k]]
-    start, length = int(packed.piece_start[first]), int(packed.piece_len[first])
+    start, length = int(packed.piece_start[first]), packed._piece_len(int(first))
     assert np.array_equal(got.tokens[k][:length], stream.read(start, length))
     short = np.diff(bounds) <= T + 1
     assert short.sum() > len(bounds) // 2  # the corpus is mostly short documents: few are cut
@@ -115,3 +115,17 @@ def test_window_is_unchanged_and_counts_its_cut_documents(ds) -> None:
     (first, *_) = run.next_step()
     assert torch.equal(first.labels[:, :-1], first.input_ids[:, 1:])  # no padding, no ignored label
     assert first.step_labels == G * T and first.cut_documents > 0
+
+
+def test_indexes_are_kept_on_disk_and_memory_mapped(ds, tmp_path) -> None:
+    stream = ds.split("train")
+    built = BestFitPacking(stream, T, T + 1, 64, 2, cache=tmp_path)
+    (folder,) = tmp_path.iterdir()
+    assert (folder / "done").is_file() and not list(tmp_path.glob(".*"))  # no temporary copy left
+    again = BestFitPacking(stream, T, T + 1, 64, 2, cache=tmp_path)
+    assert isinstance(again.order, np.memmap) and again.count == built.count
+    everything = np.arange(built.count)
+    assert np.array_equal(again.rows(everything).tokens, built.rows(everything).tokens)
+    BestFitPacking(stream, T, T + 1, 32, 2, cache=tmp_path)  # other options: another index
+    BosPacking(stream, T, T + 1, cache=tmp_path)
+    assert len(list(tmp_path.iterdir())) == 3
