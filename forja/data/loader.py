@@ -159,22 +159,18 @@ class DataLoader:
             out.append((source, rows, index))
         return out
 
-    def _batch(self, segment: Segment, positions: np.ndarray) -> Batch:
-        T, m = segment.seq_len, len(positions)
-        tokens = np.empty((m, T + 1), dtype=np.int64)
-        docs = np.empty((m, T + 1), dtype=np.int64)
-        pieces = cut = 0
+    def _rows(self, segment: Segment, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The samples at `positions`: tokens and document ids (n, T + 1), pieces and cut (n,)."""
+        T, n = segment.seq_len, len(positions)
+        tokens = np.empty((n, T + 1), dtype=np.int64)
+        docs = np.empty((n, T + 1), dtype=np.int64)
+        pieces, cut = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         for source, rows, index in self._draws(segment, positions):
             got = self._packing(source, T).rows(index)
             tokens[rows] = got.tokens
             docs[rows] = np.where(got.docs == PAD_DOCUMENT, PAD_DOCUMENT, got.docs + (source << _SOURCE_SHIFT))
-            pieces, cut = pieces + int(got.pieces.sum()), cut + int(got.cut.sum())
-        t = torch.from_numpy(tokens)
-        labels = t[:, 1:].clone()
-        labels[torch.from_numpy(docs[:, 1:] == PAD_DOCUMENT)] = IGNORE
-        # Contiguous copies: losses call .view(-1) on labels, which a strided slice refuses.
-        return Batch(t[:, :-1].contiguous(), labels, torch.from_numpy(docs[:, :-1]).contiguous(),  # (m, T) each
-                     documents=pieces, cut_documents=cut)
+            pieces[rows], cut[rows] = got.pieces, got.cut
+        return tokens, docs, pieces, cut
 
     def _padding(self, segment: Segment, first: int) -> int:
         """Padding tokens of the whole global batch of the step (every rank's samples)."""
@@ -183,21 +179,28 @@ class DataLoader:
                    for s, _, index in self._draws(segment, positions))
 
     def build_step(self, cursor: Cursor) -> list[Batch]:
-        """This rank's micro-batches of the global batch of the step after `cursor`."""
+        """This rank's micro-batches of the global batch of the step after `cursor`: its block
+        of positions drawn at once, then cut in order into micro-batches."""
         segment = self.segment(cursor)
         start = (cursor.steps - segment.start_steps) * self.global_batch_size
-        first = start + self.dp_rank * (self.global_batch_size // self.dp_world_size)
+        per_rank = self.global_batch_size // self.dp_world_size
+        first = start + self.dp_rank * per_rank
         step_labels = self.global_batch_size * segment.seq_len
         if self.packing == "best-fit":  # labels of padding train nothing: the loss is over the rest
             step_labels -= self._padding(segment, start)
+        tokens, docs, pieces, cut = self._rows(segment, np.arange(first, first + per_rank))
+        t = torch.from_numpy(tokens)
+        labels = t[:, 1:].clone()
+        labels[torch.from_numpy(docs[:, 1:] == PAD_DOCUMENT)] = IGNORE
+        ids = torch.from_numpy(docs[:, :-1])
         m = self.micro_batch_size
         steps = []
-        for j in range(self.accumulation_steps):
-            batch = self._batch(segment, np.arange(first + j * m, first + (j + 1) * m))
-            batch.step_labels = step_labels
-            if self.pin_memory and torch.cuda.is_available():
-                batch = batch.pinned()
-            steps.append(batch)
+        for j in range(0, per_rank, m):
+            # Contiguous copies: losses call .view(-1) on labels, which a strided slice refuses.
+            batch = Batch(t[j:j + m, :-1].contiguous(), labels[j:j + m].contiguous(), ids[j:j + m].contiguous(),
+                          step_labels=step_labels, documents=int(pieces[j:j + m].sum()),
+                          cut_documents=int(cut[j:j + m].sum()))  # (m, T) each
+            steps.append(batch.pinned() if self.pin_memory and torch.cuda.is_available() else batch)
         return steps
 
     def _advance(self, cursor: Cursor) -> Cursor:

@@ -209,12 +209,17 @@ class BestFitPacking(Packing):
                 "order": np.concatenate(order).astype(np.int64) if order else np.zeros(0, np.int64),
                 "fill": np.asarray(fill, dtype=np.int64)}
 
-    def _piece_len(self, p: int) -> int:
-        end = self.piece_start[p + 1] if p + 1 < len(self.piece_start) else self.stream.num_tokens
-        return int(end - self.piece_start[p])
-
     def padding(self, indices: np.ndarray) -> np.ndarray:
         return self.seq_len + 1 - np.asarray(self.fill[np.asarray(indices, dtype=np.int64)], dtype=np.int64)
+
+    def pieces_of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Sample k's pieces in placement order: (piece index, first token, length), arrays."""
+        members = np.asarray(self.order[int(self.ptr[k]):int(self.ptr[k + 1])])
+        starts = np.asarray(self.piece_start[members])
+        after = members + 1
+        last = len(self.piece_start) - 1
+        ends = np.where(after <= last, np.asarray(self.piece_start[np.minimum(after, last)]), self.stream.num_tokens)
+        return members, starts, ends - starts
 
     def rows(self, indices: np.ndarray) -> Rows:
         width = self.seq_len + 1
@@ -223,11 +228,10 @@ class BestFitPacking(Packing):
         docs = np.full((n, width), PAD_DOCUMENT, dtype=np.int64)
         pieces, cut = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         for row, k in enumerate(np.asarray(indices, dtype=np.int64).tolist()):
+            members, starts, lengths = self.pieces_of(k)
             at = 0
-            members = np.asarray(self.order[self.ptr[k]:self.ptr[k + 1]])
-            for p in members.tolist():
-                length = self._piece_len(p)
-                tokens[row, at:at + length] = self.stream.read(int(self.piece_start[p]), length)
+            for p, start, length in zip(members.tolist(), starts.tolist(), lengths.tolist(), strict=True):
+                tokens[row, at:at + length] = self.stream.read(start, length)
                 docs[row, at:at + length] = p
                 at += length
             pieces[row], cut[row] = len(members), int(np.asarray(self.piece_cut[members]).sum())

@@ -62,8 +62,8 @@ def test_best_fit_places_whole_documents_and_pads(ds) -> None:
     pad = got.docs[k] == PAD_DOCUMENT
     assert pad.any() and (got.tokens[k][pad] == 2).all()
     assert pad[np.argmax(pad):].all()  # padding only at the end
-    first = packed.order[packed.ptr[k]]
-    start, length = int(packed.piece_start[first]), packed._piece_len(int(first))
+    _, starts, lengths = packed.pieces_of(k)
+    start, length = int(starts[0]), int(lengths[0])
     assert np.array_equal(got.tokens[k][:length], stream.read(start, length))
     short = np.diff(bounds) <= T + 1
     assert short.sum() > len(bounds) // 2  # the corpus is mostly short documents: few are cut
