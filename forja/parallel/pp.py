@@ -156,7 +156,8 @@ class Pipeline:
         return self.owners[0] == self.owners[-1]
 
     # -- training ----------------------------------------------------------------------------
-    def _schedule_for(self, local_batch: int, n_batches: int, loss_fn: Callable[[torch.Tensor, int], torch.Tensor]):
+    def _schedule_for(self, local_batch: int, n_batches: int,
+                      loss_fn: Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]):
         """The schedule, built on the first step, when the batch's shape is known."""
         n, source = microbatches(self.cfg, local_batch, local_batch // n_batches)
         if self._schedule is None:
@@ -166,8 +167,9 @@ class Pipeline:
             cls = SCHEDULES[self.cfg.pp_schedule]
             stages = self.stages if len(self.stages) > 1 else self.stages[0]
             # The last stage's forward already returns the microbatch's loss (labels are
-            # among its inputs); the schedule's target is unused.
-            self._schedule = cls(stages, n_microbatches=n, loss_fn=lambda out, _target: loss_fn(out, n),
+            # among its inputs); the schedule's target, the microbatch's labels, tells how
+            # many of them it trains on (padding).
+            self._schedule = cls(stages, n_microbatches=n, loss_fn=lambda out, target: loss_fn(out, n, target),
                                  scale_grads=False)
             self._shape = (local_batch, n)
         elif self._shape != (local_batch, n):
@@ -176,12 +178,12 @@ class Pipeline:
         return self._schedule
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None, *,
-             n_batches: int, loss_fn: Callable[[torch.Tensor, int], torch.Tensor],
+             n_batches: int, loss_fn: Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor],
              cp_rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Forwards and backwards of this rank's stages over the local batch, tokens and
-        labels (local batch, T), accumulating gradients in the parts. `loss_fn(out, n)`
-        turns the last stage's output for one of n microbatches into what that microbatch
-        adds to the step's loss. Returns those losses on the last stage's rank, [] elsewhere.
+        labels (local batch, T), accumulating gradients in the parts. `loss_fn(out, n, labels)`
+        turns the last stage's output for one of n microbatches (and its labels) into what that
+        microbatch adds to the step's loss. Returns those losses on the last stage's rank, [] elsewhere.
         Under context parallelism tokens and labels are this rank's part of each row and
         `cp_rows` (local batch, T) the whole rows' documents (forja/parallel/cp `stage_hook`)."""
         schedule = self._schedule_for(tokens.shape[0], n_batches, loss_fn)

@@ -23,7 +23,8 @@ gradient reduction, and `loss_group` for the reported value) makes it the global
 layout computes the loss and gradients of one process. With padding (data.packing =
 "best-fit") micro-batches hold different numbers of labels; each mean is then weighed by its
 share of the step's labels (`_label_share`), so the loss is still the mean over every label of
-the global batch. (Under pipeline parallelism the schedule's micro-batch means count equally.)
+the global batch, on every layout (the pipeline's schedule hands each micro-batch's labels to
+`_pipeline_loss`).
 
 What scales a step comes from its caller, in one `StepScales`: the loss scale (fp16's,
 forja/train/step/scaler.py; the MoE auxiliary losses get it too), a drill's fault on this rank's
@@ -358,13 +359,21 @@ class PipelineEngine(StepEngine):
             doc_ids = None
         # The schedule interleaves forwards and backwards, so backwards run inside autocast too;
         # autograd gives each backward op its forward op's dtype either way.
+        # The schedule keeps the loss function of its first step: the step's labels are read from here.
+        self._step_labels = batches[0].step_labels if self._padded(batches) else 0
         with self.autocast(), self._loss_context():
-            losses = self.pipeline.step(tokens, labels, doc_ids, n_batches=len(batches), loss_fn=self.microbatch_loss,
+            losses = self.pipeline.step(tokens, labels, doc_ids, n_batches=len(batches), loss_fn=self._pipeline_loss,
                                         cp_rows=rows)
         total = torch.zeros((), device=self.device)
         for loss in losses:
             total += local_value(loss.detach())
         return self.pipeline.from_last_stage(total)
+
+    def _pipeline_loss(self, out: torch.Tensor, n: int, labels: torch.Tensor) -> torch.Tensor:
+        """A schedule micro-batch's part of the step's loss: with padding, weighed by its labels."""
+        if self._step_labels:
+            out = out * self._label_share(labels, self._step_labels, n)
+        return self.microbatch_loss(out, n)
 
     @torch.no_grad()
     def eval_loss(self, batch) -> torch.Tensor:
