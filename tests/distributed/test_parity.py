@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.parity import COMPILE_TOL, PARITY_TOL, SharedLayouts, layout_losses, max_difference
+from tests.distributed.parity import (
+    COMPILE_TOL,
+    PARITY_TOL,
+    SharedLayouts,
+    layout_losses,
+    max_difference,
+    single_process_losses,
+)
 from tests.integration.conftest import losses
 
 FSDP2 = {"parallel.dp_shard": "2"}
@@ -46,7 +53,11 @@ SAVE_AT_5 = {"checkpoint.interval": "5", "checkpoint.keep": "0"}
 # at step 5 as it trains for parity (a checkpoint changes no loss): the run the resharding
 # tests resume from (each a copy), rather than a second run of the same layout.
 RESHARD_SOURCE = "FSDP 2 (ZeRO-3)"
-SHARED = {**LAYOUTS, RESHARD_SOURCE: (2, {**FSDP2, **SAVE_AT_5}), "FSDP 2 + bf16": (2, BF16)}
+# Padding (data.packing = "best-fit", pieces of at most 40 tokens in samples of 65): each rank's
+# micro-batches weigh by their labels, so the loss is still one process's.
+BEST_FIT = {"data.packing": '"best-fit"', "data.max_doc_tokens": "40"}
+SHARED = {**LAYOUTS, RESHARD_SOURCE: (2, {**FSDP2, **SAVE_AT_5}), "FSDP 2 + bf16": (2, BF16),
+          "FSDP 2, best-fit packing": (2, {**FSDP2, **BEST_FIT})}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +81,14 @@ def test_layout_matches_single_process(name, tmp_path, train_data, reference_los
     diff = max_difference(reference_losses, _losses_of(name, shared_runs, tmp_path / "run"))
     print(f"parity {name}: max |loss diff| = {diff:.2e}")
     assert diff < (COMPILE_TOL if changes.get("parallel.compile") == "true" else PARITY_TOL)
+
+
+@GROUP_TIMEOUT
+def test_best_fit_padding_matches_single_process(tmp_path, train_data, shared_runs):
+    reference = single_process_losses(tmp_path / "one", train_data, **BEST_FIT)
+    diff = max_difference(reference, _losses_of("FSDP 2, best-fit packing", shared_runs, tmp_path / "run"))
+    print(f"parity FSDP 2, best-fit packing: max |loss diff| = {diff:.2e}")
+    assert diff < PARITY_TOL
 
 
 BF16_TOL = 2e-2  # bf16 parameters and activations (fp32 reduction): ~3 significant digits
