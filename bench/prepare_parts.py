@@ -3,7 +3,9 @@
 What a worker costs and what the merge costs, like for like: every worker and the single
 prepare use the same --workers (tokenizer processes). Each operation runs in a fresh
 interpreter (imports not timed), the median of the repeats is reported, and every merge is
-checked byte for byte against the single prepare's directory.
+checked byte for byte against the single prepare's directory. Besides wall time, each
+operation's CPU time (its own and its tokenizer processes') is reported: on a shared machine
+it measures the work done, whatever else runs beside it.
 
     python bench/prepare_parts.py                       # trains an 8192-token BPE on stdlib first
     python bench/prepare_parts.py --tokenizer tok.json --repeats 3
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -41,12 +44,18 @@ def run_one(op: str, source: str, tokenizer: str, out: str, workers: int, part: 
         options.update(part=part, parts=parts)
     elif op == "merge":
         options.update(merge=True)
-    started = time.perf_counter()
+    cpu, started = cpu_seconds(), time.perf_counter()
     result = prepare(source, tok, out, **options)
-    seconds = time.perf_counter() - started
-    if op == "part":
-        return {"seconds": seconds, "tokens": result.tokens, "documents": result.documents}
-    return {"seconds": seconds, "tokens": result.num_tokens("train") + result.num_tokens("val")}
+    seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+    tokens = result.tokens if op == "part" else result.num_tokens("train") + result.num_tokens("val")
+    return {"seconds": seconds, "cpu": cpu, "tokens": tokens}
+
+
+def cpu_seconds() -> float:
+    """User + system time of this process and its reaped children (the tokenizer processes, which
+    prepare joins before it returns): the work done, whatever else the machine is running."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def launch(op: str, source: str, tokenizer: str, out: Path, workers: int, part: int = 0, parts: int = 0
@@ -80,7 +89,7 @@ def parted(source: str, tokenizer: str, out: Path, workers: int, n: int, togethe
     merge = result(launch("merge", source, tokenizer, out, workers))
     if tree(out) != tree(single):
         raise SystemExit(f"the merge of {n} parts of {source} differs from the single prepare")
-    return {"parts": parts, "merge": merge["seconds"], "tokens": merge["tokens"], "parts_wall": wall}
+    return {"parts": parts, "merge": merge, "parts_wall": wall}
 
 
 def single_run(source: str, tokenizer: str, out: Path, workers: int) -> dict:
@@ -138,24 +147,29 @@ def main() -> None:
 
 def report(singles: dict, runs: dict, args: argparse.Namespace, jsonl: str) -> None:
     print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}, "
-          f"repeats {args.repeats}; every merge byte-identical to the single prepare")
+          f"repeats {args.repeats}; every merge byte-identical to the single prepare; medians")
     name = {"stdlib": "stdlib", jsonl: "stdlib.jsonl"}
-    single_s = {key: statistics.median(r["seconds"] for r in rs) for key, rs in singles.items()}
-    for (source, workers), seconds in sorted(single_s.items()):
-        tokens = singles[(source, workers)][0]["tokens"]
-        print(f"single  {name[source]:12s} --workers {workers}: {seconds:.2f} s, {tokens / seconds / 1e6:.2f} M tokens/s")
+    med = statistics.median
+    single = {key: (med(r["seconds"] for r in rs), med(r["cpu"] for r in rs), rs[0]["tokens"])
+              for key, rs in singles.items()}
+    print("| source | how | per worker M tokens/s (wall) | per worker CPU s | CPU of all parts / single "
+          "| merge wall s | merge CPU s | merge / single (CPU) | slowest worker + merge, s (speed-up) "
+          "| single wall s, CPU s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (source, workers, n, together), rs in runs.items():
-        per_worker = [statistics.median(r["parts"][k]["tokens"] / r["parts"][k]["seconds"] for r in rs)
-                      for k in range(n)]
-        slowest = statistics.median(max(p["seconds"] for p in r["parts"]) for r in rs)
-        merge = statistics.median(r["merge"] for r in rs)
-        reference = single_s[("stdlib", 2) if together else (source, workers)]
-        how = f"{n} together, --workers {workers}" if together else f"N={n} alone, --workers {workers}"
-        wall = statistics.median(r["parts_wall"] for r in rs) if together else slowest
-        print(f"parts   {name[source]:12s} {how}: per worker {', '.join(f'{x / 1e6:.2f}' for x in per_worker)} "
-              f"M tokens/s; slowest worker {slowest:.2f} s; parts wall {wall:.2f} s; merge {merge:.2f} s "
-              f"({merge / reference:.1%} of the single prepare's {reference:.2f} s); "
-              f"wall + merge {(wall + merge):.2f} s = {reference / (wall + merge):.2f}x the single prepare's speed")
+        ref = single[("stdlib", 2) if together else (source, workers)]
+        rates = [med(r["parts"][k]["tokens"] / r["parts"][k]["seconds"] for r in rs) for k in range(n)]
+        cpus = [med(r["parts"][k]["cpu"] for r in rs) for k in range(n)]
+        merge_s, merge_cpu = med(r["merge"]["seconds"] for r in rs), med(r["merge"]["cpu"] for r in rs)
+        how = (f"{n} workers at once, --workers {workers} (single: --workers 2)" if together
+               else f"N={n} one after another, --workers {workers}")
+        # On N machines the parts run at once: the slowest worker, then the merge.
+        wall = med((r["parts_wall"] if together else max(p["seconds"] for p in r["parts"])) + r["merge"]["seconds"]
+                   for r in rs)
+        print(f"| {name[source]} | {how} | {', '.join(f'{x / 1e6:.2f}' for x in rates)} "
+              f"| {', '.join(f'{x:.2f}' for x in cpus)} | {sum(cpus) / ref[1]:.2f} | {merge_s:.2f} | {merge_cpu:.2f} "
+              f"| {merge_cpu / ref[1]:.1%} | {wall:.2f} ({ref[0] / wall:.2f}x) "
+              f"| {ref[0]:.2f}, {ref[1]:.2f} ({ref[2] / ref[0] / 1e6:.2f} M tokens/s) |")
 
 
 if __name__ == "__main__":

@@ -128,7 +128,8 @@ def prepare_part(sources: list[tuple[Source, float]], tok: Tokenizer, out: Path,
 def _encode_share(src: Source, weight: float, tok: Tokenizer, folder: Path, part: int, parts: int, *,
                   workers: int, progress: bool, batch_chars: int, val_fraction: float) -> dict[str, Any]:
     stats = SourceStats()
-    kind = split_kind(src, parts)
+    # Taken before reading: a file that changes while the worker reads it fails the merge's check.
+    fingerprint, kind = src.stat_fingerprint(), split_kind(src, parts)
     if kind == "files":
         lo, hi = file_range(src, part, parts)
         share = copy.copy(src)
@@ -149,7 +150,7 @@ def _encode_share(src: Source, weight: float, tok: Tokenizer, folder: Path, part
             digests_file.write(enc.digests)
             count, tokens = count + len(enc.lengths), tokens + len(enc.tokens)
             bar.advance(len(enc.lengths), len(enc.tokens))
-    return {"spec": src.spec, "weight": weight, "stat_fingerprint": src.stat_fingerprint(), "split": kind,
+    return {"spec": src.spec, "weight": weight, "stat_fingerprint": fingerprint, "split": kind,
             **where, "documents": count, "tokens": tokens, "stats": vars(stats)}
 
 
@@ -284,7 +285,8 @@ def merged(out: Path, records: list[dict[str, Any]], component: int, dtype: np.d
            val_fraction: float) -> Iterator[Encoded]:
     """The encoded documents of one source in source order, read back from its parts."""
     threshold = np.uint64(val_threshold(val_fraction))
-    readers = [_PartReader(out / PARTS_DIR / f"{k:05d}" / str(component), dtype, threshold) for k in range(len(records))]
+    readers = [_PartReader(out / PARTS_DIR / f"{k:05d}" / str(component), dtype, threshold)
+               for k in range(len(records))]
     if records[0]["sources"][component]["split"] == "files":
         runs: Iterator[tuple[int, int]] = ((k, r.documents) for k, r in enumerate(readers))
     else:
