@@ -14,10 +14,11 @@ import warnings
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from forja import storage
 from forja.checkpoint import remote
-from forja.checkpoint.verify import complete_checkpoints
+from forja.checkpoint.verify import newest_intact
 from forja.config import Config
 from forja.data.stages import stage_name
 from forja.errors import ForjaError
@@ -33,15 +34,20 @@ def checkpoints_of(cfg: Config) -> Path | str:
 def recorded_stages(cfg: Config) -> tuple[list[dict], int] | None:
     """(the stages begun, steps done) as the latest complete checkpoint records them; None for a
     new run, or a checkpoint from before data stages."""
-    found = complete_checkpoints(checkpoints_of(cfg))
-    if not found:
+    # The one the resume will take: damaged newer ones (sizes, metadata; no checksums here) are
+    # passed over as the resume passes over them, and named by it.
+    newest = newest_intact(checkpoints_of(cfg), checksums=False).path
+    if newest is None:
         return None
     state = {"dataloader": {"stages": "", "steps": 0}}
+    reader = remote.reader(newest)
     try:
+        if "dataloader.stages" not in reader.read_metadata().state_dict_metadata:
+            return None  # saved by a forja from before data stages
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming ... a single process": each rank reads it alone, on purpose
-            dcp.load(state, **remote.dcp_target(found[-1][1], write=False), no_dist=True)
-    except Exception:  # noqa: BLE001 -- an older or damaged checkpoint: the resume itself says what is wrong
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException):  # noqa: BLE001 -- damaged after all: the resume says what is wrong
         return None
     return json.loads(state["dataloader"]["stages"]), int(state["dataloader"]["steps"])
 
