@@ -315,14 +315,18 @@ class Watchdog:
                     threads=threads)
 
     def _write_report(self, report: dict[str, Any]) -> None:
-        """The JSON line, then faulthandler's stacks (written straight to the file descriptor),
-        under a temporary name renamed when complete: rank 0 never reads half a report."""
+        """The JSON line, the watched (training) thread's stack, then faulthandler's stacks of
+        every thread (written straight to the file descriptor), under a temporary name renamed
+        when complete: rank 0 never reads half a report. The training thread comes first and
+        on its own because faulthandler stops after 100 threads (data loaders, store clients and
+        checkpoint writers can hold more), and it is the one stack a hang report must have."""
         self.hang_dir.mkdir(parents=True, exist_ok=True)
         path = self.report_path(self.rank)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write(json.dumps(report) + "\n\n")
+                f.write(_watched_stack(self._watched))
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
                 os.fsync(f.fileno())
@@ -366,3 +370,16 @@ def _first_line(path: Path) -> str:
             return f.readline()
     except OSError:
         return ""
+
+
+def _watched_stack(ident: int) -> str:
+    """The stack of thread `ident`, most recent call first (faulthandler's order), or "" if gone."""
+    frame = sys._current_frames().get(ident)
+    if frame is None:
+        return ""
+    lines = [f"Training thread 0x{ident:016x} (most recent call first):"]
+    while frame is not None:
+        lines.append(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno} in {frame.f_code.co_name}')
+        frame = frame.f_back
+    del frame
+    return "\n".join(lines) + "\n\n"

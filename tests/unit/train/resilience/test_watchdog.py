@@ -198,3 +198,24 @@ def test_rank_0_waits_for_reports_of_this_attempt_only(tmp_path):
     assert "stale.py" not in summary
     assert "rank 1: step 5, phase train_step, not in a collective: at forja/data/loader.py:40 in _next_batch" in summary
     assert UNRESPONSIVE not in summary
+
+
+def test_the_training_stack_is_reported_among_more_threads_than_faulthandler_lists(tmp_path):
+    """faulthandler stops after 100 threads; a process with more (loaders, store clients) must
+    still show where its training thread is stuck."""
+    release = threading.Event()
+    idle = [threading.Thread(target=release.wait, daemon=True) for _ in range(120)]
+    for t in idle:
+        t.start()
+    recorder = ExitRecorder()
+    dog = Watchdog(tmp_path, rank=0, world_size=1, timeout_s=TIMEOUT_S, exit=recorder)
+    dog.start()
+    try:
+        dog.beat("train_step", 3)
+        assert stuck_here(recorder.called), "the watchdog never fired"
+    finally:
+        dog.stop()
+        release.set()
+    stacks = (tmp_path / "hang" / "rank0.txt").read_text().split("\n", 1)[1].lstrip("\n")
+    training = stacks.split("\n\n", 1)[0]
+    assert training.startswith("Training thread") and "in stuck_here" in training
