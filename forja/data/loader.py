@@ -38,6 +38,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -352,21 +353,29 @@ def _pad_id(dataset: PreparedDataset) -> int:
 
 
 class _Prefetcher:
-    """A thread building steps ahead into a bounded queue, in order."""
+    """A thread building steps ahead into a bounded queue, in order.
+
+    It holds its loader's methods weakly: a loader nobody holds any more is collected and its
+    thread ends, instead of the thread keeping it (and itself) alive for the process's life."""
 
     def __init__(self, build: Any, advance: Any, start: Cursor, depth: int):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(build, advance, start), daemon=True,
-                                        name="forja-data-prefetch")
+        self._thread = threading.Thread(target=self._run, args=(weakref.WeakMethod(build),
+                                        weakref.WeakMethod(advance), start), daemon=True, name="forja-data-prefetch")
         self._thread.start()
 
-    def _run(self, build: Any, advance: Any, cursor: Cursor) -> None:
+    def _run(self, build_ref: Any, advance_ref: Any, cursor: Cursor) -> None:
         while not self._stop.is_set():
+            build, advance = build_ref(), advance_ref()
+            if build is None or advance is None:
+                return  # the loader is gone
             try:
                 item: Any = (cursor, build(cursor))
+                cursor = advance(cursor)
             except BaseException as exc:  # handed to the consumer, which raises it
                 item = exc
+            del build, advance  # no strong reference while waiting on the queue
             while not self._stop.is_set():
                 try:
                     self._queue.put(item, timeout=0.1)
@@ -375,7 +384,6 @@ class _Prefetcher:
                     continue
             if isinstance(item, BaseException):
                 return
-            cursor = advance(cursor)
 
     def get(self) -> tuple[Cursor, list[Batch]]:
         item = self._queue.get()
@@ -385,4 +393,5 @@ class _Prefetcher:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        if threading.current_thread() is not self._thread:  # a loader collected on this thread: it just ends
+            self._thread.join(timeout=10)
