@@ -185,14 +185,9 @@ def test_rank_0_waits_for_reports_of_this_attempt_only(tmp_path):
 
     writer = threading.Thread(target=rank_1_reports_late)
     writer.start()
-    recorder = ExitRecorder()
-    dog = Watchdog(tmp_path, rank=0, world_size=2, timeout_s=TIMEOUT_S, exit=recorder)
-    dog.start()
     try:
-        dog.beat("train_step", 5)
-        assert stuck_here(recorder.called), "the watchdog never fired"
+        hang_once(tmp_path, step=5, world_size=2)
     finally:
-        dog.stop()
         writer.join()
     summary = (hang / "summary.txt").read_text()
     assert "stale.py" not in summary
@@ -207,15 +202,23 @@ def test_the_training_stack_is_reported_among_more_threads_than_faulthandler_lis
     idle = [threading.Thread(target=release.wait, daemon=True) for _ in range(120)]
     for t in idle:
         t.start()
-    recorder = ExitRecorder()
-    dog = Watchdog(tmp_path, rank=0, world_size=1, timeout_s=TIMEOUT_S, exit=recorder)
-    dog.start()
     try:
-        dog.beat("train_step", 3)
-        assert stuck_here(recorder.called), "the watchdog never fired"
+        hang_once(tmp_path, step=3)
     finally:
-        dog.stop()
         release.set()
     stacks = (tmp_path / "hang" / "rank0.txt").read_text().split("\n", 1)[1].lstrip("\n")
     training = stacks.split("\n\n", 1)[0]
     assert training.startswith("Training thread") and "in stuck_here" in training
+
+
+def hang_once(tmp_path, *, step: int, world_size: int = 1) -> ExitRecorder:
+    """Rank 0's watchdog fires on a training thread stuck in `stuck_here` after `step`."""
+    recorder = ExitRecorder()
+    dog = Watchdog(tmp_path, rank=0, world_size=world_size, timeout_s=TIMEOUT_S, exit=recorder)
+    dog.start()
+    try:
+        dog.beat("train_step", step)
+        assert stuck_here(recorder.called), "the watchdog never fired"
+    finally:
+        dog.stop()
+    return recorder
