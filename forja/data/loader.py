@@ -160,24 +160,19 @@ class DataLoader:
             out.append((source, rows, index))
         return out
 
-    def _rows(self, segment: Segment, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The samples at `positions`: tokens and document ids (n, T + 1), pieces and cut (n,)."""
-        T, n = segment.seq_len, len(positions)
+    def _rows(self, segment: Segment, draws: list[tuple[int, np.ndarray, np.ndarray]],
+              n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The `n` samples `draws` names: tokens and document ids (n, T + 1), pieces and cut (n,)."""
+        T = segment.seq_len
         tokens = np.empty((n, T + 1), dtype=np.int64)
         docs = np.empty((n, T + 1), dtype=np.int64)
         pieces, cut = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        for source, rows, index in self._draws(segment, positions):
+        for source, rows, index in draws:
             got = self._packing(source, T).rows(index)
             tokens[rows] = got.tokens
             docs[rows] = np.where(got.docs == PAD_DOCUMENT, PAD_DOCUMENT, got.docs + (source << _SOURCE_SHIFT))
             pieces[rows], cut[rows] = got.pieces, got.cut
         return tokens, docs, pieces, cut
-
-    def _padding(self, segment: Segment, first: int) -> int:
-        """Padding tokens of the whole global batch of the step (every rank's samples)."""
-        positions = np.arange(first, first + self.global_batch_size)
-        return sum(int(self._packing(s, segment.seq_len).padding(index).sum())
-                   for s, _, index in self._draws(segment, positions))
 
     def build_step(self, cursor: Cursor) -> list[Batch]:
         """This rank's micro-batches of the global batch of the step after `cursor`: its block
@@ -187,9 +182,17 @@ class DataLoader:
         per_rank = self.global_batch_size // self.dp_world_size
         first = start + self.dp_rank * per_rank
         step_labels = self.global_batch_size * segment.seq_len
-        if self.packing == "best-fit":  # labels of padding train nothing: the loss is over the rest
-            step_labels -= self._padding(segment, start)
-        tokens, docs, pieces, cut = self._rows(segment, np.arange(first, first + per_rank))
+        if self.packing == "best-fit":
+            # Labels of padding train nothing, and the loss is over the rest of the whole global
+            # batch: every rank's samples are drawn (once), this rank's rows taken from them.
+            draws = self._draws(segment, np.arange(start, start + self.global_batch_size))
+            step_labels -= sum(int(self._packing(src, segment.seq_len).padding(index).sum()) for src, _, index in draws)
+            lo = first - start
+            kept = [(src, rows, index, (rows >= lo) & (rows < lo + per_rank)) for src, rows, index in draws]
+            draws = [(src, rows[k] - lo, index[k]) for src, rows, index, k in kept if k.any()]
+        else:
+            draws = self._draws(segment, np.arange(first, first + per_rank))
+        tokens, docs, pieces, cut = self._rows(segment, draws, per_rank)
         t = torch.from_numpy(tokens)
         labels = t[:, 1:].clone()
         labels[torch.from_numpy(docs[:, 1:] == PAD_DOCUMENT)] = IGNORE

@@ -37,6 +37,7 @@ import numpy as np
 
 from forja.data.shards import TokenStream
 from forja.errors import ForjaError
+from forja.files import replace_dir
 
 PACKINGS = ("window", "bos", "best-fit")
 PAD_DOCUMENT = -1  # the document id of padding: no real token attends to it
@@ -136,10 +137,7 @@ def cached_index(cache: Path | None, key: dict, build: Callable[[], dict[str, np
         for name, array in arrays.items():
             np.save(tmp / f"{name}.npy", array)
         (tmp / "done").write_text(json.dumps(key, sort_keys=True))
-        try:
-            os.rename(tmp, folder)
-        except OSError:  # another process's copy is there already
-            shutil.rmtree(tmp, ignore_errors=True)
+        replace_dir(tmp, folder, keep_existing=True)  # another process's copy, there already, wins
     return {p.stem: np.load(p, mmap_mode="r") for p in folder.glob("*.npy")}
 
 

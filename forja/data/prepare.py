@@ -56,6 +56,7 @@ from forja.data.store import open_stored, to_store
 from forja.data.tokenizer import Tokenizer, load_tokenizer
 from forja.errors import ForjaError
 from forja.files import DiskFull, no_room, replace_dir
+from forja.storage.blocks import cache_root  # $FORJA_CACHE, else ~/.cache/forja: where prepared data is cached
 from forja.storage import is_url
 
 DEFAULT_VAL_FRACTION = 0.01
@@ -281,11 +282,6 @@ def _counts(stats: SourceStats) -> str:
 
 
 # --- the cache the trainer uses ----------------------------------------------------------
-
-
-def cache_root() -> Path:
-    """Where prepared data is cached: $FORJA_CACHE, else ~/.cache/forja."""
-    return Path(os.environ.get("FORJA_CACHE") or "~/.cache/forja").expanduser()
 
 
 def cache_key(source: str, tokenizer: Tokenizer, *, val_fraction: float = DEFAULT_VAL_FRACTION,

@@ -10,6 +10,7 @@ stage 0's numbers are its mixture's indices, as before stages existed.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +42,7 @@ def source_label(dataset: PreparedDataset) -> str:
     """A source's name in metrics: the spec it was prepared from ("jsonl:s3://b/web.jsonl" as
     "jsonl:s3:b/web.jsonl": trackers such as MLflow refuse "//" in a metric's name)."""
     label = str(dataset.meta.get("source", {}).get("spec") or dataset.name)
-    while "//" in label:
-        label = label.replace("//", "/")
-    return label.replace(":/", ":")
+    return re.sub("/{2,}", "/", label).replace(":/", ":")
 
 
 class StageSet:
@@ -52,7 +51,6 @@ class StageSet:
     def __init__(self, stages: Sequence[Stage], mixtures: Sequence[Mixture]):
         self.stages = list(stages)
         self.mixtures = list(mixtures)
-        fingerprints = {d.fingerprint for m in mixtures for d in m.datasets}
         tokenizers = {d.meta["tokenizer"]["fingerprint"] for m in mixtures for d in m.datasets}
         if len(tokenizers) > 1:
             raise ForjaError("the data stages were prepared with different tokenizers; one tokenizer serves "
@@ -67,7 +65,6 @@ class StageSet:
                     number[d.fingerprint] = len(self.sources)
                     self.sources.append(d)
             self.components.append([number[d.fingerprint] for d in mixture.datasets])
-        assert len(number) == len(fingerprints)
         self.fingerprints = [d.fingerprint for d in self.sources]
         self.interleaves = [Interleave(m.weights) for m in self.mixtures]
         labels = [source_label(d) for d in self.sources]
@@ -92,24 +89,38 @@ class StageSet:
 
     def check_history(self, recorded: str, steps: int) -> None:
         """Stop, naming the stage, unless every stage begun by `steps` is as it was trained."""
-        past = json.loads(recorded)
-        begun = self.at(max(steps, 1)) + 1
-        for i, then in enumerate(past):
-            if i >= len(self.stages):
-                raise ForjaError(f"{stage_name(i)} was trained on from step {then['start_step']} ({then['path']}) "
-                                 f"but this config has no such stage; a stage already begun cannot be removed: "
-                                 f"restore it, or change only stages that start after step {steps}")
-            now = self.record(i)
-            for key, what in (("start_step", "start_step"), ("data", "data or weights"), ("seq_len", "seq_len")):
-                if now[key] != then[key]:
-                    raise ForjaError(
-                        f"{stage_name(i)} differs in its {what} from what this run has trained on "
-                        f"(from step {then['start_step']}: {then['path']}, seq_len {then['seq_len']}); a stage already "
-                        f"begun cannot change: restore it, or change only stages that start after step {steps}")
-        if begun > len(past):
-            stage = self.stages[len(past)]
-            raise ForjaError(f"{stage_name(len(past))} starts at step {stage.start_step}, but this run is past step "
-                             f"{steps} without it; a new stage must start after step {steps}")
+        now = [self.record(i) for i in range(len(self.stages))]
+        check_begun(json.loads(recorded), now, steps,
+                    {"start_step": "start_step", "data": "data or weights", "seq_len": "seq_len"})
+
+
+def check_begun(past: list[dict[str, Any]], now: list[dict[str, Any]], steps: int, keys: dict[str, str | None], *,
+                first: int = 0) -> None:
+    """The one check of a resumed run's stages: every stage begun by `steps` (`past`, as
+    recorded) is in `now` (the config's, as records) with the same `keys`, and no stage of `now`
+    starts inside the steps done without having been recorded. `keys` maps a record key to how a
+    change of it is named without its values (None: the two values are shown). Stages before
+    `first` are left to other checks."""
+    for i, then in enumerate(past[first:], start=first):
+        if i >= len(now):
+            raise ForjaError(f"{stage_name(i)} was trained on from step {then['start_step']} ({then['path']}) "
+                             f"but this config has no such stage; a stage already begun cannot be removed: "
+                             f"restore it, or change only stages that start after step {steps}")
+        for key, label in keys.items():
+            if now[i][key] == then[key]:
+                continue
+            if label is None:
+                change = (f"has {key} {now[i][key]!r} but this run trained on it with {then[key]!r} "
+                          f"(from step {then['start_step']})")
+            else:
+                change = (f"differs in its {label} from what this run has trained on (from step "
+                          f"{then['start_step']}: {then['path']}, seq_len {then['seq_len']})")
+            raise ForjaError(f"{stage_name(i)} {change}; a stage already begun cannot change: restore it, or "
+                             f"change only stages that start after step {steps}")
+    begun = sum(1 for record in now if record["start_step"] <= max(steps, 1))
+    if begun > len(past):
+        raise ForjaError(f"{stage_name(len(past))} starts at step {now[len(past)]['start_step']}, but this run is "
+                         f"past step {steps} without it; a new stage must start after step {steps}")
 
 
 def _check_distinct(mixture: Mixture, index: int) -> None:

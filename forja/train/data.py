@@ -88,13 +88,18 @@ def _train_and_prepare(cfg: Config, tok_path: Path) -> tuple[Tokenizer, Any]:
                                    progress=True)
 
 
-def _check_sources(spec: str) -> None:
-    """Every rank checks a source string before rank 0 starts any work on it."""
-    for part, _ in parse_mixture(spec):
+def _check_sources(spec: str, key: str = "data.path") -> None:
+    """Every rank checks a source string (data.path's, or a stage's: `key` names it) before rank 0
+    starts any work on it: its parts and weights, and that each part's source exists."""
+    try:
+        parts = parse_mixture(spec)
+    except ForjaError as exc:
+        raise ForjaError(f"{key}: {exc}") from None
+    for part, _ in parts:
         try:
             parse_source(part)
         except ForjaError as exc:
-            raise ForjaError(f"data.path: {exc}; or give a directory written by `forja prepare`") from None
+            raise ForjaError(f"{key}: {exc}; or give a directory written by `forja prepare`") from None
 
 
 def check_data(cfg: Config) -> Tokenizer | None:
@@ -172,12 +177,11 @@ def stages(cfg: Config, tokenizer: Tokenizer, *, rank: int) -> list[Any]:
 
     d = cfg.data
     options = dict(val_fraction=d.val_fraction, workers=d.workers or None)
-    if rank == 0:
-        for stage in d.stages:
-            if not _is_prepared(_where(stage.path)):
-                open_dataset(stage.path, tokenizer, progress=True, **options)
+    opened = [open_dataset(s.path, tokenizer, progress=True, **options) for s in d.stages] if rank == 0 else []
     barrier()
-    return [Stage(s.start_step, open_dataset(s.path, tokenizer, **options), s.seq_len, s.path) for s in d.stages]
+    if rank != 0:  # open what rank 0 prepared
+        opened = [open_dataset(s.path, tokenizer, **options) for s in d.stages]
+    return [Stage(s.start_step, data, s.seq_len, s.path) for s, data in zip(d.stages, opened, strict=True)]
 
 
 def check_stages(cfg: Config) -> None:
@@ -188,11 +192,7 @@ def check_stages(cfg: Config) -> None:
     for i, stage in enumerate(cfg.data.stages):
         name = f"data.stages[{i}] (from step {stage.start_step})"
         if not _is_prepared(_where(stage.path)):
-            for part, _ in _parts(stage.path, name):
-                try:
-                    parse_source(part)
-                except ForjaError as exc:
-                    raise ForjaError(f"{name}: {exc}; or give a directory written by `forja prepare`") from None
+            _check_sources(stage.path, name)
         if stage.seq_len is not None and stage.seq_len > t.seq_len:
             raise ForjaError(f"{name} has seq_len = {stage.seq_len}, longer than train.seq_len = {t.seq_len} (the "
                              f"length the model is built for); raise train.seq_len to {stage.seq_len}")
@@ -202,13 +202,6 @@ def check_stages(cfg: Config) -> None:
     if sum(s.lr_phase == "decay" for s in cfg.data.stages) > 1:
         raise ForjaError("more than one data stage has lr_phase = \"decay\"; the learning rate decays once: "
                          "keep it on the stage whose steps should anneal")
-
-
-def _parts(spec: str, name: str) -> list[tuple[str, float]]:
-    try:
-        return parse_mixture(spec)
-    except ForjaError as exc:
-        raise ForjaError(f"{name}: {exc}") from None
 
 
 def run_seq_lens(cfg: Config) -> tuple[int, ...]:

@@ -20,8 +20,7 @@ from forja import storage
 from forja.checkpoint import remote
 from forja.checkpoint.verify import newest_intact
 from forja.config import Config
-from forja.data.stages import stage_name
-from forja.errors import ForjaError
+from forja.data.stages import check_begun
 
 
 def checkpoints_of(cfg: Config) -> Path | str:
@@ -61,20 +60,6 @@ def check_stage_history(cfg: Config) -> None:
     if recorded is None:
         return
     past, steps = recorded
-    stages = cfg.data.stages
-    for i, then in enumerate(past[1:], start=1):
-        if i > len(stages):
-            raise ForjaError(f"{stage_name(i)} was trained on from step {then['start_step']} ({then['path']}) but "
-                             f"this config has no such stage; a stage already begun cannot be removed: restore "
-                             f"it, or change only stages that start after step {steps}")
-        now = stages[i - 1]
-        for key, value in (("start_step", now.start_step), ("path", now.path), ("seq_len", now.seq_len)):
-            if then[key] != value:
-                raise ForjaError(f"{stage_name(i)} has {key} {value!r} but this run trained on it with {then[key]!r} "
-                                 f"(from step {then['start_step']}); a stage already begun cannot change: restore "
-                                 f"it, or change only stages that start after step {steps}")
-    begun = sum(1 for s in stages if s.start_step <= max(steps, 1))
-    if begun > len(past) - 1:
-        stage = stages[len(past) - 1]
-        raise ForjaError(f"{stage_name(len(past))} starts at step {stage.start_step}, but this run is past step "
-                         f"{steps} without it; a new stage must start after step {steps}")
+    now = [{"start_step": 1, "path": cfg.data.path, "seq_len": None}]  # stage 0: the run directory's check
+    now += [{"start_step": s.start_step, "path": s.path, "seq_len": s.seq_len} for s in cfg.data.stages]
+    check_begun(past, now, steps, {"start_step": None, "path": None, "seq_len": None}, first=1)
