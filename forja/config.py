@@ -29,6 +29,7 @@ from forja.models.config import ModelConfig
 from forja.optim.config import DEFAULT_LR, OptimConfig, ScheduleConfig
 from forja.parallel.config import ParallelConfig
 from forja.train.config import DebugConfig, RunConfig, TrainConfig
+from forja.train.ft.config import FTConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,6 +53,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    ft: FTConfig = field(default_factory=FTConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -251,8 +251,13 @@ class DataLoader:
         return self.segment(self.cursor).seq_len
 
     # -- stepping ---------------------------------------------------------------------------
-    def next_step(self) -> list[Batch]:
-        """The micro-batches of the next optimizer step (a list of accumulation_steps)."""
+    def next_step(self, share: int = 0, shares: int = 1) -> list[Batch]:
+        """The micro-batches of the next optimizer step (a list of accumulation_steps). With
+        fault-tolerant replica groups (forja/train/ft) a loader step is one group's share of the
+        global batch: this group trains share `share` of the `shares` the live groups train
+        together, and the cursor moves past all of them."""
+        if shares > 1:
+            return self._next_share(share, shares)
         started = time.perf_counter()
         if self.prefetch == 0:
             batches = self.build_step(self.cursor)
@@ -267,6 +272,22 @@ class DataLoader:
             assert at == self.cursor, "prefetcher out of step with the loader"
         self.data_wait_s += time.perf_counter() - started
         self._before, self.cursor = self.cursor, self._advance(self.cursor)
+        return batches
+
+    def _next_share(self, share: int, shares: int) -> list[Batch]:
+        if not 0 <= share < shares:
+            raise ValueError(f"share {share} of {shares}")
+        started = time.perf_counter()
+        self.close()  # a prefetcher builds consecutive steps, not one share in every `shares`
+        at = self.cursor
+        for _ in range(share):
+            at = self._advance(at)
+        batches = self.build_step(at)
+        after = self.cursor
+        for _ in range(shares):
+            after = self._advance(after)
+        self.data_wait_s += time.perf_counter() - started
+        self._before, self.cursor = self.cursor, after
         return batches
 
     def rewind_step(self) -> None:

@@ -228,9 +228,11 @@ def loaders(cfg: Config, dataset: Any, *, dp_rank: int, dp_size: int, later: Any
     from forja.data import DataLoader, ValidationLoader
 
     t, d = cfg.train, cfg.data
-    train = DataLoader(dataset, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+    # Under [ft] each replica group is a run of its own share of the global batch.
+    train = DataLoader(dataset, seq_len=t.seq_len, global_batch_size=cfg.ft.group_batch(t.global_batch_size),
                        micro_batch_size=t.micro_batch_size, dp_rank=dp_rank, dp_world_size=dp_size,
-                       seed=t.seed, prefetch=d.prefetch, seq_len_at=t.seq_len_at if t.seq_len_schedule else None,
+                       seed=t.seed, prefetch=0 if cfg.ft.enabled else d.prefetch,  # shares are taken out of order
+                       seq_len_at=t.seq_len_at if t.seq_len_schedule else None,
                        stages=later, packing=d.packing, max_doc_tokens=d.max_doc_tokens, pack_buffer=d.pack_buffer)
     val = None
     if t.val_interval > 0 and t.val_batches > 0:

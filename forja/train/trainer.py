@@ -39,6 +39,7 @@ from forja.parallel.process_group import init_distributed, shutdown_distributed,
 from forja.train.build import build_model_parts
 from forja.train.callbacks import Callback, StepRecord, default_callbacks
 from forja.train.data import data, decay_window, loaders, stages
+from forja.train.ft.replicas import build_replicas, group_dir
 from forja.train.resilience.drills import Drills, loss_factor
 from forja.train.step.engine import StepScales, build_engine
 from forja.train.evaluation import EvalCallback
@@ -77,9 +78,10 @@ class Trainer:
         self.directory = RunDir(c, rank=self.rank)  # run.dir in a store: self.run_dir is its local mirror
         self.run_dir: Path = self.directory.prepare()
         preflight.write_plan(self.run_dir)
-        self.goodput = Goodput(self.run_dir, rank=self.rank)
+        own = group_dir(self.run_dir, c)  # under [ft] a replica group's own files: G groups, G rank 0s
+        self.goodput = Goodput(own, rank=self.rank)
         self.goodput.start(launched)
-        self.drills = Drills(c.debug.inject, rank=self.rank, run_dir=self.run_dir)
+        self.drills = Drills(c.debug.inject, rank=self.rank, run_dir=own)
         self.tokenizer, dataset = data(c, rank=self.rank, run_dir=self.run_dir)
         args = run_model_args(c.model, self.tokenizer.vocab_size)
         if args != preflight.args:  # a tokenizer trained just now may hold fewer tokens than asked
@@ -95,9 +97,11 @@ class Trainer:
         report_fallbacks(self.run_dir, rank=self.rank, group=self.dims.cpu_group)  # one line each, and run.json
         self.optimizers = OptimizerGroup(self.parts, c.optim)
         self.scheduler = SchedulerGroup(self.optimizers.optimizers, c.schedule, c.train.steps, decay=decay_window(c))
+        self.replicas = build_replicas(c, state=self._shared_state, model=identity, device=self.device)  # [ft]
         self.engine = build_engine(self.parts, built.pipeline, self.optimizers, self.scheduler, self.dims,
                                    device=self.device, precision=c.train.precision, grad_clip=c.train.grad_clip,
-                                   document_mask=c.model.document_mask, scaler=loss_scaler(c.train))
+                                   document_mask=c.model.document_mask, scaler=loss_scaler(c.train),
+                                   replicas=self.replicas)
         self.loader, self.val_loader = loaders(c, dataset, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp,
                                                later=stages(c, self.tokenizer, rank=self.rank))
         self.checkpoints = CheckpointManager(c.checkpoint, self.directory.checkpoints, rank=self.rank, meta=identity)
@@ -106,12 +110,15 @@ class Trainer:
         self.callbacks = default_callbacks(c, flops_per_token=self.flops_per_token, num_devices=self.dims.world_size,
                                            device=self.device, compute_dtype=self.engine.compute_dtype)
         self.callbacks += evaluation + self.extra_callbacks
-        self.watchdog = Watchdog(self.run_dir, rank=self.rank, world_size=info.world_size,
+        self.watchdog = Watchdog(own, rank=self.rank, world_size=info.world_size,
                                  timeout_s=c.parallel.timeout_s)
         self.recovery = Recovery(c.train, checkpoints=self.checkpoints, counters=self.counters, loader=self.loader,
                                  sinks=self.sinks, reload=self._load, beat=self.watchdog.beat,
                                  rolled_back=lambda: self.goodput.beat(rollback=True), rank=self.rank)
         self._resume()
+        if self.replicas is not None:  # a group behind the live ones heals here, before any record
+            self.replicas.resume_at(self.counters.step)
+            self.replicas.join()
 
     @property
     def model(self):
@@ -125,6 +132,10 @@ class Trainer:
         if self.engine.scaler is not None:  # fp16: the loss scale the run has found
             state["scaler"] = self.engine.scaler
         return state
+
+    def _shared_state(self) -> dict:
+        """What a live replica group sends one that rejoins: the checkpoint's pieces but this rank's RNG."""
+        return {k: v for k, v in self.checkpoint_state().items() if not k.startswith("rng.")}
 
     def _resume(self) -> None:
         if self.cfg.checkpoint.enabled:
@@ -161,12 +172,14 @@ class Trainer:
             self.checkpoints.poll()  # an async save every rank finished becomes the latest checkpoint
             if self.recovery.is_replay(step):
                 continue  # validated and saved the first time round
+            if not self._leads():
+                continue  # another replica group validates and checkpoints (forja/train/ft)
             if cfg.train.val_interval and (step % cfg.train.val_interval == 0 or step == cfg.train.steps):
                 self.validate()
             if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
                 self.save_checkpoint()
                 last_saved = step
-        if self.counters.step != last_saved:
+        if self.counters.step != last_saved and self._leads():
             self.save_checkpoint()
         self.checkpoints.wait()
         self.watchdog.stop()
@@ -175,12 +188,13 @@ class Trainer:
 
     def train_one_step(self) -> bool:
         """One optimizer step (or a rollback); False when the ranks agreed to stop before it."""
+        share = self.replicas.begin_step() if self.replicas is not None else None  # [ft]: may heal
         step = self.counters.step + 1
         self.watchdog.beat("step", step)
         start = time.perf_counter()
         fault = self.drills.before_step(step)
         waited = self.loader.data_wait_s
-        batches = self.loader.next_step()  # accumulation_steps micro-batches of this rank
+        batches = self.loader.next_step(share.index, share.count) if share else self.loader.next_step()
         data_wait = self.loader.data_wait_s - waited
         agreed = time.perf_counter()
         if self._should_stop():
@@ -190,6 +204,9 @@ class Trainer:
         scales = StepScales(loss=current_scale(self.engine.scaler), fault=loss_factor(fault),
                             lr=self.recovery.lr_scale(step))
         out = self.engine.train_step(batches, guard=self.recovery.check, scales=scales)
+        if not out.committed:  # a replica group failed mid-step: trained again by the groups left
+            self.loader.rewind_step()
+            return True
         # Skip, roll back or stop on an anomaly (forja/train/resilience/recovery.py).
         if self.recovery.step(step, out) is Outcome.ROLLED_BACK:
             return True  # the counters are the checkpoint's now
@@ -202,8 +219,9 @@ class Trainer:
                             step_time=step_time, data_wait=data_wait, sync_wait=sync_wait, skipped=out.skipped,
                             replay=self.recovery.is_replay(step),
                             extra={"seq_len": batches[0].input_ids.shape[1], **self.loader.step_metrics(batches),
-                                   **out.metrics})  # a schedule's length, the data stage, tokens per source
-        self._call("on_step_end", record)
+                                   **out.metrics, **({"ft/groups": share.count} if share else {})})
+        if self._leads():  # a schedule's length, the data stage, tokens per source: one record per step
+            self._call("on_step_end", record)
         return True
 
     @torch.no_grad()
@@ -240,7 +258,8 @@ class Trainer:
         """Goodput over every launch of the run, then the end-of-training callbacks."""
         self.goodput.end()
         figures = self.goodput.summary(self.counters.productive_s)
-        self.log(self.counters.step, figures)
+        if self._leads():
+            self.log(self.counters.step, figures)
         if self.rank == 0:
             print(f"forja: goodput {figures['goodput']:.1%} ({figures['productive_s']:.1f} s of productive steps "
                   f"in {figures['wall_s']:.1f} s; {figures['restarts']} restarts, {figures['rollbacks']} rollbacks, "
@@ -277,6 +296,11 @@ class Trainer:
     # -- stopping ---------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
         self.stop_reason = reason
+
+    def _leads(self) -> bool:
+        """Whether this process's group records, validates and checkpoints the step (the first live
+        replica group under [ft]; always without)."""
+        return self.replicas is None or self.replicas.leads
 
     def _should_stop(self) -> bool:
         """Whether any rank was asked to stop; all ranks agree, so they stop at the same step."""
@@ -355,5 +379,7 @@ class Trainer:
             self.loader.close()  # stops its prefetch thread
         if getattr(self, "directory", None) is not None:
             self.directory.final_sync()  # a failed run's files reach its store too, as far as they can
+        if getattr(self, "replicas", None) is not None:
+            self.replicas.close()
         if getattr(self, "owns_process_group", True):  # a host program's group outlives the run
             shutdown_distributed()

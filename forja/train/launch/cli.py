@@ -41,6 +41,15 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rdzv-id", default=None, metavar="ID",
                    help="the job's name at the rendezvous, the same on every machine "
                         "(default: derived from run.dir; under SLURM, $SLURM_JOB_ID)")
+    p.add_argument("--ft-groups", type=int, default=None, metavar="G",
+                   help="fault-tolerant replica groups (torchft, [ft]): start a lighthouse and G groups of --nproc "
+                        "ranks here, each its own torchrun job; a group that dies is restarted alone "
+                        "(--max-restarts) and heals from a live one")
+    p.add_argument("--ft-group", type=int, default=None, metavar="g",
+                   help="start only replica group g of --ft-groups G here (one job per group on a cluster: "
+                        "scripts/ft_groups.sbatch); needs --ft-lighthouse HOST:PORT")
+    p.add_argument("--ft-lighthouse", default=None, metavar="HOST:PORT",
+                   help="the torchft lighthouse the groups meet at (default: --ft-groups starts one here)")
     p.set_defaults(func=run)
 
 
@@ -114,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     from forja.config import load_config
 
     overrides = list(args.overrides) + (["run.start_over=true"] if args.start_over else [])
+    if args.ft_groups is not None or args.ft_group is not None:
+        return _launch_ft(args, overrides)
     cfg = load_config(args.config, overrides)  # errors surface before any process starts
     if launch_needed(args):
         cmd = torchrun_command(args, str(cfg.run.dir))
@@ -127,3 +138,21 @@ def run(args: argparse.Namespace) -> int:
 
     Trainer(cfg).run()
     return 0
+
+
+def _launch_ft(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Replica groups (forja/train/ft/launch.py), after the same checks as any launch."""
+    from forja.config import load_config
+    from forja.train.ft.launch import ft_overrides, launch_groups
+
+    if "LOCAL_RANK" in os.environ:
+        raise ForjaError("--ft-groups starts torchrun itself: run it directly, not under torchrun")
+    if args.ft_groups is None or args.ft_groups < 1:
+        raise ForjaError(f"--ft-groups {args.ft_groups}: give the number of replica groups, 1 or more"
+                         + (" (with --ft-group g, the run's total)" if args.ft_group is not None else ""))
+    if args.ft_group is not None and not args.ft_lighthouse:
+        raise ForjaError("--ft-group starts one group of several jobs, which must meet at one lighthouse: "
+                         "give --ft-lighthouse HOST:PORT (python -m forja.train.ft.lighthouse starts one)")
+    cfg = load_config(args.config, ft_overrides(argparse.Namespace(overrides=overrides), args.ft_groups))
+    torchrun_command(args, str(cfg.run.dir))  # its argument errors first
+    return launch_groups(args, cfg, launcher_preflight=launcher_preflight, torchrun_command=torchrun_command)

@@ -36,6 +36,7 @@ from forja.plan.hardware import Hardware, get_hardware, hardware_for_device
 from forja.plan.job import Job, job_from_config
 from forja.plan.layout import PARALLEL_KEYS, Layout, from_config
 from forja.plan.planner import Candidate, evaluate, plan, usable_memory
+from forja.train.ft.checks import check_ft
 from forja.train.data import check_data, check_splits, check_stages, run_seq_lens
 from forja.train.launch.run_dir import RunDir
 from forja.train.launch.stage_history import check_stage_history
@@ -47,7 +48,8 @@ def layout_request(cfg: Config, args: TransformerArgs, world_size: int, device_t
     """The run's layout as the validator reads it."""
     t = cfg.train
     return LayoutRequest(args=args, parallel=cfg.parallel, world_size=world_size, seq_len=t.seq_len,
-                         global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                         global_batch_size=cfg.ft.group_batch(t.global_batch_size),  # one replica group's
+                         micro_batch_size=t.micro_batch_size,
                          device_type=device_type, document_mask=cfg.model.document_mask, float8=t.float8,
                          precision=t.precision, seq_lens=run_seq_lens(cfg))
 
@@ -123,6 +125,7 @@ class Preflight:
     def run(self) -> Preflight:
         """Every check; raises the first failure as one ForjaError. Writes nothing."""
         RunDir(self.cfg, rank=self.rank).check()
+        check_ft(self.cfg)  # replica groups: a layout or setting torchft cannot serve
         check_tasks(self.cfg.eval.tasks)
         tokenizer = check_data(self.cfg)
         check_stages(self.cfg)

@@ -93,6 +93,9 @@ class StepOutput:
     the weights were left unchanged."""
     anomaly: Any = None
     """What the guard found wrong with the step (forja/train/resilience/health.py's Anomaly), or None."""
+    committed: bool = True
+    """False when a fault-tolerant replica group did not finish the step (forja/train/ft): nothing
+    stepped, not even the schedule, and the step is to be trained again by the groups left."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Further figures of the step (a mixture of experts' load and auxiliary losses, multi-token
     prediction's per-depth losses `mtp/loss_{k}`; under fp16
@@ -113,8 +116,9 @@ class StepEngine:
 
     def __init__(self, parts: list[Transformer], optimizers: OptimizerGroup, scheduler: SchedulerGroup,
                  dims: ParallelDims, *, device: torch.device, compute_dtype: torch.dtype | None,
-                 grad_clip: float, document_mask: bool, scaler: LossScaler | None = None):
+                 grad_clip: float, document_mask: bool, scaler: LossScaler | None = None, replicas: Any = None):
         self.parts, self.optimizers, self.scheduler, self.dims = parts, optimizers, scheduler, dims
+        self.replicas = replicas  # torchft replica groups (forja/train/ft/replicas.py), or None
         self.device, self.compute_dtype = device, compute_dtype
         self.scaler = scaler  # fp16's loss scaling, or None
         self.grad_clip, self.document_mask = grad_clip, document_mask
@@ -154,23 +158,32 @@ class StepEngine:
         finally:
             self._scales = StepScales()
         self.sync_tied_copies()
+        if self.replicas is not None:  # the live replica groups' mean gradient (each shard alike)
+            self.replicas.average(self._local_grads())
         if scales.loss != 1.0:  # unscaled before the norm: it, clipping and the guard see true values
             loss = loss / scales.loss
             unscale_(self._local_grads(), scales.loss)
         norm = self.clip_gradients()
         loss = self._mean_over_data(loss)  # the norm is already global
+        if self.replicas is not None:
+            self.replicas.average([loss])
         # The one host sync of the step: whether to step depends on the values.
         loss_value, norm_value = torch.stack([loss, norm.to(loss.device, loss.dtype)]).tolist()
         lr = self.optimizers.optimizers[0].param_groups[0]["lr"]  # the schedule's, or a rollback's lowered one
         overflow = self._overflowed(loss_value, norm_value)
         anomaly = guard(loss_value, norm_value) if guard is not None and not overflow else None
         skipped = overflow or anomaly is not None or not (math.isfinite(loss_value) and math.isfinite(norm_value))
+        groups = 1 if self.replicas is None else self.replicas.share.count
+        if self.replicas is not None and not self.replicas.commit():  # a group failed mid-step
+            self.optimizers.zero_grad(set_to_none=True)
+            return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=0, lr=lr, skipped=True,
+                              committed=False)
         self._finish_step(skipped)
         metrics = self.experts.end_step(stepped=not skipped)  # after the step: the bias follows it
         metrics |= self.attention_logits.end_step(stepped=not skipped)  # QK-clip after the step
         metrics |= self.mtp.end_step()
         metrics |= self._scaler_metrics(overflow, skipped, scales.loss)
-        tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
+        tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp * groups
         return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=tokens, lr=lr, skipped=skipped,
                           anomaly=anomaly, metrics=metrics)
 
@@ -431,11 +444,12 @@ def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 def build_engine(parts: list[Transformer], pipeline: Pipeline | None, optimizers: OptimizerGroup,
                  scheduler: SchedulerGroup, dims: ParallelDims, *, device: torch.device, precision: str,
-                 grad_clip: float, document_mask: bool, scaler: LossScaler | None = None) -> StepEngine:
+                 grad_clip: float, document_mask: bool, scaler: LossScaler | None = None,
+                 replicas: Any = None) -> StepEngine:
     """The engine for this layout: a pipeline's when the parts are pipeline stages. `scaler`
-    scales the loss (train.precision = "fp16")."""
+    scales the loss (train.precision = "fp16"); `replicas` averages over torchft replica groups."""
     kwargs = dict(device=device, compute_dtype=compute_dtype(precision, device), grad_clip=grad_clip,
-                  document_mask=document_mask, scaler=scaler)
+                  document_mask=document_mask, scaler=scaler, replicas=replicas)
     if pipeline is None:
         return StepEngine(parts, optimizers, scheduler, dims, **kwargs)
     return PipelineEngine(parts, optimizers, scheduler, dims, pipeline=pipeline, **kwargs)

@@ -1,0 +1,47 @@
+"""What a fault-tolerant run refuses before any step (the preflight calls `check_ft`)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from forja.errors import ForjaError
+
+
+def check_ft(cfg) -> None:
+    """One sentence for each layout or setting torchft's replica groups cannot serve."""
+    ft, t, p = cfg.ft, cfg.train, cfg.parallel
+    if not ft.enabled:
+        return
+    if ft.mode != "hsdp":
+        raise ForjaError(f"ft.mode = {ft.mode!r} is not available yet in this version of forja; use ft.mode = "
+                         "\"hsdp\" (DiLoCo is planned: docs/training.md, \"When things go wrong\")")
+    try:
+        import torchft  # noqa: F401
+    except ImportError as exc:
+        raise ForjaError("ft.enabled needs torchft: pip install -e '.[ft]'") from exc
+    if p.dp_replicate > 1:
+        raise ForjaError(f"parallel.dp_replicate = {p.dp_replicate} with ft.enabled: the replica groups are the "
+                         "replicas (HSDP's outer dimension), so set parallel.dp_replicate = 1 and ft.groups to the "
+                         "number of replicas")
+    if t.global_batch_size % ft.groups:
+        raise ForjaError(f"train.global_batch_size = {t.global_batch_size} does not divide into ft.groups = "
+                         f"{ft.groups} equal shares: each group trains global_batch_size / groups samples per step")
+    if cfg.data.stages or t.seq_len_schedule:
+        key = "data.stages" if cfg.data.stages else "train.seq_len_schedule"
+        raise ForjaError(f"{key} with ft.enabled: replica groups count the data in shares of one length and "
+                         f"stage; train the stages one after another without [ft], or drop {key}")
+    if "rollback" in (t.on_nonfinite, t.spike.action):
+        raise ForjaError("train.on_nonfinite / train.spike.action = 'rollback' with ft.enabled: a live group "
+                         "heals a restarted one instead of going back; use 'skip' or 'stop'")
+
+
+def check_lighthouse(address: str, timeout_s: float) -> None:
+    """Stop with one sentence when the lighthouse at `address` does not answer."""
+    from torchft.coordination import LighthouseClient
+
+    try:
+        LighthouseClient(address, connect_timeout=timedelta(seconds=timeout_s))  # connects, or raises
+    except Exception as exc:  # torchft raises RuntimeError (or a connection error) from its Rust client
+        raise ForjaError(f"the torchft lighthouse at {address} cannot be reached ({str(exc).split(';')[0]}); "
+                         "start one (`forja train --ft-groups G` does, or `python -m forja.train.ft.lighthouse`) "
+                         "or fix ft.lighthouse / --ft-lighthouse") from exc

@@ -1,0 +1,130 @@
+"""`forja train RECIPE --ft-groups G --nproc N`: a lighthouse and G replica groups on this machine.
+
+Each group is its own torchrun job of N ranks (its own rendezvous, its own `--max-restarts`:
+a group that dies is restarted alone while the others train on). The lighthouse runs as a
+child process too; if it dies it is started again on the same port and the groups' next
+quorum finds it. On a cluster each group is a job of its own (scripts/ft_groups.sbatch):
+`forja train RECIPE --ft-groups G --ft-group g --ft-lighthouse HOST:PORT --nproc N`.
+
+The launcher prepares the run directory once (so G groups do not race to create or wipe it)
+and writes <run.dir>/ft/lighthouse.json: the lighthouse's address, pid and restarts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from forja.errors import ForjaError
+from forja.files import write_atomic
+from forja.train.ft.replicas import GROUP_ENV, LIGHTHOUSE_ENV
+
+POLL_S = 0.2
+
+
+class Lighthouse:
+    """The lighthouse child process, restarted on the same port when it dies."""
+
+    def __init__(self, cfg, record: Path | None):
+        self.cfg, self.record = cfg.ft, record
+        self.port, self.restarts, self.address = 0, 0, ""
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        ft = self.cfg
+        cmd = [sys.executable, "-m", "forja.train.ft.lighthouse", f"--port={self.port}",
+               f"--min-groups={ft.min_groups}", f"--join-timeout-s={ft.join_timeout_s}",
+               f"--heartbeat-timeout-s={ft.heartbeat_timeout_s}"]
+        env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith("http"):
+            raise ForjaError(f"the torchft lighthouse did not start (it said {line!r}); is port {self.port} taken?")
+        self.address = line
+        self.port = int(line.rsplit(":", 1)[1])
+        self._write()
+
+    def poll(self) -> None:
+        """Start it again if it died (a lost lighthouse: the groups retry their quorum meanwhile)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            self.restarts += 1
+            print(f"forja: the lighthouse (pid {self.proc.pid}) died; starting it again on port {self.port} "
+                  f"(restart {self.restarts})", file=sys.stderr, flush=True)
+            self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+    def _write(self) -> None:
+        if self.record is not None:
+            self.record.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.record, json.dumps({"address": self.address, "pid": self.proc.pid,
+                                                  "restarts": self.restarts, "time": time.time()}))
+
+
+def ft_overrides(args: argparse.Namespace, groups: int) -> list[str]:
+    """The groups' --set overrides: the run's own, with [ft] switched on for `groups` groups."""
+    return list(args.overrides) + ["ft.enabled=true", f"ft.groups={groups}"]
+
+
+def launch_groups(args: argparse.Namespace, cfg, *, launcher_preflight, torchrun_command) -> int:
+    """Prepare the run directory, start (or reach) the lighthouse, run the groups asked for here
+    under torchrun (`torchrun_command` and `launcher_preflight` are `forja train`'s own), and wait
+    for all of them; returns the worst exit code."""
+    from forja.storage import is_url
+    from forja.train.ft.checks import check_lighthouse
+    from forja.train.launch.run_dir import RunDir
+
+    groups = cfg.ft.groups
+    here = [args.ft_group] if args.ft_group is not None else list(range(groups))
+    if any(not 0 <= g < groups for g in here):
+        raise ForjaError(f"--ft-group {args.ft_group} is not one of the run's {groups} groups (0 to {groups - 1})")
+    launcher_preflight(cfg, nproc=args.nproc or 1, nnodes=args.nnodes)
+    if args.ft_lighthouse:
+        address = args.ft_lighthouse if "://" in args.ft_lighthouse else f"http://{args.ft_lighthouse}"
+        check_lighthouse(address, cfg.ft.timeout_s)
+    run_dir = None if is_url(cfg.run.dir) else Path(RunDir(cfg).prepare())
+    lighthouse = None if args.ft_lighthouse else Lighthouse(cfg, run_dir / "ft" / "lighthouse.json" if run_dir else None)
+    address = lighthouse.address if lighthouse else address
+    worker_args = copy.copy(args)
+    worker_args.overrides = [o for o in ft_overrides(args, groups) if not o.startswith("run.start_over")]
+    worker_args.start_over = False  # wiped once, above: G groups must not race to wipe it again
+    cmd = torchrun_command(worker_args, str(cfg.run.dir))
+    procs = {g: subprocess.Popen(cmd, env={**os.environ, GROUP_ENV: str(g), LIGHTHOUSE_ENV: address,
+                                           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                                           "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
+             for g in here}
+    print(f"forja: {len(here)} of {groups} replica groups started here, lighthouse {address}", flush=True)
+    return _supervise(procs, lighthouse)
+
+
+def _supervise(procs: dict[int, subprocess.Popen], lighthouse: Lighthouse | None) -> int:
+    """Wait for every group, keeping the lighthouse alive; SIGTERM is passed on to the groups
+    (each saves a checkpoint and stops), Ctrl-C reaches them from the terminal directly."""
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda s, _: [p.send_signal(s) for p in procs.values()]),
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            if lighthouse is not None:
+                lighthouse.poll()
+            time.sleep(POLL_S)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if lighthouse is not None:
+            lighthouse.stop()
+    codes = {g: p.returncode for g, p in procs.items()}
+    for g, code in codes.items():
+        if code:
+            print(f"forja: replica group {g} ended with exit code {code}", file=sys.stderr, flush=True)
+    return max(codes.values(), key=abs)

@@ -1,0 +1,246 @@
+"""One replica group's side of a fault-tolerant run (torchft).
+
+A fault-tolerant run is G replica groups, each its own torchrun job of N ranks laid out as
+any run is (FSDP, TP... inside the group); the groups are coordinated by a torchft lighthouse
+and talk over torchft's reconfigurable process group. Every step of ft.mode = "hsdp":
+
+    begin_step()  the quorum: which groups are live (Share: this group's place among them).
+                  A group behind the others (just restarted) receives the current weights,
+                  optimizer, schedule, data cursor and counters from a live peer here.
+    average(...)  the gradients (and the loss) averaged over the live groups
+    commit()      whether every live group finished the step; if not, nobody steps and the
+                  step is trained again with the groups that are left
+
+The data follows the groups: each step a group trains `global_batch_size / groups` samples
+(a share), the live groups take consecutive shares, and the cursor moves by as many shares as
+groups trained, so no sample is skipped or trained twice whatever fails.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from forja.errors import ForjaError
+from forja.train.ft.config import FTConfig
+
+GROUP_ENV = "FORJA_FT_GROUP"
+"""The replica group this process belongs to (set by the launcher or the SLURM template)."""
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+
+@dataclass(frozen=True)
+class Share:
+    """This group's part of a step: share `index` of the `count` the live groups train."""
+
+    index: int = 0
+    count: int = 1
+
+
+def group_id() -> int:
+    """This process's replica group, from $FORJA_FT_GROUP."""
+    raw = os.environ.get(GROUP_ENV)
+    if raw is None or not raw.isdigit():
+        raise ForjaError(f"ft.enabled is set but ${GROUP_ENV} is {raw!r}: start the groups with "
+                         "`forja train RECIPE --ft-groups G --nproc N`, or give each group's job its number "
+                         f"({GROUP_ENV}=0, 1, ...) as scripts/ft_groups.sbatch does")
+    return int(raw)
+
+
+def lighthouse_address(cfg: FTConfig) -> str:
+    address = cfg.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+    if not address:
+        raise ForjaError("ft.enabled is set but no lighthouse is named: set ft.lighthouse = \"http://HOST:PORT\", "
+                         f"${LIGHTHOUSE_ENV}, or let `forja train --ft-groups G` start one")
+    return address if "://" in address else f"http://{address}"
+
+
+class Replicas:
+    """This process's torchft manager and what the step engine asks of it. `state()` returns
+    the run's Stateful pieces by name (a healing peer's are loaded into them); `identity` is what
+    every group must share (model, layout, batch), checked when a group joins."""
+
+    def __init__(self, cfg: FTConfig, *, group: int, state: Callable[[], dict[str, Any]], identity: dict[str, Any],
+                 device: torch.device, on_heal: Callable[[int], None] | None = None):
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self.cfg, self.group, self.state, self.identity = cfg, group, state, identity
+        self.on_heal = on_heal or (lambda step: None)
+        self.share = Share()
+        self.healed_from: int | None = None  # the step a heal brought this group to, until read
+        timeout = timedelta(seconds=cfg.timeout_s)
+        self.pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        host, port = _group_store()
+        self.manager = Manager(
+            pg=self.pg, min_replica_size=cfg.min_groups, load_state_dict=self._load, state_dict=self._save,
+            use_async_quorum=False,  # the share of the data must be known before the step's forward
+            init_sync=True,  # groups meeting at step 0 take the first's state too: its identity is checked then
+            timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=cfg.timeout_s),
+            rank=dist.get_rank(), world_size=dist.get_world_size(), store_addr=host, store_port=port,
+            lighthouse_addr=lighthouse_address(cfg), replica_id=f"forja_group_{group}",
+            hostname=socket.gethostname(), heartbeat_interval=timedelta(milliseconds=100))
+        self._joined = False
+
+    # -- the step ---------------------------------------------------------------------------
+    def resume_at(self, step: int) -> None:
+        """The run resumed from a checkpoint of `step`: the quorum compares steps to find who heals."""
+        self.manager.load_state_dict({"step": step, "batches_committed": step * self.cfg.groups})
+
+    def join(self) -> None:
+        """The first quorum, before the loop. A group behind the live ones heals here (so the
+        metric sinks start at the step it rejoins; its identity is checked as it loads). Groups
+        starting together wait up to ft.join_timeout_s for each other, so that none trains the
+        first steps alone."""
+        deadline = time.monotonic() + self.cfg.join_timeout_s
+        self._quorum()
+        while self.share.count < self.cfg.groups and time.monotonic() < deadline:
+            time.sleep(0.2)
+            self._quorum()
+        self._joined = True
+
+    def begin_step(self) -> Share:
+        """The quorum of the next step (the join's, for the first one)."""
+        if not self._joined:
+            self._quorum()
+        self._joined = False
+        return self.share
+
+    def _quorum(self) -> None:
+        self.manager.start_quorum()  # synchronous: applies a healing peer's state before returning
+        rank = self.manager.participating_rank()
+        self.share = Share(index=rank or 0, count=max(1, self.manager.num_participants()))
+
+    @property
+    def leads(self) -> bool:
+        """Whether this group writes the step's record, validates and checkpoints: the first live one."""
+        return self.share.index == 0
+
+    def average(self, tensors: list[torch.Tensor]) -> None:
+        """Each tensor (a gradient's local shard, the loss) averaged in place over the live groups.
+        A group that died mid-step leaves these unfinished: commit() then says no."""
+        works = [self.manager.allreduce(t) for t in tensors]
+        for work in works:
+            work.wait()
+
+    def commit(self) -> bool:
+        """Whether every live group finished the step (the optimizer may step)."""
+        return self.manager.should_commit()
+
+    @property
+    def errored(self) -> str | None:
+        error = self.manager.errored()
+        return None if error is None else str(error.original_exception)
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    # -- healing: what a live peer sends and a joiner loads -----------------------------------
+    def _save(self) -> dict[str, Any]:
+        return {"identity": self.identity,
+                "state": {name: _to_local(obj.state_dict()) for name, obj in _stepped(self.state()).items()}}
+
+    def _load(self, received: dict[str, Any]) -> None:
+        _check_same(self.identity, received["identity"], self.group)
+        for name, obj in self.state().items():
+            if name in received["state"]:  # an optimizer that has not stepped yet is not sent
+                obj.load_state_dict(_from_local(received["state"][name], obj.state_dict()))
+        step = int(received["state"]["trainer"]["step"])
+        self.healed_from = step
+        self.on_heal(step)
+
+
+def _stepped(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` less an optimizer that holds no state yet (step 0): asking torch for its state dict
+    would initialize it with a step of lr 0, and Adam's bias correction would count that step."""
+    optim = state.get("optim")
+    if optim is not None and not any(opt.state for opt in getattr(optim, "optimizers", [])):
+        state = {k: v for k, v in state.items() if k != "optim"}
+    return state
+
+
+def _group_store() -> tuple[str, int]:
+    """A TCPStore for this group's manager, hosted by the group's rank 0 (torchrun's own store is
+    not shared with its workers when they may restart); its port is sent to the group's ranks."""
+    host = socket.gethostname()
+    store = None
+    if dist.get_rank() == 0:
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        _keep.append(store)
+    port = [store.port if store is not None else 0]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(port, src=0)
+    return host, int(port[0])
+
+
+_keep: list[Any] = []  # the group store lives as long as the process
+
+
+def _check_same(mine: dict[str, Any], theirs: dict[str, Any], group: int) -> None:
+    differ = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    if differ:
+        said = "; ".join(f"{k}: this group {mine.get(k)!r}, the live groups {theirs.get(k)!r}" for k in differ)
+        raise ForjaError(f"ft group {group} cannot join: {said}. Every replica group must run the same model, "
+                         "layout and batch: start it with the run's config")
+
+
+def _to_local(tree: Any) -> Any:
+    """A state dict with each DTensor as its local shard (a peer's shards match ours: same layout)."""
+    if isinstance(tree, DTensor):
+        return tree.to_local().detach().cpu()
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: _to_local(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_local(v) for v in tree)
+    return tree
+
+
+def _from_local(tree: Any, template: Any) -> Any:
+    """`tree` from `_to_local` with tensors laid out as `template`'s (this rank's own state dict)."""
+    if isinstance(template, DTensor):
+        local = tree.to(template.device, template.dtype)
+        return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
+                                  shape=template.shape, stride=template.stride())
+    if isinstance(template, torch.Tensor):
+        return tree.to(template.device, template.dtype) if isinstance(tree, torch.Tensor) else tree
+    if isinstance(template, dict) and isinstance(tree, dict):
+        return {k: _from_local(v, template.get(k)) for k, v in tree.items()}
+    if isinstance(template, (list, tuple)) and isinstance(tree, (list, tuple)) and len(tree) == len(template):
+        return type(tree)(_from_local(v, t) for v, t in zip(tree, template, strict=True))
+    return tree
+
+
+def build_replicas(cfg, *, state: Callable[[], dict[str, Any]], model: dict[str, Any],
+                   device: torch.device) -> Replicas | None:
+    """The run's Replicas under [ft] (None without): `model` is the checkpoint identity of the
+    model, and with it every group must share its layout and batch."""
+    if not cfg.ft.enabled:
+        return None
+    p, t = cfg.parallel, cfg.train
+    identity = {"model": model, "train.global_batch_size": t.global_batch_size, "train.seq_len": t.seq_len,
+                "train.micro_batch_size": t.micro_batch_size, "ft.groups": cfg.ft.groups, "ft.mode": cfg.ft.mode,
+                "ranks per group": dist.get_world_size(),
+                **{f"parallel.{k}": getattr(p, k) for k in ("dp_shard", "tp", "pp", "cp", "ep")}}
+    return Replicas(cfg.ft, group=group_id(), state=state, identity=identity, device=device)
+
+
+def group_dir(run_dir, cfg):
+    """Where this process keeps files its rank writes (goodput, drills, hang reports): the run
+    directory, or under [ft] the group's own folder in it, as G groups have G rank 0s."""
+    if not cfg.ft.enabled:
+        return run_dir
+    path = run_dir / "ft" / f"group{group_id()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
