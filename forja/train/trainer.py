@@ -39,7 +39,7 @@ from forja.parallel.process_group import init_distributed, shutdown_distributed,
 from forja.train.build import build_model_parts
 from forja.train.callbacks import Callback, StepRecord, default_callbacks
 from forja.train.data import data, decay_window, loaders, stages
-from forja.train.ft.replicas import build_replicas, group_dir
+from forja.train.ft.replicas import build_replicas, group_dir, group_id
 from forja.train.resilience.drills import Drills, loss_factor
 from forja.train.step.engine import StepScales, build_engine
 from forja.train.evaluation import EvalCallback
@@ -81,7 +81,7 @@ class Trainer:
         own = group_dir(self.run_dir, c)  # under [ft] a replica group's own files: G groups, G rank 0s
         self.goodput = Goodput(own, rank=self.rank)
         self.goodput.start(launched)
-        self.drills = Drills(c.debug.inject, rank=self.rank, run_dir=own)
+        self.drills = Drills(c.debug.inject, rank=self.rank, run_dir=own, group=group_id() if c.ft.enabled else None)
         self.tokenizer, dataset = data(c, rank=self.rank, run_dir=self.run_dir)
         args = run_model_args(c.model, self.tokenizer.vocab_size)
         if args != preflight.args:  # a tokenizer trained just now may hold fewer tokens than asked
@@ -183,6 +183,8 @@ class Trainer:
             self.save_checkpoint()
         self.checkpoints.wait()
         self.watchdog.stop()
+        if self.replicas is not None:  # each group's steps, heals and final weights' digest
+            self.replicas.write_summary(group_dir(self.run_dir, cfg), self.parts, self.counters.step)
         self._finish()
         self.directory.sync()  # a store's run.dir: its files as they end (metrics.jsonl is flushed per line)
 

@@ -18,12 +18,15 @@ groups trained, so no sample is skipped or trained twice whatever fails.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,11 +34,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from forja.errors import ForjaError
+from forja.files import write_atomic
 from forja.train.ft.config import FTConfig
 
 GROUP_ENV = "FORJA_FT_GROUP"
 """The replica group this process belongs to (set by the launcher or the SLURM template)."""
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+QUORUM_RETRIES = 20
 
 
 @dataclass(frozen=True)
@@ -70,14 +75,14 @@ class Replicas:
     every group must share (model, layout, batch), checked when a group joins."""
 
     def __init__(self, cfg: FTConfig, *, group: int, state: Callable[[], dict[str, Any]], identity: dict[str, Any],
-                 device: torch.device, on_heal: Callable[[int], None] | None = None):
+                 device: torch.device):
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         self.cfg, self.group, self.state, self.identity = cfg, group, state, identity
-        self.on_heal = on_heal or (lambda step: None)
         self.share = Share()
-        self.healed_from: int | None = None  # the step a heal brought this group to, until read
+        self.steps_trained, self.uncommitted = 0, 0
+        self.heals: list[dict[str, float]] = []  # the step each heal brought this group to, and when
         timeout = timedelta(seconds=cfg.timeout_s)
         self.pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         host, port = _group_store()
@@ -89,7 +94,8 @@ class Replicas:
             connect_timeout=timedelta(seconds=cfg.timeout_s),
             rank=dist.get_rank(), world_size=dist.get_world_size(), store_addr=host, store_port=port,
             lighthouse_addr=lighthouse_address(cfg), replica_id=f"forja_group_{group}",
-            hostname=socket.gethostname(), heartbeat_interval=timedelta(milliseconds=100))
+            hostname=socket.gethostname(), heartbeat_interval=timedelta(milliseconds=100),
+            quorum_retries=QUORUM_RETRIES)  # a lost lighthouse: asked again while it is restarted
         self._joined = False
 
     # -- the step ---------------------------------------------------------------------------
@@ -135,7 +141,23 @@ class Replicas:
 
     def commit(self) -> bool:
         """Whether every live group finished the step (the optimizer may step)."""
-        return self.manager.should_commit()
+        committed = self.manager.should_commit()
+        self.steps_trained += int(committed)
+        self.uncommitted += int(not committed)
+        return committed
+
+    def write_summary(self, folder: Path, parts: list[torch.nn.Module], step: int) -> None:
+        """<folder>/summary-rank{R}.json: what this rank of the group did (steps it trained, heals,
+        uncommitted steps) and a digest of the weights it ends with, equal in every group."""
+        digest = hashlib.sha256()
+        for part in parts:
+            for name, p in sorted(part.named_parameters()):
+                local = p.detach().to_local() if isinstance(p, DTensor) else p.detach()
+                digest.update(name.encode())
+                digest.update(local.float().cpu().contiguous().numpy().tobytes())
+        summary = {"group": self.group, "step": step, "steps_trained": self.steps_trained,
+                   "uncommitted": self.uncommitted, "heals": self.heals, "weights_sha256": digest.hexdigest()}
+        write_atomic(Path(folder) / f"summary-rank{dist.get_rank()}.json", json.dumps(summary, indent=1))
 
     @property
     def errored(self) -> str | None:
@@ -156,8 +178,7 @@ class Replicas:
             if name in received["state"]:  # an optimizer that has not stepped yet is not sent
                 obj.load_state_dict(_from_local(received["state"][name], obj.state_dict()))
         step = int(received["state"]["trainer"]["step"])
-        self.healed_from = step
-        self.on_heal(step)
+        self.heals.append({"step": step, "time": time.time()})
 
 
 def _stepped(state: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Drills: faults injected on purpose (`debug.inject`), to see a run recover.
 
-Each drill is `KIND@STEP[:rank=R][:repeat][:seconds=S]`:
+Each drill is `KIND@STEP[:rank=R][:group=G][:repeat][:seconds=S]`:
 
     nan@12           the loss of step 12 becomes NaN (so do its gradients)
     spike@12         the loss of step 12 is multiplied by SPIKE_FACTOR (and its gradients)
@@ -8,6 +8,7 @@ Each drill is `KIND@STEP[:rank=R][:repeat][:seconds=S]`:
     hang@12          the process stops answering as step 12 begins (default rank 0)
     slow@12          from step 12 on, every step sleeps `seconds` (default 0.2) first: a straggler
     :rank=R          only on rank R (nan and spike default to every rank)
+    :group=G         only in fault-tolerant replica group G ([ft]; kill@12:group=1 is rank 0 of group 1)
     :repeat          nan/spike fire every time step 12 is trained, replays included: a bad batch.
                      Without it they fire once: a transient fault, gone on replay.
 
@@ -34,7 +35,7 @@ KINDS = ("nan", "spike", "kill", "hang", "slow")
 SPIKE_FACTOR = 50.0
 """How much larger a spike drill makes the step's loss and gradients."""
 _SPEC = re.compile(r"(?P<kind>[a-z]+)@(?P<step>\d+)(?P<opts>(:[a-z]+(=[0-9.]+)?)*)")
-_GRAMMAR = "KIND@STEP[:rank=R][:repeat][:seconds=S] with KIND one of " + ", ".join(KINDS)
+_GRAMMAR = "KIND@STEP[:rank=R][:group=G][:repeat][:seconds=S] with KIND one of " + ", ".join(KINDS)
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,11 @@ class Drill:
     """None: every rank."""
     repeat: bool = False
     seconds: float = 0.2
+    group: int | None = None
+    """A fault-tolerant replica group (forja/train/ft), or None: any process."""
 
-    def applies(self, rank: int) -> bool:
-        return self.rank is None or self.rank == rank
+    def applies(self, rank: int, group: int | None = None) -> bool:
+        return (self.rank is None or self.rank == rank) and (self.group is None or self.group == group)
 
 
 def parse_drill(spec: str) -> Drill:
@@ -57,22 +60,23 @@ def parse_drill(spec: str) -> Drill:
     if m is None or m["kind"] not in KINDS:
         raise ForjaError(f"debug.inject entry {spec!r} is not a drill: write {_GRAMMAR}, e.g. 'kill@10:rank=1'")
     opts = dict(o.partition("=")[::2] for o in m["opts"].split(":")[1:])
-    unknown = set(opts) - {"rank", "repeat", "seconds"}
+    unknown = set(opts) - {"rank", "group", "repeat", "seconds"}
     if unknown or int(m["step"]) < 1:
-        raise ForjaError(f"debug.inject entry {spec!r}: steps count from 1 and the options are rank=R, repeat "
+        raise ForjaError(f"debug.inject entry {spec!r}: steps count from 1 and the options are rank=R, group=G, repeat "
                          f"and seconds=S ({_GRAMMAR})")
     kind = m["kind"]
     rank = int(float(opts["rank"])) if opts.get("rank") else (None if kind in ("nan", "spike") else 0)
     return Drill(spec=spec.strip(), kind=kind, step=int(m["step"]), rank=rank, repeat="repeat" in opts,
-                 seconds=float(opts.get("seconds") or 0.2))
+                 seconds=float(opts.get("seconds") or 0.2),
+                 group=int(float(opts["group"])) if opts.get("group") else None)
 
 
 class Drills:
     """This rank's drills, fired at the start of their step by `before_step`."""
 
-    def __init__(self, specs: list[str], *, rank: int, run_dir: Path):
+    def __init__(self, specs: list[str], *, rank: int, run_dir: Path, group: int | None = None):
         self.rank = rank
-        self.drills = [d for d in map(parse_drill, specs) if d.applies(rank)]
+        self.drills = [d for d in map(parse_drill, specs) if d.applies(rank, group)]
         self.ledger = Path(run_dir) / "drills" / f"rank{rank}.json"
         self.fired: set[str] = set(json.loads(self.ledger.read_text())) if self.ledger.is_file() else set()
 

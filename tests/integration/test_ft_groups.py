@@ -1,0 +1,73 @@
+"""Fault-tolerant replica groups (torchft, [ft]) on this machine: two groups of one Gloo rank and
+their lighthouse, started by `forja train --ft-groups 2`; a group killed and the lighthouse lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.integration.conftest import forja_process, read_metrics, train_args
+
+STEPS = 20
+# Each step sleeps 0.3 s (a slow drill on every rank), so the live group is still training when the
+# killed one is back: the rejoin is what is tested, not a race to the end.
+FT = {"train.steps": str(STEPS), "train.global_batch_size": "8", "train.micro_batch_size": "2",
+      "train.seq_len": "64", "checkpoint.interval": "10", "metrics.interval": "1", "train.val_interval": "0",
+      "train.sample_tokens": "0", "parallel.timeout_s": "120", "ft.timeout_s": "10"}
+
+
+def _wait_for_step(run, step: int, proc, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        path = run / "metrics.jsonl"
+        if path.is_file() and any('"loss"' in line and json.loads(line)["step"] >= step
+                                  for line in path.read_text().splitlines() if line.strip()):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} was not reached")
+
+
+@pytest.mark.slow
+def test_a_killed_group_and_a_lost_lighthouse_leave_the_run_going(tmp_path, train_data):
+    """Group 1 dies by SIGKILL as step 5 begins; group 0 trains on alone, group 1 is restarted by its
+    torchrun, heals from group 0 and rejoins. Later the lighthouse is killed; the launcher starts it
+    again on its port and both groups go on. Every step is recorded once, and the groups end with
+    the same weights."""
+    run = tmp_path / "ft"
+    drills = json.dumps(["kill@5:group=1", "slow@1:seconds=0.3"])
+    proc = forja_process(train_args(run, train_data, **FT, **{"debug.inject": drills})
+                         + ["--ft-groups", "2", "--nproc", "1", "--max-restarts", "1"])
+    _wait_for_step(run, 12, proc)
+    lighthouse = json.loads((run / "ft" / "lighthouse.json").read_text())
+    os.kill(lighthouse["pid"], signal.SIGKILL)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-5000:]
+    assert "kills itself (SIGKILL)" in out and "the lighthouse (pid" in out, out[-5000:]
+    records = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # no gap, none twice
+    groups = [r["ft/groups"] for r in records]
+    assert groups[:4] == [2] * 4 and 1 in groups[4:10] and groups[-1] == 2  # alone, then rejoined
+    # The data follows the groups: each step trains a share per live group, none skipped or repeated.
+    share = 4 * 64
+    assert records[-1]["tokens_seen"] == share * sum(groups)
+    assert json.loads((run / "ft" / "lighthouse.json").read_text())["restarts"] == 1
+    summaries = [json.loads((run / "ft" / f"group{g}" / "summary-rank0.json").read_text()) for g in (0, 1)]
+    assert summaries[0]["weights_sha256"] == summaries[1]["weights_sha256"]
+    assert summaries[0]["steps_trained"] == STEPS  # group 0 trained every step
+    healed = [h["step"] for h in summaries[1]["heals"]]
+    assert any(step >= 5 for step in healed), summaries[1]  # received the live group's state, not a checkpoint
+    assert summaries[1]["steps_trained"] == STEPS - max(healed)
+
+
+def test_an_unreachable_lighthouse_stops_the_launch_before_anything_is_written(tmp_path, train_data):
+    run = tmp_path / "nowhere"
+    proc = forja_process(train_args(run, train_data, **{**FT, "ft.timeout_s": "2"}) + ["--ft-groups", "2", "--ft-group", "0",
+                                                             "--ft-lighthouse", "localhost:9", "--nproc", "1"])
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 2, out[-3000:]
+    assert "the torchft lighthouse at http://localhost:9 cannot be reached" in out, out[-3000:]
+    assert not run.exists()

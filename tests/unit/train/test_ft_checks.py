@@ -1,0 +1,36 @@
+"""What [ft] refuses before any step, one sentence each."""
+
+from __future__ import annotations
+
+import pytest
+
+from forja.config import load_config
+from forja.errors import ForjaError
+from forja.train.ft.checks import check_ft
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["parallel.dp_replicate=2"], "parallel.dp_replicate = 2 with ft.enabled"),
+    (["train.global_batch_size=9"], "does not divide into ft.groups = 2"),
+    (["ft.mode=\"diloco\""], "ft.mode = 'diloco' is not available yet"),
+    (["train.on_nonfinite=\"rollback\""], "heals a restarted one instead"),
+    (["train.seq_len=64", "train.seq_len_schedule=[[0, 32], [4, 64]]"], "train.seq_len_schedule with ft.enabled"),
+])
+def test_settings_replica_groups_cannot_serve_are_refused(overrides, words):
+    cfg = load_config("debug", ["ft.enabled=true", "ft.groups=2", *overrides])
+    with pytest.raises(ForjaError, match="^.*" + words.replace("(", r"\(").replace("[", r"\[")):
+        check_ft(cfg)
+
+
+def test_a_plain_ft_config_passes_and_ft_off_checks_nothing():
+    check_ft(load_config("debug", ["ft.enabled=true", "ft.groups=2"]))
+    check_ft(load_config("debug", ["parallel.dp_replicate=2", "train.global_batch_size=9"]))
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["ft.min_groups=3"], "ft.min_groups = 3 must be between 1 and ft.groups = 2"),
+    (["ft.fragments=3"], "must be 1 or more and divide ft.inner_steps"),
+])
+def test_bad_ft_values_fail_at_load(overrides, words):
+    with pytest.raises(ForjaError, match=words):
+        load_config("debug", overrides)
