@@ -279,15 +279,12 @@ class DataLoader:
             raise ValueError(f"share {share} of {shares}")
         started = time.perf_counter()
         self.close()  # a prefetcher builds consecutive steps, not one share in every `shares`
-        at = self.cursor
-        for _ in range(share):
-            at = self._advance(at)
-        batches = self.build_step(at)
-        after = self.cursor
+        cursors = [self.cursor]  # before each share of the step, then after the last
         for _ in range(shares):
-            after = self._advance(after)
+            cursors.append(self._advance(cursors[-1]))
+        batches = self.build_step(cursors[share])
         self.data_wait_s += time.perf_counter() - started
-        self._before, self.cursor = self.cursor, after
+        self._before, self.cursor = self.cursor, cursors[-1]
         return batches
 
     def rewind_step(self) -> None:

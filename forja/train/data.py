@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from forja import fallbacks
 from forja.config import Config
 from forja.data import load_tokenizer, open_dataset, train_tokenizer
 from forja.data.mixture import is_mixture_dir
@@ -228,10 +229,13 @@ def loaders(cfg: Config, dataset: Any, *, dp_rank: int, dp_size: int, later: Any
     from forja.data import DataLoader, ValidationLoader
 
     t, d = cfg.train, cfg.data
+    if cfg.ft.enabled and d.prefetch > 0:  # a fast path not taken: said at start and in run.json
+        fallbacks.record("data.prefetch", asked=f"data.prefetch = {d.prefetch}", instead="no prefetch",
+                         why="a replica group ([ft]) learns its share of a step only from that step's quorum")
     # Under [ft] each replica group is a run of its own share of the global batch.
     train = DataLoader(dataset, seq_len=t.seq_len, global_batch_size=cfg.ft.group_batch(t.global_batch_size),
                        micro_batch_size=t.micro_batch_size, dp_rank=dp_rank, dp_world_size=dp_size,
-                       seed=t.seed, prefetch=0 if cfg.ft.enabled else d.prefetch,  # shares are taken out of order
+                       seed=t.seed, prefetch=0 if cfg.ft.enabled else d.prefetch,
                        seq_len_at=t.seq_len_at if t.seq_len_schedule else None,
                        stages=later, packing=d.packing, max_doc_tokens=d.max_doc_tokens, pack_buffer=d.pack_buffer)
     val = None

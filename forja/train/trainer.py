@@ -39,7 +39,7 @@ from forja.parallel.process_group import init_distributed, shutdown_distributed,
 from forja.train.build import build_model_parts
 from forja.train.callbacks import Callback, StepRecord, default_callbacks
 from forja.train.data import data, decay_window, loaders, stages
-from forja.train.ft.replicas import build_replicas, group_dir, group_id
+from forja.train.ft.replicas import build_replicas, group_dir, group_of
 from forja.train.resilience.drills import Drills, loss_factor
 from forja.train.step.engine import StepScales, build_engine
 from forja.train.evaluation import EvalCallback
@@ -78,10 +78,11 @@ class Trainer:
         self.directory = RunDir(c, rank=self.rank)  # run.dir in a store: self.run_dir is its local mirror
         self.run_dir: Path = self.directory.prepare()
         preflight.write_plan(self.run_dir)
-        own = group_dir(self.run_dir, c)  # under [ft] a replica group's own files: G groups, G rank 0s
+        self.group = group_of(c)  # the torchft replica group, or None
+        own = self.own_dir = group_dir(self.run_dir, self.group)  # [ft]: G groups, G rank 0s, G folders
         self.goodput = Goodput(own, rank=self.rank)
         self.goodput.start(launched)
-        self.drills = Drills(c.debug.inject, rank=self.rank, run_dir=own, group=group_id() if c.ft.enabled else None)
+        self.drills = Drills(c.debug.inject, rank=self.rank, run_dir=own, group=self.group)
         self.tokenizer, dataset = data(c, rank=self.rank, run_dir=self.run_dir)
         args = run_model_args(c.model, self.tokenizer.vocab_size)
         if args != preflight.args:  # a tokenizer trained just now may hold fewer tokens than asked
@@ -97,7 +98,7 @@ class Trainer:
         report_fallbacks(self.run_dir, rank=self.rank, group=self.dims.cpu_group)  # one line each, and run.json
         self.optimizers = OptimizerGroup(self.parts, c.optim)
         self.scheduler = SchedulerGroup(self.optimizers.optimizers, c.schedule, c.train.steps, decay=decay_window(c))
-        self.replicas = build_replicas(c, state=self._shared_state, model=identity, device=self.device)  # [ft]
+        self.replicas = build_replicas(c, group=self.group, state=self._shared_state, model=identity, device=self.device)  # [ft]
         self.engine = build_engine(self.parts, built.pipeline, self.optimizers, self.scheduler, self.dims,
                                    device=self.device, precision=c.train.precision, grad_clip=c.train.grad_clip,
                                    document_mask=c.model.document_mask, scaler=loss_scaler(c.train),
@@ -184,7 +185,7 @@ class Trainer:
         self.checkpoints.wait()
         self.watchdog.stop()
         if self.replicas is not None:  # each group's steps, heals and final weights' digest
-            self.replicas.write_summary(group_dir(self.run_dir, cfg), self.parts, self.counters.step)
+            self.replicas.write_summary(self.own_dir, self.parts, self.counters.step)
         self._finish()
         self.directory.sync()  # a store's run.dir: its files as they end (metrics.jsonl is flushed per line)
 

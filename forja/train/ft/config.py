@@ -7,9 +7,6 @@ from typing import Literal
 
 from forja.errors import ForjaError
 
-MODES = ("hsdp", "diloco", "streaming-diloco")
-
-
 @dataclass(kw_only=True)
 class FTConfig:
     """[ft]: the data-parallel replicas become torchft replica groups, each its own torchrun job;

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from forja.errors import ForjaError
 from forja.files import write_atomic
-from forja.train.ft.replicas import GROUP_ENV, LIGHTHOUSE_ENV
+from forja.train.ft.replicas import GROUP_ENV, LIGHTHOUSE_ENV, as_url
 
 POLL_S = 0.2
 
@@ -89,17 +89,17 @@ def launch_groups(args: argparse.Namespace, cfg, *, launcher_preflight, torchrun
     here = [args.ft_group] if args.ft_group is not None else list(range(groups))
     if any(not 0 <= g < groups for g in here):
         raise ForjaError(f"--ft-group {args.ft_group} is not one of the run's {groups} groups (0 to {groups - 1})")
+    worker_args = copy.copy(args)
+    worker_args.overrides = [o for o in ft_overrides(args, groups) if not o.startswith("run.start_over")]
+    worker_args.start_over = False  # wiped once, below: G groups must not race to wipe it again
+    cmd = torchrun_command(worker_args, str(cfg.run.dir))  # its argument errors before anything starts
     launcher_preflight(cfg, nproc=args.nproc or 1, nnodes=args.nnodes)
     if args.ft_lighthouse:
-        address = args.ft_lighthouse if "://" in args.ft_lighthouse else f"http://{args.ft_lighthouse}"
+        address = as_url(args.ft_lighthouse)
         check_lighthouse(address, cfg.ft.timeout_s)
     run_dir = None if is_url(cfg.run.dir) else Path(RunDir(cfg).prepare())
     lighthouse = None if args.ft_lighthouse else Lighthouse(cfg, run_dir / "ft" / "lighthouse.json" if run_dir else None)
     address = lighthouse.address if lighthouse else address
-    worker_args = copy.copy(args)
-    worker_args.overrides = [o for o in ft_overrides(args, groups) if not o.startswith("run.start_over")]
-    worker_args.start_over = False  # wiped once, above: G groups must not race to wipe it again
-    cmd = torchrun_command(worker_args, str(cfg.run.dir))
     procs = {g: subprocess.Popen(cmd, env={**os.environ, GROUP_ENV: str(g), LIGHTHOUSE_ENV: address,
                                            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                                            "RUST_LOG": os.environ.get("RUST_LOG", "warn")})

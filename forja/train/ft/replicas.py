@@ -51,8 +51,10 @@ class Share:
     count: int = 1
 
 
-def group_id() -> int:
-    """This process's replica group, from $FORJA_FT_GROUP."""
+def group_of(cfg) -> int | None:
+    """This process's replica group under [ft], from $FORJA_FT_GROUP; None without [ft]."""
+    if not cfg.ft.enabled:
+        return None
     raw = os.environ.get(GROUP_ENV)
     if raw is None or not raw.isdigit():
         raise ForjaError(f"ft.enabled is set but ${GROUP_ENV} is {raw!r}: start the groups with "
@@ -66,6 +68,11 @@ def lighthouse_address(cfg: FTConfig) -> str:
     if not address:
         raise ForjaError("ft.enabled is set but no lighthouse is named: set ft.lighthouse = \"http://HOST:PORT\", "
                          f"${LIGHTHOUSE_ENV}, or let `forja train --ft-groups G` start one")
+    return as_url(address)
+
+
+def as_url(address: str) -> str:
+    """HOST:PORT as the http:// URL torchft's clients take (a URL stays as it is)."""
     return address if "://" in address else f"http://{address}"
 
 
@@ -159,11 +166,6 @@ class Replicas:
                    "uncommitted": self.uncommitted, "heals": self.heals, "weights_sha256": digest.hexdigest()}
         write_atomic(Path(folder) / f"summary-rank{dist.get_rank()}.json", json.dumps(summary, indent=1))
 
-    @property
-    def errored(self) -> str | None:
-        error = self.manager.errored()
-        return None if error is None else str(error.original_exception)
-
     def close(self) -> None:
         self.manager.shutdown(wait=False)
 
@@ -243,25 +245,25 @@ def _from_local(tree: Any, template: Any) -> Any:
     return tree
 
 
-def build_replicas(cfg, *, state: Callable[[], dict[str, Any]], model: dict[str, Any],
+def build_replicas(cfg, *, group: int | None, state: Callable[[], dict[str, Any]], model: dict[str, Any],
                    device: torch.device) -> Replicas | None:
-    """The run's Replicas under [ft] (None without): `model` is the checkpoint identity of the
-    model, and with it every group must share its layout and batch."""
-    if not cfg.ft.enabled:
+    """The run's Replicas for replica group `group` (None without [ft]): `model` is the checkpoint
+    identity of the model, and with it every group must share its layout and batch."""
+    if group is None:
         return None
     p, t = cfg.parallel, cfg.train
     identity = {"model": model, "train.global_batch_size": t.global_batch_size, "train.seq_len": t.seq_len,
                 "train.micro_batch_size": t.micro_batch_size, "ft.groups": cfg.ft.groups, "ft.mode": cfg.ft.mode,
                 "ranks per group": dist.get_world_size(),
                 **{f"parallel.{k}": getattr(p, k) for k in ("dp_shard", "tp", "pp", "cp", "ep")}}
-    return Replicas(cfg.ft, group=group_id(), state=state, identity=identity, device=device)
+    return Replicas(cfg.ft, group=group, state=state, identity=identity, device=device)
 
 
-def group_dir(run_dir, cfg):
-    """Where this process keeps files its rank writes (goodput, drills, hang reports): the run
-    directory, or under [ft] the group's own folder in it, as G groups have G rank 0s."""
-    if not cfg.ft.enabled:
+def group_dir(run_dir: Path, group: int | None) -> Path:
+    """Where this process keeps files its rank writes (goodput, drills, hang reports, the summary):
+    the run directory, or under [ft] the group's own folder in it, as G groups have G rank 0s."""
+    if group is None:
         return run_dir
-    path = run_dir / "ft" / f"group{group_id()}"
+    path = run_dir / "ft" / f"group{group}"
     path.mkdir(parents=True, exist_ok=True)
     return path

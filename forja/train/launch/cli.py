@@ -154,5 +154,4 @@ def _launch_ft(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ForjaError("--ft-group starts one group of several jobs, which must meet at one lighthouse: "
                          "give --ft-lighthouse HOST:PORT (python -m forja.train.ft.lighthouse starts one)")
     cfg = load_config(args.config, ft_overrides(argparse.Namespace(overrides=overrides), args.ft_groups))
-    torchrun_command(args, str(cfg.run.dir))  # its argument errors first
     return launch_groups(args, cfg, launcher_preflight=launcher_preflight, torchrun_command=torchrun_command)
