@@ -137,10 +137,11 @@ CASES = (
                   "layers.3.feed_forward.w2.weight"),
            runs=((False, dict(rope_theta=10_000.0)), (True, dict(rope_theta=10_000.0))), grad_atol=2e-6),
     # q_norm/k_norm see only a rank's heads; their weight gradients must still be the whole
-    # model's (left as plain replicated tensors they would differ by ~2e-3 here).
+    # model's (left as plain replicated tensors they would differ by ~2e-3 here). The loss: measured
+    # 1.4e-6 apart with the venv built 2026-12-02 (a loss of 7.69: three float32 ulps).
     *(TPCase(id=f"qwen3-{flavor}", family="qwen3", flavor=flavor, plan="forja.models.qwen3.parallelize:qwen3_tp_plan",
              grads=("layers.0.attention.q_norm.weight", "layers.3.attention.k_norm.weight",
-                    "layers.1.attention.wk.weight"), grad_atol=1e-7)
+                    "layers.1.attention.wk.weight"), grad_atol=1e-7, loss_tol=1e-5)
       for flavor in ("debug", "debug-moe")),
     # MLA split by heads, queries through the latent then directly: every gradient, the
     # replicated latent projections included (the shared rotated key's gradient is summed
