@@ -39,8 +39,9 @@ from forja.parallel.process_group import init_distributed, shutdown_distributed,
 from forja.train.build import build_model_parts
 from forja.train.callbacks import Callback, StepRecord, default_callbacks
 from forja.train.data import data, decay_window, loaders, stages
-from forja.train.ft.replicas import build_replicas, group_dir, group_of
-from forja.train.resilience.drills import Drills, loss_factor
+from forja.train.ft.replicas import LeaderOnly, build_replicas, checkpoint_dir, group_dir, group_of
+from forja.train.resilience.drills import Drills, corrupt_weights, loss_factor
+from forja.train.resilience.fingerprint import FingerprintCheck
 from forja.train.step.engine import StepScales, build_engine
 from forja.train.evaluation import EvalCallback
 from forja.train.launch.finished import finished
@@ -98,14 +99,16 @@ class Trainer:
         report_fallbacks(self.run_dir, rank=self.rank, group=self.dims.cpu_group)  # one line each, and run.json
         self.optimizers = OptimizerGroup(self.parts, c.optim)
         self.scheduler = SchedulerGroup(self.optimizers.optimizers, c.schedule, c.train.steps, decay=decay_window(c))
-        self.replicas = build_replicas(c, group=self.group, state=self._shared_state, model=identity, device=self.device)  # [ft]
+        self.replicas = build_replicas(c, group=self.group, state=self._shared_state, model=identity,  # [ft]
+                                       parts=self.parts, device=self.device)
         self.engine = build_engine(self.parts, built.pipeline, self.optimizers, self.scheduler, self.dims,
                                    device=self.device, precision=c.train.precision, grad_clip=c.train.grad_clip,
                                    document_mask=c.model.document_mask, scaler=loss_scaler(c.train),
                                    replicas=self.replicas)
         self.loader, self.val_loader = loaders(c, dataset, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp,
                                                later=stages(c, self.tokenizer, rank=self.rank))
-        self.checkpoints = CheckpointManager(c.checkpoint, self.directory.checkpoints, rank=self.rank, meta=identity)
+        self.checkpoints = CheckpointManager(c.checkpoint, checkpoint_dir(self.directory.checkpoints, c, self.group),
+                                             rank=self.rank, meta=identity)
         self.sinks = build_sinks(c.metrics, run_dir=self.run_dir, run_name=c.run.name or self.run_dir.name,
                                  config=c.to_dict(), rank=self.rank)
         self.callbacks = default_callbacks(c, flops_per_token=self.flops_per_token, num_devices=self.dims.world_size,
@@ -114,8 +117,10 @@ class Trainer:
         self.watchdog = Watchdog(own, rank=self.rank, world_size=info.world_size,
                                  timeout_s=c.parallel.timeout_s)
         self.recovery = Recovery(c.train, checkpoints=self.checkpoints, counters=self.counters, loader=self.loader,
-                                 sinks=self.sinks, reload=self._load, beat=self.watchdog.beat,
+                                 sinks=LeaderOnly(self.sinks, self._leads),  # [ft]: one record per event
+                                 reload=self._reload, beat=self.watchdog.beat,
                                  rolled_back=lambda: self.goodput.beat(rollback=True), rank=self.rank)
+        self.fingerprints = self._fingerprints()
         self._resume()
         if self.replicas is not None:  # a group behind the live ones heals here, before any record
             self.replicas.resume_at(self.counters.step)
@@ -132,6 +137,8 @@ class Trainer:
                  "health": self.recovery.detector, f"rng.rank{self.rank}": RNGState()}
         if self.engine.scaler is not None:  # fp16: the loss scale the run has found
             state["scaler"] = self.engine.scaler
+        if getattr(self, "replicas", None) is not None and self.replicas.outer is not None:
+            state["outer"] = self.replicas.outer  # diloco: the global weights and outer momenta
         return state
 
     def _shared_state(self) -> dict:
@@ -158,6 +165,24 @@ class Trainer:
         self.checkpoints.load(path, state, check=self.checkpoints_match)
         self.scheduler.reapply()  # train.steps may have changed, and with it the schedule
 
+    def _reload(self, path: Path) -> None:
+        """A rollback's reload: under [ft] every group goes back to the same step, and says so."""
+        self._load(path)
+        if self.replicas is not None:
+            self.replicas.resume_at(self.counters.step)
+
+    def _fingerprints(self) -> FingerprintCheck:
+        """Silent data corruption: who compares weights with whom (forja/train/resilience/fingerprint.py)."""
+        r = self.replicas
+        return FingerprintCheck(self.cfg.ft.check_interval,
+                                replicate_group=self.dims.mesh["dp_replicate"].get_group()
+                                if self.dims.dp_replicate > 1 else None,
+                                across_groups=r.gather if r is not None and r.every_step else None)
+
+    def _saves_at(self, step: int) -> bool:
+        k = self.cfg.checkpoint
+        return k.enabled and ((k.interval and step % k.interval == 0) or step == self.cfg.train.steps)
+
     def checkpoints_match(self, meta: dict) -> None:
         check_model_identity(meta, self.checkpoints.meta)
 
@@ -173,14 +198,13 @@ class Trainer:
             self.checkpoints.poll()  # an async save every rank finished becomes the latest checkpoint
             if self.recovery.is_replay(step):
                 continue  # validated and saved the first time round
-            if not self._leads():
-                continue  # another replica group validates and checkpoints (forja/train/ft)
-            if cfg.train.val_interval and (step % cfg.train.val_interval == 0 or step == cfg.train.steps):
-                self.validate()
-            if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+            if cfg.train.val_interval and self._leads() and (step % cfg.train.val_interval == 0
+                                                               or step == cfg.train.steps):
+                self.validate()  # [ft]: by the first live group alone
+            if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and self._checkpoints_here():
                 self.save_checkpoint()
                 last_saved = step
-        if self.counters.step != last_saved and self._leads():
+        if self.counters.step != last_saved and self._checkpoints_here():
             self.save_checkpoint()
         self.checkpoints.wait()
         self.watchdog.stop()
@@ -196,6 +220,7 @@ class Trainer:
         self.watchdog.beat("step", step)
         start = time.perf_counter()
         fault = self.drills.before_step(step)
+        corrupt_weights(fault, self.parts, self.rank)  # a bitflip drill
         waited = self.loader.data_wait_s
         batches = self.loader.next_step(share.index, share.count) if share else self.loader.next_step()
         data_wait = self.loader.data_wait_s - waited
@@ -215,6 +240,12 @@ class Trainer:
             return True  # the counters are the checkpoint's now
         self.counters.step = step
         self.counters.tokens_seen += out.tokens
+        if self.replicas is not None:  # diloco: a fragment's sync starts or lands (a restarted group heals)
+            self.replicas.end_step(step)
+        if self.fingerprints.due(step, saves=self._saves_at(step)) and not self.recovery.is_replay(step):
+            mismatch = self.fingerprints.compare(self.parts)  # replicas whose weights should be equal
+            if mismatch is not None and self.recovery.corrupted(step, mismatch) is Outcome.ROLLED_BACK:
+                return True
         step_time = time.perf_counter() - start
         if not out.skipped:
             self.counters.productive_s += step_time
@@ -301,9 +332,14 @@ class Trainer:
         self.stop_reason = reason
 
     def _leads(self) -> bool:
-        """Whether this process's group records, validates and checkpoints the step (the first live
-        replica group under [ft]; always without)."""
+        """Whether this process's group records and validates the step (the first live replica
+        group under [ft]; always without)."""
         return self.replicas is None or self.replicas.leads
+
+    def _checkpoints_here(self) -> bool:
+        """Whether this group saves checkpoints: the first live one under hsdp (the groups hold the
+        same state), every group under diloco (each its own weights and inner optimizer)."""
+        return self._leads() or not self.replicas.every_step
 
     def _should_stop(self) -> bool:
         """Whether any rank was asked to stop; all ranks agree, so they stop at the same step."""

@@ -60,7 +60,10 @@ def test_a_killed_group_and_a_lost_lighthouse_leave_the_run_going(tmp_path, trai
     assert summaries[0]["steps_trained"] == STEPS  # group 0 trained every step
     healed = [h["step"] for h in summaries[1]["heals"]]
     assert any(step >= 5 for step in healed), summaries[1]  # received the live group's state, not a checkpoint
-    assert summaries[1]["steps_trained"] == STEPS - max(healed)
+    # It trained every step from its rejoin on but those another heal caught it up on (a busy
+    # machine can leave it out of the quorum as the lighthouse comes back).
+    missed = sum(1 for r in records if r["step"] > healed[0] and r["ft/groups"] == 1)
+    assert summaries[1]["steps_trained"] == STEPS - healed[0] - missed
 
 
 def test_an_unreachable_lighthouse_stops_the_launch_before_anything_is_written(tmp_path, train_data):

@@ -12,9 +12,6 @@ def check_ft(cfg) -> None:
     ft, t, p = cfg.ft, cfg.train, cfg.parallel
     if not ft.enabled:
         return
-    if ft.mode != "hsdp":
-        raise ForjaError(f"ft.mode = {ft.mode!r} is not available yet in this version of forja; use ft.mode = "
-                         "\"hsdp\" (DiLoCo is planned: docs/training.md, \"When things go wrong\")")
     try:
         import torchft  # noqa: F401
     except ImportError as exc:
@@ -30,6 +27,8 @@ def check_ft(cfg) -> None:
         key = "data.stages" if cfg.data.stages else "train.seq_len_schedule"
         raise ForjaError(f"{key} with ft.enabled: replica groups count the data in shares of one length and "
                          f"stage; train the stages one after another without [ft], or drop {key}")
+    if ft.mode != "hsdp":
+        _check_diloco(cfg)
     if "rollback" in (t.on_nonfinite, t.spike.action):
         raise ForjaError("train.on_nonfinite / train.spike.action = 'rollback' with ft.enabled: a live group "
                          "heals a restarted one instead of going back; use 'skip' or 'stop'")
@@ -45,3 +44,18 @@ def check_lighthouse(address: str, timeout_s: float) -> None:
         raise ForjaError(f"the torchft lighthouse at {address} cannot be reached ({str(exc).split(';')[0]}); "
                          "start one (`forja train --ft-groups G` does, or `python -m forja.train.ft.lighthouse`) "
                          "or fix ft.lighthouse / --ft-lighthouse") from exc
+
+
+def _check_diloco(cfg) -> None:
+    """A fragment's sync must have landed wherever the run saves or ends: nothing in flight is
+    checkpointed (forja/train/ft/diloco.py)."""
+    ft, t, ck = cfg.ft, cfg.train, cfg.checkpoint
+    period = ft.inner_steps // ft.fragments
+    every = f"every ft.inner_steps / ft.fragments = {period} steps" if ft.fragments > 1 else \
+        f"every ft.inner_steps = {period} steps"
+    if t.steps % period:
+        raise ForjaError(f"train.steps = {t.steps} with ft.mode = {ft.mode!r}: a sync lands {every}; make "
+                         f"train.steps a multiple of {period} so the run ends on one")
+    if ck.enabled and ck.interval and ck.interval % period:
+        raise ForjaError(f"checkpoint.interval = {ck.interval} with ft.mode = {ft.mode!r}: a sync lands {every}; "
+                         f"make checkpoint.interval a multiple of {period} so no checkpoint holds a sync in flight")

@@ -14,6 +14,11 @@ and talk over torchft's reconfigurable process group. Every step of ft.mode = "h
 The data follows the groups: each step a group trains `global_batch_size / groups` samples
 (a share), the live groups take consecutive shares, and the cursor moves by as many shares as
 groups trained, so no sample is skipped or trained twice whatever fails.
+
+ft.mode = "diloco" / "streaming-diloco" (forja/train/ft/diloco.py) talks far less: no quorum
+and no average in the step. end_step() starts a fragment's sync on its schedule, with a quorum
+first (so a restarted group heals there, and joins that very sync), and applies it when due.
+Between two quorums the share stays that of the last one.
 """
 
 from __future__ import annotations
@@ -87,7 +92,11 @@ class Replicas:
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         self.cfg, self.group, self.state, self.identity = cfg, group, state, identity
+        self._device = device
         self.share = Share()
+        self.outer = None  # diloco's OuterLoop, attached by build_replicas
+        self._preparing: int | None = None  # the fragment whose sync this quorum starts (sent to a healer)
+        self._join_sync: tuple[int, int] | None = None  # (fragment, step) of the peers' sync a heal joined
         self.steps_trained, self.uncommitted = 0, 0
         self.heals: list[dict[str, float]] = []  # the step each heal brought this group to, and when
         timeout = timedelta(seconds=cfg.timeout_s)
@@ -105,9 +114,20 @@ class Replicas:
             quorum_retries=QUORUM_RETRIES)  # a lost lighthouse: asked again while it is restarted
         self._joined = False
 
+    @property
+    def every_step(self) -> bool:
+        """Whether the groups average gradients and commit every step (hsdp), or only sync now and
+        then (diloco)."""
+        return self.outer is None
+
     # -- the step ---------------------------------------------------------------------------
     def resume_at(self, step: int) -> None:
-        """The run resumed from a checkpoint of `step`: the quorum compares steps to find who heals."""
+        """The run resumed from a checkpoint of `step`: the quorum compares steps to find who heals.
+        Under diloco the quorum's step is 2 * step at a sync's start and 2 * step + 1 once a step is
+        over, so a group resumed at `step` is behind the live ones at any later sync."""
+        self._set_quorum_step(step if self.every_step else 2 * step + 1)
+
+    def _set_quorum_step(self, step: int) -> None:
         self.manager.load_state_dict({"step": step, "batches_committed": step * self.cfg.groups})
 
     def join(self) -> None:
@@ -121,10 +141,37 @@ class Replicas:
             time.sleep(0.2)
             self._quorum()
         self._joined = True
+        if self._join_sync is not None:  # healed at the live groups' sync: take part in it
+            fragment, step = self._join_sync
+            self._join_sync = None
+            self.outer.start(fragment, step, self.manager.allreduce)
+            self._apply(step)
+
+    def end_step(self, step: int) -> None:
+        """diloco: after `step`, start the sync of the fragment due (a quorum first), and apply
+        the sync in flight when its step has come. Nothing under hsdp."""
+        if self.outer is None:
+            return
+        self.steps_trained += 1
+        fragment = self.outer.due(step)
+        if fragment is not None:
+            self._set_quorum_step(2 * step)
+            self._preparing = fragment
+            try:
+                self._quorum()
+            finally:
+                self._preparing = None
+            self.outer.start(fragment, step, self.manager.allreduce)
+        self._apply(step)
+
+    def _apply(self, step: int) -> None:
+        applied = self.outer.apply_if_due(step, self.manager.should_commit)
+        if applied is False:
+            self.uncommitted += 1  # under diloco: a sync that did not commit
 
     def begin_step(self) -> Share:
         """The quorum of the next step (the join's, for the first one)."""
-        if not self._joined:
+        if not self._joined and self.every_step:
             self._quorum()
         self._joined = False
         return self.share
@@ -146,6 +193,20 @@ class Replicas:
         for work in works:
             work.wait()
 
+    def gather(self, value: int) -> list[int] | None:
+        """Each live group's `value` (an unsigned 64-bit fingerprint), in share order; None when the
+        exchange failed. torchft averages, so each group puts its value, cut into 16-bit pieces that
+        a float64 holds exactly however many groups add up, in its own slots."""
+        n = self.share.count
+        slots = torch.zeros(n * 4, dtype=torch.float64, device=self._device)
+        for k in range(4):
+            slots[self.share.index * 4 + k] = float((value % (1 << 64)) >> (16 * k) & 0xFFFF)
+        self.manager.allreduce(slots).wait()
+        if self.manager.errored() is not None:
+            return None
+        pieces = (slots.cpu() * n).round().to(torch.int64).tolist()
+        return [sum(int(pieces[g * 4 + k]) << (16 * k) for k in range(4)) for g in range(n)]
+
     def commit(self) -> bool:
         """Whether every live group finished the step (the optimizer may step)."""
         committed = self.manager.should_commit()
@@ -164,6 +225,9 @@ class Replicas:
                 digest.update(local.float().cpu().contiguous().numpy().tobytes())
         summary = {"group": self.group, "step": step, "steps_trained": self.steps_trained,
                    "uncommitted": self.uncommitted, "heals": self.heals, "weights_sha256": digest.hexdigest()}
+        if self.outer is not None:  # diloco: the syncs, and the bytes this rank handed to them
+            summary |= {"syncs": self.outer.syncs, "failed_syncs": self.outer.failed,
+                        "sync_bytes": self.outer.bytes_sent}
         write_atomic(Path(folder) / f"summary-rank{dist.get_rank()}.json", json.dumps(summary, indent=1))
 
     def close(self) -> None:
@@ -171,11 +235,13 @@ class Replicas:
 
     # -- healing: what a live peer sends and a joiner loads -----------------------------------
     def _save(self) -> dict[str, Any]:
-        return {"identity": self.identity,
+        return {"identity": self.identity, "preparing": self._preparing,
                 "state": {name: _to_local(obj.state_dict()) for name, obj in _stepped(self.state()).items()}}
 
     def _load(self, received: dict[str, Any]) -> None:
         _check_same(self.identity, received["identity"], self.group)
+        if received.get("preparing") is not None:  # diloco: the peer is starting a sync: join it
+            self._join_sync = (int(received["preparing"]), int(received["state"]["trainer"]["step"]))
         for name, obj in self.state().items():
             if name in received["state"]:  # an optimizer that has not stepped yet is not sent
                 obj.load_state_dict(_from_local(received["state"][name], obj.state_dict()))
@@ -246,17 +312,26 @@ def _from_local(tree: Any, template: Any) -> Any:
 
 
 def build_replicas(cfg, *, group: int | None, state: Callable[[], dict[str, Any]], model: dict[str, Any],
-                   device: torch.device) -> Replicas | None:
+                   parts: list[torch.nn.Module], device: torch.device) -> Replicas | None:
     """The run's Replicas for replica group `group` (None without [ft]): `model` is the checkpoint
-    identity of the model, and with it every group must share its layout and batch."""
+    identity of the model, and with it every group must share its layout and batch. Under diloco
+    it holds the outer loop over `parts` (this rank's model parts)."""
     if group is None:
         return None
-    p, t = cfg.parallel, cfg.train
+    p, t, ft = cfg.parallel, cfg.train, cfg.ft
     identity = {"model": model, "train.global_batch_size": t.global_batch_size, "train.seq_len": t.seq_len,
-                "train.micro_batch_size": t.micro_batch_size, "ft.groups": cfg.ft.groups, "ft.mode": cfg.ft.mode,
+                "train.micro_batch_size": t.micro_batch_size, "ft.groups": ft.groups, "ft.mode": ft.mode,
                 "ranks per group": dist.get_world_size(),
                 **{f"parallel.{k}": getattr(p, k) for k in ("dp_shard", "tp", "pp", "cp", "ep")}}
-    return Replicas(cfg.ft, group=group, state=state, identity=identity, device=device)
+    if ft.mode != "hsdp":
+        identity |= {f"ft.{k}": getattr(ft, k) for k in ("inner_steps", "fragments", "fragment_sync_delay",
+                                                          "outer_lr", "outer_momentum")}
+    replicas = Replicas(ft, group=group, state=state, identity=identity, device=device)
+    if ft.mode != "hsdp":
+        from forja.train.ft.diloco import OuterLoop
+
+        replicas.outer = OuterLoop(ft, parts)
+    return replicas
 
 
 def group_dir(run_dir: Path, group: int | None) -> Path:
@@ -267,3 +342,27 @@ def group_dir(run_dir: Path, group: int | None) -> Path:
     path = run_dir / "ft" / f"group{group}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def checkpoint_dir(base: Path | str, cfg, group: int | None) -> Path | str:
+    """This group's checkpoint folder: the run's, except under diloco for groups after the first,
+    which keep their own weights and inner optimizer beside it (`checkpoints-group<g>`)."""
+    if group is None or group == 0 or cfg.ft.mode == "hsdp":
+        return base
+    return base.with_name(f"{base.name}-group{group}") if isinstance(base, Path) else f"{base}-group{group}"
+
+
+class LeaderOnly:
+    """A group's metric sinks as its recovery sees them: under [ft] only the first live group
+    writes records (an anomaly every group meets is recorded once)."""
+
+    def __init__(self, sinks, leads: Callable[[], bool]):
+        self.sinks, self.leads = sinks, leads
+
+    def log(self, step: int, values: dict) -> None:
+        if self.leads():
+            self.sinks.log(step, values)
+
+    def log_text(self, step: int, name: str, text: str) -> None:
+        if self.leads():
+            self.sinks.log_text(step, name, text)

@@ -7,6 +7,8 @@ Each drill is `KIND@STEP[:rank=R][:group=G][:repeat][:seconds=S]`:
     kill@12          the process dies by SIGKILL as step 12 begins (default rank 0)
     hang@12          the process stops answering as step 12 begins (default rank 0)
     slow@12          from step 12 on, every step sleeps `seconds` (default 0.2) first: a straggler
+    bitflip@12       one bit of one weight flips as step 12 begins (default rank 0): silent data
+                     corruption, for the fingerprint check (ft.check_interval) to catch
     :rank=R          only on rank R (nan and spike default to every rank)
     :group=G         only in fault-tolerant replica group G ([ft]; kill@12:group=1 is rank 0 of group 1)
     :repeat          nan/spike fire every time step 12 is trained, replays included: a bad batch.
@@ -31,7 +33,7 @@ from pathlib import Path
 from forja.errors import ForjaError
 from forja.files import write_atomic
 
-KINDS = ("nan", "spike", "kill", "hang", "slow")
+KINDS = ("nan", "spike", "kill", "hang", "slow", "bitflip")
 SPIKE_FACTOR = 50.0
 """How much larger a spike drill makes the step's loss and gradients."""
 _SPEC = re.compile(r"(?P<kind>[a-z]+)@(?P<step>\d+)(?P<opts>(:[a-z]+(=[0-9.]+)?)*)")
@@ -103,6 +105,14 @@ class Drills:
         self.fired.add(drill.spec)
         self.ledger.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.ledger, json.dumps(sorted(self.fired)))
+
+
+def corrupt_weights(fault: str | None, parts: list, rank: int) -> None:
+    """Act out a `bitflip` fault returned by `Drills.before_step` on this rank's weights."""
+    if fault == "bitflip":
+        from forja.train.resilience.fingerprint import flip_one_bit
+
+        _say(f"drill bitflip: rank {rank} flips {flip_one_bit(parts)}")
 
 
 def loss_factor(fault: str | None) -> float:

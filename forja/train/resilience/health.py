@@ -39,19 +39,23 @@ class Anomaly:
     """What was wrong with a step."""
 
     kind: str
-    """"nonfinite" or "spike"."""
+    """"nonfinite", "spike" or "mismatch" (replicas' weights differ: forja/train/resilience/fingerprint.py)."""
     metric: str
-    """"loss" or "grad_norm"."""
+    """"loss" or "grad_norm" ("weights" for a mismatch)."""
     value: float
     mean: float | None = None
     """Rolling mean and standard deviation it was judged against (spikes only)."""
     std: float | None = None
+    text: str = ""
+    """A mismatch: which ranks differ."""
 
     @property
     def sigmas(self) -> float | None:
         return None if self.std is None else (self.value - self.mean) / self.std
 
     def describe(self) -> str:
+        if self.kind == "mismatch":
+            return self.text
         if self.kind == "nonfinite":
             return f"the {self.metric} is {self.value}"
         return (f"the {self.metric} {self.value:.4g} is {self.sigmas:.1f} standard deviations above its "

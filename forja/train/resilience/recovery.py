@@ -95,6 +95,25 @@ class Recovery:
                                 f"(replayed steps differ from the first run by at most {diff:g})")
         return Outcome.GO_ON
 
+    def corrupted(self, step: int, text: str) -> Outcome:
+        """Replicas' weights differ after `step` (silent data corruption, `text` names the ranks):
+        back to the latest checkpoint, whose replicas agreed (each is checked before it is saved),
+        when train.rollback.max allows; else stop."""
+        anomaly = Anomaly("mismatch", "weights", 1.0, text=text)
+        self.checkpoints.wait()
+        limit = self.cfg.rollback.max
+        why = ("train.rollback.max = 0" if limit == 0 else "no checkpoint was written yet"
+               if self.checkpoints.latest() is None else
+               f"the run rolled back {self.health.rollbacks} times already (train.rollback.max = {limit})"
+               if self.health.rollbacks >= limit else None)
+        if why is None:
+            self._roll_back(step, anomaly)
+            return Outcome.ROLLED_BACK
+        self._event(step, anomaly, "stop")
+        raise ForjaError(f"step {step}: silent data corruption: {text}, and {why}: training stopped; {self._kept()}. "
+                         "Check that rank's device (memory errors, a faulty unit), and keep train.rollback.max > 0 "
+                         "so that the run goes back to its last checkpoint")
+
     # -- anomalies: skip, stop or roll back ----------------------------------------------------
     def _on_anomaly(self, step: int, anomaly: Anomaly) -> Outcome:
         if self.health.verdict(step, anomalous=True):  # it came back on replay: the batch is bad

@@ -158,14 +158,15 @@ class StepEngine:
         finally:
             self._scales = StepScales()
         self.sync_tied_copies()
-        if self.replicas is not None:  # the live replica groups' mean gradient (each shard alike)
+        together = self.replicas is not None and self.replicas.every_step  # [ft] hsdp; diloco syncs apart
+        if together:  # the live replica groups' mean gradient (each shard alike)
             self.replicas.average(self._local_grads())
         if scales.loss != 1.0:  # unscaled before the norm: it, clipping and the guard see true values
             loss = loss / scales.loss
             unscale_(self._local_grads(), scales.loss)
         norm = self.clip_gradients()
         loss = self._mean_over_data(loss)  # the norm is already global
-        if self.replicas is not None:
+        if together:
             self.replicas.average([loss])
         # The one host sync of the step: whether to step depends on the values.
         loss_value, norm_value = torch.stack([loss, norm.to(loss.device, loss.dtype)]).tolist()
@@ -174,7 +175,7 @@ class StepEngine:
         anomaly = guard(loss_value, norm_value) if guard is not None and not overflow else None
         skipped = overflow or anomaly is not None or not (math.isfinite(loss_value) and math.isfinite(norm_value))
         groups = 1 if self.replicas is None else self.replicas.share.count
-        if self.replicas is not None and not self.replicas.commit():  # a group failed mid-step
+        if together and not self.replicas.commit():  # a group failed mid-step
             self.optimizers.zero_grad(set_to_none=True)
             return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=0, lr=lr, skipped=True,
                               committed=False)

@@ -12,7 +12,11 @@ from forja.train.ft.checks import check_ft
 @pytest.mark.parametrize("overrides, words", [
     (["parallel.dp_replicate=2"], "parallel.dp_replicate = 2 with ft.enabled"),
     (["train.global_batch_size=9"], "does not divide into ft.groups = 2"),
-    (["ft.mode=\"diloco\""], "ft.mode = 'diloco' is not available yet"),
+    (["ft.mode=\"diloco\"", "ft.inner_steps=4", "train.steps=10"],
+     "train.steps = 10 with ft.mode = 'diloco': a sync lands every ft.inner_steps = 4 steps"),
+    (["ft.mode=\"streaming-diloco\"", "ft.inner_steps=8", "ft.fragments=2", "train.steps=16",
+      "checkpoint.interval=6"], "checkpoint.interval = 6 with ft.mode = 'streaming-diloco': a sync lands every "
+                                "ft.inner_steps / ft.fragments = 4 steps"),
     (["train.on_nonfinite=\"rollback\""], "heals a restarted one instead"),
     (["train.seq_len=64", "train.seq_len_schedule=[[0, 32], [4, 64]]"], "train.seq_len_schedule with ft.enabled"),
 ])
@@ -24,6 +28,8 @@ def test_settings_replica_groups_cannot_serve_are_refused(overrides, words):
 
 def test_a_plain_ft_config_passes_and_ft_off_checks_nothing():
     check_ft(load_config("debug", ["ft.enabled=true", "ft.groups=2"]))
+    check_ft(load_config("debug", ["ft.enabled=true", "ft.mode=\"streaming-diloco\"", "ft.inner_steps=8",
+                                   "ft.fragments=2", "train.steps=16", "checkpoint.interval=8"]))
     check_ft(load_config("debug", ["parallel.dp_replicate=2", "train.global_batch_size=9"]))
 
 

@@ -1,0 +1,59 @@
+"""Silent data corruption (forja/train/resilience/fingerprint.py): one bit of one weight flips on
+one rank (the `bitflip` drill); the replicas' fingerprints disagree at the next check, the ranks
+are named, and the run goes back to its last checkpoint, whose replicas agreed. Across the two
+replicas of DDP (torchrun, Gloo) and across two torchft replica groups."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.distributed.parity import COMMON
+from tests.integration.conftest import forja_process, losses, read_metrics, train_args
+
+CHECKED = {**COMMON, "train.steps": "8", "checkpoint.interval": "4", "metrics.interval": "1",
+           "train.val_interval": "0", "ft.check_interval": "2", "debug.inject": json.dumps(["bitflip@5:rank=1"])}
+
+
+def _train(run, data, changes: dict, *flags: str) -> str:
+    proc = forja_process(train_args(run, data, **changes) + list(flags))
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+def _mismatches(run) -> list[dict]:
+    return [r for r in read_metrics(run) if r.get("event") == "mismatch"]
+
+
+@pytest.mark.slow
+def test_a_flipped_bit_in_one_ddp_replica_is_caught_and_rolled_back(tmp_path, train_data):
+    """DDP over 2 ranks: rank 1's weight changes as step 5 begins; the check after step 6 finds the
+    replicas apart, the run rolls back to step 4 and trains 5-8 again, and then every check agrees:
+    the losses from step 5 on are the clean run's."""
+    ddp = {**CHECKED, "parallel.dp_replicate": "2", "parallel.dp_shard": "1"}
+    run, clean = tmp_path / "flipped", tmp_path / "clean"
+    out = _train(run, train_data, ddp, "--nproc", "2")
+    assert "drill bitflip: rank 1 flips bit 10" in out, out[-3000:]
+    [event] = _mismatches(run)  # caught once; after the rollback the replicas agree
+    assert event["step"] == 6 and event["action"] == "rollback" and event["health/rollback_to"] == 4
+    assert "rank 0 and rank 1 hold different weights" in out, out[-3000:]
+    _train(clean, train_data, {**ddp, "debug.inject": "[]"}, "--nproc", "2")
+    assert losses(run) == losses(clean)  # the replayed steps 5-8 are the clean run's, bit for bit
+
+
+@pytest.mark.slow
+def test_a_flipped_bit_in_one_replica_group_is_caught_and_rolled_back(tmp_path, train_data):
+    """Two torchft replica groups of one rank: group 1's weight changes as step 5 begins; the
+    groups compare after step 6, both go back to step 4, and they end with the same weights."""
+    run = tmp_path / "ft"
+    changes = {**CHECKED, "ft.timeout_s": "10", "debug.inject": json.dumps(["bitflip@5:group=1"])}
+    out = _train(run, train_data, changes, "--ft-groups", "2", "--nproc", "1")
+    assert "drill bitflip: rank 0 flips bit 10" in out, out[-3000:]
+    [event] = _mismatches(run)
+    assert event["step"] == 6 and event["health/rollback_to"] == 4
+    assert "of replica group(s) 0, 1 holds weights that differ" in out, out[-3000:]
+    summaries = [json.loads((run / "ft" / f"group{g}" / "summary-rank0.json").read_text()) for g in (0, 1)]
+    assert summaries[0]["weights_sha256"] == summaries[1]["weights_sha256"]
+    assert [r["step"] for r in read_metrics(run) if "loss" in r][-1] == 8
