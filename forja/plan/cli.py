@@ -37,7 +37,82 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                         "(give every degree and option to predict one layout)")
     p.add_argument("--check", default=None, metavar="RUN_DIR",
                    help="compare a finished run's peak memory and tokens/s with the prediction for its layout")
+    add_goodput_args(p)
     p.set_defaults(func=_run_cli)
+
+
+def add_goodput_args(p: argparse.ArgumentParser) -> None:
+    """--goodput and the failure model's inputs (forja/plan/goodput.py); unset ones take the
+    recipe's values (with a RECIPE and --gpus) or the model's defaults."""
+    g = p.add_argument_group("goodput under failures", "restart-the-job against torchft replica groups and "
+                             "DiLoCo (docs/planner.md, \"Goodput under failures\")")
+    g.add_argument("--goodput", nargs="?", const="8,64,512,4096,16384", default=None, metavar="N,N,...",
+                   help="print each policy's goodput for these job sizes (default 8,64,512,4096,16384, and "
+                        "--gpus); no RECIPE needed")
+    rate = g.add_mutually_exclusive_group()
+    rate.add_argument("--failure-rate", type=float, default=None, metavar="F",
+                      help="failures per GPU-hour (default 1.97e-5, Llama 3's 16K-GPU run)")
+    rate.add_argument("--mtbf-hours", type=float, default=None, metavar="H",
+                      help="or one GPU's mean time between failures")
+    for flag, key, kind, what in (
+            ("--step-time", "step_s", float, "S: the step's seconds (default: the best layout's, or 2)"),
+            ("--checkpoint-interval", "checkpoint_interval", int,
+             "STEPS: steps between saves (default: the recipe's, or 500)"),
+            ("--checkpoint-save-s", "checkpoint_save_s", float, "S: seconds a save blocks training (default 30)"),
+            ("--restart-s", "restart_s", float, "S: a whole job's relaunch and checkpoint load (default 300)"),
+            ("--group-gpus", "group_gpus", int, "M: GPUs of a replica group (default: a node)"),
+            ("--heal-s", "heal_s", float, "S: a failed group's restart and heal (default 120 + the copy)"),
+            ("--inner-steps", "inner_steps", int, "H: DiLoCo's steps between syncs (default: ft.inner_steps)"),
+            ("--sync-s", "sync_s", float, "S: one DiLoCo sync's all-reduce (default: from the model's size, or 0.2)")):
+        g.add_argument(flag, dest=f"goodput_{key}", type=kind, default=None, metavar=what.split(":")[0],
+                       help=what.split(": ", 1)[1])
+
+
+def failure_model(args: argparse.Namespace, base=None):
+    """The failure model of the flags given, over `base` (the recipe's, or the defaults)."""
+    from dataclasses import fields, replace
+
+    from forja.plan.goodput import FailureModel
+
+    given = {f.name: getattr(args, f"goodput_{f.name}") for f in fields(FailureModel)
+             if getattr(args, f"goodput_{f.name}", None) is not None}
+    if args.mtbf_hours is not None:
+        if not args.mtbf_hours > 0:
+            raise ForjaError(f"--mtbf-hours {args.mtbf_hours}: give a mean time between failures > 0 hours")
+        given["failure_rate"] = 1 / args.mtbf_hours
+    elif args.failure_rate is not None:
+        given["failure_rate"] = args.failure_rate
+    return replace(base or FailureModel(), **given)
+
+
+def goodput_sizes(args: argparse.Namespace) -> list[int]:
+    try:
+        sizes = {int(n) for n in args.goodput.split(",")} | ({args.gpus} if args.gpus else set())
+    except ValueError:
+        raise ForjaError(f"--goodput {args.goodput}: give job sizes as GPU counts, e.g. 8,64,512") from None
+    if min(sizes) < 1:
+        raise ForjaError(f"--goodput {args.goodput}: every job size needs at least 1 GPU")
+    return sorted(sizes)
+
+
+def print_goodput(m, rows: list[dict]) -> None:
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    table = Table(title=f"goodput at {m.failure_rate:.3g} failures per GPU-hour: step {m.step_s:.3g} s, a save every "
+                        f"{m.checkpoint_interval} steps ({m.checkpoint_save_s:g} s), restart {m.restart_s:g} s; "
+                        f"groups of {m.group_gpus} GPUs, heal {m.heal_s:.3g} s; DiLoCo H={m.inner_steps}, "
+                        f"sync {m.sync_s:.3g} s", title_justify="left")
+    for col in ("GPUs", "groups", "failures/day", "restart", "Young interval", "restart at Young", "ft groups",
+                "DiLoCo", "DiLoCo tokens/s x"):
+        table.add_column(col, justify="right")
+    pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
+    for r in rows:
+        table.add_row(f"{r['gpus']:,}", f"{r['groups']:,}", f"{r['job_failures_per_day']:.3g}", pct(r["restart"]),
+                      f"{r['young_interval_steps']:,}", pct(r["restart_at_young"]), pct(r["ft"]), pct(r["diloco"]),
+                      "-" if r["diloco_throughput"] is None else f"{r['diloco_throughput']:.3f}")
+    console.print(table)
+    console.print("goodput: committed training / wall time, each policy at its own failure-free speed; the last "
+                  "column: DiLoCo's tokens/s against the synchronous job without failures; '-': one group",
+                  highlight=False)
 
 
 def hardware_for(args: argparse.Namespace):
@@ -57,8 +132,10 @@ def _run_cli(args: argparse.Namespace) -> int:
 
     if args.check:
         return check_run(Path(args.check), args)
+    if args.goodput is not None and args.config is None:
+        return goodput_cli(args, failure_model(args))
     if args.config is None or args.gpus is None:
-        raise ForjaError("forja plan needs a RECIPE and --gpus N (or --check RUN_DIR)")
+        raise ForjaError("forja plan needs a RECIPE and --gpus N (or --check RUN_DIR, or --goodput)")
     if args.gpus < 1:
         raise ForjaError(f"--gpus {args.gpus}: give at least 1 device")
     cfg = load_config(args.config, args.overrides)
@@ -73,6 +150,11 @@ def _run_cli(args: argparse.Namespace) -> int:
         raise ForjaError(f"no layout of {args.gpus} ranks{held} divides this job (global batch "
                          f"{job.global_batch_size}, {job.args.n_heads} heads, {job.args.n_kv_heads} KV heads, "
                          f"{job.args.n_layers} layers); change --gpus or the keys held")
+    if args.goodput is not None:
+        from forja.plan.goodput import recipe_model
+
+        step = candidates[0].time.total or 2.0  # an unknown peak predicts no time: the default
+        return goodput_cli(args, failure_model(args, recipe_model(cfg, job, step, hw)), candidates, hw, job)
     if args.json:
         from forja.plan.planner import usable_memory
 
@@ -81,6 +163,26 @@ def _run_cli(args: argparse.Namespace) -> int:
                           "candidates": [c.as_json() for c in candidates]}, indent=1))
         return 0
     print_plan(candidates, hw, args.gpus, args.top, job)
+    return 0
+
+
+def goodput_cli(args: argparse.Namespace, m, candidates=None, hw=None, job=None) -> int:
+    """--goodput: the table, after the plan's when a recipe was planned; --json: one object."""
+    from dataclasses import asdict
+
+    from forja.plan.goodput import table
+
+    rows = table(m, goodput_sizes(args))
+    if args.json:
+        out = {"goodput": {"model": asdict(m), "rows": rows}}
+        if candidates is not None:
+            out |= {"hardware": hw.kind, "gpus": args.gpus, "params": job.shape.n_params,
+                    "candidates": [c.as_json() for c in candidates]}
+        print(json.dumps(out, indent=1))
+        return 0
+    if candidates is not None:
+        print_plan(candidates, hw, args.gpus, args.top, job)
+    print_goodput(m, rows)
     return 0
 
 
