@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,37 @@ def test_ft_groups_allocation_is_groups_times_nodes():
     nodes = value(r"^#SBATCH --nodes=(\d+)")
     assert nodes == value(r"^FT_GROUPS=(\d+)") * value(r"^NODES_PER_GROUP=(\d+)")
     assert value(r"^#SBATCH --gpus-per-node=(\d+)") == value(r"^GPUS_PER_NODE=(\d+)")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_ft_groups_runs_a_lighthouse_then_one_step_per_group_and_stops_them_in_order(tmp_path):
+    """The script under stand-in srun and scontrol: the lighthouse first, on the first node, then
+    each group on its own nodes with its own rendezvous; on SIGTERM the groups stop first, the
+    lighthouse after them."""
+    log = tmp_path / "calls"
+    (tmp_path / "scontrol").write_text("#!/bin/bash\nprintf 'n%s\\n' 1 2 3 4\n")
+    (tmp_path / "srun").write_text(
+        "#!/bin/bash\necho \"$*\" >> \"$LOG\"\n"
+        "if [[ $* == *forja.train.ft.lighthouse* ]]; then name=lighthouse; echo http://n1:29510; else name=group; fi\n"
+        "trap 'echo \"$name stopped\" >> \"$LOG\"; exit 0' TERM\n"
+        "while true; do sleep 0.05; done\n")
+    for stub in ("scontrol", "srun"):
+        (tmp_path / stub).chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "LOG": str(log), "SLURM_NNODES": "4", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_NAME": "ft", "SLURM_CPUS_PER_TASK": "64"}
+    text = (SCRIPTS / "ft_groups.sbatch").read_text().replace("/shared/runs", str(tmp_path / "runs"))
+    proc = subprocess.Popen(["bash", "-c", text], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (log.is_file() and log.read_text().count("forja train") == 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # the script reaches its wait
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    calls = log.read_text().splitlines()
+    assert "--nodelist=n1" in calls[0] and "forja.train.ft.lighthouse" in calls[0]
+    assert calls[-3:] == ["group stopped", "group stopped", "lighthouse stopped"]
+    groups = sorted((c for c in calls if "forja train" in c), key=lambda c: "--ft-group 1" in c)
+    assert len(groups) == 2
+    for g, (call, head) in enumerate(zip(groups, ("n1", "n3"))):
+        assert f"--ft-group {g} " in call and f"--relative={2 * g}" in call
+        assert f"--rdzv-endpoint {head}:29500" in call and "--ft-lighthouse n1:29510" in call
