@@ -80,8 +80,8 @@ class DebugConfig:
     `--set` (a recipe or run config holding them is refused) and never saved with the run."""
 
     inject: list[str] = field(default_factory=list)
-    """Faults to inject, each KIND@STEP[:rank=R][:repeat][:seconds=S] with KIND nan, spike, kill, hang
-    or slow (forja/train/resilience/drills.py); empty: none."""
+    """Faults to inject, each KIND@STEP[:rank=R][:group=G][:repeat][:seconds=S] with KIND nan, spike,
+    kill, hang, slow or bitflip (forja/train/resilience/drills.py); empty: none."""
 
     def __post_init__(self) -> None:
         for spec in self.inject:
