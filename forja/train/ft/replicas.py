@@ -137,7 +137,8 @@ class Replicas:
         first steps alone."""
         deadline = time.monotonic() + self.cfg.join_timeout_s
         self._quorum()
-        while self.share.count < self.cfg.groups and time.monotonic() < deadline:
+        # (Not once healed at a diloco sync: the live groups are waiting in it for this one.)
+        while self.share.count < self.cfg.groups and self._join_sync is None and time.monotonic() < deadline:
             time.sleep(0.2)
             self._quorum()
         self._joined = True
