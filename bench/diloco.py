@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--inner-steps", type=int, default=20)
     ap.add_argument("--fragments", type=int, default=4)
+    ap.add_argument("--only", default=None, help="run only the runs whose name starts with this (then no table)")
     args = ap.parse_args()
     out = Path(args.out)
     base = {"train.steps": str(args.steps), "checkpoint.interval": str(args.steps)}
@@ -75,13 +76,22 @@ def main() -> None:
             ["--ft-groups", "2", "--nproc", "1"],
             {**base, "ft.mode": '"streaming-diloco"', "ft.inner_steps": h, "ft.fragments": str(args.fragments),
              "ft.fragment_sync_delay": "1"}),
+        # Plain model averaging every H steps (outer SGD with lr 1 and no momentum: local SGD),
+        # to tell what the outer Nesterov momentum does over so few outer steps.
+        f"averaging H={h}": (["--ft-groups", "2", "--nproc", "1"],
+                             {**base, "ft.mode": '"diloco"', "ft.inner_steps": h, "ft.outer_lr": "1.0",
+                              "ft.outer_momentum": "0.0"}),
     }
+    if args.only:
+        runs = {k: v for k, v in runs.items() if k.startswith(args.only)}
     results = []
     for name, (extra, sets) in runs.items():
         run = out / name.split()[0]
         wall = _train(run, extra, sets)
         results.append(_result(run, name, wall))
         print(json.dumps(results[-1]), flush=True)
+    if args.only:
+        return
     ddp = results[0]
     _ddp_bytes(ddp, results[1])
     print("\n| run | final val loss | vs DDP | bytes per token between replicas | vs DDP | wall s |")

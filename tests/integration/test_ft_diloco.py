@@ -59,8 +59,11 @@ def test_a_group_lost_between_syncs_heals_at_the_next_one_and_joins_it(tmp_path)
     its next syncs (after step 8, 12 or 16: when its torchrun has it back) the restarted group 1
     heals from it and takes part in that very sync, so that both groups end with the same weights."""
     run = tmp_path / "diloco"
+    # Group 0 slows to 1.5 s a step once group 1 is gone, so that it is still training when
+    # group 1's torchrun has it back (a restart takes seconds; the run would be over first).
     changes = {**BASE, "train.steps": "16", "checkpoint.interval": "4", "ft.mode": '"diloco"', "ft.inner_steps": "4",
-               "debug.inject": json.dumps(["kill@6:group=1", "slow@1:seconds=0.3"])}
+               "ft.heartbeat_timeout_s": "6",
+               "debug.inject": json.dumps(["kill@6:group=1", "slow@1:seconds=0.3", "slow@6:group=0:seconds=1.2"])}
     _run(run, changes, restarts=1)
     records = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 17))

@@ -77,6 +77,13 @@ class FTConfig:
         if self.check_interval < 0:
             raise ForjaError(f"ft.check_interval = {self.check_interval}: give 0 (off) or a step interval")
 
+    @property
+    def lighthouse_join_timeout_s(self) -> float:
+        """How long the lighthouse holds a quorum for a group that is alive but not asking for one.
+        Under diloco the live groups ask only at their syncs, so a restarted group must be held
+        until their next one (up to quorum_timeout_s), or it would train alone on their data."""
+        return self.join_timeout_s if self.mode == "hsdp" else max(self.join_timeout_s, self.quorum_timeout_s)
+
     def group_batch(self, global_batch_size: int) -> int:
         """Samples one group trains per step: its share of the job's global batch (all of it without [ft])."""
         return global_batch_size // self.groups if self.enabled else global_batch_size

@@ -41,7 +41,7 @@ class Lighthouse:
     def start(self) -> None:
         ft = self.cfg
         cmd = [sys.executable, "-m", "forja.train.ft.lighthouse", f"--port={self.port}",
-               f"--min-groups={ft.min_groups}", f"--join-timeout-s={ft.join_timeout_s}",
+               f"--min-groups={ft.min_groups}", f"--join-timeout-s={ft.lighthouse_join_timeout_s}",
                f"--heartbeat-timeout-s={ft.heartbeat_timeout_s}"]
         env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
