@@ -75,7 +75,7 @@ class OuterLoop:
         self.optims = []
         for fragment in self.fragments:
             opt = torch.optim.SGD([self.globals[n] for n, _ in fragment] or [torch.zeros(1)], lr=cfg.outer_lr,
-                                  momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)  # torch: none without
+                                  momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)  # momentum 0: averaging
             for t in opt.param_groups[0]["params"]:  # zero momenta from the start: checkpointable, same update
                 opt.state[t]["momentum_buffer"] = torch.zeros_like(t)
             self.optims.append(opt)

@@ -100,12 +100,20 @@ def launch_groups(args: argparse.Namespace, cfg, *, launcher_preflight, torchrun
     run_dir = None if is_url(cfg.run.dir) else Path(RunDir(cfg).prepare())
     lighthouse = None if args.ft_lighthouse else Lighthouse(cfg, run_dir / "ft" / "lighthouse.json" if run_dir else None)
     address = lighthouse.address if lighthouse else address
-    procs = {g: subprocess.Popen(cmd, env={**os.environ, GROUP_ENV: str(g), LIGHTHOUSE_ENV: address,
-                                           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                                           "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
-             for g in here}
+    env = {**os.environ, LIGHTHOUSE_ENV: address, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "RUST_LOG": os.environ.get("RUST_LOG", "warn"), **_threads(len(here) * (args.nproc or 1))}
+    procs = {g: subprocess.Popen(cmd, env={**env, GROUP_ENV: str(g)}) for g in here}
     print(f"forja: {len(here)} of {groups} replica groups started here, lighthouse {address}", flush=True)
     return _supervise(procs, lighthouse)
+
+
+def _threads(processes: int) -> dict[str, str]:
+    """OMP_NUM_THREADS for `processes` ranks sharing this machine's cores. torchrun sets 1 only
+    for its own several processes; G groups of one rank each would otherwise each take every
+    core and, on a CPU run, fight over them."""
+    if "OMP_NUM_THREADS" in os.environ or processes < 2:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
 
 
 def _supervise(procs: dict[int, subprocess.Popen], lighthouse: Lighthouse | None) -> int:
