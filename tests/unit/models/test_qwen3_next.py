@@ -33,6 +33,7 @@ transformers = pytest.importorskip("transformers")
 # which moves expert outputs: measured 1.5e-5 and 1.1e-5.
 TOL = 1e-5
 TOL_FLOAT64 = 1e-10
+TOL_EXPERTS = 3e-5  # a model with experts in float32: 2.4e-5 (moe, above), 1.06e-5 (the MTP checkpoint's, 20 tokens)
 
 _SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
               vocab_size=2048, max_position_embeddings=2048, rms_norm_eps=1e-6, linear_num_key_heads=2,
@@ -187,7 +188,7 @@ def test_the_mtp_module_loads_computes_transformers_pieces_and_saves_bit_exact(m
     diff = (mtp(h, emb, rope, mask) - _hf_mtp_reference(donor, stored, h, emb)).abs().max().item()
     print(f"MTP module output: max |diff| from transformers' pieces {diff:.2e}")
     assert diff < TOL
-    assert max_logit_diff(hf, model, _tokens(20)) < TOL  # the main model's logits are unchanged
+    assert max_logit_diff(hf, model, _tokens(20)) < TOL_EXPERTS  # the main model's logits are unchanged
     out = save_hf_checkpoint(model, tmp_path / "export")
     saved = _stored(out)
     assert sorted(saved) == sorted(stored)
@@ -195,7 +196,7 @@ def test_the_mtp_module_loads_computes_transformers_pieces_and_saves_bit_exact(m
         assert torch.equal(saved[key], value), key
     assert json.loads((out / "config.json").read_text())["mtp_num_hidden_layers"] == 1
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()  # skips mtp.*
-    assert max_logit_diff(reloaded, model, _tokens(20)) < TOL
+    assert max_logit_diff(reloaded, model, _tokens(20)) < TOL_EXPERTS
 
 
 @pytest.mark.parametrize(("changes", "experts"), [({}, True), (dict(mlp_only_layers=(0,)), False),
