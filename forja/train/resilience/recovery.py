@@ -100,12 +100,7 @@ class Recovery:
         back to the latest checkpoint, whose replicas agreed (each is checked before it is saved),
         when train.rollback.max allows; else stop."""
         anomaly = Anomaly("mismatch", "weights", 1.0, text=text)
-        self.checkpoints.wait()
-        limit = self.cfg.rollback.max
-        why = ("train.rollback.max = 0" if limit == 0 else "no checkpoint was written yet"
-               if self.checkpoints.latest() is None else
-               f"the run rolled back {self.health.rollbacks} times already (train.rollback.max = {limit})"
-               if self.health.rollbacks >= limit else None)
+        why = "train.rollback.max = 0" if self.cfg.rollback.max == 0 else self._why_not_roll_back()
         if why is None:
             self._roll_back(step, anomaly)
             return Outcome.ROLLED_BACK
@@ -135,12 +130,18 @@ class Recovery:
                          "optim.lr, raise schedule.warmup_steps, or set train.on_nonfinite / train.spike.action "
                          "to 'skip' or 'rollback'")
 
-    def _can_roll_back(self, step: int, anomaly: Anomaly) -> bool:
+    def _why_not_roll_back(self) -> str | None:
+        """Why the run cannot go back now, or None when it can."""
         limit = self.cfg.rollback.max
         self.checkpoints.wait()  # a save in flight is the one to go back to
-        why = ("no checkpoint was written yet" if self.checkpoints.latest() is None else
-               f"the run rolled back {self.health.rollbacks} times already (train.rollback.max = {limit})"
-               if self.health.rollbacks >= limit else None)
+        if self.checkpoints.latest() is None:
+            return "no checkpoint was written yet"
+        if self.health.rollbacks >= limit:
+            return f"the run rolled back {self.health.rollbacks} times already (train.rollback.max = {limit})"
+        return None
+
+    def _can_roll_back(self, step: int, anomaly: Anomaly) -> bool:
+        why = self._why_not_roll_back()
         if why is None:
             return True
         self._event(step, anomaly, "stop")
