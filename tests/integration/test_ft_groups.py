@@ -39,7 +39,10 @@ def test_a_killed_group_and_a_lost_lighthouse_leave_the_run_going(tmp_path, trai
     the same weights."""
     run = tmp_path / "ft"
     drills = json.dumps(["kill@5:group=1", "slow@1:seconds=0.3"])
-    proc = forja_process(train_args(run, train_data, **FT, **{"debug.inject": drills})
+    # The lighthouse drops the silent group after 1 s, before its torchrun can have it heartbeating
+    # again (a restart imports torch: 2 s or more); with the default 3 s a quick restart is back in
+    # time for step 5's retry, and group 0 never trains alone.
+    proc = forja_process(train_args(run, train_data, **FT, **{"debug.inject": drills, "ft.heartbeat_timeout_s": "1"})
                          + ["--ft-groups", "2", "--nproc", "1", "--max-restarts", "1"])
     _wait_for_step(run, 12, proc)
     lighthouse = json.loads((run / "ft" / "lighthouse.json").read_text())
