@@ -13,6 +13,19 @@ Two implementations with the same result:
   public name for it yet.
 - "loop": one `F.linear` per non-empty group, the reference; it runs everywhere.
 
+On CUDA the rows go to the kernel in a padded copy where every group starts at a multiple
+of 16 bytes' worth of rows (8 in bf16), pad rows zero, and the real rows come back from its
+output (`padded_groups`). PyTorch's kernels check 16-byte group starts along the grouped
+dimension (aten/src/ATen/native/cuda/GroupMMCommon.cuh, prepare_grouped_gemm_data, and the
+cuBLASLt path's argument kernel): before pytorch/pytorch#155466 (June 2025) for every layout,
+since then only where that dimension is the contiguous one, which the row-major activations
+and gradients here avoid. The copy costs a scatter and a gather of the rows per matmul and
+keeps the op right whichever torch a GPU runs; torchtitan padded to the same 8 rows in bf16
+(TOKEN_GROUP_ALIGN_SIZE_M) until it dropped the padding for bf16 (torchtitan#2774). The
+pad's size, rows + G * (align - 1), does not depend on the counts: no device-to-host sync,
+and fixed shapes for torch.compile. The copy is a fresh allocation, so its start is 16-byte
+aligned whatever view `x` was.
+
 `impl="auto"` takes "grouped" where the device and dtype support it, else "loop";
 `impl="grouped"` does the same, and records the loop in the fallback record
 (forja/fallbacks.py) where the op cannot run: the user asked for it by name.
@@ -60,10 +73,48 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_mm_fused(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """`torch._grouped_mm` with group ends as int32 offsets."""
-    offsets = torch.cumsum(counts, 0).to(torch.int32)  # (G,) end row of each group
-    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets))
+def row_alignment(x: torch.Tensor) -> int:
+    """Rows each group's start is padded to a multiple of: 16 bytes' worth on CUDA (8 in bf16,
+    16 in float8), 1 (no padding) elsewhere: the CPU kernel reads any group start."""
+    return 16 // x.element_size() if x.device.type == "cuda" else 1
+
+
+def padded_groups(counts: torch.Tensor, rows: int, align: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where `rows` rows sorted by group go when each group starts at a multiple of `align`.
+
+    counts (G,) int, summing to `rows` -> index (rows,) int64, the padded row of each real row;
+    ends (G,) int32, each padded group's end (its length rounded up to `align`), the offsets
+    for `torch._grouped_mm`; and the padded row count, rows + G * (align - 1), a bound that
+    holds for any counts (rows past ends[-1] belong to no group and are never read)."""
+    counts = counts.to(torch.int64)
+    padded = (counts + align - 1) // align * align  # (G,)
+    ends = torch.cumsum(padded, 0)  # (G,)
+    shift = (ends - padded) - (torch.cumsum(counts, 0) - counts)  # (G,) padded start - real start
+    group = torch.arange(counts.shape[0], device=counts.device).repeat_interleave(counts, output_size=rows)  # (rows,)
+    index = torch.arange(rows, device=counts.device) + shift[group]  # (rows,)
+    return index, ends.to(torch.int32), rows + counts.shape[0] * (align - 1)
+
+
+def pad_groups(x: torch.Tensor, index: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    """x (rows, K) -> (padded_rows, K): row i at index[i], zeros elsewhere (differentiable)."""
+    return x.new_zeros(padded_rows, x.shape[-1]).index_copy(0, index, x)
+
+
+def unpad_groups(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """y (padded_rows, N) -> (rows, N): the real rows back, in their order (differentiable)."""
+    return y.index_select(0, index)
+
+
+def grouped_mm_fused(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, align: int | None = None) -> torch.Tensor:
+    """`torch._grouped_mm` with group ends as int32 offsets; with `align` > 1 (default
+    `row_alignment(x)`) on a padded copy of x whose groups start at multiples of it."""
+    align = row_alignment(x) if align is None else align
+    if align == 1:
+        offsets = torch.cumsum(counts, 0).to(torch.int32)  # (G,) end row of each group
+        return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets))
+    index, ends, padded_rows = padded_groups(counts, x.shape[0], align)
+    out = torch._grouped_mm(pad_groups(x, index, padded_rows), w.transpose(-2, -1), offs=ends)  # (P, N)
+    return _ContiguousGrad.apply(unpad_groups(out, index))  # (M, N)
 
 
 @cache
@@ -75,9 +126,9 @@ def _grouped_supported(device_type: str, dtype: torch.dtype, capability: tuple[i
     if device_type != "cpu":
         return False
     try:  # older torch has no CPU kernel: probe once (outside autocast, in the dtype asked about)
-        with torch.autocast("cpu", enabled=False):
-            x, w = torch.ones(2, 16, dtype=dtype), torch.ones(2, 16, 16, dtype=dtype)  # 16-byte aligned rows
-            grouped_mm_fused(x, w, torch.tensor([1, 1]))
+        with torch.autocast("cpu", enabled=False):  # 16-byte aligned rows and group starts (16 rows each)
+            x, w = torch.ones(32, 16, dtype=dtype), torch.ones(2, 16, 16, dtype=dtype)
+            grouped_mm_fused(x, w, torch.tensor([16, 16]))
         return True
     except (RuntimeError, NotImplementedError):
         return False

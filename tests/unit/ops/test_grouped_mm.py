@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from forja import fallbacks
-from forja.ops.grouped_mm import compute_dtype, grouped_mm, grouped_mm_fused, grouped_mm_loop, grouped_supported
+from forja.ops.grouped_mm import (compute_dtype, grouped_mm, grouped_mm_fused, grouped_mm_loop, grouped_supported,
+                                   pad_groups, padded_groups, row_alignment, unpad_groups)
 
 
 @pytest.mark.parametrize("counts", [[3, 4, 3, 6], [0, 9, 0, 7], [16, 0, 0, 0], [0, 0, 0, 0]])
@@ -82,3 +83,80 @@ def test_explicit_grouped_on_unaligned_widths_falls_back_with_a_record():
     fallbacks.clear()
     grouped_mm(x, w, counts, impl="auto")
     assert fallbacks.recorded() == []
+
+
+UNALIGNED = [[3, 0, 13, 5], [0, 0, 0, 0], [0, 9, 0, 7], [16, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 21]]
+
+
+@pytest.mark.parametrize("align", [8, 16])
+@pytest.mark.parametrize("counts", UNALIGNED)
+def test_padded_groups_start_at_multiples_and_keep_every_row(counts, align):
+    rows, G = sum(counts), len(counts)
+    index, ends, padded_rows = padded_groups(torch.tensor(counts), rows, align)
+    assert index.dtype == torch.int64 and ends.dtype == torch.int32 and padded_rows == rows + G * (align - 1)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int32), ends[:-1]])  # (G,)
+    lengths = ends - starts
+    assert (starts % align == 0).all() and (ends % align == 0).all()
+    assert ((lengths >= torch.tensor(counts)) & (lengths < torch.tensor(counts) + align)).all()
+    assert int(ends[-1]) <= padded_rows
+    # each real row sits, in order, at the head of its own group's padded range
+    real_start = 0
+    for g, n in enumerate(counts):
+        want = torch.arange(n) + int(starts[g])
+        torch.testing.assert_close(index[real_start:real_start + n], want)
+        real_start += n
+    assert index.unique().numel() == rows
+
+
+def test_padded_groups_of_the_example():
+    index, ends, padded_rows = padded_groups(torch.tensor([3, 0, 13, 5]), 21, 8)
+    assert ends.tolist() == [8, 8, 24, 32] and padded_rows == 21 + 4 * 7
+    assert index.tolist() == [0, 1, 2, *range(8, 21), *range(24, 29)]
+
+
+@pytest.mark.parametrize("counts", UNALIGNED)
+def test_pad_loop_unpad_equals_the_loop_forward_and_backward(counts):
+    """The padded round trip through the reference: same output, same gradients; pad rows
+    are zero going in and coming out."""
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(sum(counts), 32), torch.randn(len(counts), 16, 32)
+    weights = torch.linspace(-1, 1, sum(counts) * 16).view(sum(counts), 16)
+    index, ends, padded_rows = padded_groups(torch.tensor(counts), x0.shape[0], 8)
+    padded_counts = ends.diff(prepend=torch.zeros(1, dtype=torch.int32))  # (G,)
+    results = []
+    for padded in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if padded:
+            xp = pad_groups(x, index, padded_rows)  # (P, 32)
+            real = torch.zeros(padded_rows, dtype=torch.bool).index_fill(0, index, True)
+            assert (xp[~real] == 0).all()
+            yp = grouped_mm_loop(xp[: int(ends[-1])], w, padded_counts)  # (ends[-1], 16)
+            assert (yp[~real[: int(ends[-1])]] == 0).all()
+            out = unpad_groups(yp, index)
+        else:
+            out = grouped_mm_loop(x, w, torch.tensor(counts))
+        (out * weights).sum().backward()
+        results.append((out.detach(), x.grad, w.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("counts", UNALIGNED)
+def test_padded_fused_equals_the_loop_forward_and_backward(counts):
+    """torch._grouped_mm itself on the padded rows (its CPU kernel, fp32): the offsets it is
+    given are the padded ends, rows past the last end are left to the kernel."""
+    x0, w0 = torch.randn(sum(counts), 32), torch.randn(len(counts), 16, 32)
+    if not grouped_supported(x0, w0):
+        pytest.skip(f"torch {torch.__version__} has no CPU torch._grouped_mm")
+    results = []
+    for fn in (lambda x, w, c: grouped_mm_fused(x, w, c, align=8), grouped_mm_loop):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = fn(x, w, torch.tensor(counts))
+        out.sum().backward()  # a zero-stride gradient, as _ContiguousGrad expects
+        results.append((out.detach(), x.grad, w.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_are_padded_on_cuda_only():
+    assert row_alignment(torch.empty(2, 8)) == row_alignment(torch.empty(2, 8, dtype=torch.bfloat16)) == 1
