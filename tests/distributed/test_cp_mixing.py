@@ -128,7 +128,8 @@ def _all_cases(rank: int, world: int, device: str = "cpu") -> dict[str, dict[str
     return results
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
+# cp 1: a ring of one (the one-GPU case of tests/gpu/test_context_parallel.py) still merges a chunk and its mirror
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=["cp1", "cp2", "cp4"])
 def measured(request):
     return request.param, run_distributed(_all_cases, request.param, timeout_s=120)
 

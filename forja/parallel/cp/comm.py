@@ -75,6 +75,8 @@ class RingExchange:
         """Send `tensors` on and receive the previous rank's of the same shapes; `wait()` on
         the result gives them. Exchanges in flight together need different tags."""
         sent = tuple(t.contiguous() for t in tensors)
+        if self.next == dist.get_rank():  # a ring of one (cp 1, e.g. on one GPU): what goes round comes back
+            return _Pending([], sent, sent)
         got = tuple(torch.empty_like(t) for t in sent)
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag + i) for i, t in enumerate(sent)]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag + i) for i, t in enumerate(got)]
