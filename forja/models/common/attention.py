@@ -9,7 +9,8 @@ and shared by every layer:
 - several documents (or a sliding window), backend "sdpa": SDPA with an explicit boolean
   (B, 1, T, T) mask;
 - backend "flex" on CUDA: FlexAttention with a block mask, which skips fully masked
-  tiles. FlexAttention has no CPU backward, so on CPU "flex" falls back to SDPA (recorded in
+  tiles; create_block_mask is compiled once per process (`_block_mask_builder`).
+  FlexAttention has no CPU backward, so on CPU "flex" falls back to SDPA (recorded in
   forja's fallback record: one line at start, and run.json).
 
 Under context parallelism a forward's tokens are one rank's part of each row. The model
@@ -109,8 +110,8 @@ def build_mask(
     return AttentionMask(dense=allowed)
 
 
-def _flex_block_mask(document_ids: torch.Tensor | None, T: int, window: int | None, device: torch.device) -> Any:
-    from torch.nn.attention.flex_attention import create_block_mask
+def flex_mask_mod(document_ids: torch.Tensor | None, window: int | None):
+    """FlexAttention's mask_mod: causal, within `window`, within each row's documents (B, T)."""
 
     def mask_mod(b, h, q, kv):
         allowed = q >= kv
@@ -120,8 +121,34 @@ def _flex_block_mask(document_ids: torch.Tensor | None, T: int, window: int | No
             allowed = allowed & (document_ids[b, q] == document_ids[b, kv])
         return allowed
 
+    return mask_mod
+
+
+def _flex_block_mask(document_ids: torch.Tensor | None, T: int, window: int | None, device: torch.device) -> Any:
     B = document_ids.shape[0] if document_ids is not None else None
-    return create_block_mask(mask_mod, B, None, T, T, device=device)
+    return _block_mask_builder(device)(flex_mask_mod(document_ids, window), B, None, T, T, device=device)
+
+
+_compiled_block_mask = None
+
+
+def _block_mask_builder(device: torch.device):
+    """`create_block_mask`, on CUDA compiled once per process. Eager, it evaluates the
+    mask_mod on every (query, key) pair at once: B * T * T booleans and the int64 document
+    look-ups behind them (GiBs at 8k tokens); compiled, tile by tile. Each mask_mod is a new
+    closure over the batch's document ids, which the compiled function takes as an input:
+    no recompilation from one batch to the next (tests/unit/models/test_attention.py).
+    create_block_mask(_compile=True) does the same but warns on every call: deprecated since
+    torch 2.6 for torch.compile(create_block_mask), what torchtitan and torch's own context
+    parallelism call."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if device.type != "cuda":
+        return create_block_mask
+    global _compiled_block_mask
+    if _compiled_block_mask is None:
+        _compiled_block_mask = torch.compile(create_block_mask, dynamic=False)
+    return _compiled_block_mask
 
 
 _compiled_flex = None

@@ -178,3 +178,61 @@ def test_bad_layer_types_are_named(overrides, message):
 
     with pytest.raises(ForjaError, match=message):
         _model("llama", n_layers=2, **overrides)
+
+
+def _masks_seen(model) -> dict[str, list]:
+    """Per block name, the AttentionMask each forward handed its attention (a public hook)."""
+    seen: dict[str, list] = {name: [] for name in model.layers}
+    for name, block in model.layers.items():
+        block.attention.register_forward_pre_hook(lambda _, args, name=name: seen[name].append(args[2]))
+    return seen
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_a_forward_builds_one_mask_per_kind_of_block_for_all_its_layers(backend):
+    """Four blocks, two kinds: each forward builds two masks, every block of a kind gets the
+    same object, and the next batch gets new ones (no mask outlives its documents)."""
+    from forja import fallbacks
+
+    kinds = ("sliding_attention", "full_attention") * 2
+    model = _model("llama", n_layers=4, layer_types=kinds, sliding_window=3, attention=backend)
+    seen = _masks_seen(model)
+    tokens = torch.randint(0, 2048, (2, 12))
+    batches = [torch.tensor([[0] * 5 + [1] * 7, [0] * 12]), torch.tensor([[0] * 9 + [1] * 3, [0] * 2 + [1] * 10])]
+    for docs in batches:
+        model(tokens, docs)
+    fallbacks.clear()  # "flex" on CPU ran SDPA, and said so
+    for step in range(len(batches)):
+        by_kind: dict[str, list] = {}
+        for name, kind in zip(model.layers, kinds):
+            by_kind.setdefault(kind, []).append(seen[name][step])
+        for masks in by_kind.values():
+            assert all(m is masks[0] for m in masks)
+        assert by_kind["sliding_attention"][0] is not by_kind["full_attention"][0]
+    first, second = seen["0"]
+    assert first is not second and not torch.equal(first.dense, second.dense)
+
+
+@pytest.mark.parametrize("window", [None, 200])
+def test_block_masks_compiled_once_take_every_batch_without_recompiling(window):
+    """The compiled builder CUDA uses (here with the eager backend: what is guarded is
+    dynamo's, whatever the backend) on forja's mask_mod: a new batch's documents are an
+    input, not a constant baked in at the first call, and cost no recompilation."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from forja.models.common.attention import _block_mask_builder, _flex_block_mask, flex_mask_mod
+
+    assert _block_mask_builder(torch.device("cpu")) is create_block_mask  # eager off CUDA
+    build = torch.compile(create_block_mask, backend="eager", dynamic=False)
+    T = 512  # four 128-token tiles a side
+    one = torch.zeros(2, T, dtype=torch.long)
+    split = torch.tensor([[0] * 256 + [1] * 256, [0] * 128 + [1] * 384])
+    built = [build(flex_mask_mod(one, window), 2, None, T, T, device="cpu")]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        built.append(build(flex_mask_mod(split, window), 2, None, T, T, device="cpu"))
+    for got, docs in zip(built, (one, split)):
+        want = _flex_block_mask(docs, T, window, torch.device("cpu"))
+        assert torch.equal(got.to_dense(), want.to_dense())
+        assert torch.equal(got.full_kv_num_blocks, want.full_kv_num_blocks)
+    assert not torch.equal(built[0].to_dense(), built[1].to_dense())  # the two batches differ
