@@ -17,13 +17,14 @@ In an object store (run.dir = "s3://..."), which has no rename, a checkpoint is 
 its own name and complete once its forja.json is written last (remote.py).
 
 With `async_save`, `save()` copies the state into fresh CPU memory (torch's DefaultStager,
-synchronously, so training may update parameters and optimizer state in place as soon as it
-returns) and the write continues in a background thread. The trainer calls `poll()` after
-every step: once every rank's write is done, the checkpoint is finalized there (forja.json,
-rename), or at `wait()` / the next `save()` at the latest. DCP's background collectives
-(planning, metadata gather, write results) run on a Gloo group of their own, and `poll()`
-agrees on another: a collective of a background thread must never share a group with the
-main thread's, whose sequence of collectives it would interleave differently on each rank.
+pinned when the state is on CUDA, synchronously, so training may update parameters and
+optimizer state in place as soon as it returns) and the write continues in a background
+thread. The trainer calls `poll()` after every step: once every rank's write is done, the
+checkpoint is finalized there (forja.json, rename), or at `wait()` / the next `save()` at the
+latest. DCP's background collectives (planning, metadata gather, write results) run on a Gloo
+group of their own, and `poll()` agrees on another: a collective of a background thread must
+never share a group with the main thread's, whose sequence of collectives it would interleave
+differently on each rank.
 
 forja.json also lists every file of the checkpoint with its size and CRC-32 (verify.py): each
 rank hashes the files it wrote as soon as its own write is done (for an async save, in the
@@ -140,8 +141,9 @@ class CheckpointManager:
     the process group exists: with `async_save` on more than one rank it creates two groups."""
 
     def __init__(self, cfg: CheckpointConfig, folder: Path | str, *, rank: int = 0,
-                 meta: dict[str, Any] | None = None):
+                 meta: dict[str, Any] | None = None, device: torch.device | str = "cpu"):
         self.cfg = cfg
+        self.device = torch.device(device)  # where the state lives: how async saves stage it
         self.folder = folder  # a URL (str) for a run.dir in an object store
         self.remote = remote.is_remote(folder)
         self.rank = rank
@@ -249,10 +251,8 @@ class CheckpointManager:
     def _start_async(self, state: dict[str, Any], partial: Path | str, meta: dict, start: float) -> _PendingSave:
         # torch's default staging, made here so that it can be closed when the write is done
         # (torch 2.11 never closes the one it makes, and its cached copy of the whole state
-        # then lives until a full garbage collection). Synchronous staging: async_save returns
-        # only when every tensor, CPU ones included, has been copied into new CPU storage.
-        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                              use_async_staging=False, use_non_blocking_copy=False))
+        # then lives until a full garbage collection).
+        stager = DefaultStager(staging_options(self.device))
         try:
             future = dcp.async_save(state, process_group=self._save_group, async_stager=stager,
                                     **remote.dcp_target(partial, write=True))
@@ -377,6 +377,18 @@ class CheckpointManager:
             check(meta)
         dcp.load(state, **remote.dcp_target(path, write=False))
         return meta
+
+
+def staging_options(device: torch.device) -> StagingOptions:
+    """How an async save copies the state on `device` into host memory. Always synchronously
+    (async staging would make dcp.async_save return another type, and `save()` promises that
+    training may update the state in place once it returns). From CUDA, into pinned memory
+    with non-blocking copies and one synchronize at the end: a copy into pageable memory goes
+    through the driver's bounce buffer, one blocking copy per tensor. On CPU, plain copies
+    (pinning needs CUDA; a non-blocking copy, an accelerator)."""
+    cuda = device.type == "cuda"
+    return StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                          use_non_blocking_copy=cuda)
 
 
 def _async_groups(cfg: CheckpointConfig) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:

@@ -108,7 +108,7 @@ class Trainer:
         self.loader, self.val_loader = loaders(c, dataset, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp,
                                                later=stages(c, self.tokenizer, rank=self.rank))
         self.checkpoints = CheckpointManager(c.checkpoint, checkpoint_dir(self.directory.checkpoints, c, self.group),
-                                             rank=self.rank, meta=identity)
+                                             rank=self.rank, meta=identity, device=self.device)
         self.sinks = build_sinks(c.metrics, run_dir=self.run_dir, run_name=c.run.name or self.run_dir.name,
                                  config=c.to_dict(), rank=self.rank)
         self.callbacks = default_callbacks(c, flops_per_token=self.flops_per_token, num_devices=self.dims.world_size,
