@@ -1,0 +1,246 @@
+"""forja against its peers, side by side in one run: torchtitan (its released package, in a side
+environment) and a plain loop over `transformers`' LlamaForCausalLM, on the same device, Llama
+shape, tokens, precision, batch and sequence length.
+
+    python bench/peers.py [--size cpu|smoke|1b] [--rounds 5] [--steps 5] [--only NAMES]
+                          [--no-titan] [--set KEY=VALUE ...] [--out runs/bench-peers]
+
+Each contender is a process of its own (bench/peers_worker.py's protocol) that builds, compiles
+and warms up once, then waits. The rounds alternate: every round runs each contender for
+--steps steps in turn, the order rotated each round, so that a slow minute of the machine falls
+on all of them. Reported per contender: median tokens/s over the rounds and its spread
+(min-max), peak memory (CUDA: the allocator's peak in the round; CPU: the process's peak RSS)
+and MFU. Pairs come first, as ratios of medians (forja / peer). The framework's overhead is
+forja's Trainer step against forja's own model in a bare loop (bench/peers_forja.py --bare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path.insert(0, str(BENCH))
+
+# The sizes: forja's recipe and overrides (the shape every contender builds), batch, length.
+SIZES = {
+    "cpu": dict(recipe="default", sets=[], batch=8, seq_len=256, precision="fp32"),
+    "smoke": dict(recipe="debug", batch=2, seq_len=32, precision="fp32",
+                  sets=['model.overrides={dim = 64, n_layers = 2, n_heads = 4, n_kv_heads = 2, ffn_dim = 128}']),
+    "1b": dict(recipe="llama3-1b", sets=[], batch=1, seq_len=4096, precision="bf16"),
+}
+OPTIM = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0}
+
+
+@dataclass
+class Entry:
+    """One contender: a worker script, the interpreter that runs it and its spec changes."""
+    name: str
+    script: str
+    changes: dict
+    python: str = sys.executable
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+    ready: dict = field(default_factory=dict)
+    rounds: list[dict] = field(default_factory=list)
+
+
+def contenders(titan_python: str | None, only: set[str] | None) -> list[Entry]:
+    """Matched settings (compile off, then on; no AC) and each framework's recommended ones."""
+    out = [
+        Entry("forja eager", "peers_forja.py", {"compile": False}),
+        Entry("forja model alone (bare loop)", "peers_forja.py", {"compile": False, "bare": True}),
+        Entry("forja recommended (compile + fused ops)", "peers_forja.py",
+              {"compile": True, "forja_extra": ["model.fused_ops=true"]}),
+        Entry("HF loop eager", "peers_hf.py", {"compile": False}),
+        Entry("HF loop compiled", "peers_hf.py", {"compile": True}),
+    ]
+    if titan_python:
+        out += [Entry("torchtitan eager", "peers_titan.py", {"compile": False}, python=titan_python),
+                Entry("torchtitan recommended (compile)", "peers_titan.py", {"compile": True, "recommended": True},
+                      python=titan_python)]
+    return [e for e in out if only is None or e.name in only]
+
+
+# (forja, peer): the ratios reported first, forja's tokens/s over the peer's.
+PAIRS = [("forja eager", "HF loop eager"), ("forja recommended (compile + fused ops)", "HF loop compiled"),
+         ("forja eager", "torchtitan eager"),
+         ("forja recommended (compile + fused ops)", "torchtitan recommended (compile)")]
+
+
+def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple[dict, int, Path]:
+    """forja's model shape for the recipe, its FLOPs per token, and `rows` token rows from
+    forja's own loader (the same tokens for every contender), saved to out/tokens.pt."""
+    from forja.config import load_config
+    from forja.models import build_from_args
+    from forja.models.config import run_model_args
+    from forja.train.data import data, loaders
+
+    cfg = load_config(size["recipe"], [*size["sets"], *sets, f"train.seq_len={size['seq_len']}",
+                                        f"train.global_batch_size={size['batch']}",
+                                        f"train.micro_batch_size={size['batch']}"])
+    tokenizer, dataset = data(cfg, rank=0, run_dir=out)
+    args = run_model_args(cfg.model, tokenizer.vocab_size)
+    loader, _ = loaders(cfg, dataset, dp_rank=0, dp_size=1)
+    taken = []
+    while sum(t.shape[0] for t in taken) < rows:
+        for b in loader.next_step():  # labels are the inputs shifted: a row is inputs + the last label
+            taken.append(torch.cat([b.input_ids, b.labels[:, -1:].clamp(min=0)], dim=1))  # [m, T + 1]
+    loader.close()
+    path = out / "tokens.pt"
+    torch.save(torch.cat(taken)[:rows].contiguous(), path)
+    shape = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+             "ffn_dim": args.ffn_dim, "vocab_size": args.vocab_size, "rope_theta": args.rope_theta,
+             "norm_eps": args.norm_eps, "max_seq_len": max(args.max_seq_len, size["seq_len"]),
+             "tie_embeddings": args.tie_embeddings}
+    flops = build_from_args(args, device="meta").flops_per_token(size["seq_len"])
+    return shape, flops, path
+
+
+def _send(entry: Entry, order: dict, timeout: float) -> dict:
+    entry.proc.stdin.write(json.dumps(order) + "\n")
+    entry.proc.stdin.flush()
+    return _answer(entry, timeout)
+
+
+def _answer(entry: Entry, timeout: float) -> dict:
+    line = entry.proc.stdout.readline()
+    if not line:
+        entry.proc.wait(timeout=timeout)
+        tail = entry.log.read_text()[-3000:] if entry.log else ""
+        raise SystemExit(f"{entry.name} stopped (exit {entry.proc.returncode}); the end of {entry.log}:\n{tail}")
+    return json.loads(line)
+
+
+def start(entry: Entry, spec: dict, out: Path, timeout: float) -> None:
+    entry.log = out / f"{entry.name.split(' (')[0].replace(' ', '-').replace(',', '')}.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    full = {**spec, **entry.changes}
+    full["forja_sets"] = [*spec["forja_sets"], *entry.changes.get("forja_extra", [])]
+    entry.proc = subprocess.Popen([entry.python, str(BENCH / entry.script), json.dumps(full)], cwd=REPO, env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(entry.log, "w"),
+                                  text=True)
+    entry.ready = _answer(entry, timeout)
+    print(f"  {entry.name}: ready in {entry.ready['build_s']} s, {entry.ready['params']:,} parameters",
+          flush=True)
+
+
+def cpu_peak_flops(seconds: float = 2.0) -> float:
+    """This CPU's fp32 matmul rate, measured: the MFU denominator on a CPU (no data sheet)."""
+    a = torch.randn(1024, 1024)
+    b = torch.randn(1024, 1024)
+    a @ b
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        n += 1
+    return 2 * 1024**3 * n / (time.perf_counter() - start)
+
+
+def summarize(entries: list[Entry], tokens_per_step: int, steps: int, flops: int, peak: float) -> dict:
+    rows = {}
+    for e in entries:
+        rates = [tokens_per_step * steps / r["seconds"] for r in e.rounds]
+        median = statistics.median(rates)
+        rows[e.name] = {"tokens_per_s": median, "spread": [min(rates), max(rates)], "rounds": rates,
+                        "peak_gib": max(r["peak_bytes"] for r in e.rounds) / 2**30,
+                        "mfu": flops * median / peak, "loss": e.rounds[-1]["loss"], "params": e.ready["params"],
+                        "settings": e.ready["settings"], "shims": e.ready.get("shims", [])}
+    pairs = [{"forja": a, "peer": b, "ratio": rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]}
+             for a, b in PAIRS if a in rows and b in rows]
+    out = {"pairs": pairs, "contenders": rows}
+    if "forja eager" in rows and "forja model alone (bare loop)" in rows:
+        out["forja_overhead"] = rows["forja model alone (bare loop)"]["tokens_per_s"] / rows["forja eager"]["tokens_per_s"] - 1
+    return out
+
+
+def markdown(result: dict, header: str) -> str:
+    lines = [header, "", "| forja | against | ratio (tokens/s) |", "|---|---|---|"]
+    lines += [f"| {p['forja']} | {p['peer']} | {p['ratio']:.3f}x |" for p in result["pairs"]]
+    if "forja_overhead" in result:
+        lines += ["", f"forja's own overhead per step (Trainer step against its model in a bare loop): "
+                      f"{100 * result['forja_overhead']:+.1f}%"]
+    lines += ["", "| contender | tokens/s (median) | spread (min-max) | peak memory GiB | MFU |", "|---|---|---|---|---|"]
+    for name, r in result["contenders"].items():
+        lo, hi = r["spread"]
+        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {lo:,.0f}-{hi:,.0f} | {r['peak_gib']:.2f} | "
+                     f"{100 * r['mfu']:.1f}% |")
+    shims = sorted({s for r in result["contenders"].values() for s in r["shims"]})
+    if shims:
+        lines += ["", "Shims torchtitan needed here: " + "; ".join(shims)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="cpu")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="steps per contender per round")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--only", default="", help="contender names, comma-separated")
+    p.add_argument("--no-titan", action="store_true", help="leave torchtitan out (no side environment)")
+    p.add_argument("--wheels", default=None, help="install torchtitan offline from these wheels")
+    p.add_argument("--set", dest="sets", action="append", default=[], help="forja override for the shape")
+    p.add_argument("--out", default="runs/bench-peers")
+    p.add_argument("--timeout", type=float, default=900, help="seconds a worker may take to build")
+    args = p.parse_args(argv)
+    size, out = SIZES[args.size], Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    titan = None
+    if not args.no_titan:
+        from peers_env import ensure_env
+        titan = str(ensure_env(wheels=args.wheels))
+    only = {n.strip() for n in args.only.split(",") if n.strip()} or None
+    entries = contenders(titan, only)
+    shape, flops, tokens = shape_and_tokens(size, args.sets, out, rows=size["batch"] * 8)
+    spec = {"shape": shape, "batch": size["batch"], "seq_len": size["seq_len"], "tokens": str(tokens),
+            "precision": size["precision"], "device": args.device, "ac": "none", "warmup": args.warmup,
+            "threads": torch.get_num_threads(), "optim": OPTIM, "seed": 0, "recipe": size["recipe"],
+            "forja_sets": [*size["sets"], *args.sets]}
+    print(f"peers: {args.size} on {args.device}, shape {shape}, batch {size['batch']} x {size['seq_len']}", flush=True)
+    try:
+        for e in entries:
+            start(e, spec, out, args.timeout)
+        for r in range(args.rounds):
+            for e in entries[r % len(entries):] + entries[:r % len(entries)]:
+                e.rounds.append(_send(e, {"steps": args.steps}, args.timeout))
+    finally:
+        for e in entries:
+            if e.proc is not None and e.proc.poll() is None:
+                try:
+                    e.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                    e.proc.stdin.flush()
+                    e.proc.wait(timeout=60)
+                except (OSError, subprocess.TimeoutExpired):
+                    e.proc.kill()
+    peak = cpu_peak_flops() if args.device == "cpu" else 790e12  # H200 bf16, measured (issue #27)
+    result = summarize(entries, size["batch"] * size["seq_len"], args.steps, flops, peak)
+    result["meta"] = {"date": datetime.date.today().isoformat(), "machine": platform.platform(),
+                      "cpu_count": os.cpu_count(), "device": args.device, "torch": torch.__version__,
+                      "command": " ".join(["python bench/peers.py", *(argv if argv is not None else sys.argv[1:])]),
+                      "size": args.size, "rounds": args.rounds, "steps": args.steps, "peak_flops": peak,
+                      "flops_per_token": flops}
+    header = (f"{result['meta']['date']}, {args.device} ({os.cpu_count()} cores), torch {torch.__version__}, "
+              f"`{result['meta']['command']}`")
+    text = markdown(result, header)
+    (out / "peers.json").write_text(json.dumps(result, indent=1))
+    (out / "peers.md").write_text(text + "\n")
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()

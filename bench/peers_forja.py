@@ -1,0 +1,108 @@
+"""bench/peers.py's forja contender: forja's own Trainer, step by step as `forja train` runs it
+(the loader, the step engine, recovery's checks, metrics and the callbacks), on the recipe and
+`--set` overrides in the spec. With spec["bare"] it is forja's model alone in a plain loop
+instead (forward, backward, clip, AdamW on the harness's token rows): the step time the
+framework's overhead is measured against.
+
+    python bench/peers_forja.py SPEC_JSON      (started by bench/peers.py)
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers_worker import Contender, cycle_rows, serve  # noqa: E402
+
+from forja.config import load_config  # noqa: E402
+from forja.train.trainer import Trainer  # noqa: E402
+
+
+def forja_sets(spec: dict) -> list[str]:
+    """The overrides that make forja train what every contender trains (bench/peers.py's spec)."""
+    o = spec["optim"]
+    sets = [*spec["forja_sets"],
+            f"train.micro_batch_size={spec['batch']}", f"train.global_batch_size={spec['batch']}",
+            f"train.seq_len={spec['seq_len']}", "train.steps=1000000", "train.val_interval=0",
+            "train.sample_tokens=0", "checkpoint.interval=0", f"train.grad_clip={o['grad_clip']}",
+            "optim.name=\"adamw\"", f"optim.lr={o['lr']}", f"optim.weight_decay={o['weight_decay']}",
+            f"optim.betas={list(o['betas'])}", f"optim.eps={o['eps']}",
+            "schedule.name=\"constant\"", "schedule.warmup_steps=0",
+            f"train.precision=\"{spec['precision']}\"", f"train.device=\"{spec['device']}\"",
+            f"parallel.compile={str(spec['compile']).lower()}", f"parallel.ac=\"{spec['ac']}\""]
+    return sets
+
+
+class _LastLoss:
+    """A callback keeping the last step's loss (the trainer reports it as a float)."""
+    loss = float("nan")
+
+    def on_step_end(self, trainer, record) -> None:
+        self.loss = record.loss
+
+    def __getattr__(self, hook):  # every other hook: nothing to do
+        return lambda *args, **kwargs: None
+
+
+def _trainer(spec: dict) -> Contender:
+    run = Path(tempfile.mkdtemp(prefix="peers-forja-"))
+    sets = forja_sets(spec) + [f"run.dir=\"{run}\""]
+    last = _LastLoss()
+    trainer = Trainer(load_config(spec["recipe"], sets), callbacks=[last])
+    trainer.setup()
+    trainer.sinks.start(total_steps=trainer.cfg.train.steps, start_step=0)
+    trainer._call("on_train_start")
+    trainer.watchdog.start()
+
+    def step() -> torch.Tensor:
+        trainer.train_one_step()
+        return torch.tensor(last.loss)
+
+    params = sum(p.numel() for part in trainer.parts for p in part.parameters())
+    settings = {"forja": "Trainer.train_one_step", "sets": sets}
+    return Contender(step=step, params=params, settings=settings)
+
+
+def _bare(spec: dict) -> Contender:
+    """forja's model built by its build order (compile, AC, fused ops as configured), trained in a
+    plain loop with no trainer around it."""
+    from forja.models.config import run_model_args
+    from forja.parallel import ParallelDims
+    from forja.train.build import build_model_parts
+
+    cfg = load_config(spec["recipe"], forja_sets(spec))
+    device = torch.device(spec["device"])
+    args = run_model_args(cfg.model, spec["shape"]["vocab_size"])
+    dims = ParallelDims.from_config(cfg.parallel, 1)
+    model = build_model_parts(args, dims, cfg.parallel, device=device, seed=spec["seed"], load_weights=None,
+                              seq_len=spec["seq_len"]).parts[0]
+    o = spec["optim"]
+    opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+                            weight_decay=o["weight_decay"], fused=True)  # what optim.implementation = "auto" picks
+    rows = cycle_rows(spec, device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["precision"] == "bf16")
+
+    def step() -> torch.Tensor:
+        batch = next(rows).to(device, non_blocking=True)  # [B, T + 1]
+        with autocast:
+            loss = model(batch[:, :-1], labels=batch[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o["grad_clip"], foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return Contender(step=step, params=sum(p.numel() for p in model.parameters()),
+                     settings={"forja": "model alone, plain loop"})
+
+
+def build(spec: dict) -> Contender:
+    return _bare(spec) if spec.get("bare") else _trainer(spec)
+
+
+if __name__ == "__main__":
+    serve(build)

@@ -1,0 +1,97 @@
+"""The side of bench/peers.py that runs inside each contender's process (forja, the plain
+Hugging Face loop, torchtitan in its own environment). Needs only the standard library and
+torch, so that every environment can import it.
+
+Protocol, one JSON object per line: the harness starts `python bench/peers_<name>.py SPEC_JSON`;
+the worker builds its model and optimizer, runs `spec["warmup"]` steps (compilation happens
+there) and prints {"ready": ...}. Then for each {"steps": K} read on stdin it runs K steps and
+prints {"seconds": ..., "peak_bytes": ..., "loss": ...}; {"quit": true} ends it. Logs go to
+stderr: stdout carries the protocol only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Contender:
+    """What a worker's builder returns: `step()` runs one optimizer step on the next batch and
+    returns the loss tensor (not synchronised: the round synchronises once at its end)."""
+    step: Callable[[], torch.Tensor]
+    params: int
+    settings: dict = field(default_factory=dict)  # what this framework ran with, as it names it
+    shims: list[str] = field(default_factory=list)  # what had to be changed to run it here
+
+
+def token_batches(spec: dict) -> torch.Tensor:
+    """The run's token rows, [N, seq_len + 1] int64, the same file for every contender."""
+    rows = torch.load(spec["tokens"])  # [N, seq_len + 1]
+    assert rows.shape[1] == spec["seq_len"] + 1, rows.shape
+    return rows
+
+
+def cycle_rows(spec: dict, device: torch.device):
+    """An endless iterator over [batch, seq_len + 1] slices of the run's rows (on the host)."""
+    rows, batch = token_batches(spec), spec["batch"]
+    n = rows.shape[0] // batch
+    i = 0
+    while True:
+        yield rows[(i % n) * batch:(i % n + 1) * batch]
+        i += 1
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's peak RSS
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def serve(build: Callable[[dict], Contender]) -> None:
+    """Build from the spec in argv[1], warm up, then answer the harness's rounds."""
+    spec = json.loads(sys.argv[1])
+    torch.set_num_threads(spec.get("threads") or os.cpu_count() or 1)
+    device = torch.device(spec["device"])
+    protocol = sys.stdout
+    sys.stdout = sys.stderr  # anything the framework prints stays off the protocol
+    started = time.perf_counter()
+    contender = build(spec)
+    for _ in range(spec["warmup"]):
+        loss = contender.step()
+    _sync(device)
+    ready = {"ready": True, "build_s": round(time.perf_counter() - started, 2), "params": contender.params,
+             "settings": contender.settings, "shims": contender.shims, "torch": torch.__version__,
+             "warmup_loss": float(loss)}
+    print(json.dumps(ready), file=protocol, flush=True)
+    for line in sys.stdin:
+        order = json.loads(line)
+        if order.get("quit"):
+            break
+        _reset_peak(device)
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(order["steps"]):
+            loss = contender.step()
+        value = float(loss)  # the one host sync of the round
+        _sync(device)
+        seconds = time.perf_counter() - start
+        print(json.dumps({"seconds": seconds, "peak_bytes": _peak_bytes(device), "loss": value}),
+              file=protocol, flush=True)
