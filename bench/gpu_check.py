@@ -9,9 +9,12 @@ bench/RESULTS.md.
 2. `pytest tests/gpu` in a child process, stopped after TESTS_TIMEOUT_S; its outcomes are read
    from a JUnit report. A skipped test has not passed: only one that needs more GPUs than the
    machine has (its skip reason says "needs N CUDA GPUs") is listed apart without failing.
-3. `bench/gpu.py --size check` in a child process, given what is left of BUDGET_S; it skips
-   what would start too late, and is stopped if it still runs at the end.
-4. One markdown table (date, GPU, versions and git revision above it), also written to
+3. `bench/peers.py --size 1b`: forja against torchtitan 0.3.0 (wheels carried in .whl/peers,
+   made by scripts/gpu_wheels.sh, installed offline into its side environment) on Llama 3.2-1B,
+   4,096 tokens, bf16, eager and each one's recommended settings; stopped after PEERS_S.
+4. With the time left, `bench/gpu.py --size check` and `bench/moe.py --gpu`; each skips what
+   would start too late, and is stopped if it still runs at the end.
+5. One markdown table (date, GPU, versions and git revision above it), also written to
    $OUT/gpu_check.md when OUT is set, beside the logs of steps 2 and 3.
 
 GPU_CHECK_BUDGET_S changes the 530 s budget (the benchmark gets what the tests leave of it);
@@ -46,17 +49,21 @@ TEST_TIMEOUT_S = 150  # one test (pytest-timeout): a hung NCCL group fails alone
 WHEELS_S = 15  # pip's offline install of .whl/
 IN_FLIGHT_S = 100  # the longest single benchmark item: a compiled training variant with its compilation
 MIN_BENCH_S = IN_FLIGHT_S + 30  # below this bench/gpu.py is not started
+PEERS_S = 200  # bench/peers.py at 1b: four contenders, two of them compiled, 3 rounds of 5 steps
+PEERS = ("forja eager,forja recommended (compile + fused ops),torchtitan eager,"
+         "torchtitan recommended (compile)")
 MARGIN_S = 20  # starting the children, writing the table
 EXIT_NO_GPU = 3
 NEEDS_GPUS = re.compile(r"needs (\d+) (?:CUDA )?GPUs?\b")  # the skip reason of a test that needs more
 BENCH_SIZE = "check"  # bench/gpu.py's size made to fit: Llama 3.2-1B, few steps
-PLAN = f"tests/gpu, then bench/gpu.py --size {BENCH_SIZE}, then bench/moe.py --gpu"
+PLAN = f"tests/gpu, then bench/peers.py --size 1b, then bench/gpu.py --size {BENCH_SIZE} and bench/moe.py --gpu"
 MOE_S = 90  # bench/moe.py --gpu's training and grouped-GEMM sections at 30b-a3b shapes
 
 
 def limits_fit(budget_s: float = BUDGET_S) -> bool:
-    """Whether every stage's limit fits the budget, so that none is cut short by the device call."""
-    return WHEELS_S + TESTS_TIMEOUT_S + MIN_BENCH_S + MOE_S + MARGIN_S <= budget_s <= 540 \
+    """Whether the stages that must run (the tests, the peers) fit the budget, so that neither is
+    cut short by the device call; bench/gpu.py and bench/moe.py take what is left."""
+    return WHEELS_S + TESTS_TIMEOUT_S + PEERS_S + MARGIN_S <= budget_s <= 540 \
         and TEST_TIMEOUT_S < TESTS_TIMEOUT_S
 
 
@@ -177,7 +184,7 @@ def run_bench(env: dict, out_dir: Path, seconds_left: float) -> tuple[list[dict]
     budget = seconds_left - IN_FLIGHT_S
     if seconds_left < MIN_BENCH_S:
         skipped = row("bench", f"bench/gpu.py --size {BENCH_SIZE}", note=f"skipped: only {seconds_left:.0f} s left")
-        return [skipped], True
+        return [skipped], False  # an extra after the peers: the table says it did not run
     jsonl.unlink(missing_ok=True)
     cmd = [sys.executable, "bench/gpu.py", "--size", BENCH_SIZE, "--budget-s", f"{budget:.0f}", "--jsonl", str(jsonl)]
     print(f"gpu-check: {' '.join(cmd[1:])} (log: {log})", flush=True)
@@ -235,6 +242,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_peers(env: dict, out_dir: Path) -> tuple[list[dict], bool]:
+    """bench/peers.py at 1b against torchtitan: a row per pair (forja / peer), tables in peers.md."""
+    peers = out_dir / "peers"
+    wheels = REPO / ".whl" / "peers"
+    cmd = [sys.executable, "bench/peers.py", "--size", "1b", "--rounds", "3", "--steps", "5", "--warmup", "3",
+           "--only", PEERS, "--out", str(peers), *(["--wheels", str(wheels)] if wheels.is_dir() else [])]
+    log = out_dir / "peers.log"
+    print(f"gpu-check: {' '.join(cmd[1:])} (log: {log})", flush=True)
+    rc, seconds = run_logged(cmd, log, PEERS_S, env)
+    result = peers / "peers.json"
+    if rc != 0 or not result.exists():
+        last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:] or ["(empty)"]
+        why = f"stopped at the {PEERS_S} s limit" if rc is None else f"failed: exit status {rc}"
+        return [row("peers", "bench/peers.py --size 1b", note=f"{why}; peers.log ends: {last[0][:160]}")], True
+    pairs = json.loads(result.read_text())["pairs"]
+    return [row("peers", f"{p['forja']} / {p['peer']}", f"{p['ratio']:.2f}x", note="tokens/s; peers/peers.md")
+            for p in pairs], False
+
+
 def run_moe_bench(env: dict, out_dir: Path, seconds_left: float) -> tuple[list[dict], bool]:
     """bench/moe.py --gpu (its tables go to moe.md); a row saying where, or why not."""
     what = "bench/moe.py --gpu --sections train grouped_mm"
@@ -268,14 +294,15 @@ def main() -> int:
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / "runs" / ".inductor-cache"))
     carried = install_wheels(env)
     test_rows, tests_short, test_verdict = run_tests(env, out_dir, torch.cuda.device_count())
+    peer_rows, peers_failed = run_peers(env, out_dir)
     left = BUDGET_S - (time.monotonic() - start) - MARGIN_S
     bench_rows, bench_failed = run_bench(env, out_dir, left - MOE_S)
     left = BUDGET_S - (time.monotonic() - start) - MARGIN_S
     moe_rows, moe_failed = run_moe_bench(env, out_dir, left)
-    report = header(carried, time.monotonic() - start) + "\n" + table(test_rows + bench_rows + moe_rows) + "\n"
+    report = header(carried, time.monotonic() - start) + "\n" + table(test_rows + peer_rows + bench_rows + moe_rows) + "\n"
     (out_dir / "gpu_check.md").write_text(report)
     print("\n" + report + "\n".join(test_verdict), flush=True)  # last, where a short tail still shows it
-    return 1 if tests_short or bench_failed or moe_failed else 0
+    return 1 if tests_short or peers_failed or bench_failed or moe_failed else 0
 
 
 if __name__ == "__main__":

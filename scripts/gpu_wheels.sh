@@ -9,6 +9,8 @@
 #   liger-kernel 0.8.5: the fused kernels bench/kernels.py compares forja's against; pure Python
 #     on Triton. It requires torch and triton, which the machine has: --no-deps, so nothing
 #     else (above all no second torch) is downloaded.
+#   torchtitan 0.3.0 and what it needs beyond the machine's packages (pure Python, about 4 MB),
+#     in .whl/peers/: bench/peers.py installs them offline into its side environment.
 # Usage: scripts/gpu_wheels.sh   (from anywhere; prints the folder's size, which travels with the repo)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,5 +24,6 @@ rm -f .whl/torchao-*.whl .whl/liger_kernel-*.whl
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
   -d .whl "${WHEELS[@]}"
-ls -l .whl
+"$PY" bench/peers_env.py --download .whl/peers
+ls -l .whl .whl/peers
 echo "total: $(du -sh .whl | cut -f1) in .whl/ (travels with the repository: keep the whole under 64 MiB)"
