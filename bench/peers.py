@@ -6,9 +6,10 @@ shape, tokens, precision, batch and sequence length.
                           [--no-titan] [--set KEY=VALUE ...] [--out runs/bench-peers]
 
 Each contender is a process of its own (bench/peers_worker.py's protocol) that builds, compiles
-and warms up once, then waits. The rounds alternate: every round runs each contender for
+and warms up once, then waits. On a CPU the rounds alternate: every round runs each contender for
 --steps steps in turn, the order rotated each round, so that a slow minute of the machine falls
-on all of them. Reported per contender: median tokens/s over the rounds and its spread
+on all of them. On CUDA (--one-at-a-time) each contender runs its rounds alone and exits before
+the next starts: four 1B trainings do not fit one GPU's memory together. Reported per contender: median tokens/s over the rounds and its spread
 (min-max), peak memory (CUDA: the allocator's peak in the round; CPU: the process's peak RSS)
 and MFU. Pairs come first, as ratios of medians (forja / peer). The framework's overhead is
 forja's Trainer step against forja's own model in a bare loop (bench/peers_forja.py --bare).
@@ -39,7 +40,10 @@ SIZES = {
     "cpu": dict(recipe="default", sets=[], batch=8, seq_len=256, precision="fp32"),
     "smoke": dict(recipe="debug", batch=2, seq_len=32, precision="fp32",
                   sets=['model.overrides={dim = 64, n_layers = 2, n_heads = 4, n_kv_heads = 2, ffn_dim = 128}']),
-    "1b": dict(recipe="llama3-1b", sets=[], batch=1, seq_len=4096, precision="bf16"),
+    # Llama 3.2-1B with its 128,256-token vocabulary; the tokens come from a small tokenizer trained
+    # on the embedded corpus (a GPU machine has no hub), which changes no shape.
+    "1b": dict(recipe="llama3-1b", batch=1, seq_len=4096, precision="bf16",
+               sets=["data.vocab_size=2048", "model.overrides={vocab_size = 128256}"]),
 }
 OPTIM = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0}
 
@@ -137,6 +141,18 @@ def start(entry: Entry, spec: dict, out: Path, timeout: float) -> None:
           flush=True)
 
 
+def stop(entries: list[Entry]) -> None:
+    """Ask each live worker to quit (it exits after its round), or kill it."""
+    for e in entries:
+        if e.proc is not None and e.proc.poll() is None:
+            try:
+                e.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                e.proc.stdin.flush()
+                e.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                e.proc.kill()
+
+
 def cpu_peak_flops(seconds: float = 2.0) -> float:
     """This CPU's fp32 matmul rate, measured: the MFU denominator on a CPU (no data sheet)."""
     a = torch.randn(1024, 1024)
@@ -196,6 +212,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--set", dest="sets", action="append", default=[], help="forja override for the shape")
     p.add_argument("--out", default="runs/bench-peers")
     p.add_argument("--timeout", type=float, default=900, help="seconds a worker may take to build")
+    p.add_argument("--one-at-a-time", action="store_true", default=None,
+                   help="each contender's rounds in turn, one process alive at a time (default on CUDA, "
+                        "where four 1B trainings do not fit one GPU together)")
     args = p.parse_args(argv)
     size, out = SIZES[args.size], Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -211,21 +230,21 @@ def main(argv: list[str] | None = None) -> dict:
             "threads": torch.get_num_threads(), "optim": OPTIM, "seed": 0, "recipe": size["recipe"],
             "forja_sets": [*size["sets"], *args.sets]}
     print(f"peers: {args.size} on {args.device}, shape {shape}, batch {size['batch']} x {size['seq_len']}", flush=True)
+    one_at_a_time = args.device != "cpu" if args.one_at_a_time is None else args.one_at_a_time
     try:
-        for e in entries:
-            start(e, spec, out, args.timeout)
-        for r in range(args.rounds):
-            for e in entries[r % len(entries):] + entries[:r % len(entries)]:
-                e.rounds.append(_send(e, {"steps": args.steps}, args.timeout))
+        if one_at_a_time:
+            for e in entries:
+                start(e, spec, out, args.timeout)
+                e.rounds = [_send(e, {"steps": args.steps}, args.timeout) for _ in range(args.rounds)]
+                stop([e])
+        else:
+            for e in entries:
+                start(e, spec, out, args.timeout)
+            for r in range(args.rounds):
+                for e in entries[r % len(entries):] + entries[:r % len(entries)]:
+                    e.rounds.append(_send(e, {"steps": args.steps}, args.timeout))
     finally:
-        for e in entries:
-            if e.proc is not None and e.proc.poll() is None:
-                try:
-                    e.proc.stdin.write(json.dumps({"quit": True}) + "\n")
-                    e.proc.stdin.flush()
-                    e.proc.wait(timeout=60)
-                except (OSError, subprocess.TimeoutExpired):
-                    e.proc.kill()
+        stop(entries)
     peak = cpu_peak_flops() if args.device == "cpu" else 790e12  # H200 bf16, measured (issue #27)
     result = summarize(entries, size["batch"] * size["seq_len"], args.steps, flops, peak)
     result["meta"] = {"date": datetime.date.today().isoformat(), "machine": platform.platform(),

@@ -101,7 +101,7 @@ class OptimConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not to norms or biases)."""
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
-    """Kernel: auto = fused on GPU, foreach elsewhere."""
+    """Kernel: auto = fused on CUDA and CPU (torch has both kernels), foreach elsewhere."""
     qk_clip_tau: float = 0.0
     """QK-clip (MuonClip with Muon; Kimi K2, arXiv 2507.20534): after each step, every attention
     head whose largest logit q.k/sqrt(d) in the step exceeded this has its query/key weights

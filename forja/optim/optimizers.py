@@ -38,8 +38,10 @@ def _kernel_flags(cfg: OptimConfig, params: Iterable[torch.Tensor]) -> dict:
     params = list(params)
     choice = cfg.implementation
     if choice == "auto":
-        on_gpu = all(p.is_cuda for p in params)
-        choice = "fused" if on_gpu else "foreach"
+        # torch's fused kernels exist for CUDA and CPU (DTensors included). On CPU the fused AdamW
+        # step of the default recipe's 10.5 M parameters took 9 ms against foreach's 53-69 ms.
+        fused_here = all(p.device.type in ("cuda", "cpu") for p in params)
+        choice = "fused" if fused_here else "foreach"
     kinds = {isinstance(p, DTensor) for p in params}
     if choice != "for-loop" and len(kinds) > 1:
         # torch's multi-tensor kernels group by device and dtype only, and refuse a group that
