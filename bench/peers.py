@@ -66,6 +66,7 @@ def contenders(titan_python: str | None, only: set[str] | None) -> list[Entry]:
     out = [
         Entry("forja eager", "peers_forja.py", {"compile": False}),
         Entry("forja model alone (bare loop)", "peers_forja.py", {"compile": False, "bare": True}),
+        Entry("forja compiled", "peers_forja.py", {"compile": True}),
         Entry("forja recommended (compile + fused ops)", "peers_forja.py",
               {"compile": True, "forja_extra": ["model.fused_ops=true"]}),
         Entry("HF loop eager", "peers_hf.py", {"compile": False}),
@@ -73,14 +74,16 @@ def contenders(titan_python: str | None, only: set[str] | None) -> list[Entry]:
     ]
     if titan_python:
         out += [Entry("torchtitan eager", "peers_titan.py", {"compile": False}, python=titan_python),
+                Entry("torchtitan compiled", "peers_titan.py", {"compile": True}, python=titan_python),
                 Entry("torchtitan recommended (compile)", "peers_titan.py", {"compile": True, "recommended": True},
                       python=titan_python)]
     return [e for e in out if only is None or e.name in only]
 
 
 # (forja, peer): the ratios reported first, forja's tokens/s over the peer's.
-PAIRS = [("forja eager", "HF loop eager"), ("forja recommended (compile + fused ops)", "HF loop compiled"),
-         ("forja eager", "torchtitan eager"),
+PAIRS = [("forja eager", "HF loop eager"), ("forja compiled", "HF loop compiled"),
+         ("forja recommended (compile + fused ops)", "HF loop compiled"),
+         ("forja eager", "torchtitan eager"), ("forja compiled", "torchtitan compiled"),
          ("forja recommended (compile + fused ops)", "torchtitan recommended (compile)")]
 
 

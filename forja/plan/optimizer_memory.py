@@ -55,7 +55,7 @@ def optimizer_memory(job: Job, lay: Layout, rm, held: float, elements: float) ->
     parameter elements out of the `elements` it holds before FSDP sharding."""
     name = job.optimizer
     if name not in ("soap", "adafactor", "muon"):
-        return held * FP32 * job.state_per_param, _foreach_adam(job, held)
+        return held * FP32 * job.state_per_param, 0.0  # torch's fused step (optim.implementation = auto) makes no temporary
     blocks, root, vectors = _whole_matrices(job, rm)
     mats = blocks + root
     # Vectors (norms, biases) are whole on every TP rank; the rank's shard holds its share of them.
@@ -115,10 +115,3 @@ def _root_share(job: Job, lay: Layout, rm, held: float, elements: float) -> floa
         root += s.output / lay.tp
     return held * root / elements if elements > 0 else 0.0
 
-
-def _foreach_adam(job: Job, held: float) -> float:
-    """The foreach AdamW (CPUs) makes a parameter-sized sqrt of the second moment; the fused
-    one (GPUs) makes none."""
-    if job.gpu or job.optimizer not in ("adamw", "adam"):
-        return 0.0
-    return held * FP32
