@@ -87,10 +87,12 @@ PAIRS = [("forja eager", "HF loop eager"), ("forja compiled", "HF loop compiled"
          ("forja recommended (compile + fused ops)", "torchtitan recommended (compile)")]
 
 
-def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple[dict, int, Path]:
-    """forja's model shape for the recipe, its FLOPs per token, and `rows` token rows from
-    forja's own loader (the same tokens for every contender), saved to out/tokens.pt."""
+def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple[dict, dict, int, Path]:
+    """forja's model shape for the recipe, the Hugging Face config forja exports it as, its
+    FLOPs per token, and `rows` token rows from forja's own loader (the same tokens for every
+    contender), saved to out/tokens.pt."""
     from forja.config import load_config
+    from forja.models.llama.hf import config_from_args
     from forja.models import build_from_args
     from forja.models.config import run_model_args
     from forja.train.data import data, loaders
@@ -113,7 +115,7 @@ def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple
              "norm_eps": args.norm_eps, "max_seq_len": max(args.max_seq_len, size["seq_len"]),
              "tie_embeddings": args.tie_embeddings}
     flops = build_from_args(args, device="meta").flops_per_token(size["seq_len"])
-    return shape, flops, path
+    return shape, config_from_args(args), flops, path
 
 
 def _send(entry: Entry, order: dict, timeout: float) -> dict:
@@ -227,9 +229,9 @@ def main(argv: list[str] | None = None) -> dict:
         titan = str(ensure_env(wheels=args.wheels))
     only = {n.strip() for n in args.only.split(",") if n.strip()} or None
     entries = contenders(titan, only)
-    shape, flops, tokens = shape_and_tokens(size, args.sets, out, rows=size["batch"] * 8)
-    spec = {"shape": shape, "batch": size["batch"], "seq_len": size["seq_len"], "tokens": str(tokens),
-            "precision": size["precision"], "device": args.device, "ac": "none", "warmup": args.warmup,
+    shape, hf_config, flops, tokens = shape_and_tokens(size, args.sets, out, rows=size["batch"] * 8)
+    spec = {"shape": shape, "hf_config": hf_config, "batch": size["batch"], "seq_len": size["seq_len"],
+            "tokens": str(tokens), "precision": size["precision"], "device": args.device, "ac": "none", "warmup": args.warmup,
             "threads": torch.get_num_threads(), "optim": OPTIM, "seed": 0, "recipe": size["recipe"],
             "forja_sets": [*size["sets"], *args.sets]}
     print(f"peers: {args.size} on {args.device}, shape {shape}, batch {size['batch']} x {size['seq_len']}", flush=True)

@@ -79,17 +79,16 @@ def _probe(python: Path) -> dict | None:
 def _check(python: Path, torch_version: str, side: Path) -> str:
     """Refuse a side environment whose torch is not the caller's (reinstalled or shadowed):
     import it there and say where it came from."""
-    code = "import torch, torchtitan; print(torch.__version__, torch.__file__)"
+    code = "import torch, torchtitan; print(torch.__version__, torch.__file__, torchtitan.__version__)"
     done = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{python} cannot import torch and torchtitan:\n{done.stderr[-1500:]}")
-    version, where = done.stdout.split()[-2:]
+    version, where, titan = done.stdout.split()[-3:]
     if version != torch_version or Path(where).resolve().is_relative_to(side.resolve()):
         raise RuntimeError(f"the side environment's torch is {version} at {where}, not the caller's "
                            f"{torch_version}: pip installed a second torch there")
-    seen = _probe(python)
-    if seen is None or seen["torchtitan"] != TORCHTITAN.split("==")[1]:
-        raise RuntimeError(f"{side} holds torchtitan {seen and seen['torchtitan']}, not {TORCHTITAN}")
+    if titan != TORCHTITAN.split("==")[1]:
+        raise RuntimeError(f"{side} holds torchtitan {titan}, not {TORCHTITAN}")
     return f"torch {version} ({where})"
 
 

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers_worker import Contender, cycle_rows, serve  # noqa: E402
 
 from forja.config import load_config  # noqa: E402
+from forja.train.callbacks import Callback  # noqa: E402
 from forja.train.trainer import Trainer  # noqa: E402
 
 
@@ -37,15 +38,12 @@ def forja_sets(spec: dict) -> list[str]:
     return sets
 
 
-class _LastLoss:
-    """A callback keeping the last step's loss (the trainer reports it as a float)."""
+class _LastLoss(Callback):
+    """Keeps the last step's loss (the trainer reports it as a float)."""
     loss = float("nan")
 
     def on_step_end(self, trainer, record) -> None:
         self.loss = record.loss
-
-    def __getattr__(self, hook):  # every other hook: nothing to do
-        return lambda *args, **kwargs: None
 
 
 def _trainer(spec: dict) -> Contender:
@@ -54,9 +52,7 @@ def _trainer(spec: dict) -> Contender:
     last = _LastLoss()
     trainer = Trainer(load_config(spec["recipe"], sets), callbacks=[last])
     trainer.setup()
-    trainer.sinks.start(total_steps=trainer.cfg.train.steps, start_step=0)
-    trainer._call("on_train_start")
-    trainer.watchdog.start()
+    trainer.begin()
 
     def step() -> torch.Tensor:
         trainer.train_one_step()

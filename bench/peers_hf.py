@@ -17,23 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers_worker import Contender, cycle_rows, serve  # noqa: E402
 
 
-def llama_config(shape: dict):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(hidden_size=shape["dim"], num_hidden_layers=shape["n_layers"],
-                       num_attention_heads=shape["n_heads"], num_key_value_heads=shape["n_kv_heads"],
-                       intermediate_size=shape["ffn_dim"], vocab_size=shape["vocab_size"],
-                       max_position_embeddings=shape["max_seq_len"], rms_norm_eps=shape["norm_eps"],
-                       rope_theta=shape["rope_theta"], tie_word_embeddings=shape["tie_embeddings"],
-                       attention_bias=False, mlp_bias=False, attn_implementation="sdpa")
-
-
 def build(spec: dict) -> Contender:
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(spec["seed"])
     device = torch.device(spec["device"])
-    model = LlamaForCausalLM(llama_config(spec["shape"])).to(device)
+    # forja's own exporter's config for the shape (forja/models/llama/hf.py, via bench/peers.py).
+    model = LlamaForCausalLM(LlamaConfig(**spec["hf_config"], attn_implementation="sdpa")).to(device)
     model.train()
     o = spec["optim"]
     opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],

@@ -187,11 +187,16 @@ class Trainer:
         check_model_identity(meta, self.checkpoints.meta)
 
     # -- the loop ---------------------------------------------------------------------------
-    def fit(self) -> None:
-        cfg = self.cfg
-        self.sinks.start(total_steps=cfg.train.steps, start_step=self.counters.step)
+    def begin(self) -> None:
+        """What comes before the first step: the sinks, the callbacks' start, the watchdog. A
+        caller stepping with train_one_step itself (bench/peers_forja.py) calls it once too."""
+        self.sinks.start(total_steps=self.cfg.train.steps, start_step=self.counters.step)
         self._call("on_train_start")
         self.watchdog.start()
+
+    def fit(self) -> None:
+        cfg = self.cfg
+        self.begin()
         last_saved = self.counters.step if self.checkpoints.latest() else -1
         while self.counters.step < cfg.train.steps and self.train_one_step():
             step = self.counters.step
