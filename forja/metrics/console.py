@@ -60,7 +60,7 @@ class ConsoleSink(Sink):
         self._total = self._start_step = 0
         self._t0, self._first = time.monotonic(), None
 
-    def start(self, *, total_steps: int, start_step: int) -> None:
+    def start(self, *, total_steps: int, start_step: int, purge: bool = True) -> None:
         self._total, self._start_step = total_steps, start_step
         self._t0, self._first = time.monotonic(), None
         if self.console.is_terminal and not self.console.is_dumb_terminal:

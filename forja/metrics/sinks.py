@@ -149,8 +149,10 @@ class Sink(abc.ABC):
         """Build the sink for a run; `config` is the run's resolved config as a plain dict."""
         return cls()
 
-    def start(self, *, total_steps: int, start_step: int) -> None:
-        """Open the destination. `start_step` > 0 when resuming: the run has done that many steps."""
+    def start(self, *, total_steps: int, start_step: int, purge: bool = True) -> None:
+        """Open the destination. `start_step` > 0 when resuming: the run has done that many steps.
+        `purge`: what a crashed run recorded beyond `start_step` is dropped (it is trained again).
+        False for an [ft] replica group that rejoins a live run: its peers' records stand."""
 
     @abc.abstractmethod
     def log(self, step: int, metrics: Metrics) -> None:
@@ -211,9 +213,9 @@ class SinkGroup(Sink):
                               f"{type(exc).__name__}: {exc}; {what}", RuntimeWarning, stacklevel=3)
             return False
 
-    def start(self, *, total_steps: int, start_step: int) -> None:
+    def start(self, *, total_steps: int, start_step: int, purge: bool = True) -> None:
         self._active = [s for s in self.sinks if self._call(s, "start", total_steps=total_steps,
-                                                            start_step=start_step)]
+                                                            start_step=start_step, purge=purge)]
 
     def log(self, step: int, metrics: Metrics) -> None:
         plain = {key: _plain(value) for key, value in metrics.items()}
@@ -265,36 +267,30 @@ class JsonlSink(Sink):
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.samples_path = Path(run_dir) / "samples.jsonl"
-        self._file = self._samples = None
 
     @classmethod
     def from_config(cls, cfg: MetricsConfig, *, run_dir: Path, run_name: str, config: dict) -> Sink:
         return cls(run_dir)
 
-    def start(self, *, total_steps: int, start_step: int) -> None:
+    def start(self, *, total_steps: int, start_step: int, purge: bool = True) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for path in (self.path, self.samples_path):
-            drop_after(path, start_step)
-        # Line buffered: each record reaches the OS as it is written, so a crash loses none.
-        self._file = open(self.path, "a", encoding="utf-8", buffering=1)
+        if purge:
+            for path in (self.path, self.samples_path):
+                drop_after(path, start_step)
 
-    def _write(self, f, record: dict) -> None:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
+    @staticmethod
+    def _append(path: Path, record: dict) -> None:
+        # Opened for each record: a file rewritten meanwhile (an [ft] group that resumed and
+        # purged it) is written to under its name, not through a handle on the replaced one.
+        # A record reaches the OS as it is written, so a crash loses none.
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
 
     def log(self, step: int, metrics: Metrics) -> None:
-        self._write(self._file, {"step": step, "time": round(time.time(), 3), **metrics})
+        self._append(self.path, {"step": step, "time": round(time.time(), 3), **metrics})
 
     def log_text(self, step: int, name: str, text: str) -> None:
-        if self._samples is None:
-            self._samples = open(self.samples_path, "a", encoding="utf-8", buffering=1)
-        self._write(self._samples, {"step": step, "time": round(time.time(), 3), "name": name, "text": text})
-
-    def close(self) -> None:
-        for f in (self._file, self._samples):
-            if f is not None:
-                f.close()
-        self._file = self._samples = None
+        self._append(self.samples_path, {"step": step, "time": round(time.time(), 3), "name": name, "text": text})
 
 
 def sink_class(name: str) -> type[Sink]:

@@ -87,10 +87,10 @@ class TensorBoardSink(Sink):
         _require("torch.utils.tensorboard", "tensorboard", "tensorboard")
         return cls(Path(cfg.tensorboard_dir) if cfg.tensorboard_dir else Path(run_dir) / "tensorboard", cfg.tags)
 
-    def start(self, *, total_steps: int, start_step: int) -> None:
+    def start(self, *, total_steps: int, start_step: int, purge: bool = True) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=start_step + 1)
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=start_step + 1 if purge else None)
         if self.tags:  # TensorBoard has no run tags: a text entry at the session's first step, which
             # a later resume from the same checkpoint purges and writes again (no doubled entry)
             self._writer.add_text("tags", " ".join(f"`{tag}`" for tag in self.tags), global_step=start_step + 1)
@@ -128,7 +128,7 @@ class WandbSink(Sink):
         _require("wandb", "wandb", "wandb")
         return cls(cfg, run_dir=run_dir, run_name=run_name, config=config)
 
-    def start(self, *, total_steps: int, start_step: int) -> None:
+    def start(self, *, total_steps: int, start_step: int, purge: bool = True) -> None:
         import wandb
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -207,7 +207,7 @@ class MLflowSink(Sink):
         save_tracking(self.run_dir, mlflow_run_id=run.info.run_id, mlflow_tracking_uri=self.tracking_uri)
         return run.info.run_id
 
-    def start(self, *, total_steps: int, start_step: int) -> None:
+    def start(self, *, total_steps: int, start_step: int, purge: bool = True) -> None:
         from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
 
@@ -278,7 +278,7 @@ class CometSink(Sink):
         _import_comet()
         return cls(cfg, run_dir=run_dir, run_name=run_name, config=config)
 
-    def start(self, *, total_steps: int, start_step: int) -> None:
+    def start(self, *, total_steps: int, start_step: int, purge: bool = True) -> None:
         comet_ml = _import_comet()
         self.offline_dir.mkdir(parents=True, exist_ok=True)
         common = dict(project_name=self.cfg.comet_project, offline_directory=str(self.offline_dir), **_COMET_QUIET)

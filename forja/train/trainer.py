@@ -15,6 +15,7 @@ sampling, GC, profiling and preemption are callbacks (callbacks.py).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -190,7 +191,7 @@ class Trainer:
     def begin(self) -> None:
         """What comes before the first step: the sinks, the callbacks' start, the watchdog. A
         caller stepping with train_one_step itself (bench/peers_forja.py) calls it once too."""
-        self.sinks.start(total_steps=self.cfg.train.steps, start_step=self.counters.step)
+        self.sinks.start(total_steps=self.cfg.train.steps, start_step=self.counters.step, purge=self._purges_records())
         self._call("on_train_start")
         self.watchdog.start()
 
@@ -340,6 +341,14 @@ class Trainer:
         """Whether this process's group records and validates the step (the first live replica
         group under [ft]; always without)."""
         return self.replicas is None or self.replicas.leads
+
+    def _purges_records(self) -> bool:
+        """Whether starting the sinks drops what was recorded beyond this start (a resumed run
+        trains those steps again). Under [ft] the groups share the records: only the first group
+        of a fresh launch drops them; a group restarted alone by its torchrun rejoins a run whose
+        live groups go on recording (even if it met none of them yet in its first quorum)."""
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        return self.replicas is None or (self.replicas.leads and not restarted)
 
     def _checkpoints_here(self) -> bool:
         """Whether this group saves checkpoints: the first live one under hsdp (the groups hold the

@@ -90,6 +90,26 @@ def test_jsonl_resume_drops_what_a_crashed_run_wrote_after_the_checkpoint(tmp_pa
     assert not list(tmp_path.glob(".*tmp"))
 
 
+
+def test_jsonl_shared_by_replica_groups_loses_no_record_when_one_restarts(tmp_path):
+    """[ft]: the live group records steps 1-12; a group restarted from the checkpoint of step 10
+    starts its sink on the same file without purging (its peers' records stand). A writer whose
+    file is rewritten under it (a purge by a fresh launch) still writes to the file by its name."""
+    live = JsonlSink(tmp_path)
+    live.start(total_steps=20, start_step=0)
+    for step in range(1, 13):
+        live.log(step, {"loss": 1.0})
+    rejoined = JsonlSink(tmp_path)
+    rejoined.start(total_steps=20, start_step=10, purge=False)
+    live.log(13, {"loss": 1.0})
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 14))
+    JsonlSink(tmp_path).start(total_steps=20, start_step=13)  # rewrites the file (a torn line repaired)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 14')
+    JsonlSink(tmp_path).start(total_steps=20, start_step=13)
+    live.log(14, {"loss": 1.0})
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 15))
+
 # -- console ----------------------------------------------------------------------------------
 
 def test_console_prints_one_plain_line_per_log_when_not_a_terminal():
@@ -128,7 +148,7 @@ class Recorder(Sink):
     def __init__(self):
         self.calls = []
 
-    def start(self, *, total_steps, start_step):
+    def start(self, *, total_steps, start_step, purge=True):
         self.calls.append(("start", total_steps, start_step))
 
     def log(self, step, metrics):
@@ -147,7 +167,7 @@ class Broken(Sink):
     def __init__(self, fail_start=False):
         self.fail_start = fail_start
 
-    def start(self, *, total_steps, start_step):
+    def start(self, *, total_steps, start_step, purge=True):
         if self.fail_start:
             raise ConnectionError("no route to tracker")
 
