@@ -10,6 +10,6 @@ from __future__ import annotations
 from torch import nn
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     for block in model.layers.values():
-        block.compile(fullgraph=False)
+        block.compile(fullgraph=False, backend=backend)

@@ -56,6 +56,10 @@ class ParallelConfig:
     """selective: checkpoint every k-th block; 0 means op-level (keep matmul outputs, recompute the rest)."""
     compile: bool = False
     """torch.compile each transformer block."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile's backend: inductor generates fused kernels (the fast one); aot_eager traces the
+    same forward and backward graphs but runs them op by op (no code generated: for finding whether
+    a problem is inductor's, and quick checks of the traced path); eager only captures the graph."""
     timeout_s: float = 600.0
     """No progress (a step, validation, a checkpoint) for this long: every rank reports where it is
     (docs/training.md, "When things go wrong") and the run fails; collectives time out a grace later."""

@@ -40,6 +40,6 @@ def parallelize(model: Transformer, plan: TPPlan, dims: ParallelDims, cfg: Paral
         apply_ep(model, *experts)
     apply_ac(model, cfg)
     if cfg.compile:
-        apply_compile(model)
+        apply_compile(model, cfg.compile_backend)
     if wants_fsdp(dims, cfg):
         apply_fsdp(model, dims, cfg, device)
