@@ -344,11 +344,15 @@ class Trainer:
 
     def _purges_records(self) -> bool:
         """Whether starting the sinks drops what was recorded beyond this start (a resumed run
-        trains those steps again). Under [ft] the groups share the records: only the first group
-        of a fresh launch drops them; a group restarted alone by its torchrun rejoins a run whose
-        live groups go on recording (even if it met none of them yet in its first quorum)."""
+        trains those steps again). Under [ft] the groups share the records and only the first
+        group of the join's quorum drops them: when every group met there (none can have recorded
+        further), or at a fresh launch. A group restarted alone by its torchrun that met only some
+        groups leaves them: the absent ones may be live and recording."""
+        r = self.replicas
+        if r is None:
+            return True
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-        return self.replicas is None or (self.replicas.leads and not restarted)
+        return r.leads and (r.share.count == r.cfg.groups or not restarted)
 
     def _checkpoints_here(self) -> bool:
         """Whether this group saves checkpoints: the first live one under hsdp (the groups hold the
