@@ -15,7 +15,6 @@ sampling, GC, profiling and preemption are callbacks (callbacks.py).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -191,7 +190,8 @@ class Trainer:
     def begin(self) -> None:
         """What comes before the first step: the sinks, the callbacks' start, the watchdog. A
         caller stepping with train_one_step itself (bench/peers_forja.py) calls it once too."""
-        self.sinks.start(total_steps=self.cfg.train.steps, start_step=self.counters.step, purge=self._purges_records())
+        self.sinks.start(total_steps=self.cfg.train.steps, start_step=self.counters.step,
+                         purge=self.replicas is None or self.replicas.purges_records)
         self._call("on_train_start")
         self.watchdog.start()
 
@@ -341,18 +341,6 @@ class Trainer:
         """Whether this process's group records and validates the step (the first live replica
         group under [ft]; always without)."""
         return self.replicas is None or self.replicas.leads
-
-    def _purges_records(self) -> bool:
-        """Whether starting the sinks drops what was recorded beyond this start (a resumed run
-        trains those steps again). Under [ft] the groups share the records and only the first
-        group of the join's quorum drops them: when every group met there (none can have recorded
-        further), or at a fresh launch. A group restarted alone by its torchrun that met only some
-        groups leaves them: the absent ones may be live and recording."""
-        r = self.replicas
-        if r is None:
-            return True
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-        return r.leads and (r.share.count == r.cfg.groups or not restarted)
 
     def _checkpoints_here(self) -> bool:
         """Whether this group saves checkpoints: the first live one under hsdp (the groups hold the

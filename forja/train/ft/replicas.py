@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from forja.errors import ForjaError
 from forja.files import write_atomic
 from forja.train.ft.config import FTConfig
+from forja.train.resilience.watchdog import restart_attempt
 
 GROUP_ENV = "FORJA_FT_GROUP"
 """The replica group this process belongs to (set by the launcher or the SLURM template)."""
@@ -186,6 +187,15 @@ class Replicas:
     def leads(self) -> bool:
         """Whether this group writes the step's record, validates and checkpoints: the first live one."""
         return self.share.index == 0
+
+    @property
+    def purges_records(self) -> bool:
+        """Whether starting the metric sinks drops what was recorded past this group's step (a
+        resumed run trains those steps again). The groups share the records, so only the join's
+        first group does, when every group met there (none can have recorded further) or at a
+        fresh launch. A group restarted alone that met only some leaves them: the absent ones
+        may be live and recording."""
+        return self.leads and (self.share.count == self.cfg.groups or restart_attempt() == 0)
 
     def average(self, tensors: list[torch.Tensor]) -> None:
         """Each tensor (a gradient's local shard, the loss) averaged in place over the live groups.

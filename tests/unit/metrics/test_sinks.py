@@ -90,7 +90,6 @@ def test_jsonl_resume_drops_what_a_crashed_run_wrote_after_the_checkpoint(tmp_pa
     assert not list(tmp_path.glob(".*tmp"))
 
 
-
 def test_jsonl_shared_by_replica_groups_loses_no_record_when_one_restarts(tmp_path):
     """[ft]: the live group records steps 1-12; a group restarted from the checkpoint of step 10
     starts its sink on the same file without purging (its peers' records stand). A writer whose
@@ -103,12 +102,12 @@ def test_jsonl_shared_by_replica_groups_loses_no_record_when_one_restarts(tmp_pa
     rejoined.start(total_steps=20, start_step=10, purge=False)
     live.log(13, {"loss": 1.0})
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 14))
-    JsonlSink(tmp_path).start(total_steps=20, start_step=13)  # rewrites the file (a torn line repaired)
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 14')
-    JsonlSink(tmp_path).start(total_steps=20, start_step=13)
+    JsonlSink(tmp_path).start(total_steps=20, start_step=13)  # rewrites the file: the torn line repaired
     live.log(14, {"loss": 1.0})
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 15))
+
 
 # -- console ----------------------------------------------------------------------------------
 
