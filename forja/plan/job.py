@@ -80,6 +80,7 @@ def job_from_config(cfg: Config, *, gpu: bool, args: TransformerArgs | None = No
                global_batch_size=cfg.train.global_batch_size, optimizer=cfg.optim.name, gpu=gpu, bf16=bf16,
                bf16_params=cfg.parallel.mixed_precision == "bf16",
                fused=frozenset(args.fused_ops) if gpu else frozenset(), float8=cfg.train.float8 != "none",
-               compiled=cfg.parallel.compile, async_tp=gpu and cfg.parallel.async_tp and cfg.parallel.compile,
+               # aot_eager and eager trace the graphs but fuse nothing: priced as eager
+               compiled=cfg.parallel.compile and cfg.parallel.compile_backend == "inductor", async_tp=gpu and cfg.parallel.async_tp and cfg.parallel.compile,
                parallel=cfg.parallel, document_mask=cfg.model.document_mask, float8_recipe=cfg.train.float8,
                precision=precision, fla=gpu and importlib.util.find_spec("fla") is not None)
