@@ -342,7 +342,7 @@ def summary_table(runs: list[Run]) -> Table:
     table = Table(title="training runs")
     for column in ("run", "steps", "final loss", "best val loss", "last val loss", "mean tokens/s",
                    "mean MFU", "train time"):
-        table.add_column(column, justify="left" if column == "run" else "right")
+        table.add_column(column, justify="left" if column == "run" else "right", no_wrap=column == "run")
     for run in runs:
         s = summarize(run)
         seconds = s["train_seconds"]
@@ -362,7 +362,7 @@ def health_table(runs: list[Run]) -> Table | None:
         return None
     table = Table(title="run health")
     for column in ("run", "goodput", "restarts", "rollbacks", "skipped steps", "stragglers named"):
-        table.add_column(column, justify="left" if column == "run" else "right")
+        table.add_column(column, justify="left" if column == "run" else "right", no_wrap=column == "run")
     for name, s in rows:
         table.add_row(name, "n/a" if s["goodput"] is None else f"{100 * s['goodput']:.1f}%", str(s["restarts"]),
                       str(s["rollbacks"]), str(s["skipped"]), str(s["stragglers"]))
@@ -377,7 +377,7 @@ def expert_table(runs: list[Run]) -> Table | None:
         return None
     table = Table(title="expert load")
     for column in ("run", "MoE layers", "load max/mean", "load CV", "dropped (max)", "aux loss", "z-loss"):
-        table.add_column(column, justify="left" if column == "run" else "right")
+        table.add_column(column, justify="left" if column == "run" else "right", no_wrap=column == "run")
     for run in moe_runs:
         last = {key: (run.series(key)[1] or [None])[-1] for key in ("moe/load_max_mean", "moe/load_cv",
                                                                      "moe/aux_loss", "moe/z_loss")}
@@ -409,8 +409,8 @@ def report(run_dirs: list[str | os.PathLike[str]], out_dir: str | os.PathLike[st
     experts = expert_table(runs)
     if experts is not None:
         console.print(experts)
-    for path in written:
-        console.print(f"wrote {path}", highlight=False)
+    for path in written:  # whole on one line, to copy, however narrow the terminal
+        console.print(f"wrote {path}", highlight=False, soft_wrap=True)
     return written
 
 

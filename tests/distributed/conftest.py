@@ -16,7 +16,7 @@ def reference_losses(tmp_path_factory, train_data):  # noqa: F811
 @pytest.fixture(scope="session")
 def pp_reference_run(tmp_path_factory, train_data):  # noqa: F811
     """The run directory of the single-process reference of pipeline layouts: the (tied)
-    debug model, validated every 5 steps, with checkpoints at steps 5 and 10."""
+    debug model, validated and saved halfway and at the end (PP_COMMON)."""
     run = tmp_path_factory.mktemp("ref-pp") / "run"
     single_process_losses(run, train_data, **PP_COMMON)
     return run
@@ -26,12 +26,16 @@ def pp_reference_run(tmp_path_factory, train_data):  # noqa: F811
 DISTRIBUTED_TIMEOUT_S = 300
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the markers added here
 def pytest_collection_modifyitems(config, items):
     # pytest-timeout: a marker outranks --timeout, so keep a lower --timeout in force.
     configured = float(config.getoption("timeout", None) or config.getini("timeout") or 0)
     limit = min(DISTRIBUTED_TIMEOUT_S, configured) if configured else DISTRIBUTED_TIMEOUT_S
     for item in items:
-        if "tests/distributed/" in item.nodeid and item.get_closest_marker("timeout") is None:
+        if "tests/distributed/" not in item.nodeid:
+            continue
+        item.add_marker(pytest.mark.serial)  # a group of 2-4 ranks takes both cores (Makefile)
+        if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(limit))
 
 

@@ -7,12 +7,17 @@ measured differences are printed (pytest -s) and recorded in docs/parallelism.md
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from forja.cli import main
 from tests.integration.conftest import forja_process, losses, train_args
 
-PARITY_STEPS = 10
+PARITY_STEPS = 6
+# The resharding tests stop a run halfway (its last checkpoint dropped) and train the rest
+# under another layout, so the steps on both sides of the move are compared.
+RESUME_STEP = PARITY_STEPS // 2
+SAVE_HALFWAY = {"checkpoint.interval": str(RESUME_STEP), "checkpoint.keep": "0"}
 # Bounds on max |loss difference| from one process over PARITY_STEPS steps in fp32, about 3x
 # what is measured (docs/parallelism.md, 2026-12-01): the data/tensor-parallel layouts differ
 # by 4.8e-7 or 9.5e-7, one or two units in the last place of a loss near 7, because they sum
@@ -30,9 +35,9 @@ COMMON = {"train.steps": str(PARITY_STEPS), "train.global_batch_size": "8", "tra
           "parallel.timeout_s": "180", "train.seq_len": "64"}
 
 # Pipeline layouts and their reference also validate (forward-only through the stages) and
-# keep a checkpoint at step 5 to resume from under another layout. The debug model ties its
+# keep the halfway checkpoint to resume from under another layout. The debug model ties its
 # output projection to the embedding, so the pipeline's two copies are tested throughout.
-PP_COMMON = {"train.val_interval": "5", "checkpoint.interval": "5", "checkpoint.keep": "0"}
+PP_COMMON = {"train.val_interval": str(RESUME_STEP), **SAVE_HALFWAY}
 UNTIED = {"model.overrides": "{tie_embeddings=false}"}
 
 
@@ -47,6 +52,23 @@ def layout_losses(run: Path, data: Path, nproc: int, **changes: str) -> dict[int
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-5000:]
     return losses(run)
+
+
+def last_checkpoint(run: Path) -> Path:
+    return run / "checkpoints" / f"step-{PARITY_STEPS:08d}"
+
+
+def stop_halfway(run: Path) -> None:
+    """Drop the run's last checkpoint, as if it had stopped at RESUME_STEP (saved with SAVE_HALFWAY)."""
+    shutil.rmtree(last_checkpoint(run))
+
+
+def resumed_halfway(before: list[dict], after: list[dict]) -> bool:
+    """Whether the metrics records `after` a resume kept the first half of `before` and
+    trained the second half again (a record's time tells one from the other)."""
+    logged = {r["step"]: r["time"] for r in before if "loss" in r}
+    relogged = {r["step"]: r["time"] for r in after if "loss" in r}
+    return relogged[RESUME_STEP] == logged[RESUME_STEP] and relogged[RESUME_STEP + 1] != logged[RESUME_STEP + 1]
 
 
 def max_difference(reference: dict[int, float], other: dict[int, float]) -> float:

@@ -10,7 +10,8 @@ import shutil
 import pytest
 
 from forja.cli import main
-from tests.distributed.parity import COMMON, PARITY_STEPS, SharedLayouts, max_difference, single_process_losses
+from tests.distributed.parity import (COMMON, PARITY_STEPS, RESUME_STEP, SAVE_HALFWAY, SharedLayouts, max_difference,
+                                      single_process_losses, stop_halfway)
 from tests.integration.conftest import losses, train_args
 
 TOL = 1e-5
@@ -19,7 +20,6 @@ TOL = 1e-5
 # choose another one than one process does, so the layouts agree exactly until the first
 # rotated step (step 2) and then drift apart by a few 1e-3 in loss. Both are SOAP.
 SOAP_DRIFT = 2e-2
-SAVE_AT_5 = {"checkpoint.interval": "5", "checkpoint.keep": "0"}
 OPTIMIZERS = {
     "lion": {"optim.name": '"lion"', "optim.lr": "3e-4"},
     "adafactor": {"optim.name": '"adafactor"', "optim.lr": "1e-2"},
@@ -30,7 +30,7 @@ OPTIMIZERS = {
 @pytest.fixture(scope="module")
 def shared_runs(tmp_path_factory, train_data):
     """The three FSDP 2 runs, trained one after another in one process group of 2."""
-    layouts = {name: (2, {**optim, **SAVE_AT_5, "parallel.dp_shard": "2"}) for name, optim in OPTIMIZERS.items()}
+    layouts = {name: (2, {**optim, **SAVE_HALFWAY, "parallel.dp_shard": "2"}) for name, optim in OPTIMIZERS.items()}
     return SharedLayouts(tmp_path_factory, train_data, layouts)
 
 
@@ -48,10 +48,10 @@ def test_fsdp_matches_one_process_and_its_state_resumes_there(name, tmp_path, tr
         assert max(abs(one[s] - fsdp[s]) for s in (1, 2)) < TOL and parity < SOAP_DRIFT
     else:
         assert parity < TOL
-    shutil.rmtree(run / "checkpoints" / "step-00000010")  # as if the 2 ranks had stopped at step 5
-    assert main(train_args(run, train_data, **{**COMMON, **optim, **SAVE_AT_5})) == 0
-    resumed = {step: loss for step, loss in losses(run).items() if step > 5}
-    assert sorted(resumed) == list(range(6, PARITY_STEPS + 1))
+    stop_halfway(run)  # as if the 2 ranks had stopped there
+    assert main(train_args(run, train_data, **{**COMMON, **optim, **SAVE_HALFWAY})) == 0
+    resumed = {step: loss for step, loss in losses(run).items() if step > RESUME_STEP}
+    assert sorted(resumed) == list(range(RESUME_STEP + 1, PARITY_STEPS + 1))
     diff = max(abs(fsdp[s] - resumed[s]) for s in resumed)
-    print(f"{name}: FSDP 2 -> 1 process after step 5: max |loss diff| = {diff:.2e}")
+    print(f"{name}: FSDP 2 -> 1 process after step {RESUME_STEP}: max |loss diff| = {diff:.2e}")
     assert diff < TOL

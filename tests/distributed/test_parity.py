@@ -13,10 +13,13 @@ import pytest
 from tests.distributed.parity import (
     COMPILE_TOL,
     PARITY_TOL,
+    RESUME_STEP,
+    SAVE_HALFWAY,
     SharedLayouts,
     layout_losses,
     max_difference,
     single_process_losses,
+    stop_halfway,
 )
 from tests.integration.conftest import losses
 
@@ -51,16 +54,15 @@ LAYOUTS = {
 
 
 BF16 = {**FSDP2, "parallel.mixed_precision": '"bf16"'}
-SAVE_AT_5 = {"checkpoint.interval": "5", "checkpoint.keep": "0"}
 # The layouts train one after another in a few shared process groups (one start-up each
 # rather than one torchrun each): one a rank count, compiled ones last. FSDP 2 (ZeRO-3) saves
-# at step 5 as it trains for parity (a checkpoint changes no loss): the run the resharding
+# halfway as it trains for parity (a checkpoint changes no loss): the run the resharding
 # tests resume from (each a copy), rather than a second run of the same layout.
 RESHARD_SOURCE = "FSDP 2 (ZeRO-3)"
 # Padding (data.packing = "best-fit", pieces of at most 40 tokens in samples of 65): each rank's
 # micro-batches weigh by their labels, so the loss is still one process's.
 BEST_FIT = {"data.packing": '"best-fit"', "data.max_doc_tokens": "40"}
-SHARED = {**LAYOUTS, RESHARD_SOURCE: (2, {**FSDP2, **SAVE_AT_5}), "FSDP 2 + bf16": (2, BF16),
+SHARED = {**LAYOUTS, RESHARD_SOURCE: (2, {**FSDP2, **SAVE_HALFWAY}), "FSDP 2 + bf16": (2, BF16),
           "FSDP 2, best-fit packing": (2, {**FSDP2, **BEST_FIT})}
 
 
@@ -106,11 +108,11 @@ def test_bf16_mixed_precision_within_a_looser_bound(tmp_path, train_data, refere
     assert diff < BF16_TOL
 
 
-def _save_at_5_under(tmp_path, shared_runs):
-    """A copy of the FSDP 2 run with checkpoints at steps 5 and 10, as if it had stopped at step 5."""
+def _stopped_halfway_under(tmp_path, shared_runs):
+    """A copy of the FSDP 2 run, as if it had stopped halfway."""
     run = tmp_path / "run"
     shutil.copytree(shared_runs.run(RESHARD_SOURCE, tmp_path / "alone"), run)  # each test its own
-    shutil.rmtree(run / "checkpoints" / "step-00000010")  # as if the run had stopped at step 5
+    stop_halfway(run)
     return run
 
 
@@ -118,16 +120,16 @@ def _save_at_5_under(tmp_path, shared_runs):
 @pytest.mark.parametrize(("target", "nproc"), [("TP 2 x FSDP 2", 4), ("1 process", 1)])
 def test_fsdp_checkpoint_resumes_under_another_layout(tmp_path, train_data, reference_losses, target, nproc,
                                                       shared_runs):
-    run = _save_at_5_under(tmp_path, shared_runs)
+    run = _stopped_halfway_under(tmp_path, shared_runs)
     changes = {"parallel.tp": "2", "parallel.dp_shard": "2"} if nproc == 4 else {}
     if nproc == 1:
         from forja.cli import main
         from tests.distributed.parity import COMMON
         from tests.integration.conftest import train_args
 
-        assert main(train_args(run, train_data, **{**COMMON, "checkpoint.interval": "5", "checkpoint.keep": "0"})) == 0
+        assert main(train_args(run, train_data, **{**COMMON, **SAVE_HALFWAY})) == 0
     else:
-        layout_losses(run, train_data, nproc, **{**changes, "checkpoint.interval": "5", "checkpoint.keep": "0"})
+        layout_losses(run, train_data, nproc, **{**changes, **SAVE_HALFWAY})
     diff = max_difference(reference_losses, losses(run))
-    print(f"resharding FSDP 2 -> {target}: max |loss diff| = {diff:.2e}")
+    print(f"resharding FSDP 2 -> {target} after step {RESUME_STEP}: max |loss diff| = {diff:.2e}")
     assert diff < PARITY_TOL

@@ -1,5 +1,5 @@
-"""forja's context parallelism reproduces the single-process losses (CPU, Gloo, fp32, 10
-steps): both kinds at cp 2 and 4, document masks, with FSDP, TP + SP, PP and EP, sliding windows
+"""forja's context parallelism reproduces the single-process losses (CPU, Gloo, fp32,
+PARITY_STEPS steps): both kinds at cp 2 and 4, document masks, with FSDP, TP + SP, PP and EP, sliding windows
 and sinks (gpt-oss), a Gated DeltaNet hybrid (Qwen3.5) and latent attention (DeepSeek-V3);
 and checkpoints move between CP and non-CP layouts. Each layout's measured difference is
 printed (pytest -s) and recorded in docs/parallelism.md."""
@@ -12,12 +12,9 @@ from pathlib import Path
 import pytest
 
 from forja.cli import main
-from tests.distributed.parity import MOE_TOL, PARITY_TOL, SharedLayouts, layout_losses, max_difference
+from tests.distributed.parity import (COMMON, MOE_TOL, PARITY_TOL, RESUME_STEP, SAVE_HALFWAY, SharedLayouts,
+                                      layout_losses, max_difference, resumed_halfway, stop_halfway)
 from tests.integration.conftest import losses, read_metrics, train_args
-from tests.distributed.parity import COMMON
-
-# Every run keeps its step-5 checkpoint, for the tests that resume under another layout.
-KEEP_5 = {"checkpoint.interval": "5", "checkpoint.keep": "0"}
 MODELS = {
     "llama causal": {"model.document_mask": "false"},
     "llama": {},  # document masks on, as by default
@@ -53,13 +50,13 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, train_data):
-    """model -> its single-process run (checkpoint at step 5 kept), trained once when first asked for."""
+    """model -> its single-process run (halfway checkpoint kept), trained once when first asked for."""
     cache: dict[str, Path] = {}
 
     def get(model: str) -> Path:
         if model not in cache:
             run = tmp_path_factory.mktemp(f"ref-{model.replace(' ', '-')}") / "run"
-            assert main(train_args(run, train_data, **{**COMMON, **KEEP_5, **MODELS[model]})) == 0
+            assert main(train_args(run, train_data, **{**COMMON, **SAVE_HALFWAY, **MODELS[model]})) == 0
             cache[model] = run
         return cache[model]
 
@@ -68,7 +65,8 @@ def references(tmp_path_factory, train_data):
 
 @pytest.fixture(scope="module")
 def shared_runs(tmp_path_factory, train_data):
-    layouts = {name: (nproc, {**KEEP_5, **MODELS[model], **changes})
+    # Every run keeps its halfway checkpoint, for the tests that resume under another layout.
+    layouts = {name: (nproc, {**SAVE_HALFWAY, **MODELS[model], **changes})
                for name, (model, nproc, changes, _) in LAYOUTS.items()}
     return SharedLayouts(tmp_path_factory, train_data, layouts)
 
@@ -82,26 +80,25 @@ def test_layout_matches_single_process(name, tmp_path, references, shared_runs):
     assert diff < bound
 
 
-def _resume_from_step_5(run: Path, data: Path, nproc: int, **changes: str) -> None:
-    """Drop the step-10 checkpoint and train steps 6-10 again under another layout."""
-    shutil.rmtree(run / "checkpoints" / "step-00000010")
-    logged = {r["step"]: r["time"] for r in read_metrics(run) if "loss" in r}
-    args = train_args(run, data, **{**COMMON, **KEEP_5, **changes})
+def _resume_halfway(run: Path, data: Path, nproc: int, **changes: str) -> None:
+    """Drop the last checkpoint and train the second half again under another layout."""
+    stop_halfway(run)
+    before = read_metrics(run)
+    args = train_args(run, data, **{**COMMON, **SAVE_HALFWAY, **changes})
     if nproc == 1:
         assert main(args) == 0
     else:
-        layout_losses(run, data, nproc, **{**KEEP_5, **changes})
-    relogged = {r["step"]: r["time"] for r in read_metrics(run) if "loss" in r}
-    assert relogged[5] == logged[5] and relogged[6] != logged[6]  # it resumed at step 5
+        layout_losses(run, data, nproc, **{**SAVE_HALFWAY, **changes})
+    assert resumed_halfway(before, read_metrics(run))
 
 
 @pytest.mark.slow
 def test_a_cp_checkpoint_resumes_in_one_process(tmp_path, train_data, references, shared_runs):
     run = tmp_path / "run"  # a copy: it resumes
     shutil.copytree(shared_runs.run("ring CP 2, document masks", tmp_path / "alone"), run)
-    _resume_from_step_5(run, train_data, 1)
+    _resume_halfway(run, train_data, 1)
     diff = max_difference(losses(references("llama")), losses(run))
-    print(f"parity ring CP 2 -> 1 process from step 5: max |loss diff| = {diff:.2e}")
+    print(f"parity ring CP 2 -> 1 process from step {RESUME_STEP}: max |loss diff| = {diff:.2e}")
     assert diff < PARITY_TOL
 
 
@@ -109,7 +106,7 @@ def test_a_cp_checkpoint_resumes_in_one_process(tmp_path, train_data, references
 def test_a_single_process_checkpoint_resumes_under_cp(tmp_path, train_data, references):
     run = tmp_path / "run"
     shutil.copytree(references("llama"), run)
-    _resume_from_step_5(run, train_data, 2, **A2A, **{"parallel.cp": "2", "parallel.dp_shard": "1"})
+    _resume_halfway(run, train_data, 2, **A2A, **{"parallel.cp": "2", "parallel.dp_shard": "1"})
     diff = max_difference(losses(references("llama")), losses(run))
-    print(f"parity 1 process -> all-to-all CP 2 from step 5: max |loss diff| = {diff:.2e}")
+    print(f"parity 1 process -> all-to-all CP 2 from step {RESUME_STEP}: max |loss diff| = {diff:.2e}")
     assert diff < PARITY_TOL

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.parity import MOE_TOL, SharedLayouts, layout_losses, max_difference, single_process_losses
+from tests.distributed.parity import (MOE_TOL, RESUME_STEP, SAVE_HALFWAY, SharedLayouts, layout_losses, max_difference,
+                                      single_process_losses, stop_halfway)
 from tests.integration.conftest import forja_process, losses, train_args
 
 MOE = {"model.family": '"qwen3"', "model.flavor": '"debug-moe"',
@@ -54,8 +55,7 @@ LAYOUTS = {
 }
 
 
-SAVE_AT_5 = {"checkpoint.interval": "5", "checkpoint.keep": "0"}
-# The resharding tests resume these from step 5: they keep their checkpoints as they train
+# The resharding tests resume these halfway: they keep their checkpoints as they train
 # for parity (a checkpoint changes no loss), rather than train again.
 RESHARD_SOURCES = ("EP 2", "EP 2 x FSDP 2", "EP 2, DeepSeek-V3 routing and bias update")
 # The layouts train one after another in a shared process group per rank count (one start-up
@@ -65,7 +65,7 @@ GROUP_TIMEOUT = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def shared_runs(tmp_path_factory, train_data):
-    layouts = {name: (nproc, {**changes, **(SAVE_AT_5 if name in RESHARD_SOURCES else {})})
+    layouts = {name: (nproc, {**changes, **(SAVE_HALFWAY if name in RESHARD_SOURCES else {})})
                for name, (nproc, changes) in LAYOUTS.items()}
     return SharedLayouts(tmp_path_factory, train_data, layouts)
 
@@ -90,10 +90,10 @@ def test_moe_layout_matches_single_process(name, tmp_path, request, shared_runs)
     assert diff < MOE_TOL
 
 
-def _saved_at_5(run: Path, source: str, shared_runs) -> None:
-    """A copy of the source layout's run (saved at steps 5 and 10) as if it had stopped at 5."""
+def _stopped_halfway(run: Path, source: str, shared_runs) -> None:
+    """A copy of the source layout's run as if it had stopped halfway."""
     shutil.copytree(shared_runs.run(source, run.parent / "alone"), run)  # each test its own
-    shutil.rmtree(run / "checkpoints" / "step-00000010")
+    stop_halfway(run)
 
 
 @GROUP_TIMEOUT
@@ -106,16 +106,15 @@ def _saved_at_5(run: Path, source: str, shared_runs) -> None:
 ])
 def test_moe_checkpoint_reshards_between_ep_layouts(tmp_path, train_data, request, source, target, shared_runs):
     run = tmp_path / "run"
-    _saved_at_5(run, source, shared_runs)
+    _stopped_halfway(run, source, shared_runs)
     model = DEEPSEEK if "DeepSeek" in source else MOE
-    resume = SAVE_AT_5
     if target == "1 process":
-        single_process_losses(run, train_data, **model, **resume)
+        single_process_losses(run, train_data, **model, **SAVE_HALFWAY)
     else:
-        layout_losses(run, train_data, 4, **model, **resume, **{"parallel.ep": "4", "parallel.dp_shard": "4"})
+        layout_losses(run, train_data, 4, **model, **SAVE_HALFWAY, **{"parallel.ep": "4", "parallel.dp_shard": "4"})
     reference = request.getfixturevalue("deepseek_reference" if "DeepSeek" in source else "moe_reference")
     diff = max_difference(reference, losses(run))
-    print(f"resharding {source} -> {target}: max |loss diff| = {diff:.2e}")
+    print(f"resharding {source} -> {target} after step {RESUME_STEP}: max |loss diff| = {diff:.2e}")
     assert diff < MOE_TOL
 
 

@@ -15,14 +15,14 @@ import shutil
 import pytest
 
 from forja.cli import main
-from tests.distributed.parity import COMMON, PP_COMMON, SharedLayouts, max_difference, single_process_losses
+from tests.distributed.parity import (COMMON, PP_COMMON, RESUME_STEP, SAVE_HALFWAY, SharedLayouts, max_difference,
+                                      single_process_losses, stop_halfway)
 from tests.integration.conftest import losses, train_args
 
 # The brief's bound. NS amplifies the last-place differences of summed gradients a little, but
 # in fp32 on CPU the layouts stay close to what AdamW measures (tests/distributed/parity.py).
 MUON_TOL = 1e-5
 MUON = {"optim.name": '"muon"', "optim.lr": "0.02", "optim.muon.adamw_lr": "0.003"}
-SAVE_AT_5 = {"checkpoint.interval": "5", "checkpoint.keep": "0"}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ CLIP = {**MUON, "optim.qk_clip_tau": "0.15"}
 # Every Muon layout of this file trains in a shared process group per rank count (one start-up
 # each rather than one torchrun each); the first test of a group trains the whole group.
 SHARED = {**{name: (nproc, {**MUON, **changes}) for name, (nproc, changes) in LAYOUTS.items()},
-          "FSDP 2, saved at step 5": (2, {**MUON, **SAVE_AT_5, "parallel.dp_shard": "2"}),
+          "FSDP 2, saved halfway": (2, {**MUON, **SAVE_HALFWAY, "parallel.dp_shard": "2"}),
           "EP 2 x FSDP 2 (qwen3 debug-moe)": (4, {**MUON, **MOE, "parallel.ep": "2", "parallel.dp_shard": "4"}),
           "MuonClip FSDP 2": (2, {**CLIP, "parallel.dp_shard": "2"})}
 GROUP_TIMEOUT = pytest.mark.timeout(600)
@@ -63,14 +63,14 @@ def test_muon_layout_matches_single_process(name, tmp_path, muon_reference, shar
 def test_muon_fsdp_matches_and_its_checkpoint_resumes_in_one_process(tmp_path, train_data, muon_reference,
                                                                       shared_runs):
     run = tmp_path / "run"  # a copy, since it resumes
-    shutil.copytree(shared_runs.run("FSDP 2, saved at step 5", tmp_path / "alone"), run)
+    shutil.copytree(shared_runs.run("FSDP 2, saved halfway", tmp_path / "alone"), run)
     diff = max_difference(muon_reference, losses(run))
     print(f"muon parity FSDP 2: max |loss diff| = {diff:.2e}")
     assert diff < MUON_TOL
-    shutil.rmtree(run / "checkpoints" / "step-00000010")  # as if the run had stopped at step 5
-    assert main(train_args(run, train_data, **{**COMMON, **MUON, **SAVE_AT_5})) == 0
+    stop_halfway(run)
+    assert main(train_args(run, train_data, **{**COMMON, **MUON, **SAVE_HALFWAY})) == 0
     diff = max_difference(muon_reference, losses(run))
-    print(f"muon resharding FSDP 2 -> 1 process: max |loss diff| = {diff:.2e}")
+    print(f"muon resharding FSDP 2 -> 1 process after step {RESUME_STEP}: max |loss diff| = {diff:.2e}")
     assert diff < MUON_TOL
 
 

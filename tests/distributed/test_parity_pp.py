@@ -19,8 +19,9 @@ import torch.distributed.checkpoint as dcp
 
 from forja.cli import main
 from forja.versions import torch_version
-from tests.distributed.parity import (PP_COMMON, PP_TOL, UNTIED, SharedLayouts, layout_losses, max_difference,
-                                      single_process_losses)
+from tests.distributed.parity import (PARITY_STEPS, PP_COMMON, PP_TOL, RESUME_STEP, UNTIED, SharedLayouts, last_checkpoint,
+                                      layout_losses, max_difference, resumed_halfway, single_process_losses,
+                                      stop_halfway)
 from tests.integration.conftest import losses, read_metrics
 
 PP2 = {**PP_COMMON, "parallel.pp": "2"}
@@ -64,7 +65,7 @@ def _check(name: str, reference: Path, run: Path, *, validation: bool = True, to
     message = f"parity {name}: max |loss diff| = {diff:.2e}"
     if validation:
         ref_val, val = _val_losses(reference), _val_losses(run)
-        assert sorted(val) == sorted(ref_val) == [5, 10]
+        assert sorted(val) == sorted(ref_val) == [RESUME_STEP, PARITY_STEPS]
         val_diff = max(abs(ref_val[s] - val[s]) for s in ref_val)
         message += f", max |val loss diff| = {val_diff:.2e}"
         assert val_diff <= tol, message
@@ -87,9 +88,9 @@ def test_pp2_schedule_matches_single_process(schedule, tmp_path, pp_reference_ru
     # 1f1b, gpipe, interleaved: the tied copies live on two ranks; V schedules: both on rank 0.
     run = shared_runs.run(f"PP 2 ({schedule})", tmp_path / "run")
     _check(f"PP 2 ({schedule}), tied", pp_reference_run, run)
-    stored = _stored_weights(run / "checkpoints" / "step-00000010")
+    stored = _stored_weights(last_checkpoint(run))
     assert "tok_embeddings.weight" in stored and "output.weight" not in stored  # one tensor, as one process
-    assert stored == _stored_weights(pp_reference_run / "checkpoints" / "step-00000010")
+    assert stored == _stored_weights(last_checkpoint(pp_reference_run))
 
 
 @GROUP_TIMEOUT
@@ -98,7 +99,7 @@ def test_pp2_untied_matches_single_process(tmp_path, train_data, shared_runs):
     single_process_losses(reference, train_data, **PP_COMMON, **UNTIED)
     run = shared_runs.run("PP 2 untied", tmp_path / "run")
     _check("PP 2 (1f1b), untied", reference, run)
-    assert "output.weight" in _stored_weights(run / "checkpoints" / "step-00000010")
+    assert "output.weight" in _stored_weights(last_checkpoint(run))
 
 
 @GROUP_TIMEOUT
@@ -115,13 +116,12 @@ def test_pp2_x_tp2_matches_single_process(tmp_path, pp_reference_run, shared_run
     _check("PP 2 x TP 2 (1f1b, SP), tied", pp_reference_run, shared_runs.run("PP 2 x TP 2", tmp_path / "run"))
 
 
-def _resume_from_step_5(run: Path, data: Path, nproc: int, **changes: str) -> None:
-    """Drop the step-10 checkpoint and train steps 6-10 again under another layout."""
-    shutil.rmtree(run / "checkpoints" / "step-00000010")
-    logged = {r["step"]: r["time"] for r in read_metrics(run) if "loss" in r}
+def _resume_halfway(run: Path, data: Path, nproc: int, **changes: str) -> None:
+    """Drop the last checkpoint and train the second half again under another layout."""
+    stop_halfway(run)
+    before = read_metrics(run)
     layout_losses(run, data, nproc, **changes)
-    relogged = {r["step"]: r["time"] for r in read_metrics(run) if "loss" in r}
-    assert relogged[5] == logged[5] and relogged[6] != logged[6]  # it resumed at step 5
+    assert resumed_halfway(before, read_metrics(run))
 
 
 @GROUP_TIMEOUT
@@ -130,8 +130,8 @@ def test_pp2_x_fsdp2_matches_resumes_under_fsdp4_and_exports_tied(tmp_path, trai
     run = tmp_path / "run"  # pp 2 x dp_shard 2, 1f1b; a copy, since it resumes
     shutil.copytree(shared_runs.run("PP 2 x FSDP 2", tmp_path / "alone"), run)
     _check("PP 2 x FSDP 2 (1f1b), tied", pp_reference_run, run, validation=False)
-    _resume_from_step_5(run, train_data, 4, **PP_COMMON)
-    _check("PP 2 x FSDP 2 -> FSDP 4 from step 5", pp_reference_run, run, validation=False)
+    _resume_halfway(run, train_data, 4, **PP_COMMON)
+    _check(f"PP 2 x FSDP 2 -> FSDP 4 from step {RESUME_STEP}", pp_reference_run, run, validation=False)
     _export_is_tied(run, tmp_path / "hf")
 
 
@@ -159,5 +159,5 @@ def test_single_process_checkpoint_resumes_under_pp2_zero_bubble(tmp_path, train
     # tied embedding, out of the whole model's checkpoint.
     run = tmp_path / "run"
     shutil.copytree(pp_reference_run, run)
-    _resume_from_step_5(run, train_data, 2, **PP2, **_schedule("zero-bubble"))
-    _check("1 process -> PP 2 (zero-bubble) from step 5, tied", pp_reference_run, run)
+    _resume_halfway(run, train_data, 2, **PP2, **_schedule("zero-bubble"))
+    _check(f"1 process -> PP 2 (zero-bubble) from step {RESUME_STEP}, tied", pp_reference_run, run)

@@ -10,6 +10,9 @@ import pytest
 
 from tests.integration.conftest import forja_process, losses, read_metrics, train_args
 
+# Their drills order a kill, a heal and a quorum by sleeps of about a second: run alone (Makefile).
+pytestmark = pytest.mark.serial
+
 BASE = {"train.global_batch_size": "8", "train.micro_batch_size": "2", "train.seq_len": "64",
         "metrics.interval": "1", "train.val_interval": "0", "train.sample_tokens": "0",
         "parallel.timeout_s": "120", "ft.timeout_s": "10"}

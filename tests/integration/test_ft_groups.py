@@ -12,6 +12,9 @@ import pytest
 
 from tests.integration.conftest import forja_process, read_metrics, train_args
 
+# Their drills order a kill, a heal and a quorum by sleeps of about a second: run alone (Makefile).
+pytestmark = pytest.mark.serial
+
 STEPS = 20
 # Each step sleeps 0.3 s (a slow drill on every rank), so the live group is still training when the
 # killed one is back: the rejoin is what is tested, not a race to the end.
