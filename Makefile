@@ -18,8 +18,11 @@ $(VENV)/.installed-train: pyproject.toml
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
+# --no-compile: pip would byte-compile the test extra's 21,000 Python files, most of a minute on
+# one core here (all of .venv's 25,000 took 67 s); Python compiles those the tests import as it
+# imports them.
 $(VENV)/.installed-test: $(VENV)/.installed-train
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-compile -e ".[test]"
 	touch $@
 
 venv: $(VENV)/.installed-train
@@ -27,10 +30,10 @@ venv: $(VENV)/.installed-train
 train: $(VENV)/.installed-train
 	$(VENV)/bin/forja train
 
-# Two passes. A test alone leaves a core idle much of the time (Python-bound steps of tiny
-# models, a launcher importing torch, ranks waiting on each other), so most run TEST_WORKERS
-# at a time, a test file per worker (its shared runs stay in one process). The tests marked
-# serial (drills and timeouts measured in seconds, torchft quorums) then run alone.
+# Two passes. The single-process tests leave a core idle much of the time (Python-bound
+# steps, a subprocess importing torch), so they run TEST_WORKERS at a time, a test file per
+# worker (its shared runs stay in one process). The serial tests (process groups of 2-4 ranks
+# that already fill the cores, drills timed by sleeps) then run alone.
 TEST_WORKERS ?= 2
 
 test: $(VENV)/.installed-test

@@ -4,7 +4,7 @@ bench/RESULTS.md.
 
     python bench/gpu_check.py       # from the repository root, the repository on PYTHONPATH
 
-1. Wheels carried in `.whl/` (scripts/gpu_wheels.sh: torchao, liger-kernel) are installed
+1. Wheels carried in `.whl/` (scripts/gpu_wheels.sh: torchao, liger-kernel, fla-core) are installed
    into /tmp/site with pip, offline, for a machine that reaches no package registry.
 2. `pytest tests/gpu` in a child process, stopped after TESTS_TIMEOUT_S; its outcomes are read
    from a JUnit report. A skipped test has not passed: only one that needs more GPUs than the

@@ -9,6 +9,9 @@
 #   liger-kernel 0.8.5: the fused kernels bench/kernels.py compares forja's against; pure Python
 #     on Triton. It requires torch and triton, which the machine has: --no-deps, so nothing
 #     else (above all no second torch) is downloaded.
+#   fla-core 0.6.0: flash-linear-attention's Triton kernels (fla.ops), which Gated DeltaNet layers
+#     take on CUDA (tests/gpu/test_gated_deltanet_cuda.py); pure Python, requires only einops,
+#     which the machine has.
 #   torchtitan 0.3.0 and what it needs beyond the machine's packages (pure Python, about 4 MB),
 #     in .whl/peers/: bench/peers.py installs them offline into its side environment.
 # Usage: scripts/gpu_wheels.sh   (from anywhere; prints the folder's size, which travels with the repo)
@@ -16,10 +19,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
-WHEELS=(torchao==0.17.0 liger-kernel==0.8.5)
+WHEELS=(torchao==0.17.0 liger-kernel==0.8.5 fla-core==0.6.0)
 mkdir -p .whl
 # One version of each: two of the same package stop the offline install.
-rm -f .whl/torchao-*.whl .whl/liger_kernel-*.whl
+rm -f .whl/torchao-*.whl .whl/liger_kernel-*.whl .whl/fla_core-*.whl
 "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \

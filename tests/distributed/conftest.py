@@ -26,12 +26,16 @@ def pp_reference_run(tmp_path_factory, train_data):  # noqa: F811
 DISTRIBUTED_TIMEOUT_S = 300
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the markers added here
 def pytest_collection_modifyitems(config, items):
     # pytest-timeout: a marker outranks --timeout, so keep a lower --timeout in force.
     configured = float(config.getoption("timeout", None) or config.getini("timeout") or 0)
     limit = min(DISTRIBUTED_TIMEOUT_S, configured) if configured else DISTRIBUTED_TIMEOUT_S
     for item in items:
-        if "tests/distributed/" in item.nodeid and item.get_closest_marker("timeout") is None:
+        if "tests/distributed/" not in item.nodeid:
+            continue
+        item.add_marker(pytest.mark.serial)  # a group of 2-4 ranks takes both cores (Makefile)
+        if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(limit))
 
 

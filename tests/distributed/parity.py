@@ -13,7 +13,7 @@ from pathlib import Path
 from forja.cli import main
 from tests.integration.conftest import forja_process, losses, train_args
 
-PARITY_STEPS = 6
+PARITY_STEPS = 4
 # The resharding tests stop a run halfway (its last checkpoint dropped) and train the rest
 # under another layout, so the steps on both sides of the move are compared.
 RESUME_STEP = PARITY_STEPS // 2

@@ -12,9 +12,6 @@ import pytest
 from tests.distributed.parity import COMMON
 from tests.integration.conftest import forja_process, losses, read_metrics, train_args
 
-# Its torchft groups meet by quorums with timeouts of seconds: run alone (Makefile).
-pytestmark = pytest.mark.serial
-
 CHECKED = {**COMMON, "train.steps": "8", "checkpoint.interval": "4", "metrics.interval": "1",
            "train.val_interval": "0", "ft.check_interval": "2", "debug.inject": json.dumps(["bitflip@5:rank=1"])}
 

@@ -13,9 +13,6 @@ from forja.train.resilience.watchdog import grace_s
 from tests.distributed.parity import COMMON
 from tests.integration.conftest import forja_process, losses, read_metrics, train_args
 
-# Its drills name a hung rank and a straggler by how long they take: run alone (Makefile).
-pytestmark = pytest.mark.serial
-
 STEPS = 20
 # FSDP over 2 ranks, a checkpoint every 4 steps written in the background, a metrics record every step.
 ELASTIC = {**COMMON, "train.steps": str(STEPS), "checkpoint.interval": "4", "checkpoint.async_save": "true",

@@ -9,13 +9,8 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.distributed.parity import COMMON
 from tests.integration.conftest import forja_process, read_metrics, train_args
-
-# It signals the launcher while a step is under way: run alone (Makefile).
-pytestmark = pytest.mark.serial
 
 
 def processes_mentioning(text: str) -> list[int]:

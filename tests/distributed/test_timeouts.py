@@ -9,7 +9,6 @@ import os
 import time
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -17,9 +16,6 @@ from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
 from forja.parallel.process_group import init_distributed
 from forja.testing import run_distributed
-
-# It times collectives against parallel.timeout_s: run alone (Makefile).
-pytestmark = pytest.mark.serial
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 5.0

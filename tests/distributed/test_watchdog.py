@@ -13,16 +13,12 @@ import os
 import time
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from forja.testing import free_port
 from forja.train.resilience.watchdog import EXIT_HANG, Watchdog, grace_s
-
-# Its watchdog fires on seconds without a beat: run alone (Makefile).
-pytestmark = pytest.mark.serial
 
 WATCHDOG_S = 1.0
 PG_TIMEOUT_S = 20.0  # far beyond the watchdog: the collective must not be what ends the ranks

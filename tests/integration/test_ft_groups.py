@@ -36,8 +36,8 @@ def _wait_for_step(run, step: int, proc, timeout: float = 120) -> None:
 
 @pytest.mark.slow
 def test_a_killed_group_and_a_lost_lighthouse_leave_the_run_going(tmp_path, train_data):
-    """Group 1 dies by SIGKILL as step 5 begins; group 0 trains on alone, group 1 is restarted by its
-    torchrun, heals from group 0 and rejoins. Later the lighthouse is killed; the launcher starts it
+    """Group 1 dies by SIGKILL as step 5 begins; group 0 trains on (alone while group 1 is away),
+    group 1 is restarted by its torchrun, heals from group 0 and rejoins. Later the lighthouse is killed; the launcher starts it
     again on its port and both groups go on. Every step is recorded once, and the groups end with
     the same weights."""
     run = tmp_path / "ft"
@@ -56,7 +56,10 @@ def test_a_killed_group_and_a_lost_lighthouse_leave_the_run_going(tmp_path, trai
     records = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # no gap, none twice
     groups = [r["ft/groups"] for r in records]
-    assert groups[:4] == [2] * 4 and 1 in groups[4:10] and groups[-1] == 2  # alone, then rejoined
+    # Group 0 trains alone until group 1 is back: a step or more as a rule, none when the restart
+    # beats the lighthouse's drop of the silent group and makes step 5's retry (seen once, on a
+    # quiet machine). Either way the data follows the groups (below) and group 1 heals from group 0.
+    assert groups[:4] == [2] * 4 and groups[-1] == 2
     # The data follows the groups: each step trains a share per live group, none skipped or repeated.
     share = 4 * 64
     assert records[-1]["tokens_seen"] == share * sum(groups)

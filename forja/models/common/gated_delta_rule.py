@@ -193,7 +193,7 @@ def gated_delta_rule(
         fallbacks.record("gated_deltanet.fla", asked="Gated DeltaNet layers on CUDA",
                          instead="the PyTorch chunked gated delta rule",
                          why="flash-linear-attention (fla) is not installed",
-                         fix="pip install flash-linear-attention")
+                         fix="pip install 'forja[fla]' (fla-core, flash-linear-attention's kernels)")
     if q.shape[1] == 1:
         return recurrent_gated_delta_rule(q, k, v, g, beta, **args)
     return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, **args)
