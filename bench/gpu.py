@@ -14,7 +14,7 @@ Sections, one table row per figure, each with its ratio to the section's baselin
    batch every step, so the variants' losses are comparable) and the first step's time
    (compilation included); baseline: eager.
 2. kernels: each fused kernel, forward + backward, against PyTorch eager, torch.compile and
-   Liger Kernel (bench/kernels.py); baseline: eager.
+   Liger Kernel (bench/kernel_speed.py); baseline: eager.
 3. attention: FlexAttention with a document mask and SDPA with a dense document mask,
    against SDPA causal (flash) at the same sequence length; baseline: SDPA causal.
 
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/kernels.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/kernel_speed.py
 
 from forja.metrics.throughput import memory_stats, peak_flops  # noqa: E402
 from forja.models import build_from_args, model_args  # noqa: E402
@@ -193,8 +193,8 @@ def train_section(s: dict, device: torch.device, variants: list[str], emit, dead
 
 # -- 2. fused kernels ----------------------------------------------------------------------
 def kernel_section(s: dict, device: torch.device, emit, deadline: float) -> list[dict]:
-    from kernels import SIZES as KERNEL_SIZES
-    from kernels import run
+    from kernel_speed import SIZES as KERNEL_SIZES
+    from kernel_speed import run
 
     if time.monotonic() > deadline:
         return [emit(row("kernels", "rms_norm, rope, swiglu", note=f"skipped: {_late()}"))]

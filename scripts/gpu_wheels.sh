@@ -6,7 +6,7 @@
 #     built per torch release; 0.17.0 is the release built against torch 2.11 (stable ABI, the
 #     GPU machine's torch), and its import refuses the extensions below 2.11. Its wheel names
 #     no requirements.
-#   liger-kernel 0.8.5: the fused kernels bench/kernels.py compares forja's against; pure Python
+#   liger-kernel 0.8.5: the fused kernels bench/kernel_speed.py compares forja's against; pure Python
 #     on Triton. It requires torch and triton, which the machine has: --no-deps, so nothing
 #     else (above all no second torch) is downloaded.
 #   fla-core 0.6.0: flash-linear-attention's Triton kernels (fla.ops), which Gated DeltaNet layers

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
+sys.path.append(str(BENCH))  # last: bench/ scripts must not shadow installed packages
 
 from plan_memory import LAYOUTS, predicted, run_layout  # noqa: E402
 

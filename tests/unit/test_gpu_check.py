@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.append(str(REPO / "bench"))  # last: bench/ scripts must not shadow installed packages
 import gpu_check  # noqa: E402
 
 SUITE = '''

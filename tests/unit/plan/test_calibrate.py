@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+# Last on the path: bench/ scripts must not shadow installed packages.
+sys.path.append(str(Path(__file__).resolve().parents[3] / "bench"))
 
 import calibrate  # noqa: E402
 

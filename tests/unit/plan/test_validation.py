@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+# Last on the path: bench/ scripts must not shadow installed packages.
+sys.path.append(str(Path(__file__).resolve().parents[3] / "bench"))
 
 from plan_published import REPOSITORY, RUNS, SOURCES, results, summary  # noqa: E402
 

@@ -12,8 +12,8 @@ and 8 key/value heads of 64): each variant is warmed up (compiling included), th
 Without CUDA it is a smoke run at tiny sizes with eager and compile only (Triton's
 interpreter is not a speed), to show the script works.
 
-    python bench/kernels.py                 # CUDA if present, else the CPU smoke run
-    python bench/kernels.py --tiny          # tiny sizes even on a GPU
+    python bench/kernel_speed.py                 # CUDA if present, else the CPU smoke run
+    python bench/kernel_speed.py --tiny          # tiny sizes even on a GPU
 
 `run(device, sizes)` returns the table's rows (bench/gpu.py calls it).
 """
