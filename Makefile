@@ -19,7 +19,7 @@ $(VENV)/.installed-train: pyproject.toml
 	touch $@
 
 # pip byte-compiles what it installs (25,000 files: about a minute here). That is not skipped with
-# --no-compile: where PYTHONDONTWRITEBYTECODE is set (as on this CI machine) every process would
+# --no-compile: where PYTHONDONTWRITEBYTECODE is set (as here) every process would
 # compile every module it imports afresh, which made the suite 3 minutes slower.
 $(VENV)/.installed-test: $(VENV)/.installed-train
 	$(PY) -m pip install --quiet -e ".[test]"

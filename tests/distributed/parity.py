@@ -19,9 +19,10 @@ PARITY_STEPS = 4
 RESUME_STEP = PARITY_STEPS // 2
 SAVE_HALFWAY = {"checkpoint.interval": str(RESUME_STEP), "checkpoint.keep": "0"}
 # Bounds on max |loss difference| from one process over PARITY_STEPS steps in fp32, about 3x
-# what is measured (docs/parallelism.md, 2026-12-01): the data/tensor-parallel layouts differ
-# by 4.8e-7 or 9.5e-7, one or two units in the last place of a loss near 7, because they sum
-# gradients in another order; torch.compile, which also fuses ops, by 9.5e-7 to 1.4e-6.
+# what was measured over 10 steps (docs/parallelism.md, 2026-12-01): the data/tensor-parallel
+# layouts differ by 4.8e-7 or 9.5e-7, one or two units in the last place of a loss near 7,
+# because they sum gradients in another order; torch.compile, which also fuses ops, by 9.5e-7
+# to 1.4e-6. Over 4 steps (2026-12-03) they differ by 0 or 4.8e-7.
 PARITY_TOL = 3e-6
 COMPILE_TOL = 4e-6
 # Pipelines run the same ops as one process: measured 0 alone (tied or not), 4.8e-7 with TP
