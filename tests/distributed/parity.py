@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from forja.cli import main
-from tests.integration.conftest import forja_process, losses, train_args
+from tests.integration.conftest import forja_process, losses, read_metrics, train_args
 
 PARITY_STEPS = 4
 # The resharding tests stop a run halfway (its last checkpoint dropped) and train the rest
@@ -64,12 +64,18 @@ def stop_halfway(run: Path) -> None:
     shutil.rmtree(last_checkpoint(run))
 
 
-def resumed_halfway(before: list[dict], after: list[dict]) -> bool:
-    """Whether the metrics records `after` a resume kept the first half of `before` and
-    trained the second half again (a record's time tells one from the other)."""
-    logged = {r["step"]: r["time"] for r in before if "loss" in r}
-    relogged = {r["step"]: r["time"] for r in after if "loss" in r}
-    return relogged[RESUME_STEP] == logged[RESUME_STEP] and relogged[RESUME_STEP + 1] != logged[RESUME_STEP + 1]
+def resume_halfway(run: Path, data: Path, nproc: int, **changes: str) -> None:
+    """Drop the run's last checkpoint and train the second half again with `nproc` processes
+    and `changes`; the first half's records must stay and the second half's be written anew
+    (a record's time tells one from the other)."""
+    stop_halfway(run)
+    before = {r["step"]: r["time"] for r in read_metrics(run) if "loss" in r}
+    if nproc == 1:
+        single_process_losses(run, data, **changes)
+    else:
+        layout_losses(run, data, nproc, **changes)
+    after = {r["step"]: r["time"] for r in read_metrics(run) if "loss" in r}
+    assert after[RESUME_STEP] == before[RESUME_STEP] and after[RESUME_STEP + 1] != before[RESUME_STEP + 1]
 
 
 def max_difference(reference: dict[int, float], other: dict[int, float]) -> float:

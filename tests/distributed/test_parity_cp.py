@@ -13,8 +13,8 @@ import pytest
 
 from forja.cli import main
 from tests.distributed.parity import (COMMON, MOE_TOL, PARITY_TOL, RESUME_STEP, SAVE_HALFWAY, SharedLayouts,
-                                      layout_losses, max_difference, resumed_halfway, stop_halfway)
-from tests.integration.conftest import losses, read_metrics, train_args
+                                      max_difference, resume_halfway)
+from tests.integration.conftest import losses, train_args
 MODELS = {
     "llama causal": {"model.document_mask": "false"},
     "llama": {},  # document masks on, as by default
@@ -80,23 +80,11 @@ def test_layout_matches_single_process(name, tmp_path, references, shared_runs):
     assert diff < bound
 
 
-def _resume_halfway(run: Path, data: Path, nproc: int, **changes: str) -> None:
-    """Drop the last checkpoint and train the second half again under another layout."""
-    stop_halfway(run)
-    before = read_metrics(run)
-    args = train_args(run, data, **{**COMMON, **SAVE_HALFWAY, **changes})
-    if nproc == 1:
-        assert main(args) == 0
-    else:
-        layout_losses(run, data, nproc, **{**SAVE_HALFWAY, **changes})
-    assert resumed_halfway(before, read_metrics(run))
-
-
 @pytest.mark.slow
 def test_a_cp_checkpoint_resumes_in_one_process(tmp_path, train_data, references, shared_runs):
     run = tmp_path / "run"  # a copy: it resumes
     shutil.copytree(shared_runs.run("ring CP 2, document masks", tmp_path / "alone"), run)
-    _resume_halfway(run, train_data, 1)
+    resume_halfway(run, train_data, 1, **SAVE_HALFWAY)
     diff = max_difference(losses(references("llama")), losses(run))
     print(f"parity ring CP 2 -> 1 process from step {RESUME_STEP}: max |loss diff| = {diff:.2e}")
     assert diff < PARITY_TOL
@@ -106,7 +94,7 @@ def test_a_cp_checkpoint_resumes_in_one_process(tmp_path, train_data, references
 def test_a_single_process_checkpoint_resumes_under_cp(tmp_path, train_data, references):
     run = tmp_path / "run"
     shutil.copytree(references("llama"), run)
-    _resume_halfway(run, train_data, 2, **A2A, **{"parallel.cp": "2", "parallel.dp_shard": "1"})
+    resume_halfway(run, train_data, 2, **SAVE_HALFWAY, **A2A, **{"parallel.cp": "2", "parallel.dp_shard": "1"})
     diff = max_difference(losses(references("llama")), losses(run))
     print(f"parity 1 process -> all-to-all CP 2 from step {RESUME_STEP}: max |loss diff| = {diff:.2e}")
     assert diff < PARITY_TOL

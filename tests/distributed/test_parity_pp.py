@@ -19,9 +19,8 @@ import torch.distributed.checkpoint as dcp
 
 from forja.cli import main
 from forja.versions import torch_version
-from tests.distributed.parity import (PARITY_STEPS, PP_COMMON, PP_TOL, RESUME_STEP, UNTIED, SharedLayouts, last_checkpoint,
-                                      layout_losses, max_difference, resumed_halfway, single_process_losses,
-                                      stop_halfway)
+from tests.distributed.parity import (PARITY_STEPS, PP_COMMON, PP_TOL, RESUME_STEP, UNTIED, SharedLayouts,
+                                      last_checkpoint, max_difference, resume_halfway, single_process_losses)
 from tests.integration.conftest import losses, read_metrics
 
 PP2 = {**PP_COMMON, "parallel.pp": "2"}
@@ -116,21 +115,13 @@ def test_pp2_x_tp2_matches_single_process(tmp_path, pp_reference_run, shared_run
     _check("PP 2 x TP 2 (1f1b, SP), tied", pp_reference_run, shared_runs.run("PP 2 x TP 2", tmp_path / "run"))
 
 
-def _resume_halfway(run: Path, data: Path, nproc: int, **changes: str) -> None:
-    """Drop the last checkpoint and train the second half again under another layout."""
-    stop_halfway(run)
-    before = read_metrics(run)
-    layout_losses(run, data, nproc, **changes)
-    assert resumed_halfway(before, read_metrics(run))
-
-
 @GROUP_TIMEOUT
 def test_pp2_x_fsdp2_matches_resumes_under_fsdp4_and_exports_tied(tmp_path, train_data, pp_reference_run,
                                                                    shared_runs):
     run = tmp_path / "run"  # pp 2 x dp_shard 2, 1f1b; a copy, since it resumes
     shutil.copytree(shared_runs.run("PP 2 x FSDP 2", tmp_path / "alone"), run)
     _check("PP 2 x FSDP 2 (1f1b), tied", pp_reference_run, run, validation=False)
-    _resume_halfway(run, train_data, 4, **PP_COMMON)
+    resume_halfway(run, train_data, 4, **PP_COMMON)
     _check(f"PP 2 x FSDP 2 -> FSDP 4 from step {RESUME_STEP}", pp_reference_run, run, validation=False)
     _export_is_tied(run, tmp_path / "hf")
 
@@ -159,5 +150,5 @@ def test_single_process_checkpoint_resumes_under_pp2_zero_bubble(tmp_path, train
     # tied embedding, out of the whole model's checkpoint.
     run = tmp_path / "run"
     shutil.copytree(pp_reference_run, run)
-    _resume_halfway(run, train_data, 2, **PP2, **_schedule("zero-bubble"))
+    resume_halfway(run, train_data, 2, **PP2, **_schedule("zero-bubble"))
     _check(f"1 process -> PP 2 (zero-bubble) from step {RESUME_STEP}, tied", pp_reference_run, run)
