@@ -1,8 +1,9 @@
 """bench/peers.py's forja contender: forja's own Trainer, step by step as `forja train` runs it
 (the loader, the step engine, recovery's checks, metrics and the callbacks), on the recipe and
 `--set` overrides in the spec. With spec["bare"] it is forja's model alone in a plain loop
-instead (forward, backward, clip, AdamW on the harness's token rows): the step time the
-framework's overhead is measured against.
+instead (forward, backward, clip, AdamW on the harness's token rows, under the same process
+setting, train.host_malloc, that the Trainer applies): the step time the framework's overhead
+is measured against.
 
     python bench/peers_forja.py SPEC_JSON      (started by bench/peers.py)
 """
@@ -18,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers_worker import Contender, cycle_rows, serve  # noqa: E402
 
+from forja import host_memory  # noqa: E402
 from forja.config import load_config  # noqa: E402
 from forja.train.callbacks import Callback  # noqa: E402
 from forja.train.trainer import Trainer  # noqa: E402
@@ -71,6 +73,7 @@ def _bare(spec: dict) -> Contender:
     from forja.train.build import build_model_parts
 
     cfg = load_config(spec["recipe"], forja_sets(spec))
+    host_memory.apply(cfg.train.host_malloc)  # the process setting forja's Trainer applies at setup
     device = torch.device(spec["device"])
     args = run_model_args(cfg.model, spec["shape"]["vocab_size"])
     dims = ParallelDims.from_config(cfg.parallel, 1)

@@ -20,6 +20,10 @@ from peers_worker import Contender, cycle_rows, serve  # noqa: E402
 def build(spec: dict) -> Contender:
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if spec.get("host_malloc"):  # attribution only: forja's process setting given to the HF loop
+        from forja import host_memory
+
+        host_memory.apply(spec["host_malloc"])
     torch.manual_seed(spec["seed"])
     device = torch.device(spec["device"])
     # forja's own exporter's config for the shape (forja/models/llama/hf.py, via bench/peers.py).
@@ -49,7 +53,8 @@ def build(spec: dict) -> Contender:
 
     settings = {"transformers": transformers.__version__, "attention": "sdpa", "compile": spec["compile"],
                 "ac": "gradient_checkpointing" if spec["ac"] != "none" else "none",
-                "optimizer": "torch.optim.AdamW (its default kernel)"}
+                "optimizer": "torch.optim.AdamW (its default kernel)",
+                "host_malloc": spec.get("host_malloc") or "the C library's defaults"}
     return Contender(step=step, params=sum(p.numel() for p in model.parameters()), settings=settings)
 
 
