@@ -108,13 +108,16 @@ def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple
     tokenizer, dataset = data(cfg, rank=0, run_dir=out)
     args = run_model_args(cfg.model, tokenizer.vocab_size)
     loader, _ = loaders(cfg, dataset, dp_rank=0, dp_size=1)
-    taken = []
+    taken, documents = [], []
     while sum(t.shape[0] for t in taken) < rows:
         for b in loader.next_step():  # labels are the inputs shifted: a row is inputs + the last label
             taken.append(torch.cat([b.input_ids, b.labels[:, -1:].clamp(min=0)], dim=1))  # [m, T + 1]
+            documents.append(b.document_ids)  # [m, T]
     loader.close()
     path = out / "tokens.pt"
     torch.save(torch.cat(taken)[:rows].contiguous(), path)
+    # forja's bare loop masks documents as its Trainer does (the other contenders attend causally)
+    torch.save(torch.cat(documents)[:rows].contiguous(), out / "documents.pt")
     shape = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
              "ffn_dim": args.ffn_dim, "vocab_size": args.vocab_size, "rope_theta": args.rope_theta,
              "norm_eps": args.norm_eps, "max_seq_len": max(args.max_seq_len, size["seq_len"]),

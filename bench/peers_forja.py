@@ -1,8 +1,8 @@
 """bench/peers.py's forja contender: forja's own Trainer, step by step as `forja train` runs it
 (the loader, the step engine, recovery's checks, metrics and the callbacks), on the recipe and
 `--set` overrides in the spec. With spec["bare"] it is forja's model alone in a plain loop
-instead (forward, backward, clip, AdamW on the harness's token rows, under the same process
-setting, train.host_malloc, that the Trainer applies): the step time the framework's overhead
+instead (forward, backward, clip, AdamW on the harness's token rows and their documents' mask,
+under the same process setting, train.host_malloc, that the Trainer applies): the step time the framework's overhead
 is measured against.
 
     python bench/peers_forja.py SPEC_JSON      (started by bench/peers.py)
@@ -83,12 +83,15 @@ def _bare(spec: dict) -> Contender:
     opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
                             weight_decay=o["weight_decay"], fused=True)  # what optim.implementation = "auto" picks
     rows = cycle_rows(spec, device)
+    # The Trainer's document mask: the loader's document ids of the same rows (bench/peers.py).
+    documents = cycle_rows(spec, device, name="documents") if cfg.model.document_mask else None
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["precision"] == "bf16")
 
     def step() -> torch.Tensor:
         batch = next(rows).to(device, non_blocking=True)  # [B, T + 1]
+        doc_ids = next(documents).to(device, non_blocking=True) if documents is not None else None  # [B, T]
         with autocast:
-            loss = model(batch[:, :-1], labels=batch[:, 1:])
+            loss = model(batch[:, :-1], doc_ids, labels=batch[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o["grad_clip"], foreach=True)
         opt.step()
