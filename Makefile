@@ -10,19 +10,20 @@ TORCH  := torch==2.13.0
 
 # Two stamps: `make train` installs only what training needs (torch and the core dependencies,
 # about 1 GB); `make test` adds the test extra (transformers, lm-eval, trackers: about 3 GB) on top.
-$(VENV)/.installed-train: pyproject.toml
+# constraints.txt fixes the version of every package either installs (it adds none).
+$(VENV)/.installed-train: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned, so the project's `torch>=2.10` range never pulls a CUDA build.
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -c constraints.txt -e .
 	touch $@
 
 # pip byte-compiles what it installs (25,000 files: about a minute here). That is not skipped with
 # --no-compile: where PYTHONDONTWRITEBYTECODE is set (as here) every process would
 # compile every module it imports afresh, which made the suite 3 minutes slower.
 $(VENV)/.installed-test: $(VENV)/.installed-train
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	touch $@
 
 venv: $(VENV)/.installed-train
