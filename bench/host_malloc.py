@@ -1,5 +1,5 @@
 """train.host_malloc: a plain training loop over forja's model under glibc's defaults ("system")
-and under "retain" (forja/host_memory.py), each round a fresh process per policy, alternating.
+and under "retain" (forja/host.py), each round a fresh process per policy, alternating.
 
     python bench/host_malloc.py [--recipe default] [--rounds 3] [--steps 6] [--batch 8] [--seq-len 256]
 
@@ -23,9 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def one_round(policy: str, recipe: str, steps: int, batch: int, seq_len: int) -> dict:
     """In this process: apply `policy` first, then train `steps` steps after 3 of warm-up."""
-    from forja import host_memory
+    from forja import host
 
-    host_memory.apply(policy)
+    host.apply_malloc(policy)
     import torch
 
     from forja.config import load_config

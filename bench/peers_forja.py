@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers_worker import Contender, cycle_rows, serve  # noqa: E402
 
-from forja import host_memory  # noqa: E402
+from forja import host  # noqa: E402
 from forja.config import load_config  # noqa: E402
 from forja.train.callbacks import Callback  # noqa: E402
 from forja.train.trainer import Trainer  # noqa: E402
@@ -73,7 +73,7 @@ def _bare(spec: dict) -> Contender:
     from forja.train.build import build_model_parts
 
     cfg = load_config(spec["recipe"], forja_sets(spec))
-    host_memory.apply(cfg.train.host_malloc)  # the process setting forja's Trainer applies at setup
+    host.apply_malloc(cfg.train.host_malloc)  # the process setting forja's Trainer applies at setup
     device = torch.device(spec["device"])
     args = run_model_args(cfg.model, spec["shape"]["vocab_size"])
     dims = ParallelDims.from_config(cfg.parallel, 1)

@@ -21,9 +21,9 @@ def build(spec: dict) -> Contender:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if spec.get("host_malloc"):  # attribution only: forja's process setting given to the HF loop
-        from forja import host_memory
+        from forja import host
 
-        host_memory.apply(spec["host_malloc"])
+        host.apply_malloc(spec["host_malloc"])
     torch.manual_seed(spec["seed"])
     device = torch.device(spec["device"])
     # forja's own exporter's config for the shape (forja/models/llama/hf.py, via bench/peers.py).

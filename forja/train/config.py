@@ -148,7 +148,7 @@ class TrainConfig:
     profile_at: int = 0
     """Record a torch.profiler trace of 3 steps from this step into <run.dir>/profile; 0: off."""
     host_malloc: Literal["retain", "system"] = "retain"
-    """What malloc does with host memory a step frees (forja/host_memory.py): retain keeps it mapped for
+    """What malloc does with host memory a step frees (forja/host.py): retain keeps it mapped for
     the next step (glibc), so a CPU step does not fault in and zero its activations afresh; system
     leaves the C library's defaults (large blocks returned to the OS at once)."""
 

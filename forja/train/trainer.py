@@ -27,7 +27,7 @@ from forja.checkpoint.identity import check_model_identity, initial_weights, mod
 from forja.checkpoint.manager import CheckpointManager, loadable_state
 from forja.checkpoint.states import ModelState, OptimizerState, RNGState, TrainerCounters
 from forja.config import Config
-from forja import host_memory
+from forja import host
 from forja.fallbacks import clear as clear_fallbacks
 from forja.generate import SamplingConfig, generate
 from forja.metrics.sinks import build_sinks
@@ -68,7 +68,8 @@ class Trainer:
         c = self.cfg
         launched = time.time()
         clear_fallbacks()  # this run's decisions only, not those of an earlier run in this process
-        host_memory.apply(c.train.host_malloc)  # before the first step's buffers are allocated
+        host.apply_malloc(c.train.host_malloc)  # before the first step's buffers are allocated
+        host.confine_intra_op_threads()  # before Gloo's threads and the prefetcher start
         evaluation = [EvalCallback(c)] if c.eval.tasks else []  # bad task files stop before any work
         # Collectives wait a grace longer than the watchdog, so that a hang is reported (every
         # rank's stack, the culprit named) before a timed-out collective ends the process.

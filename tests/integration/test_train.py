@@ -6,7 +6,7 @@ import json
 import signal
 import time
 
-from forja import host_memory
+from forja import host
 from forja.cli import main
 
 from .conftest import forja_process, losses, read_metrics, train_args
@@ -29,7 +29,7 @@ def test_short_run_learns_and_leaves_a_readable_run_dir(tmp_path, train_data):
                                                                       "step-00000030"]
     launch = json.loads((run / "run.json").read_text())["launches"][0]
     assert launch["versions"]["torch"] and launch["hardware"]["cpu_count"] >= 1
-    assert host_memory.applied() == "retain"  # train.host_malloc's default, applied at setup
+    assert host.malloc_applied() == "retain"  # train.host_malloc's default, applied at setup
 
 
 def _wait_for(predicate, proc, timeout=120.0):

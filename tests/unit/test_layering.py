@@ -17,7 +17,7 @@ import forja
 
 ROOT = Path(forja.__file__).parent
 BASE = {"forja", "forja.errors", "forja.versions", "forja.files", "forja.names", "forja.fallbacks",
-        "forja.host_memory"}
+        "forja.host"}
 
 # What each part of forja may import besides itself and BASE, lowest layer first.
 LAYERS: dict[str, set[str]] = {
