@@ -2,7 +2,7 @@
 (the loader, the step engine, recovery's checks, metrics and the callbacks), on the recipe and
 `--set` overrides in the spec. With spec["bare"] it is forja's model alone in a plain loop
 instead (forward, backward, clip, AdamW on the harness's token rows and their documents' mask,
-under the same process setting, train.host_malloc, that the Trainer applies): the step time the framework's overhead
+under the same process settings that the Trainer applies: forja/host.py): the step time the framework's overhead
 is measured against.
 
     python bench/peers_forja.py SPEC_JSON      (started by bench/peers.py)
@@ -73,7 +73,8 @@ def _bare(spec: dict) -> Contender:
     from forja.train.build import build_model_parts
 
     cfg = load_config(spec["recipe"], forja_sets(spec))
-    host.apply_malloc(cfg.train.host_malloc)  # the process setting forja's Trainer applies at setup
+    host.apply_malloc(cfg.train.host_malloc)  # the process settings forja's Trainer applies at setup
+    host.confine_intra_op_threads()
     device = torch.device(spec["device"])
     args = run_model_args(cfg.model, spec["shape"]["vocab_size"])
     dims = ParallelDims.from_config(cfg.parallel, 1)
