@@ -92,10 +92,10 @@ PAIRS = [("forja eager", "HF loop eager"), ("forja compiled", "HF loop compiled"
          ("forja eager", HF_RETAINED)]
 
 
-def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple[dict, dict, int, Path]:
+def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple[dict, dict, int, dict[str, str]]:
     """forja's model shape for the recipe, the Hugging Face config forja exports it as, its
     FLOPs per token, and `rows` token rows from forja's own loader (the same tokens for every
-    contender), saved to out/tokens.pt."""
+    contender) saved to out/tokens.pt, their document ids to out/documents.pt: the paths by name."""
     from forja.config import load_config
     from forja.models.llama.hf import config_from_args
     from forja.models import build_from_args
@@ -114,16 +114,16 @@ def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple
             taken.append(torch.cat([b.input_ids, b.labels[:, -1:].clamp(min=0)], dim=1))  # [m, T + 1]
             documents.append(b.document_ids)  # [m, T]
     loader.close()
-    path = out / "tokens.pt"
-    torch.save(torch.cat(taken)[:rows].contiguous(), path)
-    # forja's bare loop masks documents as its Trainer does (the other contenders attend causally)
-    torch.save(torch.cat(documents)[:rows].contiguous(), out / "documents.pt")
+    # The document ids: forja's bare loop masks documents as its Trainer does (the others attend causally).
+    paths = {"tokens": str(out / "tokens.pt"), "documents": str(out / "documents.pt")}
+    torch.save(torch.cat(taken)[:rows].contiguous(), paths["tokens"])
+    torch.save(torch.cat(documents)[:rows].contiguous(), paths["documents"])
     shape = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
              "ffn_dim": args.ffn_dim, "vocab_size": args.vocab_size, "rope_theta": args.rope_theta,
              "norm_eps": args.norm_eps, "max_seq_len": max(args.max_seq_len, size["seq_len"]),
              "tie_embeddings": args.tie_embeddings}
     flops = build_from_args(args, device="meta").flops_per_token(size["seq_len"])
-    return shape, config_from_args(args), flops, path
+    return shape, config_from_args(args), flops, paths
 
 
 def _send(entry: Entry, order: dict, timeout: float) -> dict:
@@ -237,9 +237,9 @@ def main(argv: list[str] | None = None) -> dict:
         titan = str(ensure_env(wheels=args.wheels))
     only = {n.strip() for n in args.only.split(",") if n.strip()} or None
     entries = contenders(titan, only)
-    shape, hf_config, flops, tokens = shape_and_tokens(size, args.sets, out, rows=size["batch"] * 8)
+    shape, hf_config, flops, paths = shape_and_tokens(size, args.sets, out, rows=size["batch"] * 8)
     spec = {"shape": shape, "hf_config": hf_config, "batch": size["batch"], "seq_len": size["seq_len"],
-            "tokens": str(tokens), "precision": size["precision"], "device": args.device, "ac": "none", "warmup": args.warmup,
+            **paths, "precision": size["precision"], "device": args.device, "ac": "none", "warmup": args.warmup,
             "threads": torch.get_num_threads(), "optim": OPTIM, "seed": 0, "recipe": size["recipe"],
             "forja_sets": [*size["sets"], *args.sets]}
     print(f"peers: {args.size} on {args.device}, shape {shape}, batch {size['batch']} x {size['seq_len']}", flush=True)

@@ -73,8 +73,7 @@ def _bare(spec: dict) -> Contender:
     from forja.train.build import build_model_parts
 
     cfg = load_config(spec["recipe"], forja_sets(spec))
-    host.apply_malloc(cfg.train.host_malloc)  # the process settings forja's Trainer applies at setup
-    host.confine_intra_op_threads()
+    host.prepare_training_process(cfg.train.host_malloc)  # as forja's Trainer does at setup
     device = torch.device(spec["device"])
     args = run_model_args(cfg.model, spec["shape"]["vocab_size"])
     dims = ParallelDims.from_config(cfg.parallel, 1)
@@ -85,7 +84,7 @@ def _bare(spec: dict) -> Contender:
                             weight_decay=o["weight_decay"], fused=True)  # what optim.implementation = "auto" picks
     rows = cycle_rows(spec, device)
     # The Trainer's document mask: the loader's document ids of the same rows (bench/peers.py).
-    documents = cycle_rows(spec, device, name="documents") if cfg.model.document_mask else None
+    documents = cycle_rows(spec, device, key="documents") if cfg.model.document_mask else None
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["precision"] == "bf16")
 
     def step() -> torch.Tensor:

@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -33,18 +32,17 @@ class Contender:
     shims: list[str] = field(default_factory=list)  # what had to be changed to run it here
 
 
-def token_batches(spec: dict, name: str = "tokens") -> torch.Tensor:
+def token_batches(spec: dict, key: str = "tokens") -> torch.Tensor:
     """The run's token rows, [N, seq_len + 1] int64, the same file for every contender; with
-    name "documents", the document id of each input token of those rows, [N, seq_len]."""
-    path = spec["tokens"] if name == "tokens" else str(Path(spec["tokens"]).with_name(f"{name}.pt"))
-    rows = torch.load(path)  # [N, seq_len + 1] or [N, seq_len]
-    assert rows.shape[1] == spec["seq_len"] + (name == "tokens"), rows.shape
+    key "documents", the document id of each input token of those rows, [N, seq_len]."""
+    rows = torch.load(spec[key])  # [N, seq_len + 1] or [N, seq_len]
+    assert rows.shape[1] == spec["seq_len"] + (key == "tokens"), rows.shape
     return rows
 
 
-def cycle_rows(spec: dict, device: torch.device, name: str = "tokens"):
+def cycle_rows(spec: dict, device: torch.device, key: str = "tokens"):
     """An endless iterator over [batch, seq_len + 1] slices of the run's rows (on the host)."""
-    rows, batch = token_batches(spec, name), spec["batch"]
+    rows, batch = token_batches(spec, key), spec["batch"]
     n = rows.shape[0] // batch
     i = 0
     while True:

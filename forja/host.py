@@ -1,5 +1,5 @@
 """Process-wide settings of the host a training process runs on, applied once at the start of
-training (Trainer.setup). Any layer may import this module.
+training (`prepare_training_process`, from Trainer.setup). Any layer may import this module.
 
 **What malloc does with freed memory** (`train.host_malloc`). Every step allocates and frees
 the same large host buffers: on a CPU all of its activations, the logits and their gradient
@@ -50,7 +50,7 @@ _applied: str | None = None
 
 
 def malloc_applied() -> str:
-    """The policy in force in this process ("system" until `apply` changes it)."""
+    """The policy in force in this process ("system" until `apply_malloc` changes it)."""
     return _applied or "system"
 
 
@@ -75,21 +75,26 @@ def apply_malloc(policy: str) -> bool:
     if policy == _applied or (policy == "system" and _applied is None):
         return True
     mallopt = _mallopt()
-    if mallopt is None:
-        fallbacks.record("host.malloc", asked=f'train.host_malloc = "{policy}"',
-                         instead="the C library's own policy for freed memory",
-                         why=f"mallopt is glibc's and this is {platform.system()} "
-                             f"with {platform.libc_ver()[0] or 'another C library'}")
-        return False
     mmap, trim = ((RETAIN_MMAP_THRESHOLD, RETAIN_TRIM_THRESHOLD) if policy == "retain"
                   else (_DEFAULT_THRESHOLD, _DEFAULT_THRESHOLD))
-    taken = bool(mallopt(_M_MMAP_THRESHOLD, mmap)) and bool(mallopt(_M_TRIM_THRESHOLD, trim))
-    if not taken:
-        fallbacks.record("host.malloc", asked=f'train.host_malloc = "{policy}"',
-                         instead="glibc's own thresholds", why="glibc refused the thresholds (mallopt returned 0)")
-        return False
-    _applied = policy
-    return True
+    if mallopt is None:
+        instead, why = ("the C library's own policy for freed memory",
+                        f"mallopt is glibc's and this is {platform.system()} "
+                        f"with {platform.libc_ver()[0] or 'another C library'}")
+    elif not (mallopt(_M_MMAP_THRESHOLD, mmap) and mallopt(_M_TRIM_THRESHOLD, trim)):
+        instead, why = "glibc's own thresholds", "glibc refused the thresholds (mallopt returned 0)"
+    else:
+        _applied = policy
+        return True
+    fallbacks.record("host.malloc", asked=f'train.host_malloc = "{policy}"', instead=instead, why=why)
+    return False
+
+
+def prepare_training_process(malloc: str) -> None:
+    """Both settings, in the order training needs them: before the first step's buffers are
+    allocated, and before Gloo's threads and the data prefetcher start."""
+    apply_malloc(malloc)
+    confine_intra_op_threads()
 
 
 def confine_intra_op_threads() -> int:

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from forja.checkpoint.identity import check_model_identity, initial_weights, model_identity
 from forja.checkpoint.manager import CheckpointManager, loadable_state
 from forja.checkpoint.states import ModelState, OptimizerState, RNGState, TrainerCounters
-from forja.config import Config
 from forja import host
+from forja.config import Config
 from forja.fallbacks import clear as clear_fallbacks
 from forja.generate import SamplingConfig, generate
 from forja.metrics.sinks import build_sinks
@@ -68,8 +68,7 @@ class Trainer:
         c = self.cfg
         launched = time.time()
         clear_fallbacks()  # this run's decisions only, not those of an earlier run in this process
-        host.apply_malloc(c.train.host_malloc)  # before the first step's buffers are allocated
-        host.confine_intra_op_threads()  # before Gloo's threads and the prefetcher start
+        host.prepare_training_process(c.train.host_malloc)  # malloc policy and intra-op threads, before any work
         evaluation = [EvalCallback(c)] if c.eval.tasks else []  # bad task files stop before any work
         # Collectives wait a grace longer than the watchdog, so that a hang is reported (every
         # rank's stack, the culprit named) before a timed-out collective ends the process.
