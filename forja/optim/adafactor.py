@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from forja.optim.closure import closure_loss
+
 
 class Adafactor(torch.optim.Adafactor):
     """torch.optim.Adafactor whose step also runs on DTensor (FSDP/TP-sharded) parameters."""
@@ -27,10 +29,7 @@ class Adafactor(torch.optim.Adafactor):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         if not any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
             return super().step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:

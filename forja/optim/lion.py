@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from forja.optim.closure import closure_loss
+
 
 class Lion(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
@@ -31,10 +33,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             beta1, beta2 = group["betas"]

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from forja.optim.closure import closure_loss
 from forja.optim.exchange import Layouts, Unit, buckets, exchange_bucket, mesh_group, plan_units
 
 NS_EPS = 1e-7  # floor of ||U||_F: a zero update stays zero rather than dividing by zero
@@ -116,10 +117,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         sharded: list[tuple[torch.Tensor, DTensor, dict]] = []
         for group in self.param_groups:
             for param in group["params"]:

@@ -44,6 +44,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from forja.optim.closure import closure_loss
+
 
 class Soap(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95),
@@ -62,10 +64,7 @@ class Soap(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
