@@ -12,8 +12,7 @@ import pytest
 from forja.cli import main
 from forja.files import read_records
 from tests.distributed.parity import MOE_TOL, SharedLayouts, max_difference, single_process_losses
-from tests.integration.conftest import forja_process, losses, train_args
-from tests.integration.test_train import _wait_for
+from tests.integration.conftest import kill_then_resume, losses, train_args
 
 MODELS = {
     "qwen3_5": {"model.family": '"qwen3_5"', "model.flavor": '"debug"'},
@@ -76,13 +75,5 @@ def test_a_hybrid_run_killed_with_sigkill_resumes_bit_for_bit(tmp_path, train_da
     reference = tmp_path / "uninterrupted"
     assert main(train_args(reference, train_data, **steps)) == 0
     run = tmp_path / "killed"
-    proc = forja_process(train_args(run, train_data, **steps))
-    _wait_for(lambda: (run / "checkpoints" / "step-00000004").is_dir(), proc)
-    proc.kill()  # SIGKILL: no handler runs
-    proc.wait()
-    assert not (run / "checkpoints" / "step-00000016").exists(), "the run finished before it was killed"
-    resumed = forja_process(train_args(run, train_data, **steps))
-    out, _ = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, out
-    assert "resumed from" in out
+    kill_then_resume(run, train_args(run, train_data, **steps), kill_at=4, last=16)
     assert losses(run) == losses(reference)  # every step, bit for bit

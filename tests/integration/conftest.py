@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,27 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Poll `predicate` until it holds; fail with the process's output if it exits first."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def kill_then_resume(run: Path, args: list[str], *, kill_at: int, last: int) -> None:
+    """`forja train args` killed with SIGKILL (no handler runs, whatever was being written is
+    left as it is) once step `kill_at`'s checkpoint is on disk, before step `last`'s; then the
+    same command again, which must resume and finish."""
+    proc = forja_process(args)
+    wait_for(lambda: (run / "checkpoints" / f"step-{kill_at:08d}").is_dir(), proc)
+    proc.kill()
+    proc.wait()
+    assert not (run / "checkpoints" / f"step-{last:08d}").exists(), "the run finished before it was killed"
+    resumed = forja_process(args)
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out
+    assert "resumed from" in out

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
 from forja import host
 from forja.cli import main
 
-from .conftest import forja_process, losses, read_metrics, train_args
+from .conftest import forja_process, kill_then_resume, losses, read_metrics, train_args, wait_for
 
 
 def test_short_run_learns_and_leaves_a_readable_run_dir(tmp_path, train_data):
@@ -32,37 +31,20 @@ def test_short_run_learns_and_leaves_a_readable_run_dir(tmp_path, train_data):
     assert host.malloc_applied() == "retain"  # train.host_malloc's default, applied at setup
 
 
-def _wait_for(predicate, proc, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def test_kill_9_then_resume_gives_bit_identical_losses(tmp_path, train_data):
     steps = {"train.steps": "40", "checkpoint.interval": "8"}
     reference = tmp_path / "uninterrupted"
     assert main(train_args(reference, train_data, **steps)) == 0
 
     run = tmp_path / "killed"
-    proc = forja_process(train_args(run, train_data, **steps))
-    _wait_for(lambda: (run / "checkpoints" / "step-00000008").is_dir(), proc)
-    proc.kill()  # SIGKILL: no handler runs, whatever was being written is left as it is
-    proc.wait()
-    assert not (run / "checkpoints" / "step-00000040").exists(), "the run finished before it was killed"
-
-    resumed = forja_process(train_args(run, train_data, **steps))
-    out, _ = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, out
-    assert "resumed from" in out
+    kill_then_resume(run, train_args(run, train_data, **steps), kill_at=8, last=40)
     assert losses(run) == losses(reference)  # every step, bit for bit (floats compare exactly)
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, train_data):
     run = tmp_path / "run"
     proc = forja_process(train_args(run, train_data, **{"train.steps": "100000", "checkpoint.interval": "0"}))
-    _wait_for(lambda: (run / "metrics.jsonl").is_file() and len(read_metrics(run)) >= 3, proc)
+    wait_for(lambda: (run / "metrics.jsonl").is_file() and len(read_metrics(run)) >= 3, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
