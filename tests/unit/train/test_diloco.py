@@ -20,6 +20,16 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
 
 
+def _drifted(by: float) -> tuple[nn.Module, OuterLoop]:
+    """A model whose weights moved `by` since its DiLoCo loop (2 inner steps) took them as global."""
+    model = _model()
+    loop = OuterLoop(FTConfig(enabled=True, mode="diloco", inner_steps=2), [model])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(by)
+    return model, loop
+
+
 def test_fragments_are_contiguous_runs_of_about_equal_size():
     params = list(_model().named_parameters())
     cuts = split_fragments(params, 2)
@@ -62,11 +72,7 @@ def test_a_sync_takes_a_nesterov_step_on_the_averaged_drift_and_resets_the_local
 
 
 def test_a_sync_that_does_not_commit_keeps_the_local_progress_and_the_global_weights():
-    model = _model()
-    loop = OuterLoop(FTConfig(enabled=True, mode="diloco", inner_steps=2), [model])
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5)
+    model, loop = _drifted(0.5)
     drifted = [p.detach().clone() for p in model.parameters()]
     before = loop.state_dict()
     loop.start(0, 2, lambda t: _Done())
@@ -77,11 +83,7 @@ def test_a_sync_that_does_not_commit_keeps_the_local_progress_and_the_global_wei
 
 
 def test_the_global_weights_and_momenta_round_trip_through_a_state_dict():
-    model = _model()
-    loop = OuterLoop(FTConfig(enabled=True, mode="diloco", inner_steps=2), [model])
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2)
+    model, loop = _drifted(0.2)
     loop.start(0, 2, lambda t: _Done())
     loop.apply_if_due(2, lambda: True)
     saved = {k: v.clone() for k, v in loop.state_dict().items()}
