@@ -43,7 +43,7 @@ LAYERS: dict[str, set[str]] = {
     "forja.testing": set(),
 }
 # forja.config gathers the sections of a run's config, each owned by its component.
-CONFIG_SECTIONS = {"forja.checkpoint.config", "forja.data.config", "forja.eval.config", "forja.metrics.sinks",
+CONFIG_SECTIONS = {"forja.checkpoint.config", "forja.data.config", "forja.eval.config", "forja.metrics.config",
                    "forja.models.config",
                    "forja.optim.config", "forja.parallel.config", "forja.train.config", "forja.train.ft.config"}
 
