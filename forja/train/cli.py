@@ -141,9 +141,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _launch_ft(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Replica groups (forja/train/ft/launch.py), after the same checks as any launch."""
+    """Replica groups (forja/train/launch/ft_groups.py), after the same checks as any launch."""
     from forja.config import load_config
-    from forja.train.ft.launch import ft_overrides, launch_groups
+    from forja.train.launch.ft_groups import ft_overrides, launch_groups
 
     if "LOCAL_RANK" in os.environ:
         raise ForjaError("--ft-groups starts torchrun itself: run it directly, not under torchrun")

@@ -56,7 +56,7 @@ def add_prepare_cli(subparsers: Any) -> None:
 
 
 def _tokenizer_train(args: argparse.Namespace) -> int:
-    from forja.data.tokenizer import train_tokenizer
+    from forja.data.corpus.tokenizer import train_tokenizer
 
     started = time.perf_counter()
     tok = train_tokenizer(args.source, vocab_size=args.vocab_size, out=args.out,
@@ -67,7 +67,7 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def _tokenizer_info(args: argparse.Namespace) -> int:
-    from forja.data.tokenizer import load_tokenizer
+    from forja.data.corpus.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.path)
     print(f"vocab_size  {tok.vocab_size}")
@@ -79,9 +79,9 @@ def _tokenizer_info(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from forja.data.mixture import Mixture
-    from forja.data.parts import PartDone
-    from forja.data.prepare import prepare
+    from forja.data.corpus.mixture import Mixture
+    from forja.data.corpus.parts import PartDone
+    from forja.data.corpus.prepare import prepare
 
     options = {k: v for k, v in (("val_fraction", args.val_fraction), ("workers", args.workers),
                                  ("shard_tokens", args.shard_tokens)) if v is not None}

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from forja.data.tokenizer import Tokenizer
+from forja.data.corpus.tokenizer import Tokenizer
 from forja.errors import ForjaError
 
 DIGEST_BYTES = 16

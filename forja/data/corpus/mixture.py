@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forja.data.shards import PreparedDataset, open_prepared, write_json
+from forja.data.corpus.shards import PreparedDataset, open_prepared, write_json
 from forja.errors import ForjaError
 from forja.storage import exists, is_url, join, read_bytes
 

@@ -44,12 +44,12 @@ from typing import Any, BinaryIO
 import numpy as np
 
 import forja
-from forja.data.encoding import DIGEST_BYTES, Encoded, EncoderPool, batches, val_threshold
-from forja.data.progress import PrepareProgress
-from forja.data.records import JsonlSource, ParquetSource
-from forja.data.shards import token_dtype, write_json
-from forja.data.sources import FileSource, Source, SourceStats
-from forja.data.tokenizer import Tokenizer
+from forja.data.corpus.encoding import DIGEST_BYTES, Encoded, EncoderPool, batches, val_threshold
+from forja.data.corpus.progress import PrepareProgress
+from forja.data.corpus.records import JsonlSource, ParquetSource
+from forja.data.corpus.shards import token_dtype, write_json
+from forja.data.corpus.sources import FileSource, Source, SourceStats
+from forja.data.corpus.tokenizer import Tokenizer
 from forja.errors import ForjaError
 from forja.files import fsync_dir
 

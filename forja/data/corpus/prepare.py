@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 import forja
-from forja.data.encoding import DIGEST_BYTES, Encoded, EncoderPool, batches, val_threshold
-from forja.data.mixture import Mixture, is_mixture_dir, open_mixture, write_mixture
-from forja.data.parts import (
+from forja.data.corpus.encoding import DIGEST_BYTES, Encoded, EncoderPool, batches, val_threshold
+from forja.data.corpus.mixture import Mixture, is_mixture_dir, open_mixture, write_mixture
+from forja.data.corpus.parts import (
     PartDone,
     check_out,
     check_part_args,
@@ -39,8 +39,8 @@ from forja.data.parts import (
     prepare_part,
     read_parts,
 )
-from forja.data.progress import PrepareProgress
-from forja.data.shards import (
+from forja.data.corpus.progress import PrepareProgress
+from forja.data.corpus.shards import (
     FORMAT,
     FORMAT_VERSION,
     META,
@@ -51,9 +51,9 @@ from forja.data.shards import (
     token_dtype,
     write_json,
 )
-from forja.data.sources import Source, SourceStats, parse_mixture, parse_source
-from forja.data.store import open_stored, to_store
-from forja.data.tokenizer import Tokenizer, load_tokenizer
+from forja.data.corpus.sources import Source, SourceStats, parse_mixture, parse_source
+from forja.data.corpus.store import open_stored, to_store
+from forja.data.corpus.tokenizer import Tokenizer, load_tokenizer
 from forja.errors import ForjaError
 from forja.files import DiskFull, no_room, replace_dir
 from forja.storage.blocks import cache_root  # $FORJA_CACHE, else ~/.cache/forja: where prepared data is cached

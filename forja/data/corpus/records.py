@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from forja.data.source_base import Source, SourceStats, clean_str, decode_utf8, expand_paths, stat_hash
+from forja.data.corpus.source_base import Source, SourceStats, clean_str, decode_utf8, expand_paths, stat_hash
 from forja.errors import ForjaError
 from forja.storage.paths import StoredPath
 

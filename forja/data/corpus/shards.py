@@ -155,7 +155,7 @@ class TokenStream:
         token_start = doc_start = 0
         infos = None
         if isinstance(root, str):  # one listing per split directory gives every shard's size
-            from forja.data.remote import listing
+            from forja.data.corpus.remote import listing
 
             infos = listing(root, entry["shards"])
         for shard in entry["shards"]:
@@ -220,7 +220,7 @@ class TokenStream:
 def _open_shard(root: Path | str, entry: dict[str, Any], dtype: np.dtype, token_start: int, doc_start: int,
                 redo: str, infos: dict[str, Any] | None = None) -> _Shard:
     if isinstance(root, str):
-        from forja.data.remote import open_shard
+        from forja.data.corpus.remote import open_shard
 
         return _Shard(*open_shard(root, entry, dtype, redo, infos or {}), token_start, doc_start)
     tokens_path, offsets_path = root / entry["tokens"], root / entry["offsets"]
@@ -312,7 +312,7 @@ class PreparedDataset:
 def _read_meta(path: Path | str, redo: str) -> dict[str, Any]:
     file = _child(path, META)
     if isinstance(path, str):
-        from forja.data.remote import has_object, read_meta
+        from forja.data.corpus.remote import has_object, read_meta
 
         raw = read_meta(path)
         mixture = raw is None and has_object(path, "mixture.json")

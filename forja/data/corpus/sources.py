@@ -16,7 +16,7 @@ cannot be a bare number). Weights act in the loader, which interleaves samples b
 New kinds of source register here with `@register_source("prefix")` (a real seam: data source).
 The built-in kinds register at the bottom of this file. Imports run one way: this module ->
 records.py (the record formats) -> source_base.py (`Source`, `SourceStats`, shared helpers,
-re-exported here so `from forja.data.sources import SourceStats` keeps working).
+re-exported here so `from forja.data.corpus.sources import SourceStats` keeps working).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import sysconfig
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from forja.data.records import HfSource, JsonlSource, ParquetSource
-from forja.data.source_base import (
+from forja.data.corpus.records import HfSource, JsonlSource, ParquetSource
+from forja.data.corpus.source_base import (
     Source,
     SourceStats,
     clean_str,

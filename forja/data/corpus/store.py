@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from forja.data.mixture import MIXTURE, is_mixture_dir, open_mixture
-from forja.data.shards import META, open_prepared
-from forja.data.tokenizer import load_tokenizer
+from forja.data.corpus.mixture import MIXTURE, is_mixture_dir, open_mixture
+from forja.data.corpus.shards import META, open_prepared
+from forja.data.corpus.tokenizer import load_tokenizer
 from forja.errors import ForjaError
 from forja.storage import check_reachable, exists, is_url, join, remove_tree, upload_dir
 from forja.storage.blocks import cache_root

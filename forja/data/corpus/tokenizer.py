@@ -53,7 +53,7 @@ class Tokenizer:
         """Load a `tokenizer.json`, or a directory holding one (a Hugging Face model dir), local or
         on an object store (s3://...: copied into the cache first, see remote.fetch_tokenizer)."""
         if is_url(path):
-            from forja.data.remote import fetch_tokenizer
+            from forja.data.corpus.remote import fetch_tokenizer
 
             try:
                 path = fetch_tokenizer(str(path))
@@ -170,7 +170,7 @@ def train_tokenizer(
 
     Every component of a mixture spec is read once: weights do not apply to tokenizer training.
     """
-    from forja.data.sources import SourceStats, parse_mixture, parse_source
+    from forja.data.corpus.sources import SourceStats, parse_mixture, parse_source
 
     if vocab_size < MIN_VOCAB_SIZE:
         raise ForjaError(f"--vocab-size {vocab_size} is too small; it must be at least {MIN_VOCAB_SIZE} "

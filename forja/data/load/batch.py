@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from forja.data.mixture import Mixture
-from forja.data.prepare import open_dataset
-from forja.data.shards import PreparedDataset
+from forja.data.corpus.mixture import Mixture
+from forja.data.corpus.prepare import open_dataset
+from forja.data.corpus.shards import PreparedDataset
 from forja.errors import ForjaError
 
 

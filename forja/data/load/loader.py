@@ -1,12 +1,12 @@
 """The training data loader: deterministic, resumable at any data-parallel world size.
 
 Samples are `seq_len + 1` tokens cut from a source's split by its packing (data.packing,
-forja/data/packing.py): windows of the stream, samples from document starts, or whole
+forja/data/load/packing.py): windows of the stream, samples from document starts, or whole
 documents placed best-fit with padding.
 
 The global order is a function of the seed alone. A run's data comes in stages (data.path,
-then `[[data.stages]]`, forja/data/stages.py), each a mixture of sources; the order is cut into
-segments of one stage at one length (forja/data/cursor.py). Position p of a segment picks a
+then `[[data.stages]]`, forja/data/load/stages.py), each a mixture of sources; the order is cut into
+segments of one stage at one length (forja/data/load/cursor.py). Position p of a segment picks a
 component of the stage's mixture by weight (`order.Interleave`) and that source's next sample
 q of its own order; epoch e = q // n of the source draws sample `Permutation(n, key(seed,
 source, e))(q % n)`. So within an epoch of a source no sample repeats, every epoch is
@@ -45,14 +45,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from forja.data.batch import Batch, DataArg, as_mixture
-from forja.data.cursor import Cursor, Segment, SourceCursor
-from forja.data.order import Permutation, derive_key
-from forja.data.packing import IGNORE, PACKINGS, PAD_DOCUMENT, Packing, build_packing
-from forja.data.prepare import cache_root
-from forja.data.shards import PreparedDataset
-from forja.data.stages import Stage, StageSet
-from forja.data.windows import Samples, ValidationLoader, too_short
+from forja.data.load.batch import Batch, DataArg, as_mixture
+from forja.data.load.cursor import Cursor, Segment, SourceCursor
+from forja.data.load.order import Permutation, derive_key
+from forja.data.load.packing import IGNORE, PACKINGS, PAD_DOCUMENT, Packing, build_packing
+from forja.data.corpus.prepare import cache_root
+from forja.data.corpus.shards import PreparedDataset
+from forja.data.load.stages import Stage, StageSet
+from forja.data.load.windows import Samples, ValidationLoader, too_short
 
 __all__ = ["Batch", "DataArg", "DataLoader", "Samples", "Stage", "ValidationLoader", "as_mixture", "check_batch_sizes"]
 from forja.errors import ForjaError
@@ -83,7 +83,7 @@ class DataLoader:
     thread `prefetch` steps ahead; `data_wait_s` is the time the caller spent blocked.
     `seq_len_at(steps)`, when given, is the sequence length of the step after `steps` steps
     (train.seq_len_schedule); else every step has `seq_len`. `stages` are the data stages
-    after `data` (stage 0); `packing` one of forja.data.packing.PACKINGS.
+    after `data` (stage 0); `packing` one of forja.data.load.packing.PACKINGS.
     """
 
     def __init__(self, data: DataArg, *, seq_len: int, global_batch_size: int, micro_batch_size: int,
@@ -319,8 +319,8 @@ class DataLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the saved cursor; any data-parallel world size works, any sequence length
-        and batch size (a new segment from the tokens consumed: forja/data/cursor.py), and stages
-        edited after the point reached (forja/data/stages.py checks the rest)."""
+        and batch size (a new segment from the tokens consumed: forja/data/load/cursor.py), and stages
+        edited after the point reached (forja/data/load/stages.py checks the rest)."""
         for key, mine in (("seed", self.seed), ("split", self.split)):
             if state.get(key) != mine:
                 raise ForjaError(f"the checkpoint's data loader state has {key} {state.get(key)!r} but this run "

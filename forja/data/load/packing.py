@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from forja.data.shards import TokenStream
+from forja.data.corpus.shards import TokenStream
 from forja.errors import ForjaError
 from forja.files import replace_dir
 

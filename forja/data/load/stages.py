@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from forja.data.mixture import Mixture
-from forja.data.order import Interleave
-from forja.data.shards import PreparedDataset
+from forja.data.corpus.mixture import Mixture
+from forja.data.load.order import Interleave
+from forja.data.corpus.shards import PreparedDataset
 from forja.errors import ForjaError
 
 

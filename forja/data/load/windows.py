@@ -2,7 +2,7 @@
 split holds a sample at all.
 
 Sample i of a split is tokens [i*T, i*T + T] of its stream (documents back to back), as the
-training loader's `window` packing (forja/data/packing.py) cuts them; for a mixture, global
+training loader's `window` packing (forja/data/load/packing.py) cuts them; for a mixture, global
 position p picks a part by weight (`order.Interleave`). Validation reads them unshuffled and
 always windowed, whatever data.packing is, so its loss stays comparable across packings and
 stages.
@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from forja.data.batch import Batch, DataArg, as_mixture
-from forja.data.mixture import Mixture
-from forja.data.order import Interleave, Permutation, derive_key
-from forja.data.shards import PreparedDataset
+from forja.data.load.batch import Batch, DataArg, as_mixture
+from forja.data.corpus.mixture import Mixture
+from forja.data.load.order import Interleave, Permutation, derive_key
+from forja.data.corpus.shards import PreparedDataset
 from forja.errors import ForjaError
 
 

@@ -18,19 +18,19 @@ from typing import Any
 from forja import fallbacks
 from forja.config import Config
 from forja.data import load_tokenizer, open_dataset, train_tokenizer
-from forja.data.mixture import is_mixture_dir
-from forja.data.prepare import cache_root
-from forja.data.shards import META
-from forja.data.sources import parse_mixture, parse_source
-from forja.data.tokenizer import Tokenizer
+from forja.data.corpus.mixture import is_mixture_dir
+from forja.data.corpus.prepare import cache_root
+from forja.data.corpus.shards import META
+from forja.data.corpus.sources import parse_mixture, parse_source
+from forja.data.corpus.tokenizer import Tokenizer
 from forja.errors import ForjaError
 from forja.parallel.process_group import barrier
 from forja.storage import check_reachable, is_url
 
 
 def _is_prepared(path: Path | str) -> bool:
-    if is_url(path):  # prepared data on an object store (forja/data/store.py)
-        from forja.data.store import is_prepared
+    if is_url(path):  # prepared data on an object store (forja/data/corpus/store.py)
+        from forja.data.corpus.store import is_prepared
 
         return is_prepared(path)
     return (path / META).is_file() or is_mixture_dir(path)
@@ -66,7 +66,7 @@ def _tokenizer_path(cfg: Config, path: Path | str) -> Path:
 
 def _fetched(url: str, key: str) -> Path:
     """A local copy (in the cache) of the tokenizer at `url`, for the tokenizers library."""
-    from forja.data.remote import fetch_tokenizer
+    from forja.data.corpus.remote import fetch_tokenizer
 
     try:
         return fetch_tokenizer(url)
@@ -129,8 +129,8 @@ def check_splits(cfg: Config, tokenizer: Tokenizer | None) -> None:
     """Prepared data opens with its tokenizer (the fingerprints agree), and each split the run
     reads holds at least one sample of train.seq_len + 1 tokens. (A source string is checked
     when it is prepared: forja/data keeps a validation document whenever there are two.)"""
-    from forja.data.batch import as_mixture
-    from forja.data.windows import Samples
+    from forja.data.load.batch import as_mixture
+    from forja.data.load.windows import Samples
 
     if tokenizer is None or not _is_prepared(_where(cfg.data.path)):
         return  # prepared data always has its tokenizer (check_data stops otherwise)
@@ -174,7 +174,7 @@ def _keep_tokenizer(tokenizer: Tokenizer, run_dir: Path, rank: int) -> None:
 def stages(cfg: Config, tokenizer: Tokenizer, *, rank: int) -> list[Any]:
     """The later data stages (`[[data.stages]]`), opened with the run's one tokenizer; a source
     spec is prepared on first use by rank 0 (cached), the other ranks wait and open it."""
-    from forja.data.stages import Stage
+    from forja.data.load.stages import Stage
 
     d = cfg.data
     options = dict(val_fraction=d.val_fraction, workers=d.workers or None)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from forja.data import Batch, DataLoader, ValidationLoader, open_prepared
-from forja.data.mixture import Mixture
+from forja.data.corpus.mixture import Mixture
 from forja.errors import ForjaError
 
 T, G, M = 16, 8, 2

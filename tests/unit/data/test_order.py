@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from forja.data.order import Interleave, Permutation, derive_key
+from forja.data.load.order import Interleave, Permutation, derive_key
 from forja.errors import ForjaError
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from forja.data import DataLoader, open_prepared
-from forja.data.packing import IGNORE, PAD_DOCUMENT, BestFitPacking, BosPacking, _best_fit_decreasing
+from forja.data.load.packing import IGNORE, PAD_DOCUMENT, BestFitPacking, BosPacking, _best_fit_decreasing
 
 T, G, M = 32, 8, 2
 

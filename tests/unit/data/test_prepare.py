@@ -20,10 +20,10 @@ from forja.data import (
     prepare,
     prepare_cached,
 )
-from forja.data.encoding import DIGEST_BYTES, val_threshold
-from forja.data.mixture import Mixture
-from forja.data.sources import SourceStats, register_source
-from forja.data.tokenizer import new_bpe
+from forja.data.corpus.encoding import DIGEST_BYTES, val_threshold
+from forja.data.corpus.mixture import Mixture
+from forja.data.corpus.sources import SourceStats, register_source
+from forja.data.corpus.tokenizer import new_bpe
 from forja.errors import ForjaError
 
 

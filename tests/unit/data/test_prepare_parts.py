@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from forja.data import prepare, train_tokenizer
-from forja.data import parts as parts_module
-from forja.data.parts import MARKER, PARTS_DIR, PartDone, block_counts, file_range, file_ranges, split_kind
-from forja.data.sources import SourceStats, parse_source, register_source
+from forja.data.corpus import parts as parts_module
+from forja.data.corpus.parts import MARKER, PARTS_DIR, PartDone, block_counts, file_range, file_ranges, split_kind
+from forja.data.corpus.sources import SourceStats, parse_source, register_source
 from forja.errors import ForjaError
 
 from .test_small_corpus import TEXTS as SMALL_TEXTS

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from forja.data import DataLoader, open_dataset, open_prepared, prepare
-from forja.data.remote import RemoteTokens
+from forja.data.corpus.remote import RemoteTokens
 from forja.errors import ForjaError
 from forja.storage import exists, filesystem, join, read_bytes, write_bytes_atomic
 from forja.storage.blocks import BlockCache
@@ -30,7 +30,7 @@ def _small_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _upload(local: Path, url: str) -> None:
-    from forja.data.store import upload
+    from forja.data.corpus.store import upload
 
     upload(local, url, replace=False)
 
@@ -161,7 +161,7 @@ def test_a_mixture_on_s3_opens_as_the_local_one(corpus_dir, tokenizer, s3_bucket
 def test_a_corpus_on_s3_is_a_source_as_on_disk(tokenizer, s3_bucket, tmp_path) -> None:
     import gzip
 
-    from forja.data.sources import SourceStats, parse_source
+    from forja.data.corpus.sources import SourceStats, parse_source
 
     lines = b"".join(json.dumps({"text": f"document {i} " * (i + 1)}).encode() + b"\n" for i in range(40))
     (tmp_path / "c").mkdir()

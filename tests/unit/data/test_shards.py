@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from forja.data import DataLoader, open_prepared
-from forja.data.shards import ShardWriter, token_dtype
+from forja.data.corpus.shards import ShardWriter, token_dtype
 from forja.errors import ForjaError
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from forja.data import ValidationLoader, cache_key, open_dataset, prepare
-from forja.data.encoding import DIGEST_BYTES
+from forja.data.corpus.encoding import DIGEST_BYTES
 from forja.errors import ForjaError
 
 # Five short documents: at a 1% fraction, a hash falls below the threshold with probability
@@ -21,7 +21,7 @@ TEXTS = [_MADE[(i + 2) % 5] for i in range(5)]
 
 
 def split_hash(text: str) -> int:
-    """The 64-bit hash that places a document in a split (forja/data/encoding.py)."""
+    """The 64-bit hash that places a document in a split (forja/data/corpus/encoding.py)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=DIGEST_BYTES).digest()[:8], "little")
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import forja.data
-from forja.data.sources import SourceStats, parse_mixture, parse_source, stdlib_files, stdlib_root
+from forja.data.corpus.sources import SourceStats, parse_mixture, parse_source, stdlib_files, stdlib_root
 from forja.errors import ForjaError
 
 
@@ -135,9 +135,9 @@ def test_source_modules_import_one_way() -> None:
     """sources -> records -> source_base: the base knows no format, the formats no parser."""
 
     def imports(module: str) -> set[str]:
-        tree = ast.parse((Path(forja.data.__file__).parent / f"{module}.py").read_text())
+        tree = ast.parse((Path(forja.data.__file__).parent / "corpus" / f"{module}.py").read_text())
         return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
 
     assert not {m for m in imports("source_base") if m.startswith("forja.data")}
-    assert not {m for m in imports("records") if m.startswith("forja.data")} - {"forja.data.source_base"}
-    assert "forja.data.records" in imports("sources")
+    assert not {m for m in imports("records") if m.startswith("forja.data")} - {"forja.data.corpus.source_base"}
+    assert "forja.data.corpus.records" in imports("sources")

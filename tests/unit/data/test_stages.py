@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from forja.data import DataLoader, open_prepared
-from forja.data.stages import Stage
+from forja.data.load.stages import Stage
 from forja.errors import ForjaError
 
 T, G, M = 16, 8, 2

@@ -10,7 +10,7 @@ import tokenizers
 from tokenizers import models
 
 from forja.data import Tokenizer, load_tokenizer, train_tokenizer
-from forja.data.tokenizer import new_bpe
+from forja.data.corpus.tokenizer import new_bpe
 from forja.errors import ForjaError
 
 

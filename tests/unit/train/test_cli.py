@@ -9,7 +9,7 @@ import pytest
 from forja.cli import build_parser
 from forja.errors import ForjaError
 from forja.parallel.process_group import timeout_error
-from forja.train.launch.cli import launch_needed, torchrun_command
+from forja.train.cli import launch_needed, torchrun_command
 
 
 def parse(*flags: str):
