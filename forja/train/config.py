@@ -106,8 +106,8 @@ def parse_drill(spec: str) -> Drill:
     opts = dict(o.partition("=")[::2] for o in m["opts"].split(":")[1:])
     unknown = set(opts) - {"rank", "group", "repeat", "seconds"}
     if unknown or int(m["step"]) < 1:
-        raise ForjaError(f"debug.inject entry {spec!r}: steps count from 1 and the options are rank=R, group=G, repeat "
-                         f"and seconds=S ({_DRILL_GRAMMAR})")
+        raise ForjaError(f"debug.inject entry {spec!r}: steps count from 1 and the options are rank=R, group=G, "
+                         f"repeat and seconds=S ({_DRILL_GRAMMAR})")
     kind = m["kind"]
     rank = int(float(opts["rank"])) if opts.get("rank") else (None if kind in ("nan", "spike") else 0)
     return Drill(spec=spec.strip(), kind=kind, step=int(m["step"]), rank=rank, repeat="repeat" in opts,
