@@ -51,10 +51,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import forja  # noqa: E402
-from forja.data.loader import DataLoader  # noqa: E402
-from forja.data.packing import IGNORE, build_packing  # noqa: E402
-from forja.data.prepare import DEFAULT_SHARD_TOKENS  # noqa: E402
-from forja.data.shards import FORMAT, FORMAT_VERSION, META, ShardWriter, open_prepared, write_json  # noqa: E402
+from forja.data.load.loader import DataLoader  # noqa: E402
+from forja.data.load.packing import IGNORE, build_packing  # noqa: E402
+from forja.data.corpus.prepare import DEFAULT_SHARD_TOKENS  # noqa: E402
+from forja.data.corpus.shards import FORMAT, FORMAT_VERSION, META, ShardWriter, open_prepared, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "llama3-8b.toml"
@@ -252,7 +252,7 @@ def s3_rows(local: Path, work: Path, shape: dict, seconds: float, cold_steps: in
 
 def s3_loader(url: str, cache: Path, packing: str, shape: dict) -> tuple[DataLoader, float]:
     """A loader over `url` with a fresh, empty block cache in `cache`, its index built (timed)."""
-    from forja.data.prepare import open_dataset
+    from forja.data.corpus.prepare import open_dataset
 
     os.environ["FORJA_CACHE"] = str(cache)
     loader = make_loader(open_dataset(url), packing, shape)

@@ -100,7 +100,7 @@ def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple
     from forja.models.llama.hf import config_from_args
     from forja.models import build_from_args
     from forja.models.config import run_model_args
-    from forja.train.data import data, loaders
+    from forja.train.launch.data import data, loaders
 
     cfg = load_config(size["recipe"], [*size["sets"], *sets, f"train.seq_len={size['seq_len']}",
                                         f"train.global_batch_size={size['batch']}",

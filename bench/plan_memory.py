@@ -6,7 +6,7 @@ rank). A rank builds what `forja train`'s `Trainer.setup` builds, through the sa
 functions: `ParallelDims` and its mesh, `run_model_args`, `check_layout`,
 `build_model_parts` (TP/SP -> AC -> FSDP/HSDP/replication, EP, pipeline stages),
 `OptimizerGroup` (AdamW, the default optim config), `SchedulerGroup` and `build_engine`
-(plain or pipelined), fp32. Batches are random tokens in `forja.data.loader.Batch`es, one
+(plain or pipelined), fp32. Batches are random tokens in `forja.data.load.loader.Batch`es, one
 document per sequence, as many micro-batches per rank as the data loader would hand it
 (train.global_batch_size / (micro batch x data-parallel degree)).
 
@@ -101,7 +101,7 @@ def _build(world_size: int, family: str, flavor: str, parallel: dict, micro: int
     """(engine, dims, parts, optimizers, micro-batches per step, vocab), as Trainer.setup builds them."""
     import torch
 
-    from forja.data.loader import check_batch_sizes
+    from forja.data.load.loader import check_batch_sizes
     from forja.models import model_args
     from forja.models.config import ModelConfig, run_model_args
     from forja.optim import OptimizerGroup, SchedulerGroup
@@ -138,7 +138,7 @@ def _batches(step: int, dp_rank: int, n: int, micro: int, seq_len: int, vocab: i
     ranks must see the same tokens)."""
     import torch
 
-    from forja.data.loader import Batch
+    from forja.data.load.loader import Batch
 
     gen = torch.Generator().manual_seed(1000 * step + dp_rank)
     out = []

@@ -42,7 +42,7 @@ def run_datasets(tokenizer: str, workers: int, out: Path, fast: bool) -> dict:
     import datasets
     import tokenizers
 
-    from forja.data.sources import SourceStats, parse_source
+    from forja.data.corpus.sources import SourceStats, parse_source
 
     datasets.disable_progress_bars()
     tok = tokenizers.Tokenizer.from_file(tokenizer)

@@ -98,7 +98,7 @@ def single_run(source: str, tokenizer: str, out: Path, workers: int) -> dict:
 
 
 def stdlib_jsonl(path: Path) -> str:
-    from forja.data.sources import SourceStats, parse_source
+    from forja.data.corpus.sources import SourceStats, parse_source
 
     with open(path, "w", encoding="utf-8") as f:
         for text in parse_source("stdlib").documents(SourceStats()):

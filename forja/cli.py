@@ -17,9 +17,9 @@ from forja.errors import ForjaError
 # subcommand -> "module:function" that adds its parser. The function sets `func` on
 # its parser; `func(args)` returns an exit code.
 _COMMANDS = {
-    "train": "forja.train.launch.cli:add_cli",
-    "tokenizer": "forja.data.cli:add_tokenizer_cli",
-    "prepare": "forja.data.cli:add_prepare_cli",
+    "train": "forja.train.cli:add_cli",
+    "tokenizer": "forja.data.corpus.cli:add_tokenizer_cli",
+    "prepare": "forja.data.corpus.cli:add_prepare_cli",
     "generate": "forja.generate:add_cli",
     "report": "forja.report:add_cli",
     "sweep": "forja.sweep:add_cli",

@@ -24,7 +24,7 @@ from forja.checkpoint.config import CheckpointConfig
 from forja.data.config import DataConfig
 from forja.errors import ForjaError, unknown_key
 from forja.eval.config import EvalConfig
-from forja.metrics.sinks import MetricsConfig
+from forja.metrics.config import MetricsConfig
 from forja.models.config import ModelConfig
 from forja.optim.config import DEFAULT_LR, OptimConfig, ScheduleConfig
 from forja.parallel.config import ParallelConfig

@@ -11,7 +11,7 @@ coefficient of variation; the CV of every MoE layer; and, when non-zero, the sha
 token-slots dropped and the router losses. An "expert load" table then summarizes them. A run with downstream evaluation in the loop
 (`eval/<task>/<metric>` keys, forja/train/evaluation.py) gets eval.png: accuracy, normalized
 accuracy and bits per byte of each task over steps. A run whose records carry the data
-loader's keys (`stage`, `tokens/<source>`, `data/padding`, `data/cut_docs`; forja/data/loader.py)
+loader's keys (`stage`, `tokens/<source>`, `data/padding`, `data/cut_docs`; forja/data/load/loader.py)
 gets data.png: the tokens each source has given, with each data stage's first step marked, and
 the shares of padding and of cut documents.
 """

@@ -88,7 +88,7 @@ def is_forja_source(src: str | os.PathLike) -> bool:
 
 def run_tokenizer(run_dir: Path | str):
     """The tokenizer a run directory keeps (tokenizer.json), on disk or in a store."""
-    from forja.data.tokenizer import load_tokenizer
+    from forja.data.corpus.tokenizer import load_tokenizer
 
     if not isinstance(run_dir, str):
         return load_tokenizer(run_dir / "tokenizer.json")
@@ -122,7 +122,7 @@ def load_checkpoint_model(src: str | os.PathLike, *, device: str | torch.device 
 def load_model_and_tokenizer(src: str | os.PathLike, *, device: str | torch.device = "cpu"):
     """(model, tokenizer) of a forja run or checkpoint, or of a Hugging Face directory (its
     tokenizer.json with it): what `forja generate` and `forja eval` run on."""
-    from forja.data.tokenizer import load_tokenizer
+    from forja.data.corpus.tokenizer import load_tokenizer
     from forja.models import load_hf_checkpoint
 
     if is_forja_source(src):

@@ -1,8 +1,13 @@
-"""The data pipeline: sources -> tokenizer -> prepared shards -> a resumable loader.
+"""The data pipeline: sources -> tokenizer -> prepared shards -> a resumable loader (docs/data.md).
 
-See docs/data.md. The loader's names are imported lazily (PEP 562): `prepare`'s worker
-processes import this package and must not pay for torch, which only the loader needs.
-(`prepare` is imported eagerly because the submodule of the same name would shadow it.)
+Its floors, lowest first; each imports only those below it (tests/unit/test_layering.py):
+
+    config.py   [data], read by both sides
+    corpus/     preparation, torch-free: sources, the tokenizer, shards, mixtures, `forja prepare`
+    load/       the loader (torch): order, packing, stages, batches, validation windows
+
+This file holds the public names. The loader's are imported lazily (PEP 562): `forja prepare`'s
+worker processes import this package and must not pay for torch, which only the loader needs.
 """
 
 from __future__ import annotations
@@ -10,15 +15,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from forja.data.mixture import Mixture
-from forja.data.prepare import cache_key, open_dataset, prepare, prepare_cached
-from forja.data.shards import PreparedDataset, open_prepared
-from forja.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
+from forja.data.corpus.mixture import Mixture
+from forja.data.corpus.prepare import cache_key, open_dataset, prepare, prepare_cached
+from forja.data.corpus.shards import PreparedDataset, open_prepared
+from forja.data.corpus.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 
 _LAZY = {
-    "DataLoader": "forja.data.loader",
-    "ValidationLoader": "forja.data.windows",
-    "Batch": "forja.data.batch",
+    "DataLoader": "forja.data.load.loader",
+    "ValidationLoader": "forja.data.load.windows",
+    "Batch": "forja.data.load.batch",
     "DataConfig": "forja.data.config",
 }
 

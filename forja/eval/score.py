@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from forja.data.tokenizer import Tokenizer
+from forja.data.corpus.tokenizer import Tokenizer
 from forja.errors import ForjaError
 from forja.eval.tasks import MULTIPLE_CHOICE, Choice, Task, Text
 

@@ -22,7 +22,8 @@ from typing import Any
 
 from forja.errors import ForjaError
 from forja.files import write_atomic
-from forja.metrics.sinks import Metrics, MetricsConfig, Sink, tracker_key
+from forja.metrics.config import MetricsConfig
+from forja.metrics.sinks import Metrics, Sink, tracker_key
 
 TRACKING_FILE = "tracking.json"
 

@@ -1,14 +1,14 @@
-"""The [run] and [train] sections of a config."""
+"""The [run], [train] and [debug] sections of a config (debug.inject's drill grammar with them)."""
 
 from __future__ import annotations
 
 import bisect
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from forja.errors import ForjaError
-from forja.train.resilience.drills import parse_drill
 
 
 @dataclass(kw_only=True)
@@ -72,6 +72,47 @@ class RollbackConfig:
             raise ForjaError("train.rollback: max and lr_steps must be >= 0, skip_steps >= 1")
         if not 0 < self.lr_scale <= 1:
             raise ForjaError(f"train.rollback.lr_scale = {self.lr_scale} must be in (0, 1]")
+
+
+# The grammar of a debug.inject entry (forja/train/resilience/drills.py acts the drills out). It is
+# parsed here, at the config's floor, so [debug] refuses a bad entry at load time.
+DRILL_KINDS = ("nan", "spike", "kill", "hang", "slow", "bitflip")
+_DRILL_SPEC = re.compile(r"(?P<kind>[a-z]+)@(?P<step>\d+)(?P<opts>(:[a-z]+(=[0-9.]+)?)*)")
+_DRILL_GRAMMAR = "KIND@STEP[:rank=R][:group=G][:repeat][:seconds=S] with KIND one of " + ", ".join(DRILL_KINDS)
+
+
+@dataclass(frozen=True)
+class Drill:
+    spec: str
+    kind: str
+    step: int
+    rank: int | None
+    """None: every rank."""
+    repeat: bool = False
+    seconds: float = 0.2
+    group: int | None = None
+    """A fault-tolerant replica group (forja/train/ft), or None: any process."""
+
+    def applies(self, rank: int, group: int | None = None) -> bool:
+        return (self.rank is None or self.rank == rank) and (self.group is None or self.group == group)
+
+
+def parse_drill(spec: str) -> Drill:
+    """A `debug.inject` entry as a Drill; one clear error for anything else."""
+    m = _DRILL_SPEC.fullmatch(spec.strip())
+    if m is None or m["kind"] not in DRILL_KINDS:
+        raise ForjaError(f"debug.inject entry {spec!r} is not a drill: write {_DRILL_GRAMMAR}, "
+                         "e.g. 'kill@10:rank=1'")
+    opts = dict(o.partition("=")[::2] for o in m["opts"].split(":")[1:])
+    unknown = set(opts) - {"rank", "group", "repeat", "seconds"}
+    if unknown or int(m["step"]) < 1:
+        raise ForjaError(f"debug.inject entry {spec!r}: steps count from 1 and the options are rank=R, group=G, "
+                         f"repeat and seconds=S ({_DRILL_GRAMMAR})")
+    kind = m["kind"]
+    rank = int(float(opts["rank"])) if opts.get("rank") else (None if kind in ("nan", "spike") else 0)
+    return Drill(spec=spec.strip(), kind=kind, step=int(m["step"]), rank=rank, repeat="repeat" in opts,
+                 seconds=float(opts.get("seconds") or 0.2),
+                 group=int(float(opts["group"])) if opts.get("group") else None)
 
 
 @dataclass(kw_only=True)

@@ -32,14 +32,15 @@ from forja.fallbacks import clear as clear_fallbacks
 from forja.generate import SamplingConfig, generate
 from forja.metrics.sinks import build_sinks
 from forja.models import build_from_args
+from forja.models.common.transformer import TransformerArgs
 from forja.models.config import run_model_args
 from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import ParallelDims
 from forja.parallel.checks import check_layout
-from forja.parallel.process_group import init_distributed, shutdown_distributed, timeout_error
-from forja.train.build import build_model_parts
+from forja.parallel.process_group import DistInfo, init_distributed, shutdown_distributed, timeout_error
+from forja.train.build import ModelParts, build_model_parts
 from forja.train.callbacks import Callback, StepRecord, default_callbacks
-from forja.train.data import data, decay_window, loaders, stages
+from forja.train.launch.data import data, decay_window, loaders, stages
 from forja.train.ft.replicas import LeaderOnly, build_replicas, checkpoint_dir, group_dir, group_of
 from forja.train.resilience.drills import Drills, corrupt_weights, loss_factor
 from forja.train.resilience.fingerprint import FingerprintCheck
@@ -65,8 +66,23 @@ class Trainer:
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
-        c = self.cfg
+        """The run's preflight, then the one build order; each step runs in this order on every
+        layout and every rank, and the run resumes from its latest complete checkpoint last."""
         launched = time.time()
+        info, evaluation = self._start_process()
+        preflight = self._preflight_and_run_dir(info, launched)
+        dataset, args = self._open_data(preflight, info)
+        identity, built = self._build_model(args, info)
+        self._build_step(built, identity, dataset)
+        self._build_records(info, evaluation)
+        self._resume()
+        if self.replicas is not None:  # a group behind the live ones heals here, before any record
+            self.replicas.resume_at(self.counters.step)
+            self.replicas.join()
+
+    def _start_process(self) -> tuple[DistInfo, list[Callback]]:
+        """This process's settings and process group: (the group's info, the [eval] callback or none)."""
+        c = self.cfg
         clear_fallbacks()  # this run's decisions only, not those of an earlier run in this process
         host.prepare_training_process(c.train.host_malloc)  # malloc policy and intra-op threads, before any work
         evaluation = [EvalCallback(c)] if c.eval.tasks else []  # bad task files stop before any work
@@ -75,6 +91,11 @@ class Trainer:
         info = init_distributed(c.train.device, c.parallel.timeout_s + grace_s(c.parallel.timeout_s))
         self.rank, self.device = info.rank, info.device
         self.owns_process_group = info.owned
+        return info, evaluation
+
+    def _preflight_and_run_dir(self, info: DistInfo, launched: float) -> Preflight:
+        """The preflight, then the run directory and what keeps its records from the start."""
+        c = self.cfg
         # Every check that can fail the launch, before anything is written or computed.
         preflight = Preflight(c, world_size=info.world_size, device_type=self.device.type, rank=self.rank).run()
         c = self.cfg = preflight.cfg  # with parallel.auto's layout
@@ -86,10 +107,20 @@ class Trainer:
         self.goodput = Goodput(own, rank=self.rank)
         self.goodput.start(launched)
         self.drills = Drills(c.debug.inject, rank=self.rank, run_dir=own, group=self.group)
+        return preflight
+
+    def _open_data(self, preflight: Preflight, info: DistInfo) -> tuple[Any, TransformerArgs]:
+        """The tokenizer and the dataset, and the model's args the tokenizer fixes: (dataset, args)."""
+        c = self.cfg
         self.tokenizer, dataset = data(c, rank=self.rank, run_dir=self.run_dir)
         args = run_model_args(c.model, self.tokenizer.vocab_size)
         if args != preflight.args:  # a tokenizer trained just now may hold fewer tokens than asked
             check_layout(layout_request(c, args, info.world_size, self.device.type))
+        return dataset, args
+
+    def _build_model(self, args: TransformerArgs, info: DistInfo) -> tuple[dict, ModelParts]:
+        """The mesh, then the model in the one build order (forja/train/build.py): (identity, built)."""
+        c = self.cfg
         self.dims = ParallelDims.from_config(c.parallel, info.world_size)
         self.dims.build_mesh(self.device.type)
         identity = model_identity(c.model.family, c.model.flavor, args)
@@ -99,6 +130,11 @@ class Trainer:
                                   float8=c.train.float8, float8_min_features=c.train.float8_min_features)
         self.parts = built.parts
         report_fallbacks(self.run_dir, rank=self.rank, group=self.dims.cpu_group)  # one line each, and run.json
+        return identity, built
+
+    def _build_step(self, built: ModelParts, identity: dict, dataset: Any) -> None:
+        """What a step runs with: optimizer and schedule, [ft] replicas, the engine, loaders, checkpoints."""
+        c = self.cfg
         self.optimizers = OptimizerGroup(self.parts, c.optim)
         self.scheduler = SchedulerGroup(self.optimizers.optimizers, c.schedule, c.train.steps, decay=decay_window(c))
         self.replicas = build_replicas(c, group=self.group, state=self._shared_state, model=identity,  # [ft]
@@ -111,22 +147,22 @@ class Trainer:
                                                later=stages(c, self.tokenizer, rank=self.rank))
         self.checkpoints = CheckpointManager(c.checkpoint, checkpoint_dir(self.directory.checkpoints, c, self.group),
                                              rank=self.rank, meta=identity, device=self.device)
+
+    def _build_records(self, info: DistInfo, evaluation: list[Callback]) -> None:
+        """What watches and records the steps: sinks, callbacks, the watchdog, recovery, fingerprints."""
+        c = self.cfg
         self.sinks = build_sinks(c.metrics, run_dir=self.run_dir, run_name=c.run.name or self.run_dir.name,
                                  config=c.to_dict(), rank=self.rank)
         self.callbacks = default_callbacks(c, flops_per_token=self.flops_per_token, num_devices=self.dims.world_size,
                                            device=self.device, compute_dtype=self.engine.compute_dtype)
         self.callbacks += evaluation + self.extra_callbacks
-        self.watchdog = Watchdog(own, rank=self.rank, world_size=info.world_size,
+        self.watchdog = Watchdog(self.own_dir, rank=self.rank, world_size=info.world_size,
                                  timeout_s=c.parallel.timeout_s)
         self.recovery = Recovery(c.train, checkpoints=self.checkpoints, counters=self.counters, loader=self.loader,
                                  sinks=LeaderOnly(self.sinks, self._leads),  # [ft]: one record per event
                                  reload=self._reload, beat=self.watchdog.beat,
                                  rolled_back=lambda: self.goodput.beat(rollback=True), rank=self.rank)
         self.fingerprints = self._fingerprints()
-        self._resume()
-        if self.replicas is not None:  # a group behind the live ones heals here, before any record
-            self.replicas.resume_at(self.counters.step)
-            self.replicas.join()
 
     @property
     def model(self):

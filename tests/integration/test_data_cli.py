@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from forja.data import load_tokenizer, open_prepared
-from forja.data.sources import SourceStats, parse_source, stdlib_files
+from forja.data.corpus.sources import SourceStats, parse_source, stdlib_files
 
 TEXTS = {
     "a.txt": "Grüße aus Köln — naïve café, 日本語, emoji 🎉\n",

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from forja.cli import main
-from forja.data.store import upload
+from forja.data.corpus.store import upload
 from forja.storage import join
 from tests.storage_server import moto_endpoint, s3_bucket  # noqa: F401 (fixtures)
 

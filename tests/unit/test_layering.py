@@ -1,6 +1,7 @@
 """Rule 1 of docs/architecture.md: imports run one way.
 
-Each package may import only the layers below it (LAYERS); the graph of forja's modules
+Each package may import only the layers below it (LAYERS); inside forja.train and forja.data
+the floors read from the folder names run one way too (FLOORS); the graph of forja's modules
 has no cycle (a cycle hidden behind a function-level or TYPE_CHECKING import still
 couples the modules, so those count too). Each rule is its own test case, and the last
 tests show that the checker catches a violation.
@@ -43,9 +44,30 @@ LAYERS: dict[str, set[str]] = {
     "forja.testing": set(),
 }
 # forja.config gathers the sections of a run's config, each owned by its component.
-CONFIG_SECTIONS = {"forja.checkpoint.config", "forja.data.config", "forja.eval.config", "forja.metrics.sinks",
-                   "forja.models.config",
-                   "forja.optim.config", "forja.parallel.config", "forja.train.config", "forja.train.ft.config"}
+CONFIG_SECTIONS = {"forja.checkpoint.config", "forja.data.config", "forja.eval.config", "forja.metrics.config",
+                   "forja.models.config", "forja.optim.config", "forja.parallel.config", "forja.train.config",
+                   "forja.train.ft.config"}
+
+
+# Inside a package, its floors, lowest first (the map in its __init__.py): a module may import
+# its own floor and those below it, never one above. Each name is a module or sub-package of
+# the package; the package's own __init__ (its public names) stands above every floor.
+FLOORS: dict[str, list[tuple[str, ...]]] = {
+    "forja.train": [
+        ("config",),  # [run], [train], [debug]: values, and the drill grammar they are checked with
+        ("step",),  # how one step runs
+        ("resilience",),  # health, recovery, drills, the watchdog: they act on a step's outcome
+        ("ft",),  # replica groups: a group's manager uses the watchdog's restart count
+        ("launch",),  # before the loop: preflight, run directory, the run's data, the launch of ft groups
+        ("trainer", "build", "callbacks", "evaluation", "probes"),  # the loop and what only it uses
+        ("cli",),  # `forja train`: the preflight, then the trainer, torchrun or ft groups
+    ],
+    "forja.data": [
+        ("config",),  # [data], read by both sides
+        ("corpus",),  # preparation, torch-free: never imports the loader
+        ("load",),  # the loader (torch): reads the prepared corpus
+    ],
+}
 
 
 def module_name(path: Path) -> str:
@@ -76,13 +98,38 @@ def owner(module: str) -> str:
     return next(layer for layer in LAYERS if module == layer or module.startswith(layer + "."))
 
 
+def floor(module: str) -> tuple[str, int] | None:
+    """(package of FLOORS, the floor `module` is on), or None outside those packages. The
+    package itself is above its floors (importing it from inside imports all it exports)."""
+    for package, floors in FLOORS.items():
+        if module == package:
+            return package, len(floors)
+        if module.startswith(package + "."):
+            name = module.removeprefix(package + ".").split(".")[0]
+            level = next((i for i, names in enumerate(floors) if name in names), None)
+            if level is None:
+                raise ValueError(f"{module} is on no floor of {package}: give it one in FLOORS")
+            return package, level
+    return None
+
+
 def allowed(importer: str, imported: str) -> bool:
     if imported in BASE or owner(imported) == "forja.storage":
         return True
     if importer == "forja.config":
         return imported in CONFIG_SECTIONS
     part, target = owner(importer), owner(imported)
-    return part == target or "*" in LAYERS[part] or target in LAYERS[part]
+    if part == target:
+        return floor_allowed(importer, imported)
+    return "*" in LAYERS[part] or target in LAYERS[part]
+
+
+def floor_allowed(importer: str, imported: str) -> bool:
+    """Inside one package of FLOORS, an import stays on its floor or goes down."""
+    here, there = floor(importer), floor(imported)
+    if here is None or there is None or here[0] != there[0]:
+        return True
+    return there[1] <= here[1]
 
 
 def violations(part: str) -> list[tuple[str, str]]:
@@ -92,6 +139,24 @@ def violations(part: str) -> list[tuple[str, str]]:
 
 def test_every_module_belongs_to_a_layer():
     assert {owner(m) for m in MODULES} <= set(LAYERS) | BASE | {"forja.config"}
+
+
+def test_every_module_of_a_layered_package_is_on_a_floor():
+    for package, floors in FLOORS.items():
+        names = {name for names in floors for name in names}
+        for module in (m for m in MODULES if m.startswith(package + ".")):
+            assert module.removeprefix(package + ".").split(".")[0] in names, module
+
+
+def floor_violations(package: str, level: int) -> list[tuple[str, str]]:
+    return sorted((m, i) for m, p in MODULES.items() if floor(m) == (package, level) for i in imports(p)
+                  if not floor_allowed(m, i))
+
+
+@pytest.mark.parametrize(("package", "level"), [(p, i) for p, floors in FLOORS.items() for i in range(len(floors))],
+                         ids=[f"{p}.{'/'.join(names)}" for p, floors in FLOORS.items() for names in floors])
+def test_floors_inside_a_package_import_only_those_below(package, level):
+    assert floor_violations(package, level) == []
 
 
 @pytest.mark.parametrize("part", sorted(set(LAYERS) | {"forja.config"} | BASE))
@@ -148,12 +213,36 @@ def test_no_import_cycles_between_modules():
     ("forja.models.llama.model", "forja.parallel.fsdp"),
     ("forja.ops.rope", "forja.models.common.rope"),
     ("forja.parallel.pp", "forja.train.step.engine"),
-    ("forja.data.loader", "forja.models"),
+    ("forja.data.load.loader", "forja.models"),
     ("forja.checkpoint.manager", "forja.train.trainer"),
     ("forja.config", "forja.train.trainer"),
+    # inside train/: a floor imports none above it
+    ("forja.train.config", "forja.train.resilience.drills"),
+    ("forja.train.step.engine", "forja.train.resilience.recovery"),
+    ("forja.train.ft.replicas", "forja.train.launch.run_dir"),
+    ("forja.train.launch.preflight", "forja.train.trainer"),
+    ("forja.train.callbacks", "forja.train.cli"),
+    ("forja.train.launch.data", "forja.train"),
+    # inside data/: the corpus side never imports the loader; config neither side
+    ("forja.data.corpus.prepare", "forja.data.load.loader"),
+    ("forja.data.corpus.shards", "forja.data.load"),
+    ("forja.data.config", "forja.data.corpus.tokenizer"),
+    ("forja.data.corpus.cli", "forja.data"),
 ])
 def test_the_checker_refuses_an_upward_import(importer, imported):
     assert not allowed(importer, imported)
+
+
+@pytest.mark.parametrize(("importer", "imported"), [
+    ("forja.train.trainer", "forja.train.step.engine"),
+    ("forja.train.cli", "forja.train.launch.preflight"),
+    ("forja.train.evaluation", "forja.train.callbacks"),
+    ("forja.train.resilience.recovery", "forja.train.step.engine"),
+    ("forja.data.load.loader", "forja.data.corpus.shards"),
+    ("forja.data", "forja.data.load.loader"),
+])
+def test_the_checker_lets_a_floor_import_its_own_and_those_below(importer, imported):
+    assert allowed(importer, imported)
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):

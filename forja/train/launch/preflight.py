@@ -37,7 +37,7 @@ from forja.plan.job import Job, job_from_config
 from forja.plan.layout import PARALLEL_KEYS, Layout, from_config
 from forja.plan.planner import Candidate, evaluate, plan, usable_memory
 from forja.train.ft.checks import check_ft
-from forja.train.data import check_data, check_splits, check_stages, run_seq_lens
+from forja.train.launch.data import check_data, check_splits, check_stages, run_seq_lens
 from forja.train.launch.run_dir import RunDir
 from forja.train.launch.stage_history import check_stage_history
 

@@ -53,7 +53,7 @@ RESUMABLE = ("run.", "checkpoint.", "metrics.", "parallel.", "ft.", "train.steps
              "train.on_nonfinite", "train.spike", "train.rollback", "debug.", "train.gc_interval", "train.profile_at", "train.host_malloc", "train.device",
              "data.workers", "data.prefetch",
              # Data stages not yet begun may be edited or appended, and the packing changed (the loader
-             # refuses a change to a begun stage, naming it: forja/data/stages.py).
+             # refuses a change to a begun stage, naming it: forja/data/load/stages.py).
              "data.stages", "data.packing", "data.max_doc_tokens", "data.pack_buffer",
              "model.attention", "model.fused_ops", "model.fused_ops_overrides",
              "train.float8",

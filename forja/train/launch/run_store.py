@@ -37,7 +37,7 @@ SYNC_S = 30.0
 
 def mirror_of(url: str) -> Path:
     """The local working copy of the run at `url` (the same path on every machine)."""
-    from forja.data.prepare import cache_root
+    from forja.data.corpus.prepare import cache_root
 
     url = url.rstrip("/")
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]

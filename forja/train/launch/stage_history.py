@@ -1,7 +1,7 @@
 """The preflight's check of a resumed run's data stages against what it has trained on.
 
 The loader checks every begun stage's data by fingerprint when it loads its state
-(forja/data/stages.py); by then the model is built and the launch recorded. This check reads
+(forja/data/load/stages.py); by then the model is built and the launch recorded. This check reads
 only the stages record of the run's latest complete checkpoint (a few hundred bytes through
 DCP) and compares each begun stage's start, path and length with the config, so that the
 common mistake -- a past stage edited -- stops before anything is written or computed.
@@ -20,7 +20,7 @@ from forja import storage
 from forja.checkpoint import remote
 from forja.checkpoint.verify import newest_intact
 from forja.config import Config
-from forja.data.stages import check_begun
+from forja.data.load.stages import check_begun
 
 
 def checkpoints_of(cfg: Config) -> Path | str:

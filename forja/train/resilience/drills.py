@@ -16,61 +16,24 @@ Each drill is `KIND@STEP[:rank=R][:group=G][:repeat][:seconds=S]`:
 
 A drill that fired is written to <run.dir>/drills/rank{R}.json before it acts, so a run
 restarted after `kill@12` does not die at step 12 again. Drills come only from `--set`
-(forja/config.py refuses them in a file) and are never saved with the run's config.
+(forja/config.py refuses them in a file) and are never saved with the run's config. The
+grammar is parsed by forja/train/config.py (`parse_drill`), where [debug] checks it at load.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from forja.errors import ForjaError
 from forja.files import write_atomic
+from forja.train.config import Drill, parse_drill
 
-KINDS = ("nan", "spike", "kill", "hang", "slow", "bitflip")
 SPIKE_FACTOR = 50.0
 """How much larger a spike drill makes the step's loss and gradients."""
-_SPEC = re.compile(r"(?P<kind>[a-z]+)@(?P<step>\d+)(?P<opts>(:[a-z]+(=[0-9.]+)?)*)")
-_GRAMMAR = "KIND@STEP[:rank=R][:group=G][:repeat][:seconds=S] with KIND one of " + ", ".join(KINDS)
-
-
-@dataclass(frozen=True)
-class Drill:
-    spec: str
-    kind: str
-    step: int
-    rank: int | None
-    """None: every rank."""
-    repeat: bool = False
-    seconds: float = 0.2
-    group: int | None = None
-    """A fault-tolerant replica group (forja/train/ft), or None: any process."""
-
-    def applies(self, rank: int, group: int | None = None) -> bool:
-        return (self.rank is None or self.rank == rank) and (self.group is None or self.group == group)
-
-
-def parse_drill(spec: str) -> Drill:
-    """A `debug.inject` entry as a Drill; one clear error for anything else."""
-    m = _SPEC.fullmatch(spec.strip())
-    if m is None or m["kind"] not in KINDS:
-        raise ForjaError(f"debug.inject entry {spec!r} is not a drill: write {_GRAMMAR}, e.g. 'kill@10:rank=1'")
-    opts = dict(o.partition("=")[::2] for o in m["opts"].split(":")[1:])
-    unknown = set(opts) - {"rank", "group", "repeat", "seconds"}
-    if unknown or int(m["step"]) < 1:
-        raise ForjaError(f"debug.inject entry {spec!r}: steps count from 1 and the options are rank=R, group=G, repeat "
-                         f"and seconds=S ({_GRAMMAR})")
-    kind = m["kind"]
-    rank = int(float(opts["rank"])) if opts.get("rank") else (None if kind in ("nan", "spike") else 0)
-    return Drill(spec=spec.strip(), kind=kind, step=int(m["step"]), rank=rank, repeat="repeat" in opts,
-                 seconds=float(opts.get("seconds") or 0.2),
-                 group=int(float(opts["group"])) if opts.get("group") else None)
 
 
 class Drills:

@@ -27,7 +27,7 @@ from typing import Any
 
 from forja.checkpoint.manager import CheckpointManager
 from forja.checkpoint.states import TrainerCounters
-from forja.data.loader import DataLoader
+from forja.data.load.loader import DataLoader
 from forja.errors import ForjaError
 from forja.metrics.sinks import Sink
 from forja.train.config import TrainConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from forja.data import prepare, train_tokenizer
-from forja.data.sources import SourceStats, parse_source
+from forja.data.corpus.sources import SourceStats, parse_source
 
 SPECIAL_TEXTS = [
     "Ünïcödé façade — naïve café, Straße, ÆØÅ, ½ ≠ ∞\n",

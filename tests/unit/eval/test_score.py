@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from forja.data.tokenizer import train_tokenizer
+from forja.data.corpus.tokenizer import train_tokenizer
 from forja.errors import ForjaError
 from forja.eval import (
     Choice,

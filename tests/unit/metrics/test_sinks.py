@@ -12,7 +12,8 @@ from rich.console import Console
 from forja.errors import ForjaError
 from forja.files import read_records
 from forja.metrics.console import ConsoleSink
-from forja.metrics.sinks import JsonlSink, MetricsConfig, Sink, SinkGroup, build_sinks, tracker_key
+from forja.metrics.config import MetricsConfig
+from forja.metrics.sinks import JsonlSink, Sink, SinkGroup, build_sinks, tracker_key
 
 
 def read_jsonl(path):

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from forja.errors import ForjaError
-from forja.metrics.sinks import MetricsConfig, build_sinks
+from forja.metrics.config import MetricsConfig
+from forja.metrics.sinks import build_sinks
 from forja.metrics.trackers import CometSink, MLflowSink, TensorBoardSink, WandbSink, flatten, load_tracking
 from tests.trackers import comet_archive, finished_records, read_tensorboard, run_record, wandb_history
 

@@ -121,7 +121,8 @@ def test_a_store_whose_package_is_missing_is_one_sentence() -> None:
 
 
 def test_importing_forja_storage_loads_neither_fsspec_nor_s3fs() -> None:
-    code = "import sys, forja.storage, forja.data.shards; print(sorted({'fsspec', 's3fs', 'boto3'} & set(sys.modules)))"
+    code = ("import sys, forja.storage, forja.data.corpus.shards; "
+            "print(sorted({'fsspec', 's3fs', 'boto3'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -1,0 +1,157 @@
+"""`forja train`: train from a recipe, resuming the run directory's latest checkpoint.
+
+With `--nproc` or `--nnodes` the command re-executes itself under torchrun
+(`python -m torch.distributed.run`): on one machine with `--standalone`, on several with
+torchrun's c10d rendezvous, where every machine runs the same command and they meet at
+`--rdzv-endpoint` (see docs/parallelism.md, "Launching").
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+
+from forja.errors import ForjaError
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model (resumes the run directory's latest checkpoint)",
+                       description="Train a model. Rerunning the same command resumes the run.")
+    p.add_argument("config", nargs="?", default="default",
+                   help="a recipe name (configs/NAME.toml), a .toml path, or a run's config.toml "
+                        "(default: 'default', the tiny Llama on the embedded stdlib corpus)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value, e.g. --set train.steps=100 (repeatable)")
+    p.add_argument("--start-over", action="store_true",
+                   help="delete what run.dir holds and begin afresh instead of refusing a different config")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes on this machine (one per GPU), launched through torchrun")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="restart every process up to K times when one dies (torchrun's elastic agent); "
+                        "each restart resumes from the latest checkpoint")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="machines taking part; run the same command on each of them (needs --rdzv-endpoint)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="where the machines meet (torchrun's c10d rendezvous): a host every machine can "
+                        "reach, usually the first one, and a free port on it")
+    p.add_argument("--rdzv-id", default=None, metavar="ID",
+                   help="the job's name at the rendezvous, the same on every machine "
+                        "(default: derived from run.dir; under SLURM, $SLURM_JOB_ID)")
+    p.add_argument("--ft-groups", type=int, default=None, metavar="G",
+                   help="fault-tolerant replica groups (torchft, [ft]): start a lighthouse and G groups of --nproc "
+                        "ranks here, each its own torchrun job; a group that dies is restarted alone "
+                        "(--max-restarts) and heals from a live one")
+    p.add_argument("--ft-group", type=int, default=None, metavar="g",
+                   help="start only replica group g of --ft-groups G here (one job per group on a cluster: "
+                        "scripts/ft_groups.sbatch); needs --ft-lighthouse HOST:PORT")
+    p.add_argument("--ft-lighthouse", default=None, metavar="HOST:PORT",
+                   help="the torchft lighthouse the groups meet at (default: --ft-groups starts one here)")
+    p.set_defaults(func=run)
+
+
+def launch_needed(args: argparse.Namespace) -> bool:
+    """Whether this process should start torchrun rather than train: it was asked for
+    several processes or machines, and it is not already a torchrun worker."""
+    return "LOCAL_RANK" not in os.environ and (
+        (args.nproc or 1) > 1 or args.nnodes > 1 or args.rdzv_endpoint is not None or args.max_restarts > 0)
+
+
+def torchrun_command(args: argparse.Namespace, run_dir: str) -> list[str]:
+    """The torchrun command line that runs this same `forja train` in every process."""
+    if args.nproc is not None and args.nproc < 1:
+        raise ForjaError(f"--nproc {args.nproc}: give at least 1 process per machine")
+    if args.nnodes < 1:
+        raise ForjaError(f"--nnodes {args.nnodes}: give at least 1 machine")
+    if args.max_restarts < 0:
+        raise ForjaError(f"--max-restarts {args.max_restarts}: give 0 (no restarts) or more")
+    if args.nnodes > 1 and args.rdzv_endpoint is None:
+        raise ForjaError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, an address every machine "
+                         "can reach (usually the first machine's hostname) and a free port on it")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc or 1}"]
+    cmd += [f"--max-restarts={args.max_restarts}"] if args.max_restarts else []
+    if args.rdzv_endpoint is None:
+        cmd.append("--standalone")  # one machine: torchrun picks a free port itself
+    else:
+        # Every machine runs the same command, so the default id must come from what they
+        # share: the run directory. Two runs meeting at one endpoint then stay apart.
+        rdzv_id = args.rdzv_id or "forja-" + hashlib.sha1(run_dir.encode()).hexdigest()[:12]
+        cmd += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
+                f"--rdzv-id={rdzv_id}"]
+    cmd += ["-m", "forja", "train", args.config]
+    cmd += [a for o in args.overrides for a in ("--set", o)]
+    cmd += ["--start-over"] if args.start_over else []
+    return cmd
+
+
+def launch(cmd: list[str], *, restarts: bool = False) -> int:
+    """Run torchrun and wait for it. Its workers run in sessions of their own, so only
+    torchrun can stop them (after they save a checkpoint): a SIGTERM to this process is
+    passed on rather than killing torchrun and orphaning them. Ctrl-C reaches torchrun
+    from the terminal directly, so here it is ignored rather than sent twice.
+
+    With `restarts`, the workers' store is made afresh by each attempt's rank 0: the store
+    torchrun shares with its workers by default outlives an attempt, and the process groups
+    of the next attempt would find the dead one's addresses in it under the same names."""
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if restarts else None
+    proc = subprocess.Popen(cmd, env=env)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, _: proc.send_signal(signum)),
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def launcher_preflight(cfg, *, nproc: int, nnodes: int) -> None:
+    """The workers' preflight, run once here before torchrun starts: a bad launch stops with
+    one sentence (exit code 2), not once per rank inside torchrun's traceback, and leaves no
+    run directory or restart behind. The workers run it again (it writes nothing) and also
+    check the GPU's memory where nvidia-smi could not tell it here."""
+    from forja.parallel.process_group import device_type
+    from forja.train.launch.preflight import Preflight
+
+    Preflight(cfg, world_size=nproc * nnodes, device_type=device_type(cfg.train.device), ranks_here=nproc,
+              in_worker=False).run()
+
+
+def run(args: argparse.Namespace) -> int:
+    from forja.config import load_config
+
+    overrides = list(args.overrides) + (["run.start_over=true"] if args.start_over else [])
+    if args.ft_groups is not None or args.ft_group is not None:
+        return _launch_ft(args, overrides)
+    cfg = load_config(args.config, overrides)  # errors surface before any process starts
+    if launch_needed(args):
+        cmd = torchrun_command(args, str(cfg.run.dir))
+        from forja.train.launch.finished import finished
+
+        if finished(cfg):  # complete already: say so here rather than start torchrun to say it
+            return 0
+        launcher_preflight(cfg, nproc=args.nproc or 1, nnodes=args.nnodes)
+        return launch(cmd, restarts=args.max_restarts > 0)
+    from forja.train.trainer import Trainer
+
+    Trainer(cfg).run()
+    return 0
+
+
+def _launch_ft(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Replica groups (forja/train/launch/ft_groups.py), after the same checks as any launch."""
+    from forja.config import load_config
+    from forja.train.launch.ft_groups import ft_overrides, launch_groups
+
+    if "LOCAL_RANK" in os.environ:
+        raise ForjaError("--ft-groups starts torchrun itself: run it directly, not under torchrun")
+    if args.ft_groups is None or args.ft_groups < 1:
+        raise ForjaError(f"--ft-groups {args.ft_groups}: give the number of replica groups, 1 or more"
+                         + (" (with --ft-group g, the run's total)" if args.ft_group is not None else ""))
+    if args.ft_group is not None and not args.ft_lighthouse:
+        raise ForjaError("--ft-group starts one group of several jobs, which must meet at one lighthouse: "
+                         "give --ft-lighthouse HOST:PORT (python -m forja.train.ft.lighthouse starts one)")
+    cfg = load_config(args.config, ft_overrides(argparse.Namespace(overrides=overrides), args.ft_groups))
+    return launch_groups(args, cfg, launcher_preflight=launcher_preflight, torchrun_command=torchrun_command)
