@@ -250,7 +250,7 @@ def measured(run_dir: Path) -> tuple[float, float]:
 def check_run(run_dir: Path, args: argparse.Namespace) -> int:
     from forja.config import load_config
     from forja.plan.job import job_from_config
-    from forja.plan.layout import from_config
+    from forja.plan.layout import Layout
     from forja.plan.planner import evaluate
 
     for name in ("config.toml", "run.json", "metrics.jsonl"):
@@ -268,7 +268,7 @@ def check_run(run_dir: Path, args: argparse.Namespace) -> int:
     cfg = load_config(str(run_dir / "config.toml"))
     world = int(launch.get("world_size", 1))
     job = job_from_config(cfg, gpu=hw.kind != "cpu")
-    c = evaluate(job, from_config(cfg.parallel, cfg.train.micro_batch_size, world), hw)
+    c = evaluate(job, Layout.from_config(cfg.parallel, cfg.train.micro_batch_size, world), hw)
     peak, rate = measured(run_dir)
     rows = [("peak memory per rank (GB)", c.memory.total / GB, peak / GB),
             ("tokens/s (whole job)", c.tokens_per_sec, rate)]

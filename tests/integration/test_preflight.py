@@ -81,9 +81,10 @@ def test_the_default_recipe_runs_on_two_ranks_as_written():
     from forja.config import load_config
     from forja.models.config import run_model_args
     from forja.parallel.checks import layout_errors
-    from forja.train.launch.preflight import layout_request
+    from forja.train.launch.preflight import Preflight
 
     cfg = load_config("default", [])
     args = run_model_args(cfg.model, cfg.data.vocab_size)
-    assert layout_errors(layout_request(cfg, args, 2, "cpu")) == []
-    assert layout_errors(layout_request(cfg, args, 4, "cpu"))  # 8 / 4 ranks < micro 4: refused, with its reason
+    assert layout_errors(Preflight(cfg, world_size=2, device_type="cpu", args=args).request()) == []
+    # 8 / 4 ranks < micro 4: refused, with its reason
+    assert layout_errors(Preflight(cfg, world_size=4, device_type="cpu", args=args).request())
