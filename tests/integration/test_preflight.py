@@ -60,6 +60,8 @@ def test_bad_inputs_stop_before_any_write(tmp_path, train_data, other_tokenizer,
                       "train.global_batch_size = 5 is not divisible by the data-parallel degree 2"))
         cases.append((train_data, {"parallel.tp": "2", "model.overrides.n_kv_heads": "1"},
                       "model n_kv_heads = 1 (parallel.tp = 2) is not divisible by 2"))
+        cases.append((train_data, {"parallel.cp": "2", "optim.qk_clip_tau": "100.0"},
+                      "optim.qk_clip_tau / optim.max_logit_metric cannot be used with parallel.cp > 1"))
     for data, sets, words in cases:
         err = _launch(run, data, nproc, capsys, **sets)
         assert words in err, (sets, err)

@@ -8,7 +8,7 @@ from forja.errors import ForjaError
 from forja.models import model_args
 from forja.plan.hardware import get_hardware
 from forja.plan.job import Job
-from forja.plan.layout import Layout, SearchSpace, enumerate_layouts, parse_layout
+from forja.plan.layout import Layout, SearchSpace, enumerate_layouts, parse_fixed, parse_layout
 from forja.plan.memory import inflight_chunks, predict_memory
 from forja.plan.planner import evaluate, plan, usable_memory
 from forja.plan.shape import model_shape
@@ -89,6 +89,21 @@ def test_parse_layout_sets_keys_and_names_bad_ones():
         parse_layout("parallel.bogus=1", Layout())
     with pytest.raises(ForjaError, match="integer"):
         parse_layout("parallel.tp=two", Layout())
+
+
+def test_layout_values_are_read_as_set_reads_them_and_checked_against_the_key():
+    """--layout and --set spell values alike: TOML, else a bare string; each checked as the key's
+    annotation says (a quoted string was once held with its quotes, and planned)."""
+    assert parse_fixed('parallel.ac="selective"') == parse_fixed("parallel.ac=selective") == {"ac": "selective"}
+    assert parse_fixed("parallel.tp=2,parallel.sequence_parallel=false,train.micro_batch_size=4") == {
+        "tp": 2, "sequence_parallel": False, "micro_batch_size": 4}
+    with pytest.raises(ForjaError, match=r"^parallel.ac = 'bogus' is not valid: it must be one of 'none', 'full', "
+                                         r"'selective'$"):
+        parse_fixed("parallel.ac=bogus")
+    with pytest.raises(ForjaError, match="parallel.pp_schedule = 'gpipe2' is not valid: it must be one of 'gpipe'"):
+        parse_fixed("parallel.pp_schedule=gpipe2")
+    with pytest.raises(ForjaError, match="parallel.tp = 0 must be at least 1"):
+        parse_fixed("parallel.tp=0")
 
 
 def test_a_mixture_of_experts_splits_its_experts_over_ep():
