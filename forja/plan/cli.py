@@ -33,8 +33,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--layout", default=None, metavar="KEY=V,...",
-                   help="hold these keys and search the rest, e.g. 'parallel.dp_shard=2,parallel.tp=2' "
-                        "(give every degree and option to predict one layout)")
+                   help="hold these keys and search the rest, e.g. 'parallel.dp_shard=2,parallel.ac=full' "
+                        "(values read as --set reads them; give every degree and option to predict one layout)")
     p.add_argument("--check", default=None, metavar="RUN_DIR",
                    help="compare a finished run's peak memory and tokens/s with the prediction for its layout")
     add_goodput_args(p)
