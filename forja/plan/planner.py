@@ -12,9 +12,9 @@ from dataclasses import dataclass, replace
 
 from forja.models.common.moe import MoEArgs
 from forja.parallel.checks import LayoutRequest, layout_errors
+from forja.parallel.degrees import Axis
 from forja.plan.hardware import Hardware
 from forja.plan.job import Job
-from forja.parallel.degrees import Axis
 from forja.plan.layout import Layout, SearchSpace, enumerate_layouts
 from forja.plan.memory import MemoryBreakdown, predict_memory
 from forja.plan.speed import TimeBreakdown, predict_time, throughput
