@@ -195,13 +195,14 @@ def _local_bytes(tensors) -> int:
 
 
 def _ep_worker(rank: int, world: int) -> dict:
+    from forja.parallel.degrees import Degrees
     from forja.parallel.dims import ParallelDims
     from forja.parallel.ep import apply_ep
 
     torch.set_num_threads(1)  # several ranks share the cores
     ep_mesh = None
     if world > 1:
-        dims = ParallelDims(1, 1, world, 1, 1, ep=world)
+        dims = ParallelDims(Degrees(dp_shard=world, ep=world))
         dims.build_mesh("cpu")
         ep_mesh = dims.ep_mesh
     args = model_args("qwen3", "debug-moe")

@@ -40,11 +40,12 @@ def _measure(rank: int, world: int, batch: int, seq: int, steps: int, warmup: in
     from forja.models import model_args
     from forja.models.common.moe import moe_layers
     from forja.parallel.config import ParallelConfig
+    from forja.parallel.degrees import Degrees
     from forja.parallel.dims import ParallelDims
     from forja.parallel.tp import loss_context
     from forja.train.build import build_model_parts
 
-    dims = ParallelDims(1, 1, 1, 1, world)
+    dims = ParallelDims(Degrees(tp=world))
     dims.build_mesh("cpu")
     cfg = ParallelConfig(tp=world, dp_shard=1, sequence_parallel=world > 1)
     args = model_args("qwen3", "debug-moe")

@@ -256,7 +256,7 @@ def predicted(entry: dict):
     parallel = dict(entry["parallel"])
     others = parallel.get("dp_replicate", 1) * parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("cp", 1)
     parallel.setdefault("dp_shard", entry["world_size"] // others)
-    return predict_memory(job, Layout(**parallel, micro_batch_size=entry["micro_batch_size"]))
+    return predict_memory(job, Layout.of(**parallel, micro_batch_size=entry["micro_batch_size"]))
 
 
 def compare(results: list[dict]) -> list[str]:

@@ -290,7 +290,7 @@ def predict(run: Run) -> Candidate:
     kind, memory = run.gpu
     hw = hardware(kind, memory)
     job = job_from_config(cfg, gpu=True)
-    return evaluate(job, Layout(**run.layout), hw)
+    return evaluate(job, Layout.of(**run.layout), hw)
 
 
 @dataclass

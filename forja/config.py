@@ -59,6 +59,13 @@ class Config:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
+    def run_seq_lens(self) -> tuple[int, ...]:
+        """Every sequence length the run trains at, ascending: train.seq_len_schedule's and the
+        data stages' (each must pass the layout's checks, not train.seq_len alone)."""
+        lengths = set(self.train.seq_lens())
+        lengths |= {s.seq_len for s in self.data.stages if s.seq_len is not None and s.start_step <= self.train.steps}
+        return tuple(sorted(lengths))
+
 
 # -- checking values against annotations ----------------------------------------------------
 
@@ -168,17 +175,35 @@ def resolve_config_path(name_or_path: str) -> Path:
     raise ForjaError(f"config {name_or_path!r} not found: give a .toml path or one of: {', '.join(known)}")
 
 
+def parse_value(raw: str) -> Any:
+    """A value given on the command line (`--set`, `forja plan --layout`), read as TOML
+    (numbers, true/false, "strings", [lists]); anything else is taken as a bare string."""
+    raw = raw.strip()
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def coerce_key(key: str, value: Any) -> Any:
+    """`value` as the config key `key` ('section.name') takes it, by its field's annotation (a
+    Literal's choices, int, bool, ...); otherwise a ForjaError naming the key and what it accepts."""
+    section, _, name = key.partition(".")
+    sections = typing.get_type_hints(Config)
+    if section not in sections:
+        raise unknown_key(section, list(sections))
+    hints = typing.get_type_hints(sections[section])
+    if name not in hints:
+        raise unknown_key(key, [f.name for f in dataclasses.fields(sections[section])])
+    return _coerce(value, hints[name], key)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """'section.key=value' -> (['section', 'key'], value). The value is read as TOML
-    (numbers, true/false, "strings", [lists]); anything else is taken as a string."""
+    """'section.key=value' -> (['section', 'key'], value), the value read by `parse_value`."""
     if "=" not in text:
         raise ForjaError(f"--set {text!r} must look like section.key=value, e.g. train.steps=100")
-    key, raw = (s.strip() for s in text.split("=", 1))
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key.split("."), value
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), parse_value(raw)
 
 
 def _apply_override(raw: dict[str, Any], parts: list[str], value: Any, text: str) -> None:

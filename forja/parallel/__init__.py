@@ -1,5 +1,6 @@
 """Parallelism: how a model and its data are spread over ranks.
 
+    degrees.py      the degrees of a layout, one value with named axes (Axis, Degrees)
     dims.py         degrees -> the DeviceMesh and every group derived from it
     parallelize.py  a layout applied to a model or stage: TP -> AC -> compile -> FSDP
     tp, ac, compile, fsdp, cp   one technique each, with torch's own APIs
@@ -11,8 +12,9 @@ the build order and the step engine that use it live in forja/train.
 """
 
 from forja.parallel.config import ParallelConfig
+from forja.parallel.degrees import Axis, Degrees
 from forja.parallel.dims import ParallelDims
 from forja.parallel.parallelize import parallelize
 from forja.parallel.tp import local_value, loss_context
 
-__all__ = ["ParallelConfig", "ParallelDims", "local_value", "loss_context", "parallelize"]
+__all__ = ["Axis", "Degrees", "ParallelConfig", "ParallelDims", "local_value", "loss_context", "parallelize"]

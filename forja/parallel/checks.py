@@ -5,7 +5,9 @@
 
 `forja train`'s preflight (before anything is written, and in the launcher before torchrun
 starts), `parallel.auto`, the memory check's suggestions and `forja plan`'s search all ask
-this module and nothing else, so a layout the planner ranks is a layout train accepts.
+this module and nothing else, so a layout the planner ranks is a layout train accepts; each
+builds its request in one place, `forja.plan.planner.layout_request` (from the planner's `Job`,
+which `job_from_config` reads off the run's config: one replica group's batch, every length).
 Each reason names the keys involved and a fix: a bad layout costs seconds, not a cluster
 allocation. Nothing here builds a model or touches a device: the checks are arithmetic on
 the model's args, the degrees and the run's settings, cheap enough for a search over
@@ -21,6 +23,7 @@ from forja.errors import ForjaError
 from forja.models.common.moe import MoEArgs
 from forja.models.common.transformer import TransformerArgs
 from forja.parallel.config import ParallelConfig
+from forja.parallel.degrees import Axis
 from forja.parallel.dims import ParallelDims
 from forja.parallel.pp import check_pipeline
 
@@ -35,6 +38,8 @@ class LayoutRequest:
     world_size: int
     seq_len: int
     global_batch_size: int
+    """Sequences per step over the data-parallel ranks: the whole global batch, or under [ft]
+    one replica group's share of it."""
     micro_batch_size: int
     device_type: str = "cpu"
     """"cuda" or "cpu": the kind of device the ranks run on (the planner passes its hardware's)."""
@@ -42,8 +47,15 @@ class LayoutRequest:
     float8: str = "none"
     precision: str = "auto"
     seq_lens: tuple[int, ...] = ()
-    """Every sequence length the run trains at (train.seq_len_schedule), each checked as
-    seq_len is; empty: seq_len alone."""
+    """Every sequence length the run trains at (train.seq_len_schedule, data stages), each
+    checked as seq_len is; empty: seq_len alone."""
+    qk_clip_tau: float = 0.0
+    """optim.qk_clip_tau: > 0 clips attention weights by each head's max logit over the step."""
+    max_logit_metric: bool = False
+    """optim.max_logit_metric: each head's max logit recomputed and logged."""
+    ft: bool = False
+    """The run's replicas are torchft replica groups ([ft]); global_batch_size is then one
+    group's share."""
 
 
 Check = Callable[[LayoutRequest, ParallelDims], None]
@@ -158,6 +170,7 @@ def _check_precision(r: LayoutRequest, dims: ParallelDims) -> None:
                          "activations, not under fp16 loss scaling; set train.precision = 'bf16', or "
                          "train.float8 = 'none'")
 
+
 def _check_mixers(r: LayoutRequest, dims: ParallelDims) -> None:
     """What each kind of context parallelism asks of the sequence mixers: all-to-all hands
     each rank whole heads (of every mixer, per tensor-parallel shard); ring hands a Gated
@@ -194,7 +207,7 @@ def _check_mtp(r: LayoutRequest, dims: ParallelDims) -> None:
     """Multi-token prediction runs under data parallelism, FSDP and pipelines (on the last
     stage); it needs whole rows for the shifted tokens, and its block is not in the
     tensor-parallel or expert-parallel plans."""
-    split = {name: degree for name, degree in (("tp", dims.tp), ("cp", dims.cp), ("ep", dims.ep)) if degree > 1}
+    split = {axis: degree for axis, degree in dims.degrees.items((Axis.TP, Axis.CP, Axis.EP)) if degree > 1}
     if r.args.mtp_depth and split:
         name, degree = next(iter(split.items()))
         raise ForjaError(f"parallel.{name} = {degree} with multi-token prediction (model.mtp.depth = "
@@ -202,11 +215,26 @@ def _check_mtp(r: LayoutRequest, dims: ParallelDims) -> None:
                          "FSDP and pipelines run it) or model.mtp.depth = 0")
 
 
+def _check_max_logits(r: LayoutRequest, dims: ParallelDims) -> None:
+    """A head's max logit is recomputed from the keys a rank holds (forja/models/common/max_logit.py):
+    under context parallelism each rank holds part of a sequence's keys only."""
+    if dims.cp > 1 and (r.qk_clip_tau > 0 or r.max_logit_metric):
+        raise ForjaError("optim.qk_clip_tau / optim.max_logit_metric cannot be used with parallel.cp > 1 "
+                         "(each rank sees only part of a sequence's keys); set parallel.cp = 1 or turn them off")
+
+
+def _check_replica_groups(r: LayoutRequest, dims: ParallelDims) -> None:
+    if r.ft and dims.dp_replicate > 1:
+        raise ForjaError(f"parallel.dp_replicate = {dims.dp_replicate} with ft.enabled: the replica groups are the "
+                         "replicas (HSDP's outer dimension), so set parallel.dp_replicate = 1 and ft.groups to the "
+                         "number of replicas")
+
+
 # Each check stops at its own first problem; the validator runs them all, so a layout with
 # several problems hears of each (a planner's table shows the first).
 CHECKS: tuple[Check, ...] = (_check_tp, _check_vocab, _check_sequence_parallel, _check_float8, _check_ep,
                              _check_moe_tp, _check_cp, _check_mixers, _check_batch, _check_pipeline, _check_precision,
-                             _check_mtp)
+                             _check_mtp, _check_max_logits, _check_replica_groups)
 
 
 def layout_errors(r: LayoutRequest) -> list[str]:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from forja.errors import ForjaError
+from forja.parallel.degrees import Axis, Degrees
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "dualpipev")
 CP_KINDS = ("ring", "all-to-all")
@@ -71,12 +72,17 @@ class ParallelConfig:
     the breakdown and layouts that fit), warn and go on, or off."""
 
     def __post_init__(self) -> None:
-        for key in ("dp_replicate", "tp", "pp", "cp", "ep"):
-            if getattr(self, key) < 1:
-                raise ForjaError(f"parallel.{key} = {getattr(self, key)} must be at least 1")
-        if self.dp_shard < 1 and self.dp_shard != -1:
-            raise ForjaError(f"parallel.dp_shard = {self.dp_shard} must be at least 1, or -1 for the rest")
+        _ = self.degrees  # built to check each degree (dp_shard may be -1)
         if self.pp_microbatches < 0 or self.ac_every < 0:
             raise ForjaError("parallel.pp_microbatches and parallel.ac_every must be >= 0")
         if self.timeout_s <= 0:
             raise ForjaError(f"parallel.timeout_s = {self.timeout_s} must be > 0")
+
+    @property
+    def degrees(self) -> Degrees:
+        """The degrees these keys give (dp_shard may still be -1: `Degrees.resolve` fills it)."""
+        return Degrees(**{axis.value: getattr(self, axis.value) for axis in Axis})
+
+    def with_degrees(self, degrees: Degrees) -> ParallelConfig:
+        """This section with `degrees` in place of its own."""
+        return replace(self, **degrees.keys())

@@ -1,9 +1,9 @@
 """Parallel degrees -> a validated `DeviceMesh`, and every group derived from it.
 
-The mesh always has the same five named dimensions, outermost first:
-("pp", "dp_replicate", "dp_shard", "cp", "tp"); degrees of 1 are kept, so code can
-ask for `mesh["tp"]` whatever the layout. Tensor parallelism is innermost so its
-heavy, latency-bound collectives stay within a node; pipeline stages outermost.
+The mesh always has the same five named dimensions, outermost first (`MESH_AXES`,
+forja/parallel/degrees.py): ("pp", "dp_replicate", "dp_shard", "cp", "tp"); degrees of 1
+are kept, so code can ask for `mesh["tp"]` whatever the layout. Tensor parallelism is
+innermost so its heavy, latency-bound collectives stay within a node; pipeline stages outermost.
 
 Every other mesh or process group forja uses (FSDP's, the loss average's, the
 pipeline's, the tied embedding's, a CPU group for stop flags) is made here, once, in
@@ -12,7 +12,7 @@ ranks that create them in different orders deadlock. (The tied embedding's pairs
 exception: disjoint, each made by its two ranks alone.) Each gets the run's timeout.
 
 Expert parallelism borrows from data parallelism: with parallel.ep > 1, a second mesh over
-the same ranks, ("pp", "dp_replicate", "efsdp", "ep", "tp"), splits dp_shard into
+the same ranks, ("pp", "dp_replicate", "efsdp", "cp", "ep", "tp"), splits dp_shard into
 efsdp x ep (consecutive dp_shard ranks form an EP group). Routed experts are sharded over
 "ep" and FSDP-sharded over "efsdp" (and replicated over dp_replicate); everything else
 keeps the main mesh.
@@ -25,58 +25,37 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from forja.errors import ForjaError
 from forja.parallel.config import ParallelConfig
+from forja.parallel.degrees import MESH_AXES, Axis, Degrees, WithDegrees
 from forja.parallel.process_group import apply_timeout, new_group, set_group_timeout
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-EXPERT_MESH_DIMS = ("pp", "dp_replicate", "efsdp", "cp", "ep", "tp")
+# The expert mesh's own dimension: the dp_shard ranks that hold the same experts.
+EFSDP = "efsdp"
+# The expert mesh: the world mesh with dp_shard split into (efsdp, ep) and ep moved next to tp.
+# (Mesh dimension names are given to torch as plain strings; an Axis looks them up as its key.)
+EXPERT_MESH_DIMS = (Axis.PP.value, Axis.DP_REPLICATE.value, EFSDP, Axis.CP.value, Axis.EP.value, Axis.TP.value)
 
 
 @dataclass
-class ParallelDims:
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    ep: int = 1
+class ParallelDims(WithDegrees):
+    """A run's resolved degrees (`dims.tp`, `dims.dp`, ... read them) and, once `build_mesh`
+    ran, its mesh and every group derived from it."""
+
+    degrees: Degrees
+    """Resolved against the world size (no dp_shard = -1)."""
     cp_kind: str = "ring"
     """How a cp group mixes its rows (ParallelConfig.cp_kind)."""
     _groups: _Groups | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
-        others = cfg.dp_replicate * cfg.tp * cfg.pp * cfg.cp
-        dp_shard = cfg.dp_shard
-        if dp_shard == -1:
-            if world_size % others:
-                raise ForjaError(f"world size {world_size} is not divisible by dp_replicate*tp*pp*cp = {others}; "
-                                 "change the parallel degrees or the number of processes")
-            dp_shard = world_size // others
-        dims = cls(cfg.pp, cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, ep=cfg.ep, cp_kind=cfg.cp_kind)
-        if dims.ep > 1 and dp_shard % dims.ep:
-            raise ForjaError(f"parallel.ep = {dims.ep} does not divide parallel.dp_shard = {dp_shard}: expert "
-                             "parallelism borrows its ranks from dp_shard; choose an ep that divides it")
-        if dims.world_size != world_size:
-            raise ForjaError(f"parallel degrees multiply to {dims.world_size} "
-                             f"(pp={dims.pp} x dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x "
-                             f"cp={dims.cp} x tp={dims.tp}) but {world_size} processes run; make them equal "
-                             "(parallel.dp_shard = -1 fills the rest)")
-        return dims
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree: how many different batches are processed at once."""
-        return self.dp_replicate * self.dp_shard
+        """The `[parallel]` section's degrees on `world_size` ranks (ForjaError if they cannot be)."""
+        return cls(cfg.degrees.resolve(world_size), cp_kind=cfg.cp_kind)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The world mesh, and every group derived from it (collective: all ranks call it)."""
-        mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        shape = tuple(degree for _, degree in self.degrees.items(MESH_AXES))
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=tuple(axis.value for axis in MESH_AXES))
         apply_timeout(mesh)  # torch gives a mesh's sub-groups its default timeout, not parallel.timeout_s
         self._groups = _Groups.build(self, mesh)
         return mesh
@@ -94,21 +73,21 @@ class ParallelDims:
 
     @property
     def tp_mesh(self) -> DeviceMesh:
-        return self.mesh["tp"]
+        return self.mesh[Axis.TP]
 
     @property
     def cp_mesh(self) -> DeviceMesh | None:
         """The ranks that split one sequence; None without context parallelism."""
-        return self.mesh["cp"] if self.cp > 1 else None
+        return self.mesh[Axis.CP] if self.cp > 1 else None
 
     @property
     def pp_mesh(self) -> DeviceMesh:
-        return self.mesh["pp"]
+        return self.mesh[Axis.PP]
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
         """The ranks holding the stages of one model copy; None without pipeline parallelism."""
-        return self.mesh["pp"].get_group() if self.pp > 1 else None
+        return self.pp_mesh.get_group() if self.pp > 1 else None
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
@@ -137,7 +116,7 @@ class ParallelDims:
     @property
     def ep_mesh(self) -> DeviceMesh | None:
         """The ranks sharing one MoE layer's experts; None without expert parallelism."""
-        return self.groups.expert_mesh["ep"] if self.ep > 1 else None
+        return self.groups.expert_mesh[Axis.EP] if self.ep > 1 else None
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh | None:
@@ -147,14 +126,14 @@ class ParallelDims:
         if self.ep == 1:
             return None
         mesh = self.groups.expert_mesh
-        shard = "efsdp_cp" if self.cp > 1 else "efsdp"
-        return mesh["dp_replicate", shard] if self.dp_replicate > 1 else mesh[shard]
+        shard = "efsdp_cp" if self.cp > 1 else EFSDP
+        return mesh[Axis.DP_REPLICATE, shard] if self.dp_replicate > 1 else mesh[shard]
 
     @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel replicas (replicate-major)."""
         mesh = self.mesh
-        return mesh["dp_replicate"].get_local_rank() * self.dp_shard + mesh["dp_shard"].get_local_rank()
+        return mesh[Axis.DP_REPLICATE].get_local_rank() * self.dp_shard + mesh[Axis.DP_SHARD].get_local_rank()
 
 
 @dataclass
@@ -175,6 +154,7 @@ class _Groups:
 
 
 def _flatten(mesh: DeviceMesh, names: tuple[str, ...], name: str) -> DeviceMesh:
+    """`names` of `mesh` as one dimension, `name` (each a dimension name or an Axis)."""
     flat = mesh[names]._flatten(name)
     set_group_timeout(flat.get_group())  # a new group: torch's default timeout otherwise
     return flat
@@ -182,17 +162,18 @@ def _flatten(mesh: DeviceMesh, names: tuple[str, ...], name: str) -> DeviceMesh:
 
 def _fsdp_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
     if dims.cp > 1:
-        shard = _flatten(mesh, ("dp_shard", "cp"), "dp_shard_cp")
-        return mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else shard
-    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        shard = _flatten(mesh, (Axis.DP_SHARD, Axis.CP), "dp_shard_cp")
+        return mesh[Axis.DP_REPLICATE, "dp_shard_cp"] if dims.dp_replicate > 1 else shard
+    return mesh[Axis.DP_REPLICATE, Axis.DP_SHARD] if dims.dp_replicate > 1 else mesh[Axis.DP_SHARD]
 
 
 def _loss_group(dims: ParallelDims, mesh: DeviceMesh) -> dist.ProcessGroup | None:
     if dims.dp * dims.cp == dims.world_size:
         return None
-    names = tuple(n for n in ("dp_replicate", "dp_shard", "cp") if getattr(dims, n) > 1)
+    names = tuple(axis for axis, degree in dims.degrees.items((Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP))
+                  if degree > 1)
     if len(names) <= 1:
-        return mesh[names[0] if names else "dp_shard"].get_group()
+        return mesh[names[0] if names else Axis.DP_SHARD].get_group()
     return _flatten(mesh, names, "dp_cp").get_group()
 
 
@@ -219,10 +200,10 @@ def _expert_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh | None:
     expert = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
     apply_timeout(expert)
     if dims.cp > 1:  # the experts' FSDP ranks: the same experts, other tokens
-        _flatten(expert, ("efsdp", "cp"), "efsdp_cp")
+        _flatten(expert, (EFSDP, Axis.CP), "efsdp_cp")
     # Known to DTensor, the flattened (efsdp, ep) group lets it reduce an expert gradient's
     # norm in one all-reduce instead of one per dimension.
-    _flatten(expert, ("efsdp", "ep"), "efsdp_ep")
-    if dims.tp > 1:  # with TP the experts are spread over ("ep", "tp"), their rows moved in one group
-        _flatten(expert, ("ep", "tp"), "ep_tp")
+    _flatten(expert, (EFSDP, Axis.EP), "efsdp_ep")
+    if dims.tp > 1:  # with TP the experts are spread over (ep, tp), their rows moved in one group
+        _flatten(expert, (Axis.EP, Axis.TP), "ep_tp")
     return expert

@@ -33,8 +33,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--layout", default=None, metavar="KEY=V,...",
-                   help="hold these keys and search the rest, e.g. 'parallel.dp_shard=2,parallel.tp=2' "
-                        "(give every degree and option to predict one layout)")
+                   help="hold these keys and search the rest, e.g. 'parallel.dp_shard=2,parallel.ac=full' "
+                        "(values read as --set reads them; give every degree and option to predict one layout)")
     p.add_argument("--check", default=None, metavar="RUN_DIR",
                    help="compare a finished run's peak memory and tokens/s with the prediction for its layout")
     add_goodput_args(p)
@@ -250,7 +250,7 @@ def measured(run_dir: Path) -> tuple[float, float]:
 def check_run(run_dir: Path, args: argparse.Namespace) -> int:
     from forja.config import load_config
     from forja.plan.job import job_from_config
-    from forja.plan.layout import from_config
+    from forja.plan.layout import Layout
     from forja.plan.planner import evaluate
 
     for name in ("config.toml", "run.json", "metrics.jsonl"):
@@ -268,7 +268,7 @@ def check_run(run_dir: Path, args: argparse.Namespace) -> int:
     cfg = load_config(str(run_dir / "config.toml"))
     world = int(launch.get("world_size", 1))
     job = job_from_config(cfg, gpu=hw.kind != "cpu")
-    c = evaluate(job, from_config(cfg.parallel, cfg.train.micro_batch_size, world), hw)
+    c = evaluate(job, Layout.from_config(cfg.parallel, cfg.train.micro_batch_size, world), hw)
     peak, rate = measured(run_dir)
     rows = [("peak memory per rank (GB)", c.memory.total / GB, peak / GB),
             ("tokens/s (whole job)", c.tokens_per_sec, rate)]

@@ -1,5 +1,7 @@
 """The job a plan is for: the model, the batch, the precision and the optimizer, as a run's
-config resolves them on a device kind (fused kernels and bf16 autocast only on GPUs)."""
+config resolves them on a device kind (fused kernels and bf16 autocast only on GPUs), and
+every setting of the run the layout validator reads (`job_from_config` is the one reader of
+them; `forja.plan.planner.layout_request` hands them on)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,15 @@ class Job:
 
     shape: ModelShape
     seq_len: int
+    """train.seq_len: the longest length the run trains at (memory and time are predicted there)."""
     global_batch_size: int
+    """Sequences per step over the data-parallel ranks: train.global_batch_size, or under [ft]
+    one replica group's share of it (a group is a job of its own: `--gpus` counts its ranks)."""
+    seq_lens: tuple[int, ...] = ()
+    """Every sequence length the run trains at (train.seq_len_schedule, data stages), each one a
+    layout must split; empty: seq_len alone."""
+    micro_batch_size: int = 1
+    """The recipe's train.micro_batch_size (a layout gives its own)."""
     optimizer: str = "adamw"
     gpu: bool = True
     """On a GPU: bf16 autocast ("auto" precision), fused AdamW, Triton kernels when asked for."""
@@ -48,6 +58,12 @@ class Job:
     """train.float8 as the recipe names it (the validator tells recipes apart)."""
     precision: str = "auto"
     """train.precision, as the recipe gives it."""
+    qk_clip_tau: float = 0.0
+    """optim.qk_clip_tau (the validator refuses it, and the next key, with context parallelism)."""
+    max_logit_metric: bool = False
+    """optim.max_logit_metric."""
+    ft: bool = False
+    """[ft] is on: the replicas are torchft replica groups, not parallel.dp_replicate."""
     fla: bool = False
     """flash-linear-attention is installed: on a GPU Gated DeltaNet blocks run its kernel
     (which keeps far less for backward than the PyTorch chunked reference)."""
@@ -74,13 +90,14 @@ def job_from_config(cfg: Config, *, gpu: bool, args: TransformerArgs | None = No
     from forja.models.config import run_model_args
 
     args = args or run_model_args(cfg.model, cfg.data.vocab_size)
-    precision = cfg.train.precision
-    bf16 = precision == "bf16" or (precision == "auto" and gpu) or cfg.parallel.mixed_precision == "bf16"
-    return Job(shape=model_shape(args, cfg.train.seq_len), seq_len=cfg.train.seq_len,
-               global_batch_size=cfg.train.global_batch_size, optimizer=cfg.optim.name, gpu=gpu, bf16=bf16,
-               bf16_params=cfg.parallel.mixed_precision == "bf16",
-               fused=frozenset(args.fused_ops) if gpu else frozenset(), float8=cfg.train.float8 != "none",
+    t, p = cfg.train, cfg.parallel
+    bf16 = t.precision == "bf16" or (t.precision == "auto" and gpu) or p.mixed_precision == "bf16"
+    return Job(shape=model_shape(args, t.seq_len), seq_len=t.seq_len, seq_lens=cfg.run_seq_lens(),
+               global_batch_size=cfg.ft.group_batch(t.global_batch_size), micro_batch_size=t.micro_batch_size,
+               optimizer=cfg.optim.name, gpu=gpu, bf16=bf16, bf16_params=p.mixed_precision == "bf16",
+               fused=frozenset(args.fused_ops) if gpu else frozenset(), float8=t.float8 != "none",
                # aot_eager and eager trace the graphs but fuse nothing: priced as eager
-               compiled=cfg.parallel.compile and cfg.parallel.compile_backend == "inductor", async_tp=gpu and cfg.parallel.async_tp and cfg.parallel.compile,
-               parallel=cfg.parallel, document_mask=cfg.model.document_mask, float8_recipe=cfg.train.float8,
-               precision=precision, fla=gpu and importlib.util.find_spec("fla") is not None)
+               compiled=p.compile and p.compile_backend == "inductor", async_tp=gpu and p.async_tp and p.compile,
+               parallel=p, document_mask=cfg.model.document_mask, float8_recipe=t.float8, precision=t.precision,
+               qk_clip_tau=cfg.optim.qk_clip_tau, max_logit_metric=cfg.optim.max_logit_metric, ft=cfg.ft.enabled,
+               fla=gpu and importlib.util.find_spec("fla") is not None)

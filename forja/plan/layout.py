@@ -1,64 +1,82 @@
 """A layout: how one job is spread over the ranks, as the planner sees it.
 
 A `Layout` holds exactly the values `forja train` reads from `parallel.*` and
-`train.micro_batch_size`, so a plan's choice is a list of `--set` overrides (`overrides`)
-and any run's config gives back its layout (`from_config`). `enumerate_layouts` lists the
-layouts that divide a world size, for the search.
+`train.micro_batch_size` (its degrees as one `Degrees` value, forja/parallel/degrees.py), so
+a plan's choice is a list of `--set` overrides (`overrides`) and any run's config gives back
+its layout (`Layout.from_config`). `parse_fixed` reads `forja plan --layout` as `--set` reads
+its values; `enumerate_layouts` lists the layouts that divide a world size, for the search.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from forja.config import coerce_key, parse_value
 from forja.errors import ForjaError
 from forja.parallel.config import CP_KINDS, ParallelConfig
+from forja.parallel.degrees import AXIS_NAMES, Axis, Degrees, WithDegrees
 from forja.parallel.pp_split import stages_per_rank
 
-# The layout's fields that are `parallel.*` keys (the rest of ParallelConfig is left as the recipe says).
-PARALLEL_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "cp_kind", "ep", "reshard_after_forward",
-                 "cpu_offload", "sequence_parallel", "ac", "ac_every", "pp_schedule", "pp_microbatches")
+# The layout's `parallel.*` keys, in the order a plan prints them: the degrees, cp's kind after
+# cp, then the options (the rest of ParallelConfig is left as the recipe says).
+PARALLEL_KEYS = (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.TP, Axis.PP, Axis.CP, "cp_kind", Axis.EP,
+                 "reshard_after_forward", "cpu_offload", "sequence_parallel", "ac", "ac_every", "pp_schedule",
+                 "pp_microbatches")
+OPTION_KEYS = tuple(k for k in PARALLEL_KEYS if not isinstance(k, Axis))
+LAYOUT_KEYS = frozenset(PARALLEL_KEYS) | {"micro_batch_size"}
+"""What `forja plan --layout` may hold: the layout's keys, by name without the section."""
 AC_MODES = (("none", 0), ("selective", 0), ("full", 0))
-DEGREE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Layout:
-    """Degrees of each parallelism and the memory options of one candidate."""
+class Layout(WithDegrees):
+    """Degrees of each parallelism and the memory options of one candidate (`lay.tp`, `lay.dp`,
+    ... read its degrees)."""
 
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
+    degrees: Degrees = Degrees()
+    """Ranks of each kind of parallelism, resolved (no dp_shard = -1)."""
     cp_kind: str = "ring"
     """Under cp > 1: "ring" (K/V passed around the cp ranks) or "all-to-all" (re-sharded over heads)."""
     reshard_after_forward: bool = True
     """ZeRO-3 (True) or ZeRO-2 (False) under FSDP."""
     cpu_offload: bool = False
+    """FSDP's parameters, gradients and optimizer state in host memory."""
     sequence_parallel: bool = True
+    """With tp > 1: norms and residuals split along the sequence."""
     ac: str = "none"
+    """Activation checkpointing: none, full or selective."""
     ac_every: int = 0
+    """selective: every k-th block; 0: op-level."""
     pp_schedule: str = "1f1b"
+    """The pipeline schedule under pp > 1."""
     pp_microbatches: int = 0
     """0: local batch / micro_batch_size, as forja train counts them."""
     micro_batch_size: int = 1
+    """Sequences per forward/backward on one rank."""
 
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+    @classmethod
+    def of(cls, **values: Any) -> Layout:
+        """A layout from its keys by name, degrees among them: Layout.of(dp_shard=8, tp=2, ac="full")."""
+        return cls().with_values(**values)
 
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig, micro_batch_size: int, world_size: int) -> Layout:
+        """The layout a run's config asks for on `world_size` ranks (dp_shard = -1 resolved;
+        a ForjaError when the degrees cannot make the world size)."""
+        return cls(degrees=parallel.degrees.resolve(world_size), micro_batch_size=micro_batch_size,
+                   **{k: getattr(parallel, k) for k in OPTION_KEYS})
 
-    @property
-    def fsdp(self) -> int:
-        """Ranks a parameter is sharded over (dp_shard joined with cp, as ParallelDims.fsdp_mesh)."""
-        return self.dp_shard * self.cp
+    def with_values(self, **values: Any) -> Layout:
+        """This layout with the keys given by name (degrees or options) changed."""
+        degrees = {k: values.pop(k) for k in list(values) if k in AXIS_NAMES}
+        return replace(self, degrees=replace(self.degrees, **degrees), **values)
+
+    def parallel(self, base: ParallelConfig) -> ParallelConfig:
+        """`base` (a recipe's `[parallel]`) with this layout's keys."""
+        return replace(base.with_degrees(self.degrees), **{k: getattr(self, k) for k in OPTION_KEYS})
 
     @property
     def stages_per_rank(self) -> int:
@@ -85,9 +103,7 @@ class Layout:
     def describe(self) -> str:
         """A short name, e.g. 'dp_shard 8 x tp 8 x pp 4 | zero-3 | ac full | mbs 1 | 1f1b x 16' (a CP
         degree names its kind: 'cp 4 ring', 'cp 2 all-to-all')."""
-        degrees = [f"{k} {getattr(self, k)}" + (f" {self.cp_kind}" if k == "cp" else "")
-                   for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep") if getattr(self, k) > 1] or ["1 rank"]
-        parts = [" x ".join(degrees)]
+        parts = [self.degrees.describe(self.cp_kind)]
         if self.fsdp > 1 or self.dp_replicate > 1:
             parts.append("zero-3" if self.reshard_after_forward else "zero-2")
         if self.cpu_offload:
@@ -102,47 +118,26 @@ class Layout:
         return " | ".join(parts)
 
 
-def from_config(parallel: ParallelConfig, micro_batch_size: int, world_size: int) -> Layout:
-    """The layout a run's config asks for on `world_size` ranks (dp_shard = -1 resolved)."""
-    values = {k: getattr(parallel, k) for k in PARALLEL_KEYS}
-    if values["dp_shard"] == -1:
-        others = parallel.dp_replicate * parallel.tp * parallel.pp * parallel.cp
-        values["dp_shard"] = max(1, world_size // others)
-    return Layout(**values, micro_batch_size=micro_batch_size)
-
-
 def parse_layout(text: str, base: Layout) -> Layout:
     """'parallel.dp_shard=2,parallel.tp=2,train.micro_batch_size=4' on top of `base`."""
-    return replace(base, **parse_fixed(text, base))
+    return base.with_values(**parse_fixed(text))
 
 
-def parse_fixed(text: str, like: Layout = Layout()) -> dict[str, Any]:
-    """The keys a `--layout` text gives, as Layout field -> value (the rest is left to the search)."""
-    known = {f.name for f in fields(Layout)}
+def parse_fixed(text: str) -> dict[str, Any]:
+    """The keys a `--layout` text gives, as Layout key -> value (the rest is left to the search).
+    Each value is read as `--set` reads it (TOML, else a bare string: `parallel.ac=full` and
+    `parallel.ac="full"` alike) and checked against what its key takes."""
     values: dict[str, Any] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = item.partition("=")
+        key, sep, raw = item.partition("=")
         name = key.strip().removeprefix("parallel.").removeprefix("train.")
-        if not sep or name not in known:
+        if not sep or name not in LAYOUT_KEYS:
             raise ForjaError(f"--layout item {item!r}: expected KEY=VALUE with KEY one of parallel.{{"
                              f"{', '.join(PARALLEL_KEYS)}}} or train.micro_batch_size")
-        values[name] = _parse_value(value.strip(), getattr(like, name), item)
-        if name == "cp_kind" and values[name] not in CP_KINDS:
-            raise ForjaError(f"--layout item {item!r}: parallel.cp_kind is one of {', '.join(CP_KINDS)}")
+        dotted = "train.micro_batch_size" if name == "micro_batch_size" else f"parallel.{name}"
+        values[name] = coerce_key(dotted, parse_value(raw))
+    _ = Degrees(**{k: v for k, v in values.items() if k in AXIS_NAMES})  # built to check each held degree
     return values
-
-
-def _parse_value(value: str, like: Any, item: str) -> Any:
-    if isinstance(like, bool):
-        if value.lower() not in ("true", "false"):
-            raise ForjaError(f"--layout item {item!r}: expected true or false")
-        return value.lower() == "true"
-    if isinstance(like, int):
-        try:
-            return int(value)
-        except ValueError:
-            raise ForjaError(f"--layout item {item!r}: expected an integer") from None
-    return value
 
 
 def divisors(n: int) -> list[int]:
@@ -171,7 +166,7 @@ class SearchSpace:
 
     def options(self) -> dict[str, Any]:
         """The fixed keys that are not degrees nor searched lists: applied to every layout."""
-        return {k: v for k, v in self.fixed if k not in DEGREE_KEYS + ("micro_batch_size", "pp_schedule")}
+        return {k: v for k, v in self.fixed if k not in AXIS_NAMES | {"micro_batch_size", "pp_schedule"}}
 
     def with_fixed(self, fixed: dict[str, Any]) -> SearchSpace:
         """This space with `fixed` held: a micro-batch size or schedule outside the default
@@ -248,7 +243,7 @@ def _dp_splits(dp: int, tp: int, pp: int, cp: int, n_layers: int, n_experts: int
         for ep, mbs in itertools.product(eps, space.micro_batch_sizes):
             if local % mbs or not space.allows(ep=ep):
                 continue
-            base = Layout(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep,
+            base = Layout(degrees=Degrees(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep),
                           micro_batch_size=mbs)
             yield from _memory_options(base, n_layers, local, space)
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass, replace
 
 from forja.models.common.moe import MoEArgs
 from forja.parallel.checks import LayoutRequest, layout_errors
+from forja.parallel.degrees import Axis
 from forja.plan.hardware import Hardware
 from forja.plan.job import Job
-from forja.plan.layout import PARALLEL_KEYS, Layout, SearchSpace, enumerate_layouts
+from forja.plan.layout import Layout, SearchSpace, enumerate_layouts
 from forja.plan.memory import MemoryBreakdown, predict_memory
 from forja.plan.speed import TimeBreakdown, predict_time, throughput
 
@@ -62,19 +63,29 @@ class Candidate:
         }
 
 
-def layout_request(job: Job, lay: Layout, hw: Hardware) -> LayoutRequest:
-    """`lay` for `job` as forja train would launch it on `hw`: the recipe's `[parallel]`
-    section with the layout's keys, on ranks of the hardware's kind."""
-    parallel = replace(job.parallel, **{k: getattr(lay, k) for k in PARALLEL_KEYS})
-    return LayoutRequest(args=job.args, parallel=parallel, world_size=lay.world_size, seq_len=job.seq_len,
-                         global_batch_size=job.global_batch_size, micro_batch_size=lay.micro_batch_size,
-                         device_type="cpu" if hw.kind == "cpu" else "cuda", document_mask=job.document_mask,
-                         float8=job.float8_recipe, precision=job.precision)
+def layout_request(job: Job, device_type: str, world_size: int, layout: Layout | None = None) -> LayoutRequest:
+    """What the layout validator judges: `job` on `world_size` ranks of `device_type` ("cuda" or
+    "cpu"), laid out as its recipe's `[parallel]` says, or as `layout` says (its keys over the
+    recipe's section). The one place a run's settings become a request: `forja plan`,
+    `parallel.auto`, the memory check and `forja train`'s preflight all come through here."""
+    parallel, micro = job.parallel, job.micro_batch_size
+    if layout is not None:
+        parallel, micro = layout.parallel(job.parallel), layout.micro_batch_size
+    return LayoutRequest(args=job.args, parallel=parallel, world_size=world_size, seq_len=job.seq_len,
+                         global_batch_size=job.global_batch_size, micro_batch_size=micro, device_type=device_type,
+                         document_mask=job.document_mask, float8=job.float8_recipe, precision=job.precision,
+                         seq_lens=job.seq_lens, qk_clip_tau=job.qk_clip_tau, max_logit_metric=job.max_logit_metric,
+                         ft=job.ft)
+
+
+def device_type_of(hw: Hardware) -> str:
+    """The torch device type ranks of `hw` run on."""
+    return "cpu" if hw.kind == "cpu" else "cuda"
 
 
 def layout_error(job: Job, lay: Layout, hw: Hardware) -> str | None:
     """Why forja train would refuse `lay` for `job` (the validator's first reason); None if it runs."""
-    errors = layout_errors(layout_request(job, lay, hw))
+    errors = layout_errors(layout_request(job, device_type_of(hw), lay.world_size, lay))
     return errors[0] if errors else None
 
 
@@ -127,5 +138,5 @@ def plan(job: Job, hw: Hardware, world: int, *, space: SearchSpace | None = None
 def complexity(lay: Layout) -> int:
     """How many things a layout asks of the user beyond plain FSDP: each kind of parallelism,
     replication, offload and recomputation."""
-    kinds = sum(getattr(lay, k) > 1 for k in ("dp_replicate", "tp", "pp", "cp", "ep"))
+    kinds = sum(degree > 1 for axis, degree in lay.degrees.items() if axis is not Axis.DP_SHARD)
     return kinds + lay.cpu_offload + (lay.ac != "none")

@@ -2,7 +2,7 @@
 device's peak, each collective's bytes over the link it crosses, what overlaps, and the
 pipeline bubble. Formulas in docs/planner.md.
 
-Links: the mesh is ("pp", "dp_replicate", "dp_shard", "cp", "tp") with tp innermost, as
+Links: the mesh is (pp, dp_replicate, dp_shard, cp, tp) with tp innermost (MESH_AXES), as
 ParallelDims builds it, so a group of n ranks whose members are `stride` ranks apart stays in
 one node when n x stride <= gpus_per_node; otherwise its ring crosses the network, where each
 GPU has its own NIC (inter_node_bytes_per_s).
@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from forja.models.common.moe import MoEArgs
+from forja.parallel.degrees import MESH_AXES, Axis
 from forja.plan.context_parallel import a2a_elements, act_bytes, ring_attention_work, ring_kv_bytes, ring_scan_bytes
 from forja.plan.hardware import Hardware
 from forja.plan.job import Job
@@ -71,13 +72,13 @@ class TimeBreakdown(Breakdown):
     """CPU offload: the optimizer step on the host and the PCIe copies."""
 
 
-def link_bandwidth(hw: Hardware, lay: Layout, dim: str) -> float:
+def link_bandwidth(hw: Hardware, lay: Layout, dim: Axis) -> float:
     """Bytes/s per rank of a collective over mesh dimension `dim`."""
-    order = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+    inner = MESH_AXES[MESH_AXES.index(dim) + 1:]  # the dimensions nearer the ranks: `dim`'s stride
     stride = 1
-    for name in order[: order.index(dim)]:
-        stride *= getattr(lay, name)
-    size = getattr(lay, dim)
+    for _, degree in lay.degrees.items(inner):
+        stride *= degree
+    size = lay.degrees[dim]
     return hw.intra_node_bytes_per_s if size * stride <= hw.gpus_per_node else hw.inter_node_bytes_per_s
 
 
@@ -209,7 +210,7 @@ def _rank_time(job: Job, lay: Layout, hw: Hardware, rm) -> TimeBreakdown:
     n_blocks = sum(len(idx) for _, idx in rm.groups)
     if lay.tp > 1:  # per block: 2 gathers + 2 reduce-scatters forward, the same backward (+ recompute)
         ops = 8 + (4 if lay.ac == "full" else 0)
-        per_op = ring_time(tokens_mb * a.dim * act, lay.tp, link_bandwidth(hw, lay, "tp"))
+        per_op = ring_time(tokens_mb * a.dim * act, lay.tp, link_bandwidth(hw, lay, Axis.TP))
         comm = ops * per_op * n_blocks * micro
         # Async TP splits each collective into tp chunks run under the matmul of the chunk
         # before: what shows is the first chunk and whatever the matmuls cannot cover.
@@ -223,7 +224,7 @@ def _rank_time(job: Job, lay: Layout, hw: Hardware, rm) -> TimeBreakdown:
     t.offload = offload_time(job, lay, rm)
     if lay.pp > 1:
         t.pp_bubble = compute * bubble_fraction(lay, micro)
-        t.pp_comm = 2 * micro * tokens_mb * a.dim * act / link_bandwidth(hw, lay, "pp") * rm.stages
+        t.pp_comm = 2 * micro * tokens_mb * a.dim * act / link_bandwidth(hw, lay, Axis.PP) * rm.stages
     return t
 
 
@@ -258,7 +259,7 @@ def cp_block_time(job: Job, lay: Layout, hw: Hardware, block, tokens_mb: float) 
     if lay.cp_kind == "all-to-all":
         volume = tokens_mb * a2a_elements(job, lay, block) * act_bytes(job)
         return (2 + reruns) * all_to_all_time(volume, lay.cp, hw, lay.tp)
-    bw = link_bandwidth(hw, lay, "cp")
+    bw = link_bandwidth(hw, lay, Axis.CP)
     if block.kind == "linear_attention":
         state, halo = ring_scan_bytes(job, lay, block, lay.sequences_per_microbatch(job.global_batch_size))
         return (2 + reruns) * (ring_time(state * lay.cp, lay.cp, bw) + halo / bw)
@@ -302,7 +303,7 @@ def _fsdp_exposed(job: Job, lay: Layout, hw: Hardware, rm, compute: float) -> fl
     root, largest, blocks, _ = rank_elements(job, lay, rm)
     elements = root + blocks
     gather_width = 2 if job.bf16_params else 4
-    bw = link_bandwidth(hw, lay, "dp_shard")
+    bw = link_bandwidth(hw, lay, Axis.DP_SHARD)
     comm = 0.0
     if lay.fsdp > 1:
         gathers = 2 if lay.reshard_after_forward else 1
@@ -312,7 +313,7 @@ def _fsdp_exposed(job: Job, lay: Layout, hw: Hardware, rm, compute: float) -> fl
             comm += (lay.microbatches(job.global_batch_size) - 1) * ring_time(elements * 4, lay.fsdp, bw)
     if lay.dp_replicate > 1:
         comm += ring_time(elements / max(1, lay.fsdp) * 4, lay.dp_replicate,
-                          link_bandwidth(hw, lay, "dp_replicate"), all_reduce=True)
+                          link_bandwidth(hw, lay, Axis.DP_REPLICATE), all_reduce=True)
     first = ring_time(largest * gather_width, lay.fsdp, bw) if lay.fsdp > 1 else 0.0
     return max(0.0, comm - compute) + first
 

@@ -48,7 +48,7 @@ from forja.train.step.engine import StepScales, build_engine
 from forja.train.evaluation import EvalCallback
 from forja.train.launch.finished import finished
 from forja.train.resilience.goodput import Goodput
-from forja.train.launch.preflight import Preflight, layout_request
+from forja.train.launch.preflight import Preflight
 from forja.train.probes import ActivationSizes
 from forja.train.resilience.recovery import Outcome, Recovery
 from forja.train.launch.run_dir import RunDir, report_fallbacks
@@ -115,7 +115,7 @@ class Trainer:
         self.tokenizer, dataset = data(c, rank=self.rank, run_dir=self.run_dir)
         args = run_model_args(c.model, self.tokenizer.vocab_size)
         if args != preflight.args:  # a tokenizer trained just now may hold fewer tokens than asked
-            check_layout(layout_request(c, args, info.world_size, self.device.type))
+            check_layout(preflight.request(args))
         return dataset, args
 
     def _build_model(self, args: TransformerArgs, info: DistInfo) -> tuple[dict, ModelParts]:

@@ -42,9 +42,10 @@ def _ep_case(rank: int, world: int, ep_mesh, kw: dict, sizes: list[int]):
 
 def _ep_cases(rank: int, world: int, cases: list[tuple[dict, list[int]]]) -> list:
     """Every case on one mesh: one spawn for all of them (the start-up is most of the time)."""
+    from forja.parallel.degrees import Degrees
     from forja.parallel.dims import ParallelDims
 
-    dims = ParallelDims(1, 1, world, 1, 1, ep=world)
+    dims = ParallelDims(Degrees(dp_shard=world, ep=world))
     dims.build_mesh("cpu")
     return [_ep_case(rank, world, dims.ep_mesh, kw, sizes) for kw, sizes in cases]
 

@@ -168,11 +168,12 @@ def _expert_rows(rank: int, world: int, tp: int, sp: bool):
     from forja.models import model_args
     from forja.models.common.moe import moe_layers
     from forja.parallel.config import ParallelConfig
+    from forja.parallel.degrees import Degrees
     from forja.parallel.dims import ParallelDims
     from forja.parallel.tp import local_value, loss_context
     from forja.train.build import build_model_parts
 
-    dims = ParallelDims(1, 1, world // tp, 1, tp)
+    dims = ParallelDims(Degrees(dp_shard=world // tp, tp=tp))
     if world > 1:  # one process needs no mesh: it runs in the test's own process
         dims.build_mesh("cpu")
     cfg = ParallelConfig(tp=tp, dp_shard=world // tp, sequence_parallel=sp)

@@ -43,6 +43,16 @@ def test_table_and_one_layout(capsys):
     assert "no layout of 16 ranks with parallel.dp_shard=3,parallel.tp=2" in capsys.readouterr().err
 
 
+def test_layout_reads_values_as_set_does_and_refuses_bad_ones(capsys):
+    for value in ('"selective"', "selective"):  # the quoting --set wants, and a bare word: one value
+        assert main(["plan", "debug", "--gpus", "2", "--gpu", "cpu", "--json", "--layout", f"parallel.ac={value}"]) == 0
+        cands = json.loads(capsys.readouterr().out)["candidates"]
+        assert cands and {c["layout"]["parallel.ac"] for c in cands} == {"selective"} and cands[0]["runs"]
+    assert main(["plan", "debug", "--gpus", "2", "--gpu", "cpu", "--layout", "parallel.ac=bogus"]) == 2
+    assert capsys.readouterr().err.strip() == ("forja plan: error: parallel.ac = 'bogus' is not valid: it must be one "
+                                               "of 'none', 'full', 'selective'")
+
+
 def test_a_partial_layout_holds_its_keys_and_searches_the_rest(capsys):
     """torchtitan's Llama 3.1 8B on 8 H100s is FSDP 8 with selective AC: given only dp_shard = 8,
     the search finds the AC that makes it fit instead of fixing every other key to the recipe's."""

@@ -60,6 +60,8 @@ def test_bad_inputs_stop_before_any_write(tmp_path, train_data, other_tokenizer,
                       "train.global_batch_size = 5 is not divisible by the data-parallel degree 2"))
         cases.append((train_data, {"parallel.tp": "2", "model.overrides.n_kv_heads": "1"},
                       "model n_kv_heads = 1 (parallel.tp = 2) is not divisible by 2"))
+        cases.append((train_data, {"parallel.cp": "2", "optim.qk_clip_tau": "100.0"},
+                      "optim.qk_clip_tau / optim.max_logit_metric cannot be used with parallel.cp > 1"))
     for data, sets, words in cases:
         err = _launch(run, data, nproc, capsys, **sets)
         assert words in err, (sets, err)
@@ -81,9 +83,10 @@ def test_the_default_recipe_runs_on_two_ranks_as_written():
     from forja.config import load_config
     from forja.models.config import run_model_args
     from forja.parallel.checks import layout_errors
-    from forja.train.launch.preflight import layout_request
+    from forja.train.launch.preflight import Preflight
 
     cfg = load_config("default", [])
     args = run_model_args(cfg.model, cfg.data.vocab_size)
-    assert layout_errors(layout_request(cfg, args, 2, "cpu")) == []
-    assert layout_errors(layout_request(cfg, args, 4, "cpu"))  # 8 / 4 ranks < micro 4: refused, with its reason
+    assert layout_errors(Preflight(cfg, world_size=2, device_type="cpu", args=args).request()) == []
+    # 8 / 4 ranks < micro 4: refused, with its reason
+    assert layout_errors(Preflight(cfg, world_size=4, device_type="cpu", args=args).request())

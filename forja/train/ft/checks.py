@@ -8,18 +8,15 @@ from forja.errors import ForjaError
 
 
 def check_ft(cfg) -> None:
-    """One sentence for each layout or setting torchft's replica groups cannot serve."""
-    ft, t, p = cfg.ft, cfg.train, cfg.parallel
+    """One sentence for each setting torchft's replica groups cannot serve (a layout they cannot:
+    the layout validator, forja/parallel/checks.py)."""
+    ft, t = cfg.ft, cfg.train
     if not ft.enabled:
         return
     try:
         import torchft  # noqa: F401
     except ImportError as exc:
         raise ForjaError("ft.enabled needs torchft: pip install -e '.[ft]'") from exc
-    if p.dp_replicate > 1:
-        raise ForjaError(f"parallel.dp_replicate = {p.dp_replicate} with ft.enabled: the replica groups are the "
-                         "replicas (HSDP's outer dimension), so set parallel.dp_replicate = 1 and ft.groups to the "
-                         "number of replicas")
     if t.global_batch_size % ft.groups:
         raise ForjaError(f"train.global_batch_size = {t.global_batch_size} does not divide into ft.groups = "
                          f"{ft.groups} equal shares: each group trains global_batch_size / groups samples per step")

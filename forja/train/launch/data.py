@@ -205,13 +205,6 @@ def check_stages(cfg: Config) -> None:
                          "keep it on the stage whose steps should anneal")
 
 
-def run_seq_lens(cfg: Config) -> tuple[int, ...]:
-    """Every sequence length the run trains at: train.seq_len_schedule's and the stages'."""
-    lengths = set(cfg.train.seq_lens())
-    lengths |= {s.seq_len for s in cfg.data.stages if s.seq_len is not None and s.start_step <= cfg.train.steps}
-    return tuple(sorted(lengths))
-
-
 def decay_window(cfg: Config) -> tuple[int, int] | None:
     """(first, last) completed-step counts of a stage's lr_phase = "decay": from the stage's
     first step to the next stage's start or train.steps; None without one."""

@@ -34,24 +34,14 @@ from forja.ops.float8 import check_float8
 from forja.parallel.checks import LayoutRequest, check_layout
 from forja.plan.hardware import Hardware, get_hardware, hardware_for_device
 from forja.plan.job import Job, job_from_config
-from forja.plan.layout import PARALLEL_KEYS, Layout, from_config
-from forja.plan.planner import Candidate, evaluate, plan, usable_memory
+from forja.plan.layout import Layout
+from forja.plan.planner import Candidate, evaluate, layout_request, plan, usable_memory
 from forja.train.ft.checks import check_ft
-from forja.train.launch.data import check_data, check_splits, check_stages, run_seq_lens
+from forja.train.launch.data import check_data, check_splits, check_stages
 from forja.train.launch.run_dir import RunDir
 from forja.train.launch.stage_history import check_stage_history
 
 GB = 1e9
-
-
-def layout_request(cfg: Config, args: TransformerArgs, world_size: int, device_type: str) -> LayoutRequest:
-    """The run's layout as the validator reads it."""
-    t = cfg.train
-    return LayoutRequest(args=args, parallel=cfg.parallel, world_size=world_size, seq_len=t.seq_len,
-                         global_batch_size=cfg.ft.group_batch(t.global_batch_size),  # one replica group's
-                         micro_batch_size=t.micro_batch_size,
-                         device_type=device_type, document_mask=cfg.model.document_mask, float8=t.float8,
-                         precision=t.precision, seq_lens=run_seq_lens(cfg))
 
 
 def check_positions(args: TransformerArgs, seq_len: int) -> None:
@@ -101,9 +91,8 @@ def device_hardware(device_type: str, *, ranks_here: int | None = None, in_worke
 
 def with_layout(cfg: Config, lay: Layout) -> Config:
     """`cfg` with the layout's parallel keys and micro-batch size."""
-    parallel = dataclasses.replace(cfg.parallel, **{k: getattr(lay, k) for k in PARALLEL_KEYS})
     train = dataclasses.replace(cfg.train, micro_batch_size=lay.micro_batch_size)
-    return dataclasses.replace(cfg, parallel=parallel, train=train)
+    return dataclasses.replace(cfg, parallel=lay.parallel(cfg.parallel), train=train)
 
 
 @dataclasses.dataclass
@@ -125,7 +114,7 @@ class Preflight:
     def run(self) -> Preflight:
         """Every check; raises the first failure as one ForjaError. Writes nothing."""
         RunDir(self.cfg, rank=self.rank).check()
-        check_ft(self.cfg)  # replica groups: a layout or setting torchft cannot serve
+        check_ft(self.cfg)  # replica groups: a setting torchft cannot serve (a layout: check_layout below)
         check_tasks(self.cfg.eval.tasks)
         tokenizer = check_data(self.cfg)
         check_stages(self.cfg)
@@ -134,8 +123,8 @@ class Preflight:
         hw = self.hw = device_hardware(self.device_type, ranks_here=self.ranks_here, in_worker=self.in_worker)
         if self.cfg.parallel.auto:
             self.cfg = self._auto_layout(hw)
-        check_layout(layout_request(self.cfg, self.args, self.world_size, self.device_type))  # every scheduled length
-        check_positions(self.args, run_seq_lens(self.cfg)[-1])
+        check_layout(self.request())  # every scheduled length, one replica group's batch
+        check_positions(self.args, self.cfg.run_seq_lens()[-1])
         if self.cfg.train.float8 != "none":  # float8 that would convert no layer (a meta model tells)
             check_float8(build_from_args(self.args, device="meta"), self.cfg.train.float8,
                          self.cfg.train.float8_min_features)
@@ -144,8 +133,14 @@ class Preflight:
         check_splits(self.cfg, tokenizer)
         return self
 
-    def job(self, hw: Hardware) -> Job:
-        return job_from_config(self.cfg, gpu=hw.kind != "cpu", args=self.args)
+    def job(self, args: TransformerArgs | None = None) -> Job:
+        """The planner's job of this launch (`args`: the model's, when they differ from the
+        preflight's, e.g. after a tokenizer was trained with fewer tokens)."""
+        return job_from_config(self.cfg, gpu=self.device_type == "cuda", args=args or self.args)
+
+    def request(self, args: TransformerArgs | None = None) -> LayoutRequest:
+        """This launch's layout as the layout validator reads it."""
+        return layout_request(self.job(args), self.device_type, self.world_size)
 
     def _auto_layout(self, hw: Hardware | None) -> Config:
         """The config with the fastest layout predicted to fit (parallel.auto). The search is
@@ -157,7 +152,7 @@ class Preflight:
             raise ForjaError(f"parallel.auto ranks layouts by predicted speed, but {hw.name} has an unknown peak; "
                              "add the device to a hardware file named by $FORJA_HARDWARE (docs/planner.md), or set "
                              "the layout's parallel keys yourself")
-        ranked = plan(self.job(hw), hw, self.world_size)
+        ranked = plan(self.job(), hw, self.world_size)
         self.chosen = next((c for c in ranked if c.fits), None)
         if self.chosen is None:
             closest = ranked[0].why_not if ranked else "no layout divides the job"
@@ -180,8 +175,8 @@ class Preflight:
         cfg = self.cfg
         if cfg.parallel.memory_check == "off":
             return
-        job = self.job(hw)
-        own = evaluate(job, from_config(cfg.parallel, cfg.train.micro_batch_size, self.world_size), hw)
+        job = self.job()
+        own = evaluate(job, Layout.from_config(cfg.parallel, cfg.train.micro_batch_size, self.world_size), hw)
         if own.memory.total <= usable_memory(hw):
             return
         message = over_memory_message(own, job, hw, self.world_size)

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 
 from forja import fallbacks
-from forja.errors import ForjaError
 from forja.models.common.attention import Attention
 from forja.models.common.max_logit import MaxLogitTracking
 from forja.models.common.mla import MLA
@@ -57,9 +56,6 @@ class AttentionLogits:
     def __init__(self, parts: list[nn.Module], dims: ParallelDims, cfg: OptimConfig):
         self.tau = cfg.qk_clip_tau
         self.enabled = self.tau > 0 or cfg.max_logit_metric
-        if self.enabled and dims.cp > 1:
-            raise ForjaError("optim.qk_clip_tau / optim.max_logit_metric cannot be used with parallel.cp > 1 "
-                             "(each rank sees only part of a sequence's keys); set parallel.cp = 1 or turn them off")
         self.dims = dims
         self.n_layers, self.n_heads = parts[0].args.n_layers, parts[0].args.n_heads  # the whole model's
         self.device = next(parts[0].parameters()).device

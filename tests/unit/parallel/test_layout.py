@@ -10,6 +10,7 @@ from forja.models import build_model, model_args
 from forja.parallel.ac import apply_ac
 from forja.parallel.checks import LayoutRequest, check_layout, layout_errors
 from forja.parallel.config import ParallelConfig
+from forja.parallel.degrees import MESH_AXES, Axis, Degrees
 from forja.parallel.dims import ParallelDims
 
 
@@ -85,6 +86,31 @@ def test_every_length_of_a_sequence_length_schedule_is_checked():
     assert layout_errors(r) == ["train.seq_len = 30 (2 x parallel.cp, a chunk and its mirror per rank = 4, under "
                                 "parallel.cp_kind = 'ring') is not divisible by 4; change train.seq_len or parallel.cp"]
     assert layout_errors(dataclasses.replace(r, seq_lens=(32, 64))) == []
+
+
+@pytest.mark.parametrize("optim", [dict(qk_clip_tau=100.0), dict(max_logit_metric=True)])
+def test_attention_logits_are_refused_with_context_parallelism(optim):
+    """A head's max logit is recomputed from the keys a rank holds: under cp a part of them."""
+    r = dataclasses.replace(_request(2, cp=2), **optim)
+    assert layout_errors(r) == ["optim.qk_clip_tau / optim.max_logit_metric cannot be used with parallel.cp > 1 "
+                                "(each rank sees only part of a sequence's keys); set parallel.cp = 1 or turn them off"]
+    assert layout_errors(dataclasses.replace(_request(2, dp_shard=2), **optim)) == []
+    assert layout_errors(_request(2, cp=2)) == []
+
+
+def test_degrees_are_one_value_with_named_axes():
+    d = ParallelConfig(tp=2, pp=2).degrees
+    assert d == Degrees(tp=2, pp=2, dp_shard=-1)
+    resolved = d.resolve(8)
+    assert (resolved[Axis.DP_SHARD], resolved.dp, resolved.world_size) == (2, 2, 8)
+    assert resolved.describe() == "dp_shard 2 x tp 2 x pp 2" and Degrees().describe() == "1 rank"
+    assert [str(a) for a in MESH_AXES] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+    dims = ParallelDims.from_config(ParallelConfig(tp=2, pp=2), 8)
+    assert dims.degrees == resolved and (dims.tp, dims.pp, dims.dp_shard, dims.dp) == (2, 2, 2, 2)
+    with pytest.raises(ForjaError, match="parallel.tp = 0 must be at least 1"):
+        ParallelConfig(tp=0)
+    with pytest.raises(ForjaError, match=r"parallel.dp_shard = -2 must be at least 1, or -1 for the rest"):
+        ParallelConfig(dp_shard=-2)
 
 
 def test_degrees_must_multiply_to_the_world_size():

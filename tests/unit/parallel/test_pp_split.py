@@ -8,6 +8,7 @@ import torch
 from forja.errors import ForjaError
 from forja.models import build_model
 from forja.parallel.config import ParallelConfig
+from forja.parallel.degrees import Degrees
 from forja.parallel.dims import ParallelDims
 from forja.parallel.pp import check_microbatches, check_pipeline, check_schedule, microbatch_error
 from forja.parallel.pp_split import (
@@ -157,7 +158,7 @@ def test_microbatch_needs_of_each_schedule(schedule, pp, n, local, words):
 
 
 def test_microbatches_checked_from_the_batch_sizes():
-    cfg, dims = ParallelConfig(pp=2, pp_schedule="1f1b"), ParallelDims(2, 1, 2, 1, 1)  # pp 2 x dp 2
+    cfg, dims = ParallelConfig(pp=2, pp_schedule="1f1b"), ParallelDims(Degrees(pp=2, dp_shard=2))  # pp 2 x dp 2
     check_microbatches(cfg, dims, global_batch_size=8, micro_batch_size=2)  # local 4: 2 microbatches
     with pytest.raises(ForjaError, match=r"at least 2 microbatches .* gets 1 \(local batch / "
                                          r"train.micro_batch_size = 4 / 4\)"):
@@ -193,7 +194,7 @@ def test_v_schedules_on_gloo_need_torch_2_12(monkeypatch, version, refused):
 
 def test_whole_layout_checked_before_the_model_is_built():
     """check_pipeline (called by forja/parallel/checks.py) gives each error without a model."""
-    dims, gpu = ParallelDims(2, 1, 1, 1, 1), "cuda"
+    dims, gpu = ParallelDims(Degrees(pp=2)), "cuda"
     untied = _llama(4).args
     sizes = {"device_type": gpu, "global_batch_size": 8, "micro_batch_size": 2}
     check_pipeline(untied, dims, ParallelConfig(pp=2), **sizes)

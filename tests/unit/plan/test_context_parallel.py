@@ -53,7 +53,8 @@ def test_both_kinds_are_searched_unless_one_is_held():
     searched = {lay for lay in free if lay.cp > 1 and lay.cp_kind == "all-to-all"}
     extra = {lay for lay in held if lay.cp > 1} - searched
     assert searched <= set(held) and extra and all((32 // lay.tp) % lay.cp for lay in extra)
-    with pytest.raises(ForjaError, match="cp_kind is one of ring, all-to-all"):
+    with pytest.raises(ForjaError, match="parallel.cp_kind = 'ulysses' is not valid: it must be one of 'ring', "
+                                         "'all-to-all'"):
         parse_fixed("parallel.cp_kind=ulysses")
 
 
@@ -74,7 +75,7 @@ def _ring_by_hand(j: Job, lay: Layout, bw: float) -> float:
 
 
 def test_ring_shows_only_what_a_hop_of_attention_cannot_hide():
-    j, lay = job(), Layout(dp_shard=2, cp=4, cp_kind="ring")
+    j, lay = job(), Layout.of(dp_shard=2, cp=4, cp_kind="ring")
     fast = predict_time(j, lay, H100).cp_comm
     assert fast == pytest.approx(_ring_by_hand(j, lay, H100.intra_node_bytes_per_s), rel=1e-9)
     # On NVLink every hop hides under the attention: only the last dK, dV hop home shows.
@@ -93,7 +94,7 @@ def test_ring_shows_only_what_a_hop_of_attention_cannot_hide():
 def test_ring_attention_runs_at_the_fp32_rate_of_its_blocks():
     """forja's ring has no fused kernel yet: attention under it costs its fp32 blocks, not flash."""
     j = job()
-    one, ring = Layout(dp_shard=4), Layout(dp_shard=1, cp=4, cp_kind="ring")
+    one, ring = Layout.of(dp_shard=4), Layout.of(dp_shard=1, cp=4, cp_kind="ring")
     a2a = dataclasses.replace(ring, cp_kind="all-to-all")
     a = j.args
     c = 32768 / 8
@@ -121,7 +122,7 @@ def _all_to_all_by_hand(j: Job, lay: Layout, forwards: int) -> float:
 
 def test_all_to_all_pays_eight_exchanges_per_block_on_the_critical_path():
     j = job()
-    lay = Layout(dp_shard=2, cp=4, cp_kind="all-to-all")
+    lay = Layout.of(dp_shard=2, cp=4, cp_kind="all-to-all")
     t = predict_time(j, lay, H100).cp_comm
     assert t == pytest.approx(_all_to_all_by_hand(j, lay, forwards=1), rel=1e-9)
     full = dataclasses.replace(lay, ac="full")  # the recomputed forward runs its 4 again
@@ -129,7 +130,7 @@ def test_all_to_all_pays_eight_exchanges_per_block_on_the_critical_path():
     # Per rank the volume is its tokens (T / cp) times (cp - 1) / cp: twice T, twice the time;
     # cp 2 -> 4 at the same tokens per rank, (3/4) / (1/2) = 1.5 times.
     assert predict_time(job(seq=65536), lay, H100).cp_comm == pytest.approx(2 * t, rel=1e-9)
-    two = predict_time(job(seq=16384), Layout(dp_shard=2, cp=2, cp_kind="all-to-all"), H100).cp_comm
+    two = predict_time(job(seq=16384), Layout.of(dp_shard=2, cp=2, cp_kind="all-to-all"), H100).cp_comm
     assert t == pytest.approx(1.5 * two, rel=1e-9)
     # Nothing hides it: unlike ring, it does not shrink when attention grows.
     assert t > predict_time(j, dataclasses.replace(lay, cp_kind="ring"), H100).cp_comm
@@ -137,7 +138,7 @@ def test_all_to_all_pays_eight_exchanges_per_block_on_the_critical_path():
 
 def test_all_to_all_replicates_kv_heads_fewer_than_cp():
     args = dataclasses.replace(model_args("llama", "3.1-8b"), n_kv_heads=2)
-    j, lay = job(args=args), Layout(dp_shard=1, cp=8, cp_kind="all-to-all")
+    j, lay = job(args=args), Layout.of(dp_shard=1, cp=8, cp_kind="all-to-all")
     assert predict_time(j, lay, H100).cp_comm == pytest.approx(_all_to_all_by_hand(j, lay, forwards=1), rel=1e-9)
     # SDPA keeps k and v as they arrive: one KV head per rank, 4 times its share of 2 heads.
     block = j.shape.blocks[0]
@@ -149,7 +150,7 @@ def test_all_to_all_replicates_kv_heads_fewer_than_cp():
 def test_gated_deltanet_under_ring_gathers_states_where_all_to_all_moves_every_token():
     j = job("qwen3_5", "9b", seq=65536, batch=8)  # 16 key heads, 32 value heads of 128, 4 taps
     block = next(b for b in j.shape.blocks if b.kind == "linear_attention")
-    ring, a2a = Layout(dp_shard=2, cp=4, cp_kind="ring"), Layout(dp_shard=2, cp=4, cp_kind="all-to-all")
+    ring, a2a = Layout.of(dp_shard=2, cp=4, cp_kind="ring"), Layout.of(dp_shard=2, cp=4, cp_kind="all-to-all")
     s, bw = 65536 / 4, H100.intra_node_bytes_per_s
     gather = 3 * 32 * 128 * 256 * 4 / bw  # 3 other ranks' (32, 128, 128 + 128) fp32 transitions
     halo = 3 * (2 * 16 * 128 + 32 * 128) * 2 / bw  # 3 tokens of q, k, v in bf16
@@ -162,11 +163,11 @@ def test_gated_deltanet_under_ring_gathers_states_where_all_to_all_moves_every_t
 @pytest.mark.parametrize("kind", ["ring", "all-to-all"])
 def test_activations_per_rank_fall_with_cp_and_each_kind_adds_its_buffers(kind):
     j = job()
-    base = predict_memory(j, Layout(dp_shard=4))  # the same FSDP degree (dp_shard x cp) as below
+    base = predict_memory(j, Layout.of(dp_shard=4))  # the same FSDP degree (dp_shard x cp) as below
     # Eager autocast keeps each block's bf16 weights for its backward, whatever the tokens.
     casts = sum(2 * (b.tp_split + b.replicated) for b in j.shape.blocks)
     for cp in (2, 4):
-        split = predict_memory(j, Layout(dp_shard=4 // cp, cp=cp, cp_kind=kind))
+        split = predict_memory(j, Layout.of(dp_shard=4 // cp, cp=cp, cp_kind=kind))
         s = 32768 / cp
         # Beside the output wo keeps: ring's own fp32 one, all-to-all's full-sequence one (bf16).
         out = 32 * s * 4096 * (4 if kind == "ring" else 2)
@@ -185,12 +186,12 @@ def test_gated_deltanet_activations_follow_the_shard_under_ring():
     one = block_activations(j, Layout(), block, 0)[0]
     for cp in (2, 4, 8):  # per token of the shard: the same but for its halo and chunk states
         for kind in ("ring", "all-to-all"):
-            assert block_activations(j, Layout(cp=cp, cp_kind=kind), block, 0)[0] == pytest.approx(one, rel=0.01)
+            assert block_activations(j, Layout.of(cp=cp, cp_kind=kind), block, 0)[0] == pytest.approx(one, rel=0.01)
     # A shard shorter than a chunk (256 / 8 = 32 < 64): under ring each keeps a whole chunk's state
     # and its halo for 32 tokens, more per token than narrower C-wide tensors save; all-to-all scans
     # the whole sequence (for its heads), as one rank would.
     short = job("qwen3_5", "9b", seq=256, batch=8)
-    ring, a2a = (block_activations(short, Layout(cp=8, cp_kind=k), block, 0)[0] for k in ("ring", "all-to-all"))
+    ring, a2a = (block_activations(short, Layout.of(cp=8, cp_kind=k), block, 0)[0] for k in ("ring", "all-to-all"))
     assert a2a == pytest.approx(block_activations(short, Layout(), block, 0)[0]) and ring > 1.05 * a2a
 
 
@@ -202,10 +203,10 @@ def test_the_table_and_the_set_line_name_the_kind(capsys):
     held = plan(j, H100, 8, space=default_space(H100).with_fixed(parse_fixed("parallel.cp=4,parallel.cp_kind=all-to-all")))
     assert held and {c.layout.cp_kind for c in held} == {"all-to-all"}
     console = Console(file=io.StringIO(), width=300)
-    print_plan([evaluate(j, Layout(dp_shard=2, cp=4, cp_kind=k), H100) for k in ("all-to-all", "ring")], H100, 8, 5,
+    print_plan([evaluate(j, Layout.of(dp_shard=2, cp=4, cp_kind=k), H100) for k in ("all-to-all", "ring")], H100, 8, 5,
                j, console=console)
     table = console.file.getvalue()
     assert "dp_shard 2 x cp 4 all-to-all |" in table and "dp_shard 2 x cp 4 ring |" in table
     assert "--set parallel.cp_kind=" in capsys.readouterr().out
-    cfg = load_config("llama3-8b", set_items(Layout(dp_shard=2, cp=4, cp_kind="all-to-all")))
+    cfg = load_config("llama3-8b", set_items(Layout.of(dp_shard=2, cp=4, cp_kind="all-to-all")))
     assert (cfg.parallel.cp, cfg.parallel.cp_kind) == (4, "all-to-all")

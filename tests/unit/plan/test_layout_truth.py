@@ -20,7 +20,7 @@ from forja.parallel.config import PP_SCHEDULES
 from forja.plan import get_hardware, job_from_config
 from forja.plan.cli import set_items  # the --set line forja plan prints
 from forja.plan.planner import default_space, plan
-from forja.train.launch.preflight import layout_request, with_layout
+from forja.train.launch.preflight import Preflight, with_layout
 
 PRINTED = 10  # rows of forja plan's table (its default --top)
 
@@ -39,7 +39,7 @@ WORLDS = {"h100": (16,), "cpu": (4,)}
 def _train_errors(recipe: str, overrides: list[str], layout, world: int, device_type: str) -> list[str]:
     cfg = load_config(recipe, overrides + set_items(layout))
     args = run_model_args(cfg.model, cfg.data.vocab_size)
-    return layout_errors(layout_request(cfg, args, world, device_type))
+    return layout_errors(Preflight(cfg, world_size=world, device_type=device_type, args=args).request())
 
 
 @pytest.mark.parametrize("name", JOBS)
@@ -59,7 +59,8 @@ def test_what_the_planner_ranks_is_what_train_accepts(name):
             for c in printed:  # the rows a user copies, through the recipe and their --set line
                 assert _train_errors(recipe, overrides, c.layout, world, device_type) == [], c.layout.describe()
             for c in ranked:  # every candidate: ranked as running exactly when train accepts it
-                errors = layout_errors(layout_request(with_layout(base, c.layout), args, world, device_type))
+                errors = layout_errors(Preflight(with_layout(base, c.layout), world_size=world, device_type=device_type,
+                                                 args=args).request())
                 assert (errors == []) == c.runs, (c.layout.describe(), errors, c.why_not)
                 assert c.fits <= c.runs
             checked += len(ranked)

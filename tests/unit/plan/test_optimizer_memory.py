@@ -83,7 +83,7 @@ def measured() -> dict[tuple[str, int], int]:
 def test_optimizer_state_is_predicted_within_3_percent_on_1_and_2_ranks(measured, name):
     one, two = measured[(name, 1)], measured[(name, 2)]
     assert predicted(name, Layout()) == pytest.approx(one, rel=0.03)
-    assert predicted(name, Layout(dp_shard=2)) == pytest.approx(two, rel=0.03)
+    assert predicted(name, Layout.of(dp_shard=2)) == pytest.approx(two, rel=0.03)
 
 
 def test_soap_and_adafactor_state_is_whole_on_every_rank_and_adamw_is_sharded(measured):
@@ -106,5 +106,5 @@ def test_muon_step_holds_its_owned_matrices_whole_plus_newton_schulz_buffers():
     largest = newton_schulz_bytes(384, 128, gpu=True)  # the debug Llama's largest matrix: 384 x 128
     assert temps(Layout()) == pytest.approx(largest)  # one process: nothing gathered
     # Sharded: a rank owns about 1 / group of the matrices and holds them whole in fp32 at once.
-    two, four = temps(Layout(dp_shard=2)) - largest, temps(Layout(dp_shard=4)) - largest
+    two, four = temps(Layout.of(dp_shard=2)) - largest, temps(Layout.of(dp_shard=4)) - largest
     assert two == pytest.approx(2 * four) and two > 0

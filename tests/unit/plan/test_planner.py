@@ -8,7 +8,7 @@ from forja.errors import ForjaError
 from forja.models import model_args
 from forja.plan.hardware import get_hardware
 from forja.plan.job import Job
-from forja.plan.layout import Layout, SearchSpace, enumerate_layouts, parse_layout
+from forja.plan.layout import Layout, SearchSpace, enumerate_layouts, parse_fixed, parse_layout
 from forja.plan.memory import inflight_chunks, predict_memory
 from forja.plan.planner import evaluate, plan, usable_memory
 from forja.plan.shape import model_shape
@@ -33,28 +33,28 @@ def test_every_enumerated_layout_spans_the_world_and_divides_the_job():
 
 def test_sharding_divides_the_state_and_recomputation_trades_memory_for_time():
     j = job(gpu=True, bf16=True)
-    one = predict_memory(j, Layout(dp_shard=8, micro_batch_size=1))
-    two = predict_memory(j, Layout(dp_shard=16, micro_batch_size=1))
+    one = predict_memory(j, Layout.of(dp_shard=8, micro_batch_size=1))
+    two = predict_memory(j, Layout.of(dp_shard=16, micro_batch_size=1))
     assert two.optimizer_state == pytest.approx(one.optimizer_state / 2)
     assert two.parameters == pytest.approx(one.parameters / 2)
-    full = Layout(dp_shard=8, micro_batch_size=1, ac="full")
+    full = Layout.of(dp_shard=8, micro_batch_size=1, ac="full")
     assert predict_memory(j, full).activations < one.activations / 5
     hw = get_hardware("h100")
-    assert predict_time(j, full, hw).compute > predict_time(j, Layout(dp_shard=8, micro_batch_size=1), hw).compute
-    zero2 = predict_memory(j, Layout(dp_shard=8, micro_batch_size=1, reshard_after_forward=False))
+    assert predict_time(j, full, hw).compute > predict_time(j, Layout.of(dp_shard=8, micro_batch_size=1), hw).compute
+    zero2 = predict_memory(j, Layout.of(dp_shard=8, micro_batch_size=1, reshard_after_forward=False))
     assert zero2.gathered_parameters > 5 * one.gathered_parameters
 
 
 def test_tensor_parallel_splits_weights_and_activations():
     j = job(gpu=True, bf16=True)
-    base, tp = Layout(dp_shard=8, micro_batch_size=1), Layout(dp_shard=4, tp=2, micro_batch_size=1)
+    base, tp = Layout.of(dp_shard=8, micro_batch_size=1), Layout.of(dp_shard=4, tp=2, micro_batch_size=1)
     assert predict_memory(j, tp).activations < 0.6 * predict_memory(j, base).activations
     assert predict_time(j, tp, get_hardware("h100")).tp_comm > 0
 
 
 def test_pipeline_schedules_hold_and_idle_as_their_papers_say():
-    gpipe, one_f = Layout(pp=4, pp_schedule="gpipe"), Layout(pp=4, pp_schedule="1f1b")
-    inter = Layout(pp=4, pp_schedule="interleaved-1f1b")
+    gpipe, one_f = Layout.of(pp=4, pp_schedule="gpipe"), Layout.of(pp=4, pp_schedule="1f1b")
+    inter = Layout.of(pp=4, pp_schedule="interleaved-1f1b")
     assert inflight_chunks(gpipe, 0, 16) == 16 and inflight_chunks(one_f, 0, 16) == 4
     assert inflight_chunks(one_f, 3, 16) == 1
     assert bubble_fraction(one_f, 16) == pytest.approx(3 / 16)
@@ -77,8 +77,8 @@ def test_the_search_ranks_fitting_layouts_first_and_says_why_others_do_not():
 
 def test_a_layout_the_trainer_would_refuse_is_refused_with_its_reason():
     j = job(batch=16)
-    assert "heads" in evaluate(j, Layout(tp=3, dp_shard=1), get_hardware("h100")).why_not
-    assert "divisible" in evaluate(j, Layout(dp_shard=3), get_hardware("h100")).why_not
+    assert "heads" in evaluate(j, Layout.of(tp=3, dp_shard=1), get_hardware("h100")).why_not
+    assert "divisible" in evaluate(j, Layout.of(dp_shard=3), get_hardware("h100")).why_not
 
 
 def test_parse_layout_sets_keys_and_names_bad_ones():
@@ -91,19 +91,34 @@ def test_parse_layout_sets_keys_and_names_bad_ones():
         parse_layout("parallel.tp=two", Layout())
 
 
+def test_layout_values_are_read_as_set_reads_them_and_checked_against_the_key():
+    """--layout and --set spell values alike: TOML, else a bare string; each checked as the key's
+    annotation says (a quoted string was once held with its quotes, and planned)."""
+    assert parse_fixed('parallel.ac="selective"') == parse_fixed("parallel.ac=selective") == {"ac": "selective"}
+    assert parse_fixed("parallel.tp=2,parallel.sequence_parallel=false,train.micro_batch_size=4") == {
+        "tp": 2, "sequence_parallel": False, "micro_batch_size": 4}
+    with pytest.raises(ForjaError, match=r"^parallel.ac = 'bogus' is not valid: it must be one of 'none', 'full', "
+                                         r"'selective'$"):
+        parse_fixed("parallel.ac=bogus")
+    with pytest.raises(ForjaError, match="parallel.pp_schedule = 'gpipe2' is not valid: it must be one of 'gpipe'"):
+        parse_fixed("parallel.pp_schedule=gpipe2")
+    with pytest.raises(ForjaError, match="parallel.tp = 0 must be at least 1"):
+        parse_fixed("parallel.tp=0")
+
+
 def test_a_mixture_of_experts_splits_its_experts_over_ep():
     args = model_args("qwen3", "30b-a3b")
     j = Job(shape=model_shape(args, 4096), seq_len=4096, global_batch_size=64, gpu=True, bf16=True)
-    ep1 = predict_memory(j, Layout(dp_shard=8, micro_batch_size=1))
-    ep8 = predict_memory(j, Layout(dp_shard=8, ep=8, micro_batch_size=1))
+    ep1 = predict_memory(j, Layout.of(dp_shard=8, micro_batch_size=1))
+    ep8 = predict_memory(j, Layout.of(dp_shard=8, ep=8, micro_batch_size=1))
     assert ep8.gathered_parameters < 0.5 * ep1.gathered_parameters  # a block gathers 1/8 of the experts
     assert ep8.parameters == pytest.approx(ep1.parameters)  # either way each rank keeps 1/8 of everything
-    assert predict_time(j, Layout(dp_shard=8, ep=8, micro_batch_size=1), get_hardware("h100")).ep_comm > 0
+    assert predict_time(j, Layout.of(dp_shard=8, ep=8, micro_batch_size=1), get_hardware("h100")).ep_comm > 0
 
 
 def test_cpu_offload_frees_device_memory_and_costs_the_host_optimizer_step():
     j, hw = job(gpu=True, bf16=True), get_hardware("h100")
-    on, off = Layout(dp_shard=8, micro_batch_size=1, cpu_offload=True), Layout(dp_shard=8, micro_batch_size=1)
+    on, off = Layout.of(dp_shard=8, micro_batch_size=1, cpu_offload=True), Layout.of(dp_shard=8, micro_batch_size=1)
     assert predict_memory(j, on).optimizer_state == 0 < predict_memory(j, off).optimizer_state
     assert predict_time(j, on, hw).offload > 0.5 * predict_time(j, off, hw).compute / 8  # seconds, not noise
     assert predict_time(j, off, hw).offload == 0

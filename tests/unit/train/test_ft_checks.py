@@ -6,11 +6,12 @@ import pytest
 
 from forja.config import load_config
 from forja.errors import ForjaError
+from forja.parallel.checks import check_layout
 from forja.train.ft.checks import check_ft
+from forja.train.launch.preflight import Preflight
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["parallel.dp_replicate=2"], "parallel.dp_replicate = 2 with ft.enabled"),
     (["train.global_batch_size=9"], "does not divide into ft.groups = 2"),
     (["ft.mode=\"diloco\"", "ft.inner_steps=4", "train.steps=10"],
      "train.steps = 10 with ft.mode = 'diloco': a sync lands every ft.inner_steps = 4 steps"),
@@ -24,6 +25,17 @@ def test_settings_replica_groups_cannot_serve_are_refused(overrides, words):
     cfg = load_config("debug", ["ft.enabled=true", "ft.groups=2", *overrides])
     with pytest.raises(ForjaError, match="^.*" + words.replace("(", r"\(").replace("[", r"\[")):
         check_ft(cfg)
+
+
+def test_replicas_beside_the_groups_are_refused_by_the_layout_validator():
+    """The replica groups are the replicas: a layout with HSDP's outer dimension is refused
+    where every layout is judged (so forja plan and parallel.auto never choose one)."""
+    cfg = load_config("debug", ["ft.enabled=true", "ft.groups=2", "parallel.dp_replicate=2",
+                                "train.micro_batch_size=2"])
+    with pytest.raises(ForjaError, match="^.*parallel.dp_replicate = 2 with ft.enabled"):
+        check_layout(Preflight(cfg, world_size=2, device_type="cpu").request())
+    sharded = load_config("debug", ["ft.enabled=true", "ft.groups=2", "train.micro_batch_size=2"])
+    check_layout(Preflight(sharded, world_size=2, device_type="cpu").request())
 
 
 def test_a_plain_ft_config_passes_and_ft_off_checks_nothing():
