@@ -128,7 +128,8 @@ class Health:
         self.can_roll_back = "rollback" in (cfg.on_nonfinite, cfg.spike.action)
 
     def check(self, loss: float, grad_norm: float) -> Anomaly | None:
-        """The engine's guard: an anomaly stops the optimizer step."""
+        """What is wrong with a step's loss and gradient norm, or None (Recovery's guard asks it:
+        an anomaly stops the optimizer step)."""
         return self.detector.check(loss, grad_norm)
 
     def action(self, anomaly: Anomaly) -> str:
