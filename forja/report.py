@@ -30,6 +30,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from forja import metric_names as names
 from forja.errors import ForjaError
 from forja.files import read_records, write_atomic
 
@@ -40,25 +41,26 @@ except ModuleNotFoundError:  # Python 3.10: the run's name then comes from run.j
 
 # chart file stem -> (title, metric keys drawn on it: the first solid, the second dashed)
 CHARTS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "loss": ("loss (dashed: validation)", ("loss", "val_loss")),
-    "lr": ("learning rate", ("lr",)),
-    "tokens_per_sec": ("tokens/s (all devices)", ("tokens_per_sec",)),
-    "grad_norm": ("gradient norm (before clipping)", ("grad_norm",)),
+    names.LOSS: ("loss (dashed: validation)", (names.LOSS, names.VAL_LOSS)),
+    names.LR: ("learning rate", (names.LR,)),
+    names.TOKENS_PER_SEC: ("tokens/s (all devices)", (names.TOKENS_PER_SEC,)),
+    names.GRAD_NORM: ("gradient norm (before clipping)", (names.GRAD_NORM,)),
 }
 
 # expert_load.png: panel title -> metric keys (the first solid, the second dashed), drawn when
 # logged; `LAYERS` stands for a panel of moe/layer{i}/load_cv, one line per MoE layer.
 LAYERS = "per layer"
 EXPERT_PANELS: dict[str, tuple[str, ...]] = {
-    "expert load: busiest / mean, worst layer (dashed: CV, mean over layers)": ("moe/load_max_mean", "moe/load_cv"),
+    "expert load: busiest / mean, worst layer (dashed: CV, mean over layers)": (names.MOE_LOAD_MAX_MEAN,
+                                                                                names.MOE_LOAD_CV),
     "load CV per MoE layer": (LAYERS,),
-    "token-slots dropped by the capacity limit (share)": ("moe/dropped",),
-    "router losses, unweighted: load balancing (dashed: z-loss)": ("moe/aux_loss", "moe/z_loss"),
+    "token-slots dropped by the capacity limit (share)": (names.MOE_DROPPED,),
+    "router losses, unweighted: load balancing (dashed: z-loss)": (names.MOE_AUX_LOSS, names.MOE_Z_LOSS),
 }
 # Panels drawn only when some value is non-zero: dropless runs drop nothing, and a loss
 # that is turned off is logged as 0.
-WHEN_NONZERO = ("moe/dropped", "moe/aux_loss", "moe/z_loss")
-_LAYER_CV = re.compile(r"moe/layer(\d+)/load_cv")
+WHEN_NONZERO = (names.MOE_DROPPED, names.MOE_AUX_LOSS, names.MOE_Z_LOSS)
+_LAYER_CV = re.compile(names.moe_layer_pattern("load_cv"))
 
 
 @dataclass
@@ -130,8 +132,8 @@ def train_seconds(run: Run) -> float | None:
     Without step times, the span of the log's timestamps."""
     total, previous, timed = 0.0, 0, False
     for r in run.records:
-        if r.get("step_time") is not None:
-            total += r["step_time"] * max(r["step"] - previous, 0)
+        if r.get(names.STEP_TIME) is not None:
+            total += r[names.STEP_TIME] * max(r["step"] - previous, 0)
             previous, timed = r["step"], True
     if timed:
         return total
@@ -143,16 +145,16 @@ def summarize(run: Run) -> dict[str, float | int | None]:
     """steps, final_loss, best_val_loss, last_val_loss, mean_tokens_per_sec, mean_mfu, train_seconds,
     goodput (of the run's last end, None before one), and the health events (rollbacks,
     skipped steps, stragglers named)."""
-    _, loss = run.series("loss")
-    _, val = run.series("val_loss")
+    _, loss = run.series(names.LOSS)
+    _, val = run.series(names.VAL_LOSS)
     steps = [r["step"] for r in run.records if "step" in r]
     return {
         "steps": max(steps),
         "final_loss": loss[-1] if loss else None,
         "best_val_loss": min(val) if val else None,
         "last_val_loss": val[-1] if val else None,
-        "mean_tokens_per_sec": _mean(run.series("tokens_per_sec")[1]),
-        "mean_mfu": _mean(run.series("mfu")[1]),
+        "mean_tokens_per_sec": _mean(run.series(names.TOKENS_PER_SEC)[1]),
+        "mean_mfu": _mean(run.series(names.MFU)[1]),
         "train_seconds": train_seconds(run),
         "goodput": (run.series("goodput")[1] or [None])[-1],
         "restarts": (run.series("restarts")[1] or [0])[-1],
@@ -372,19 +374,19 @@ def health_table(runs: list[Run]) -> Table | None:
 def expert_table(runs: list[Run]) -> Table | None:
     """Last values of each MoE run's expert-load metrics (the worst dropped share); None
     when no run has any."""
-    moe_runs = [run for run in runs if run.series("moe/load_max_mean")[0]]
+    moe_runs = [run for run in runs if run.series(names.MOE_LOAD_MAX_MEAN)[0]]
     if not moe_runs:
         return None
     table = Table(title="expert load")
     for column in ("run", "MoE layers", "load max/mean", "load CV", "dropped (max)", "aux loss", "z-loss"):
         table.add_column(column, justify="left" if column == "run" else "right", no_wrap=column == "run")
     for run in moe_runs:
-        last = {key: (run.series(key)[1] or [None])[-1] for key in ("moe/load_max_mean", "moe/load_cv",
-                                                                     "moe/aux_loss", "moe/z_loss")}
-        dropped = run.series("moe/dropped")[1]
-        table.add_row(run.name, str(len(run.layer_cv_keys())), _fmt(last["moe/load_max_mean"], ".3f"),
-                      _fmt(last["moe/load_cv"], ".3f"), _fmt(max(dropped) if dropped else None, ".2%"),
-                      _fmt(last["moe/aux_loss"], ".4f"), _fmt(last["moe/z_loss"], ".4f"))
+        last = {key: (run.series(key)[1] or [None])[-1] for key in (names.MOE_LOAD_MAX_MEAN, names.MOE_LOAD_CV,
+                                                                     names.MOE_AUX_LOSS, names.MOE_Z_LOSS)}
+        dropped = run.series(names.MOE_DROPPED)[1]
+        table.add_row(run.name, str(len(run.layer_cv_keys())), _fmt(last[names.MOE_LOAD_MAX_MEAN], ".3f"),
+                      _fmt(last[names.MOE_LOAD_CV], ".3f"), _fmt(max(dropped) if dropped else None, ".2%"),
+                      _fmt(last[names.MOE_AUX_LOSS], ".4f"), _fmt(last[names.MOE_Z_LOSS], ".4f"))
     return table
 
 

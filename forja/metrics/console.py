@@ -16,6 +16,7 @@ from collections.abc import Callable
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+from forja import metric_names as names
 from forja.metrics.sinks import Metrics, Sink
 
 
@@ -25,26 +26,26 @@ def _pct(v: float) -> str:
 
 # The keys a log line shows, in this order, and how; every key is in metrics.jsonl anyway.
 _FORMATS: dict[str, Callable[[float], str]] = {
-    "stage": lambda v: f"stage {int(v)}",
-    "loss": lambda v: f"loss {v:.4f}",
-    "val_loss": lambda v: f"val_loss {v:.4f}",
-    "lr": lambda v: f"lr {v:.2e}",
-    "grad_norm": lambda v: f"grad_norm {v:.3f}",
-    "tokens_per_sec": lambda v: f"{v:,.0f} tok/s",
-    "tflops": lambda v: f"{v:.1f} TFLOP/s",
-    "mfu": lambda v: f"mfu {_pct(v)}",
-    "mem_peak_gb": lambda v: f"mem {v:.1f} GB",
-    "step_time": lambda v: f"{v:.3f} s/step",
-    "data_wait_frac": lambda v: f"data_wait {_pct(v)}",
+    names.STAGE: lambda v: f"stage {int(v)}",
+    names.LOSS: lambda v: f"loss {v:.4f}",
+    names.VAL_LOSS: lambda v: f"val_loss {v:.4f}",
+    names.LR: lambda v: f"lr {v:.2e}",
+    names.GRAD_NORM: lambda v: f"grad_norm {v:.3f}",
+    names.TOKENS_PER_SEC: lambda v: f"{v:,.0f} tok/s",
+    names.TFLOPS: lambda v: f"{v:.1f} TFLOP/s",
+    names.MFU: lambda v: f"mfu {_pct(v)}",
+    names.MEM_PEAK_GB: lambda v: f"mem {v:.1f} GB",
+    names.STEP_TIME: lambda v: f"{v:.3f} s/step",
+    names.DATA_WAIT_FRAC: lambda v: f"data_wait {_pct(v)}",
 }
 
 
 def format_metrics(metrics: Metrics) -> list[str]:
     """The shown metrics as 'name value' strings; other val_* keys follow in their order."""
     parts = [fmt(metrics[key]) for key, fmt in _FORMATS.items()
-             if metrics.get(key) is not None and (key != "stage" or metrics[key])]  # stage 0: said by nothing
+             if metrics.get(key) is not None and (key != names.STAGE or metrics[key])]  # stage 0: said by nothing
     for key, value in metrics.items():
-        if key.startswith("val_") and key not in _FORMATS and value is not None:
+        if key.startswith(names.VAL_PREFIX) and key not in _FORMATS and value is not None:
             parts.append(f"{key} {value:.4g}")
     return parts
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from forja import metric_names as names
+
 _TERA = 1e12
 _GB = 1e9  # the mem_*_gb keys are decimal gigabytes, as their names say
 
@@ -190,13 +192,13 @@ class Throughput:
         per_device = tokens_per_sec / self.num_devices
         achieved = per_device * self.flops_per_token  # FLOP/s of one device
         out = {
-            "tokens_per_sec": tokens_per_sec,
-            "tokens_per_sec_per_device": per_device,
-            "tflops": achieved / _TERA,
-            "mfu": achieved / self.peak_flops if self.peak_flops else None,
-            "step_time": self._seconds / self.steps,
-            "data_wait": self._wait / self.steps,
-            "data_wait_frac": self._wait / self._seconds,
+            names.TOKENS_PER_SEC: tokens_per_sec,
+            names.TOKENS_PER_SEC_PER_DEVICE: per_device,
+            names.TFLOPS: achieved / _TERA,
+            names.MFU: achieved / self.peak_flops if self.peak_flops else None,
+            names.STEP_TIME: self._seconds / self.steps,
+            names.DATA_WAIT: self._wait / self.steps,
+            names.DATA_WAIT_FRAC: self._wait / self._seconds,
         }
         self._reset()
         return out
@@ -216,7 +218,7 @@ def memory_stats(device: torch.device | str, *, reset_peak: bool = False) -> dic
         stats = {
             "mem_alloc_gb": torch.cuda.memory_allocated(device) / _GB,
             "mem_reserved_gb": torch.cuda.memory_reserved(device) / _GB,
-            "mem_peak_gb": torch.cuda.max_memory_allocated(device) / _GB,
+            names.MEM_PEAK_GB: torch.cuda.max_memory_allocated(device) / _GB,
             "mem_alloc_retries": float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)),
         }
         if reset_peak:
@@ -228,7 +230,7 @@ def memory_stats(device: torch.device | str, *, reset_peak: bool = False) -> dic
         stats["mem_rss_gb"] = rss / _GB
     peak = _peak_rss_bytes()
     if peak is not None:
-        stats["mem_peak_gb"] = peak / _GB
+        stats[names.MEM_PEAK_GB] = peak / _GB
     return stats
 
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from forja import metric_names as names
 from forja.errors import ForjaError
 from forja.files import write_atomic
 from forja.metrics.config import MetricsConfig
@@ -142,7 +143,7 @@ class WandbSink(Sink):
         self._run.define_metric("step")
         # Every group forja logs under (tracker_key, moe/, attn/, health/, eval/, data/, tokens/) is drawn
         # against forja's step.
-        for group in ("train/*", "val/*", "eval/*", "moe/*", "attn/*", "health/*", "samples/*", "data/*", "tokens/*"):
+        for group in ("train/*", "val/*", *(f"{g}/*" for g in names.GROUPS)):
             self._run.define_metric(group, step_metric="step")
 
     def log(self, step: int, metrics: Metrics) -> None:

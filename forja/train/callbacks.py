@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from forja import metric_names as names
 from forja.checkpoint.states import TrainerCounters
 from forja.config import Config
 from forja.metrics.throughput import Throughput, memory_stats, peak_flops
@@ -99,17 +100,17 @@ class MetricsCallback(Callback):
         self.throughput.update(tokens=record.tokens, step_time=record.step_time, data_wait=record.data_wait)
         if record.step % self.interval and record.step != trainer.cfg.train.steps:
             return
-        metrics = {"loss": record.loss, "lr": record.lr, "grad_norm": record.grad_norm,
-                   "tokens_seen": trainer.counters.tokens_seen, **self.throughput.compute(),
+        metrics = {names.LOSS: record.loss, names.LR: record.lr, names.GRAD_NORM: record.grad_norm,
+                   names.TOKENS_SEEN: trainer.counters.tokens_seen, **self.throughput.compute(),
                    **memory_stats(self.device), **record.extra}
         if trainer.counters.skipped_steps:
-            metrics["skipped_steps"] = trainer.counters.skipped_steps
+            metrics[names.SKIPPED_STEPS] = trainer.counters.skipped_steps
         trainer.log(record.step, metrics)
 
     def on_validation_end(self, trainer: TrainerView, step: int, val_loss: float) -> None:
         loader = getattr(trainer, "loader", None)  # the data stage the model has reached, as on step records
-        stage = {"stage": loader.stage} if hasattr(loader, "stage") else {}
-        trainer.log(step, {"val_loss": val_loss, **stage, **trainer.activation_sizes})
+        stage = {names.STAGE: loader.stage} if hasattr(loader, "stage") else {}
+        trainer.log(step, {names.VAL_LOSS: val_loss, **stage, **trainer.activation_sizes})
 
 
 class SampleCallback(Callback):

@@ -52,7 +52,7 @@ from forja.train.launch.preflight import Preflight
 from forja.train.probes import ActivationSizes
 from forja.train.resilience.recovery import Outcome, Recovery
 from forja.train.launch.run_dir import RunDir, report_fallbacks
-from forja.train.step.scaler import current_scale, loss_scaler
+from forja.train.step.scaler import loss_scaler
 from forja.train.resilience.watchdog import Watchdog, grace_s
 
 
@@ -173,8 +173,7 @@ class Trainer:
         state = {"model": ModelState(self.parts), "optim": OptimizerState(self.parts, self.optimizers.optimizers),
                  "scheduler": self.scheduler, "dataloader": self.loader, "trainer": self.counters,
                  "health": self.recovery.detector, f"rng.rank{self.rank}": RNGState()}
-        if self.engine.scaler is not None:  # fp16: the loss scale the run has found
-            state["scaler"] = self.engine.scaler
+        state |= self.engine.stateful()  # fp16: the loss scale the run has found ("scaler")
         if getattr(self, "replicas", None) is not None and self.replicas.outer is not None:
             state["outer"] = self.replicas.outer  # diloco: the global weights and outer momenta
         return state
@@ -273,9 +272,8 @@ class Trainer:
             self.loader.rewind_step()  # not taken: a resume must train on it
             return False
         sync_wait = time.perf_counter() - agreed  # waiting for slower ranks (forja/train/resilience/stragglers.py)
-        scales = StepScales(loss=current_scale(self.engine.scaler), fault=loss_factor(fault),
-                            lr=self.recovery.lr_scale(step))
-        out = self.engine.train_step(batches, guard=self.recovery.check, scales=scales)
+        scales = StepScales(fault=loss_factor(fault), lr=self.recovery.lr_scale(step))
+        out = self.engine.train_step(batches, guard=self.recovery.guard(), scales=scales)
         if not out.committed:  # a replica group failed mid-step: trained again by the groups left
             self.loader.rewind_step()
             return True

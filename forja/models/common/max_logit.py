@@ -1,7 +1,8 @@
 """The largest attention logit of each head, kept by attention modules for QK-clip.
 
-SDPA and FlexAttention never return their scores, so when asked (`track_max_logit`, set by
-forja/train/step/attention_logits.py for optim.qk_clip_tau or optim.max_logit_metric) an attention
+SDPA and FlexAttention never return their scores, so when asked (the step context's
+`track_max_logit`, forja/models/common/step_context.py, which the step engine sets for
+optim.qk_clip_tau or optim.max_logit_metric) an attention
 module recomputes max(q . k) * scale per head under no_grad, a chunk of queries at a time,
 honouring its mask (causal, documents, sliding window; a FlexAttention block mask through its
 mask_mod). This costs one more q k^T product per layer, only while it is on. `mask` is an
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from forja.models.common.step_context import OUTSIDE_A_STEP, StepContext
 
 MAX_LOGIT_CHUNK = 2**24  # scores (elements) one chunk of max_logits holds at a time
 
@@ -55,12 +57,15 @@ def _allowed(mask, B: int, start: int, end: int, Tq: int, Tk: int,
 
 class MaxLogitTracking:
     """Keeps the per-head max attention logit of the training forwards since the last
-    `take_max_logit` when `track_max_logit` is set (QK-clip and the attn/max_logit metric:
-    forja/train/step/attention_logits.py sets the flag). Heads are this module's: under tensor
-    parallelism, this rank's."""
+    `take_max_logit` when its step context says so (QK-clip and the attn/max_logit metric: the
+    step engine hands the context). Heads are this module's: under tensor parallelism, this rank's."""
 
-    track_max_logit: bool = False
+    step_context: StepContext = OUTSIDE_A_STEP
     max_logit: torch.Tensor | None = None  # (H,) float32
+
+    @property
+    def track_max_logit(self) -> bool:
+        return self.step_context.track_max_logit
 
     def track_logits(self, q: torch.Tensor, k: torch.Tensor, mask, scale: float) -> None:
         # Off, this is a branch a compiled block folds away; on, the recording runs eagerly.

@@ -23,10 +23,11 @@ Balancing the load, each optional:
   the ones with the highest weights; the rest are dropped (the residual carries them).
 
 The auxiliary losses do not change the layer's output; they reach the gradients through
-`AddAuxLoss`, which gives them a gradient of `aux_loss_scale` in backward (the step engine
-sets it to the micro-batch's share of the step's loss, so a pipeline stage's layers count
-them like the last stage counts the cross-entropy). Per-step statistics (tokens per expert,
-dropped slots, loss values) accumulate in `MoEStats` for the engine to read and reset.
+`AddAuxLoss`, which gives them a gradient of the step context's `aux_loss_share` in backward
+(forja/models/common/step_context.py: the step engine sets it to the micro-batch's share of the
+step's loss, so a pipeline stage's layers count them like the last stage counts the
+cross-entropy). Per-step statistics (tokens per expert, dropped slots, loss values) accumulate
+on the device in `MoEStats` for the engine to read and reset.
 
 Single-device code: under expert parallelism forja.parallel.ep shards `experts` and moves
 each expert's rows to the rank holding it around `GroupedExperts.forward`. Under tensor
@@ -48,6 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from forja.errors import ForjaError
 from forja.models.common.mlp import SwiGLU
+from forja.models.common.step_context import OUTSIDE_A_STEP, aux_loss_grad
 from forja.ops.grouped_mm import GROUPED_MM_IMPLS, grouped_mm
 
 
@@ -315,17 +317,18 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 
 class AddAuxLoss(torch.autograd.Function):
     """Returns `out` unchanged; backward gives `aux` (0-dim) the gradient `scale`, as if
-    `scale * aux` had been added to the loss (Megatron-LM's MoEAuxLossAutoScaler idea)."""
+    `scale * aux` had been added to the loss (Megatron-LM's MoEAuxLossAutoScaler idea).
+    `scale` is a float or a 0-dim tensor (the step context's share: read at backward)."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
         ctx.scale = scale
         ctx.aux_dtype = aux.dtype
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+        return grad, aux_loss_grad(ctx.scale, ctx.aux_dtype, grad.device), None
 
 
 class MoE(nn.Module):
@@ -342,7 +345,7 @@ class MoE(nn.Module):
         shared = args.n_shared_experts * args.moe_ffn_dim
         self.shared_experts = SwiGLU(dim, shared, fused=fused_swiglu) if shared else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared and args.shared_expert_gate else None
-        self.aux_loss_scale = 1.0  # set by the step engine: this micro-batch's share of the loss
+        self.step_context = OUTSIDE_A_STEP  # the step engine's: this micro-batch's share of the loss
         self.stats = MoEStats()
         # Sums a small (S,) float64 tensor over the ranks that each route a slice of this
         # micro-batch's tokens (set by the tensor-parallel plan); None: the whole batch is here.
@@ -365,7 +368,7 @@ class MoE(nn.Module):
         if torch.is_grad_enabled() and (aux is not None or z is not None):
             weighted = sum(w * v for w, v in ((self.args.aux_loss_weight, aux), (self.args.z_loss_weight, z))
                            if v is not None)
-            out = AddAuxLoss.apply(out, weighted, self.aux_loss_scale)
+            out = AddAuxLoss.apply(out, weighted, self.step_context.aux_loss_share)
         if self.training:  # validation and generation forwards neither count nor move the bias
             self._record(*totals)
         return out.view(B, T, D)
@@ -403,8 +406,9 @@ class MoE(nn.Module):
         lse2 = torch.logsumexp(route.logits, dim=-1).square() if a.z_loss_weight > 0 else None  # (N,)
         probs_sum = route.probs.sum(0)  # (E,)
         lse2_sum = lse2.detach().sum() if lse2 is not None else probs_sum.new_zeros(())
-        local = torch.cat([routed.double(), probs_sum.detach().double(),  # (2E + 3,)
-                           routed.new_tensor([N, dropped], dtype=torch.float64), lse2_sum.double()[None]])
+        # new_full, not new_tensor([N, dropped]): a list copied to a GPU waits for the device.
+        sizes = [routed.new_full((1,), n, dtype=torch.float64) for n in (N, dropped)]
+        local = torch.cat([routed.double(), probs_sum.detach().double(), *sizes, lse2_sum.double()[None]])  # (2E + 3,)
         with torch.no_grad():
             whole = local if self.token_split_sum is None else self.token_split_sum(local)
         routed_all, probs_all = whole[:E], whole[E:2 * E]

@@ -35,8 +35,9 @@ proj, hnorm, enorm, block and norm.
 
 The modules are used in training only (`Transformer.forward` with labels, in train mode):
 validation reports the main loss and generation never runs them. Their losses reach the
-gradients through `AddAuxLoss` (the MoE auxiliary losses' route), scaled by `loss_scale`,
-which the step engine sets to each micro-batch's share of the step (forja/train/step/mtp.py);
+gradients through `AddAuxLoss` (the MoE auxiliary losses' route), scaled by the step context's
+`aux_loss_share`, which the step engine sets to each micro-batch's share of the step
+(forja/models/common/step_context.py, forja/train/step/mtp.py);
 the value returned stays the main loss, so loss curves are comparable with and without MTP.
 """
 
@@ -49,6 +50,7 @@ import torch
 from torch import nn
 
 from forja.models.common.moe import AddAuxLoss
+from forja.models.common.step_context import OUTSIDE_A_STEP
 
 IGNORE = -100  # the cross-entropy's ignore_index: positions whose target is not counted
 
@@ -106,7 +108,7 @@ class MultiTokenPrediction(nn.Module):
         # a mixture of experts in a block is then reported as that layer (forja/train/step/experts.py).
         self.layers = nn.ModuleDict({str(first + k): MTPModule(dim, b, norm) for k, b in enumerate(blocks)})
         self.loss_weight = loss_weight
-        self.loss_scale = 1.0  # set by the step engine: this micro-batch's share of the step's loss
+        self.step_context = OUTSIDE_A_STEP  # the step engine's: this micro-batch's share of the step's loss
         # A pipeline's last stage holds its own copy of the token embedding here (set by
         # forja/parallel/pp_split.py; Transformer.tied_parameters keeps it equal); else None.
         self.embed: nn.Embedding | None = None
@@ -132,11 +134,11 @@ class MultiTokenPrediction(nn.Module):
 
     def attach(self, loss: torch.Tensor, losses: list[torch.Tensor]) -> torch.Tensor:
         """`loss` unchanged, with (loss_weight / depth) * sum(losses) entering its backward at
-        `loss_scale`; records the losses for the engine's metrics."""
+        the step context's `aux_loss_share`; records the losses for the engine's metrics."""
         weighted = (self.loss_weight / len(losses)) * torch.stack(losses).sum()  # (,)
         if torch.is_grad_enabled():
             # A copy, not AddAuxLoss's view: FSDP warns of a model output that is a view.
-            loss = AddAuxLoss.apply(loss, weighted, self.loss_scale).clone()
+            loss = AddAuxLoss.apply(loss, weighted, self.step_context.aux_loss_share).clone()
         s = self.stats
         if not s.losses:
             s.losses = [0.0] * len(losses)

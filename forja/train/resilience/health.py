@@ -1,7 +1,8 @@
 """Is a step healthy? Non-finite values and spikes, and what the run does about them.
 
 Every step's loss and gradient norm are checked before the optimizer steps (the engine
-calls `Recovery.check`, this `Health.check`, as its guard, after its one host sync of the step):
+calls the guard `Recovery.guard` gave it, which asks `Health.check`, after its one host sync of
+the step):
 
 - a NaN or inf in either is a "nonfinite" anomaly, handled by `train.on_nonfinite`;
 - with `train.spike.action` set, a value more than `threshold` standard deviations above
@@ -127,7 +128,8 @@ class Health:
         self.can_roll_back = "rollback" in (cfg.on_nonfinite, cfg.spike.action)
 
     def check(self, loss: float, grad_norm: float) -> Anomaly | None:
-        """The engine's guard: an anomaly stops the optimizer step."""
+        """What is wrong with a step's loss and gradient norm, or None (Recovery's guard asks it:
+        an anomaly stops the optimizer step)."""
         return self.detector.check(loss, grad_norm)
 
     def action(self, anomaly: Anomaly) -> str:

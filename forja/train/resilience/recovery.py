@@ -1,8 +1,13 @@
 """Recovery: what the run does about a step the health check refused (forja/train/resilience/health.py).
 
-The loop calls it once per step, after the engine's step:
+The loop hands the engine this step's guard, then acts on the step:
 
+    engine.train_step(batches, guard=recovery.guard())   whether the step may reach the weights
     outcome = recovery.step(step, out)    GO_ON, SKIPPED or ROLLED_BACK; raises to stop
+
+The verdict on a step is decided here alone: the guard judges the loss and gradient norm
+(`Health.check`), tells the engine only whether to refuse the step, and keeps what was wrong
+with it for `step` to act on; the engine never carries it.
 
 It owns the spike detector and the rollback bookkeeping (`Health`), the learning-rate factor
 after a rollback (`lr_scale`, which the loop hands the engine) and replay's verdict, and it
@@ -58,6 +63,7 @@ class Recovery:
         self.health = Health(cfg)
         self.checkpoints, self.counters, self.loader, self.sinks = checkpoints, counters, loader, sinks
         self.reload, self.beat, self.on_rolled_back, self.rank = reload, beat, rolled_back, rank
+        self._anomaly: Anomaly | None = None  # the guard's verdict on the step in progress
 
     @property
     def detector(self):
@@ -65,9 +71,16 @@ class Recovery:
         return self.health.detector
 
     # -- what the loop asks -------------------------------------------------------------------
-    def check(self, loss: float, grad_norm: float) -> Anomaly | None:
-        """The engine's guard: an anomaly stops the optimizer step."""
-        return self.health.check(loss, grad_norm)
+    def guard(self) -> Callable[[float, float], bool]:
+        """The engine's guard for the step about to run: True (refuse the step) when its loss or
+        gradient norm is an anomaly, which is kept here for `step`. A fresh verdict each step:
+        nothing of a step the engine did not judge (an fp16 overflow) or did not finish is left."""
+        self._anomaly = None
+        return self._judge
+
+    def _judge(self, loss: float, grad_norm: float) -> bool:
+        self._anomaly = self.health.check(loss, grad_norm)
+        return self._anomaly is not None
 
     def lr_scale(self, step: int) -> float:
         """The learning-rate factor of `step` (lowered for a while after a rollback)."""
@@ -81,10 +94,11 @@ class Recovery:
         self.health.checkpointed(step)
 
     def step(self, step: int, out: StepOutput) -> Outcome:
-        """Act on the engine's step `step`: record a good one (and replay's verdict at the replayed
-        bad step), skip, roll back, or stop with a ForjaError."""
-        if out.anomaly is not None:
-            return self._on_anomaly(step, out.anomaly)
+        """Act on the engine's step `step` and the guard's verdict on it: record a good one (and
+        replay's verdict at the replayed bad step), skip, roll back, or stop with a ForjaError."""
+        anomaly, self._anomaly = self._anomaly, None
+        if anomaly is not None:
+            return self._on_anomaly(step, anomaly)
         if out.skipped:
             return Outcome.SKIPPED
         self.health.accepted(step, out.loss, out.grad_norm)

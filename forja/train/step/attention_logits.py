@@ -1,11 +1,14 @@
-"""The step engine's attention-logit bookkeeping: the attn/ metrics and QK-clip (MuonClip).
+"""The step engine's attention-logit bookkeeping (a step hook): the attn/ metrics and QK-clip (MuonClip).
 
 With optim.qk_clip_tau > 0 or optim.max_logit_metric, every attention module keeps the max
-logit of each of its heads over the step's forwards (forja/models/common/max_logit.py). After
-the optimizer step the maxima of all layers and heads are made whole in one all-reduce (MAX)
-over every rank: data-parallel copies saw different tokens, tensor-parallel ranks hold
-different heads, pipeline stages different layers, and every rank then clips its own heads
-with the same numbers, so copies stay identical. The metrics:
+logit of each of its heads over the step's forwards (forja/models/common/max_logit.py; the
+engine's step context turns the tracking on). After the backward passes the maxima of all
+layers and heads are laid out over the whole model, -inf where another rank holds them, and
+recorded to be made whole by a max over every rank: data-parallel copies saw different tokens,
+tensor-parallel ranks hold different heads, pipeline stages different layers. One more column
+says which layers QK-clip may scale, so the count of clipped heads covers the whole model too.
+After the optimizer step every rank clips its own heads with the same numbers, on the device,
+so copies stay identical. The metrics:
 
     attn/max_logit          the largest logit of the step, over layers and heads
     attn/clipped_heads      heads whose weights QK-clip scaled this step
@@ -13,7 +16,8 @@ with the same numbers, so copies stay identical. The metrics:
 
 Which rows of which weight belong to a head, and with which power of gamma, is said here per
 attention kind (forja/optim/qk_clip.py has the rule and the arithmetic). Context parallelism
-splits a sequence's keys over ranks, which the local recomputation cannot see: refused.
+splits a sequence's keys over ranks, which the local recomputation cannot see: the layout validator
+refuses the pair (forja/parallel/checks.py).
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import torch.distributed as dist
 from torch import nn
 
 from forja import fallbacks
+from forja import metric_names as names
 from forja.models.common.attention import Attention
 from forja.models.common.max_logit import MaxLogitTracking
 from forja.models.common.mla import MLA
 from forja.optim.config import OptimConfig
 from forja.optim.qk_clip import Segments, clip_factors, row_factors, scale_rows
 from forja.parallel import ParallelDims
+from forja.train.step.hooks import Reduce, StepDone, StepHook, Tally
 
 
 def head_rows(module: nn.Module) -> list[tuple[torch.Tensor, Segments]] | None:
@@ -50,61 +56,68 @@ def head_rows(module: nn.Module) -> list[tuple[torch.Tensor, Segments]] | None:
     return None
 
 
-class AttentionLogits:
+class AttentionLogits(StepHook):
     """The attention layers of this rank's model parts, their max logits and QK-clip."""
 
     def __init__(self, parts: list[nn.Module], dims: ParallelDims, cfg: OptimConfig):
         self.tau = cfg.qk_clip_tau
         self.enabled = self.tau > 0 or cfg.max_logit_metric
-        self.dims = dims
-        self.n_layers, self.n_heads = parts[0].args.n_layers, parts[0].args.n_heads  # the whole model's
+        args = parts[0].args
+        self.rows, self.n_heads = args.n_layers + args.mtp_depth, args.n_heads  # the whole model's blocks
         self.device = next(parts[0].parameters()).device
+        self.tp_rank = dist.get_rank(dims.tp_mesh.get_group()) if dims.tp > 1 else 0
         self.layers = sorted(((_layer_index(name), m) for part in parts for name, m in part.named_modules()
                               if isinstance(m, MaxLogitTracking)), key=lambda x: x[0])
-        for _, module in self.layers:
-            module.track_max_logit = self.enabled
-        if self.enabled and self.tau > 0 and any(head_rows(m) is None for _, m in self.layers):
+        self.clippable = {i for i, m in self.layers if head_rows(m) is not None}
+        if self.enabled and self.tau > 0 and len(self.clippable) < len(self.layers):
             fallbacks.record("optim.qk_clip", asked=f"optim.qk_clip_tau = {self.tau}",
                              instead="QK-clip leaves layers with QK-norm alone (their metric is still logged)",
                              why="the RMSNorm of q and k undoes any scaling of their projections", fix="")
+        self._maxima = None
 
-    def end_step(self, stepped: bool) -> dict[str, float]:
-        """The step's maxima, made whole; the clip (if the optimizer stepped); the metrics."""
-        if not self.enabled:
-            return {}
-        maxima = self._gathered()  # (L, H) over the whole model
-        clipped = 0
-        if stepped and self.tau > 0:
-            for i, module in self.layers:
-                clipped += self._clip(module, maxima[i])
-        metrics = {"attn/max_logit": float(maxima.max()), "attn/clipped_heads": float(clipped)}
-        per_layer = maxima.amax(dim=1).tolist()
-        metrics.update({f"attn/layer{i}/max_logit": v for i, v in enumerate(per_layer)})
-        return metrics
-
-    def _gathered(self) -> torch.Tensor:
-        """(n_layers, H) max logits: each rank fills its layers and heads, -inf elsewhere, and a
-        MAX over every rank completes them. The same tensor on every rank."""
-        taken = [(i, m, m.take_max_logit()) for i, m in self.layers]
-        maxima = torch.full((self.n_layers, self.n_heads), -torch.inf, device=self.device)
-        tp_rank = dist.get_rank(self.dims.tp_mesh.get_group()) if self.dims.tp > 1 else 0
-        for i, _, local in taken:
+    def record(self, tally: Tally) -> None:
+        """(rows, H + 1) float32: each held layer's max logit per head (TP: this rank's heads),
+        -inf elsewhere, and a last column of 1 where the holder may clip the layer. A max over
+        every rank completes it."""
+        H = self.n_heads
+        maxima = torch.full((self.rows, H + 1), -torch.inf, device=self.device)
+        maxima[:, H] = 0.0
+        for i, module in self.layers:
+            local = module.take_max_logit()
             if local is not None:
                 n = local.numel()
-                maxima[i, tp_rank * n:(tp_rank + 1) * n] = local  # TP holds contiguous heads
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        return maxima.cpu()
+                maxima[i, self.tp_rank * n:(self.tp_rank + 1) * n] = local  # TP holds contiguous heads
+            if i in self.clippable:
+                maxima[i, H] = 1.0
+        self._maxima = tally.add(maxima, Reduce.MAX, host=self._figures)
 
-    def _clip(self, module: nn.Module, maxima: torch.Tensor) -> int:
-        """Scale `module`'s heads above tau; the number scaled."""
-        rows = head_rows(module)
-        if rows is None:
-            return 0
+    def _figures(self, maxima: torch.Tensor) -> torch.Tensor:
+        """(rows, H + 1) -> (2 rows + 1,): each layer's max, the model's, then each layer's heads
+        that QK-clip scales (a factor below 1)."""
+        heads, clippable = maxima[:, :self.n_heads], maxima[:, self.n_heads:] > 0  # (rows, H), (rows, 1)
+        if self.tau > 0:
+            clipped = ((clip_factors(heads, self.tau) < 1) & clippable).sum(dim=1)  # (rows,)
+        else:
+            clipped = torch.zeros(self.rows, device=heads.device)
+        return torch.cat([heads.amax(dim=1), heads.max()[None], clipped.to(heads.dtype)])
+
+    def end(self, done: StepDone) -> dict[str, float]:
+        """The clip (if the optimizer stepped), on the device; the metrics."""
+        host, R = self._maxima.host, self.rows
+        per_layer, largest, clipped = host[:R], host[R], host[R + 1:]
+        if done.stepped and self.tau > 0:
+            for i, module in self.layers:
+                if clipped[i]:  # else every factor is exactly 1: nothing would move
+                    self._clip(module, self._maxima.device[i, :self.n_heads])
+        metrics = {names.ATTN_MAX_LOGIT: largest, names.ATTN_CLIPPED_HEADS: sum(clipped) if done.stepped else 0.0}
+        metrics.update({names.attn_layer_max_logit(i): v for i, v in enumerate(per_layer)})
+        return metrics
+
+    def _clip(self, module: nn.Module, maxima: torch.Tensor) -> None:
+        """Scale `module`'s heads above tau by the maxima (H,) on the device."""
         gamma = clip_factors(maxima, self.tau)
-        for tensor, segments in rows:
+        for tensor, segments in head_rows(module):
             scale_rows(tensor, row_factors(gamma, segments))
-        return int((gamma < 1).sum())
 
 
 def _layer_index(name: str) -> int:

@@ -17,22 +17,31 @@ The loss of a step is the mean next-token cross-entropy over every token of the 
 batch. Every micro-batch has the same number of tokens (packed sequences, no padding), so
 each contributes its mean divided by the number of micro-batches (`microbatch_loss`, the
 one place a micro-batch's loss is composed; a mixture of experts' auxiliary losses enter the
-gradients with the same share, forja/train/step/experts.py, and so do multi-token prediction's,
-forja/train/step/mtp.py), and averaging over the data-parallel ranks (FSDP's
-gradient reduction, and `loss_group` for the reported value) makes it the global mean: any
-layout computes the loss and gradients of one process. With padding (data.packing =
+gradients with the same share, and so do multi-token prediction's: the engine sets it in the
+`StepContext` it handed the model's modules when it was built,
+forja/models/common/step_context.py), and averaging over the data-parallel ranks (FSDP's
+gradient reduction, and a mean over `loss_group` for the reported value) makes it the global
+mean: any layout computes the loss and gradients of one process.
+
+What runs around a step besides the model is a list of step hooks (forja/train/step/hooks.py):
+a mixture of experts' balancing (experts.py), multi-token prediction's losses (mtp.py), the
+attention logits and QK-clip (attention_logits.py) and fp16's loss scale (scaler.py). Their
+values cross ranks packed with the step's loss, one collective per reduce type and dtype, and
+reach the host with the loss and the gradient norm in the step's one host sync. With padding (data.packing =
 "best-fit") micro-batches hold different numbers of labels; each mean is then weighed by its
 share of the step's labels (`_label_share`), so the loss is still the mean over every label of
 the global batch, on every layout (the pipeline's schedule hands each micro-batch's labels to
 `_pipeline_loss`).
 
-What scales a step comes from its caller, in one `StepScales`: the loss scale (fp16's,
-forja/train/step/scaler.py; the MoE auxiliary losses get it too), a drill's fault on this rank's
-loss (forja/train/resilience/drills.py) and a factor on the learning rate (a rollback's,
-forja/train/resilience/recovery.py). `microbatch_loss` multiplies by the loss scale and the step divides
-the gradients and the reported loss by it again before the norm: the guard, the clipping and the logs see unscaled values. A finite
-loss with an inf/NaN gradient norm is then an overflow, the scaler's business: the step is
-skipped, the scale halved, and the guard (forja/train/resilience/health.py) is not asked.
+What scales a step comes from two places. The engine owns the loss scale (fp16's,
+forja/train/step/scaler.py, a hook; the auxiliary losses get it too): `microbatch_loss`
+multiplies by it and the step divides the gradients and the reported loss by it again before
+the norm, so the guard, the clipping and the logs see unscaled values. Its caller hands it one
+`StepScales`: a drill's fault on this rank's loss (forja/train/resilience/drills.py) and a
+factor on the learning rate (a rollback's, forja/train/resilience/recovery.py). A finite loss
+with an inf/NaN gradient norm is an overflow, the scaler's business: the step is skipped, the
+scale halved, and the guard (forja/train/resilience/recovery.py) is not asked. The guard only
+says whether a step may reach the weights; what was wrong with it stays with recovery.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from torch.distributed.tensor import DTensor
 
 from forja.checkpoint.states import stored_names
 from forja.models.common.mtp import IGNORE
+from forja.models.common.step_context import StepContext, share_context
 from forja.models.common.transformer import Transformer
 from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import ParallelDims, local_value, loss_context
@@ -58,17 +68,16 @@ from forja.parallel.cp import ContextParallel, LocalPart
 from forja.parallel.pp import Pipeline
 from forja.train.step.attention_logits import AttentionLogits
 from forja.train.step.experts import ExpertBalance
+from forja.train.step.hooks import Reduce, ReduceGroups, StepDone, StepHook, StepShare, Tally
 from forja.train.step.mtp import MTPLosses
-from forja.train.step.scaler import LossScaler, current_scale, unscale_
+from forja.train.step.scaler import LossScaler, LossScaling, unscale_
 
 
 @dataclass(frozen=True)
 class StepScales:
-    """What one step is scaled by, computed by the caller for each step."""
+    """What one step is scaled by, computed by the caller for each step (the loss scale is the
+    engine's own)."""
 
-    loss: float = 1.0
-    """Multiplies every micro-batch's loss and auxiliary losses (fp16's loss scale, a power of two);
-    divided out of the gradients and the loss before the norm."""
     fault: float = 1.0
     """A drill's factor on this rank's loss (NaN, or forja/train/resilience/drills.py's SPIKE_FACTOR); kept, so the
     guard sees it."""
@@ -89,10 +98,8 @@ class StepOutput:
     lr: float
     """Learning rate the step used."""
     skipped: bool
-    """The loss or the norm was not finite (an fp16 overflow among them), or the guard found them wrong:
+    """The loss or the norm was not finite (an fp16 overflow among them), or the guard refused them:
     the weights were left unchanged."""
-    anomaly: Any = None
-    """What the guard found wrong with the step (forja/train/resilience/health.py's Anomaly), or None."""
     committed: bool = True
     """False when a fault-tolerant replica group did not finish the step (forja/train/ft): nothing
     stepped, not even the schedule, and the step is to be trained again by the groups left."""
@@ -120,73 +127,98 @@ class StepEngine:
         self.parts, self.optimizers, self.scheduler, self.dims = parts, optimizers, scheduler, dims
         self.replicas = replicas  # torchft replica groups (forja/train/ft/replicas.py), or None
         self.device, self.compute_dtype = device, compute_dtype
-        self.scaler = scaler  # fp16's loss scaling, or None
         self.grad_clip, self.document_mask = grad_clip, document_mask
         # context parallelism: each micro-batch's rows split over the cp group
         self.context = ContextParallel(dims.cp_mesh.get_group(), dims.cp_kind, device) if dims.cp > 1 else None
         self._norm_params = _each_weight_once(parts)
-        self.experts = ExpertBalance(parts, dims, device)
-        self.mtp = MTPLosses(parts, dims, device)  # multi-token prediction: mtp/loss_{k}
-        self.attention_logits = AttentionLogits(parts, dims, optimizers.cfg)  # attn/ metrics, QK-clip
-        # The scales of the step in progress: a pipeline schedule keeps the loss function it was
-        # built with, so microbatch_loss reads them here rather than from its arguments.
-        self._scales = StepScales()
+        self._pp_group, self._reduce_groups = dims.pp_group, ReduceGroups.of(dims)  # looked up once
+        attention = AttentionLogits(parts, dims, optimizers.cfg)  # attn/ metrics, QK-clip
+        candidates = [ExpertBalance(parts, device), attention, MTPLosses(parts, device)]
+        self.hooks: list[StepHook] = [h for h in candidates if h.enabled]  # in the order their metrics are listed
+        if scaler is not None:  # fp16's loss scaling
+            self.hooks.append(LossScaling(scaler))
+        # What the modules read of the step in progress, handed to them once: the engine sets it per step.
+        self.step_context = StepContext.for_engine(device, track_max_logit=attention.enabled)
+        for part in parts:
+            share_context(part, self.step_context)
+        # The step in progress: a pipeline schedule keeps the loss function it was built with,
+        # so microbatch_loss reads the step's scales here rather than from its arguments.
+        self._scales, self._share = StepScales(), StepShare()
 
     @property
     def model(self) -> Transformer | None:
         """The whole model, when this rank holds it (not under pipeline parallelism)."""
         return self.parts[0]
 
+    def stateful(self) -> dict:
+        """What of the engine a checkpoint saves and restores, by name: fp16's loss scale ("scaler")."""
+        return {name: state for hook in self.hooks for name, state in hook.stateful().items()}
+
     # -- one step ----------------------------------------------------------------------------
-    def train_step(self, batches: Sequence, *, guard: Callable[[float, float], Any] | None = None,
+    def train_step(self, batches: Sequence, *, guard: Callable[[float, float], bool] | None = None,
                    scales: StepScales | None = None) -> StepOutput:
         """Forward and backward of `batches` (this rank's micro-batches of one step), then
         the optimizer step unless the loss or gradient norm is not finite or `guard(loss,
-        grad_norm)` returns an anomaly. `scales` defaults to the scaler's loss scale alone.
-        Under fp16 an overflow skips the step without asking `guard`."""
-        scales = scales or StepScales(loss=current_scale(self.scaler))
-        self.optimizers.zero_grad(set_to_none=True)
-        if scales.lr != 1.0:
-            for opt in self.optimizers.optimizers:
-                for group in opt.param_groups:
-                    group["lr"] = group["lr"] * scales.lr
-        self.experts.begin_step(len(batches), loss_scale=scales.loss)
-        self.mtp.begin_step(len(batches), loss_scale=scales.loss)
-        self._scales = scales
+        grad_norm)` refuses them (returns True). Under fp16 an overflow skips the step without
+        asking `guard`."""
+        share = self._begin(len(batches), scales or StepScales())
         try:
             loss = self.forward_backward(batches)
         finally:
-            self._scales = StepScales()
+            self._scales, self._share = StepScales(), StepShare()
         self.sync_tied_copies()
         together = self.replicas is not None and self.replicas.every_step  # [ft] hsdp; diloco syncs apart
         if together:  # the live replica groups' mean gradient (each shard alike)
             self.replicas.average(self._local_grads())
-        if scales.loss != 1.0:  # unscaled before the norm: it, clipping and the guard see true values
-            loss = loss / scales.loss
-            unscale_(self._local_grads(), scales.loss)
-        norm = self.clip_gradients()
-        loss = self._mean_over_data(loss)  # the norm is already global
-        if together:
-            self.replicas.average([loss])
-        # The one host sync of the step: whether to step depends on the values.
-        loss_value, norm_value = torch.stack([loss, norm.to(loss.device, loss.dtype)]).tolist()
+        if share.loss_scale != 1.0:  # unscaled before the norm: it, clipping and the guard see true values
+            loss = loss / share.loss_scale
+            unscale_(self._local_grads(), share.loss_scale)
+        loss_value, norm_value = self._tally(loss, self.clip_gradients(), together)
         lr = self.optimizers.optimizers[0].param_groups[0]["lr"]  # the schedule's, or a rollback's lowered one
-        overflow = self._overflowed(loss_value, norm_value)
-        anomaly = guard(loss_value, norm_value) if guard is not None and not overflow else None
-        skipped = overflow or anomaly is not None or not (math.isfinite(loss_value) and math.isfinite(norm_value))
+        refused = [hook for hook in self.hooks if hook.refuses(loss_value, norm_value)]  # fp16's overflow
+        vetoed = bool(guard(loss_value, norm_value)) if guard is not None and not refused else False
+        skipped = bool(refused) or vetoed or not (math.isfinite(loss_value) and math.isfinite(norm_value))
         groups = 1 if self.replicas is None else self.replicas.share.count
         if together and not self.replicas.commit():  # a group failed mid-step
             self.optimizers.zero_grad(set_to_none=True)
             return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=0, lr=lr, skipped=True,
                               committed=False)
         self._finish_step(skipped)
-        metrics = self.experts.end_step(stepped=not skipped)  # after the step: the bias follows it
-        metrics |= self.attention_logits.end_step(stepped=not skipped)  # QK-clip after the step
-        metrics |= self.mtp.end_step()
-        metrics |= self._scaler_metrics(overflow, skipped, scales.loss)
+        metrics: dict[str, float] = {}
+        for hook in self.hooks:  # after the optimizer step: the router's bias and QK-clip follow it
+            metrics |= hook.end(StepDone(stepped=not skipped))
         tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp * groups
         return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=tokens, lr=lr, skipped=skipped,
-                          anomaly=anomaly, metrics=metrics)
+                          metrics=metrics)
+
+    def _begin(self, n: int, scales: StepScales) -> StepShare:
+        """The step's share, told to the hooks and the modules' context; the learning rates' factor."""
+        self.optimizers.zero_grad(set_to_none=True)
+        if scales.lr != 1.0:
+            for opt in self.optimizers.optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = group["lr"] * scales.lr
+        share = StepShare(n, loss_scale=math.prod((hook.loss_scale for hook in self.hooks), start=1.0))
+        self.step_context.begin_step(share.aux_loss_share)
+        for hook in self.hooks:
+            hook.begin(share)
+        self._scales, self._share = scales, share
+        return share
+
+    def _tally(self, loss: torch.Tensor, norm: torch.Tensor, together: bool) -> tuple[float, float]:
+        """The loss's mean over the data ranks (the norm is already global) and every hook's values,
+        reduced in as few collectives as their reduce types allow, then the step's one host sync:
+        whether to step depends on the values. Returns (loss, grad_norm) as numbers."""
+        tally = Tally()
+        loss_entry = tally.add(loss, Reduce.MEAN)  # first: its place in the packed sum is the same each step
+        norm_entry = tally.add(norm.to(loss.device, loss.dtype), None)
+        for hook in self.hooks:
+            hook.record(tally)
+        tally.reduce(self._reduce_groups)
+        if together:
+            self.replicas.average([loss_entry.device])
+        tally.fetch()
+        return loss_entry.host[0], norm_entry.host[0]
 
     def _finish_step(self, skipped: bool) -> None:
         """The optimizer step, or none; the schedule moves either way."""
@@ -201,22 +233,6 @@ class StepEngine:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
 
-    # -- fp16 loss scaling (forja/train/step/scaler.py) ---------------------------------------------
-    def _overflowed(self, loss: float, norm: float) -> bool:
-        """A finite loss whose scaled gradients overflowed on some rank: the global norm is
-        inf/NaN. At the scale's floor it is a real fault instead, the guard's to judge."""
-        return (self.scaler is not None and math.isfinite(loss) and not math.isfinite(norm)
-                and self.scaler.can_back_off())
-
-    def _scaler_metrics(self, overflow: bool, skipped: bool, scale: float) -> dict[str, float]:
-        """The step's scale and overflow, then the scale's update. A step the guard refused
-        (a NaN loss, a spike) says nothing about the scale: it is left as it is."""
-        if self.scaler is None:
-            return {}
-        if overflow or not skipped:
-            self.scaler.update(overflow)
-        return {"loss_scale": scale, "overflow": float(overflow), "overflows": float(self.scaler.overflows)}
-
     def _local_grads(self) -> list[torch.Tensor]:
         """Every gradient this rank holds, once each, as plain tensors (a DTensor's local shard:
         unscaling is elementwise, so no communication)."""
@@ -225,18 +241,19 @@ class StepEngine:
 
     def microbatch_loss(self, loss: torch.Tensor, n: int) -> torch.Tensor:
         """What one of a step's `n` micro-batches adds to the step's loss, from its mean
-        next-token cross-entropy `loss`. A mixture of experts' auxiliary losses enter the
-        gradients with this same share, set per layer by `ExpertBalance.begin_step`. The step's
-        scales (`StepScales`) apply here: a drill's fault on this rank (gradients and the reported
-        loss both follow), then the loss scale (train_step divides the sum by it again)."""
-        scales = self._scales
+        next-token cross-entropy `loss`. Auxiliary losses enter the gradients with this same
+        share, set in the modules' step context by `_begin`. The step's scales apply here: a
+        drill's fault on this rank (gradients and the reported loss both follow), then the loss
+        scale (train_step divides the sum by it again)."""
+        scales, loss_scale = self._scales, self._share.loss_scale
         if scales.fault != 1.0:
             loss = loss * scales.fault
         loss = loss / n
-        return loss if scales.loss == 1.0 else loss * scales.loss
+        return loss if loss_scale == 1.0 else loss * loss_scale
 
     def forward_backward(self, batches: Sequence) -> torch.Tensor:
-        """Accumulate the gradients of `batches`; returns this rank's mean loss (0-dim)."""
+        """Accumulate the gradients of `batches`; returns this rank's mean loss (0-dim; a
+        pipeline's: the last stage's, zeros on the other stages)."""
         total = torch.zeros((), device=self.device)
         padded = self._padded(batches)
         for batch in batches:
@@ -287,8 +304,8 @@ class StepEngine:
         squares = [local_value(nn.utils.get_total_norm([p.grad for p in group], foreach=True)) ** 2
                    for group in _by_mesh(counted)]  # a DTensor's norm is reduced over its mesh here
         total = torch.stack(squares).sum()
-        if self.dims.pp_group is not None:  # each pipeline rank holds other layers: add up their squares
-            dist.all_reduce(total, group=self.dims.pp_group)
+        if self._pp_group is not None:  # each pipeline rank holds other layers: add up their squares
+            dist.all_reduce(total, group=self._pp_group)
         total = total.sqrt()
         if self.grad_clip > 0:
             params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
@@ -335,13 +352,6 @@ class StepEngine:
         """Where the loss and its backward run: vocabulary-parallel cross-entropy under TP."""
         return loss_context(self.dims.tp)
 
-    def _mean_over_data(self, value: torch.Tensor) -> torch.Tensor:
-        group = self.dims.loss_group
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
-            value /= dist.get_world_size(group)
-        return value
-
 
 class PipelineEngine(StepEngine):
     """Steps of this rank's pipeline stages, run by the schedule."""
@@ -379,9 +389,9 @@ class PipelineEngine(StepEngine):
             losses = self.pipeline.step(tokens, labels, doc_ids, n_batches=len(batches), loss_fn=self._pipeline_loss,
                                         cp_rows=rows)
         total = torch.zeros((), device=self.device)
-        for loss in losses:
+        for loss in losses:  # the last stage's; train_step's sum over the stages passes it on
             total += local_value(loss.detach())
-        return self.pipeline.from_last_stage(total)
+        return total
 
     def _pipeline_loss(self, out: torch.Tensor, n: int, labels: torch.Tensor) -> torch.Tensor:
         """A schedule micro-batch's part of the step's loss: with padding, weighed by its labels."""

@@ -13,14 +13,27 @@ non-finite exactly when any rank overflowed, and already syncs with the host onc
 decide on it: no second check, no extra collective.
 
 The scale is a power of two, so scaling and unscaling are exact.
+
+`LossScaling` is the scaler as the engine's step hook (forja/train/step/hooks.py): the engine
+owns the scale (the trainer never reads it; a checkpoint reaches it through the engine's
+`stateful()`), runs each step at it, asks the hook whether the step overflowed before the
+guard is asked, and the hook moves the scale after the step and names its metrics:
+
+    loss_scale   the scale the step ran with
+    overflow     1.0 when the step overflowed and was skipped
+    overflows    overflow steps in the run so far
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+from forja import metric_names as names
 from forja.train.config import TrainConfig
+from forja.train.step.hooks import StepDone, StepHook, StepShare
 
 # Below this the scale stops halving: a run that overflows at scale 1 has a real fault
 # (the gradients themselves are inf), which the health policy, not the scaler, must see.
@@ -68,9 +81,36 @@ class LossScaler(Stateful):
         self.overflows = int(state["overflows"])
 
 
-def current_scale(scaler: LossScaler | None) -> float:
-    """The loss scale of the next step: the scaler's, or 1 without one."""
-    return 1.0 if scaler is None else scaler.scale
+class LossScaling(StepHook):
+    """fp16's dynamic loss scale as a step hook."""
+
+    def __init__(self, scaler: LossScaler):
+        self.scaler = scaler
+        self._scale, self._overflow = scaler.scale, False
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def begin(self, share: StepShare) -> None:
+        self._scale, self._overflow = share.loss_scale, False
+
+    def refuses(self, loss: float, grad_norm: float) -> bool:
+        """A finite loss whose scaled gradients overflowed on some rank: the global norm is
+        inf/NaN. At the scale's floor it is a real fault instead, the guard's to judge."""
+        self._overflow = math.isfinite(loss) and not math.isfinite(grad_norm) and self.scaler.can_back_off()
+        return self._overflow
+
+    def end(self, done: StepDone) -> dict[str, float]:
+        """The step's scale and overflow, then the scale's update. A step the guard refused
+        (a NaN loss, a spike) says nothing about the scale: it is left as it is."""
+        if self._overflow or done.stepped:
+            self.scaler.update(self._overflow)
+        return {names.LOSS_SCALE: self._scale, names.OVERFLOW: float(self._overflow),
+                names.OVERFLOWS: float(self.scaler.overflows)}
+
+    def stateful(self) -> dict:
+        return {"scaler": self.scaler}  # the loss scale the run has found
 
 
 @torch.no_grad()

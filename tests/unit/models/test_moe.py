@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from forja.errors import ForjaError
 from forja.models.common.moe import MoE, MoEArgs, load_balancing_loss, router_z_loss
+from forja.models.common.step_context import StepContext
 
 
 def _layer(seed: int = 0, dim: int = 16, **kw) -> MoE:
@@ -80,7 +81,7 @@ def test_capacity_drops_the_lowest_weighted_slots():
 def test_aux_losses_reach_the_gradients_as_if_added_to_the_loss():
     x = torch.randn(2, 6, 16)
     moe = _layer(aux_loss_weight=0.1, z_loss_weight=0.01)
-    moe.aux_loss_scale = 0.5
+    moe.step_context = StepContext(aux_loss_share=0.5)
     moe(x).square().sum().backward()
     attached = moe.router.gate.weight.grad.clone()
 
@@ -91,6 +92,29 @@ def test_aux_losses_reach_the_gradients_as_if_added_to_the_loss():
     (out.square().sum() + 0.5 * aux).backward()
     torch.testing.assert_close(attached, plain.router.gate.weight.grad, atol=1e-5, rtol=1e-5)
     assert moe.take_stats().aux_loss > 0
+
+
+def test_a_compiled_layer_takes_each_steps_share_without_recompiling():
+    """The step context's share is a tensor the compiled graph reads: a new value each step (fp16's
+    scale halving and doubling) is neither a recompile nor a stale constant."""
+    x = torch.randn(2, 6, 16)
+    moe = _layer(aux_loss_weight=0.1, z_loss_weight=0.01)
+    context = StepContext.for_engine(torch.device("cpu"), track_max_logit=False)
+    moe.step_context = context
+    compiled = torch.compile(moe, backend="aot_eager")
+
+    def gate_grad(run, share: float) -> torch.Tensor:
+        moe.zero_grad()
+        context.begin_step(share)
+        run(x).square().sum().backward()
+        moe.take_stats()  # a fresh step's statistics, as the engine's hooks leave them
+        return moe.router.gate.weight.grad.clone()
+
+    gate_grad(compiled, 0.5)  # compiles
+    with torch.compiler.set_stance("fail_on_recompile"):
+        compiled_grads = [gate_grad(compiled, share) for share in (0.25, 1024.0, 1 / 3)]
+    for share, got in zip((0.25, 1024.0, 1 / 3), compiled_grads):
+        torch.testing.assert_close(got, gate_grad(moe, share), atol=1e-5, rtol=1e-5)  # eager, same share
 
 
 def test_balanced_routing_gives_an_aux_loss_of_one():

@@ -12,6 +12,7 @@ from forja.models.common import max_logit
 from forja.models.common.attention import Attention, AttentionMask, _flex_block_mask, build_mask
 from forja.models.common.mla import MLA
 from forja.models.common.rope import rope_cos_sin, rope_frequencies
+from forja.models.common.step_context import StepContext, share_context
 from forja.models import model_args
 from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.optim.config import OptimConfig, ScheduleConfig
@@ -48,7 +49,7 @@ def _module(kind: str) -> torch.nn.Module:
 
 def _forward_max(module, x, docs, rope, window=None) -> torch.Tensor:
     module.train()
-    module.track_max_logit = True
+    module.step_context = StepContext(track_max_logit=True)
     mask = build_mask(docs, q_len=T, kv_len=T, window=window)
     module(x, rope, mask)
     return module.take_max_logit()
@@ -113,7 +114,7 @@ def test_validation_and_no_tracking_in_eval():
         OptimConfig(qk_clip_tau=-1.0)
     module = _module("mha")
     x, docs, rope = _inputs(16)
-    module.track_max_logit = True
+    module.step_context = StepContext(track_max_logit=True)
     module.eval()
     module(x, rope, build_mask(docs, q_len=T, kv_len=T))
     assert module.take_max_logit() is None  # validation forwards do not count
@@ -163,17 +164,23 @@ def test_qk_norm_layers_are_measured_but_not_clipped_and_the_fallback_says_so():
     from forja import fallbacks
     from forja.models import build_from_args
     from forja.train.step.attention_logits import AttentionLogits
+    from forja.train.step.hooks import ReduceGroups, StepDone, Tally
 
     fallbacks.clear()
     model = build_from_args(model_args("qwen3", "debug"), device="cpu")  # QK-norm in every layer
     dims = ParallelDims.from_config(ParallelConfig(), 1)
     logits = AttentionLogits([model], dims, OptimConfig(qk_clip_tau=1e-3))
+    share_context(model, StepContext(track_max_logit=logits.enabled))  # as the engine does
     assert all(head_rows(m) is None and m.track_max_logit for _, m in logits.layers)
     assert [f.key for f in fallbacks.recorded()] == ["optim.qk_clip"]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.train()
     model(torch.randint(0, 100, (1, 16)))
-    metrics = logits.end_step(stepped=True)
+    tally = Tally()  # the engine's round after a step: record, reduce (one process: nothing to do), fetch
+    logits.record(tally)
+    tally.reduce(ReduceGroups.alone())
+    tally.fetch()
+    metrics = logits.end(StepDone(stepped=True))
     assert metrics["attn/max_logit"] > 1e-3 and metrics["attn/clipped_heads"] == 0
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     fallbacks.clear()

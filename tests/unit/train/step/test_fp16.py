@@ -108,9 +108,9 @@ class _Guard:
     def __init__(self):
         self.calls: list[tuple[float, float]] = []
 
-    def __call__(self, loss: float, grad_norm: float):
+    def __call__(self, loss: float, grad_norm: float) -> bool:
         self.calls.append((loss, grad_norm))
-        return None
+        return False
 
 
 def test_a_clean_fp16_step_reports_and_judges_unscaled_values(dims):
@@ -129,10 +129,10 @@ def test_an_overflow_is_skipped_without_asking_the_guard_and_halves_the_scale(di
     guard = _Guard()
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     out = engine.train_step(_batches(), guard=guard)
-    assert out.skipped and out.anomaly is None and guard.calls == []
+    assert out.skipped and guard.calls == []  # not the guard's: no anomaly is judged
     assert math.isfinite(out.loss) and not math.isfinite(out.grad_norm)
     assert out.metrics == {"loss_scale": 2.0 ** 60, "overflow": 1.0, "overflows": 1.0}
-    assert engine.scaler.scale == 2.0 ** 59
+    assert engine.stateful()["scaler"].scale == 2.0 ** 59  # the engine owns the scale
     for name, p in engine.model.named_parameters():
         assert torch.equal(before[name], p) and p.grad is None, name
 
@@ -140,6 +140,7 @@ def test_an_overflow_is_skipped_without_asking_the_guard_and_halves_the_scale(di
 def test_a_nan_loss_under_fp16_is_the_guards_and_leaves_the_scale(dims):
     engine = _fp16_engine(dims, 2.0 ** 12)
     guard = _Guard()
-    out = engine.train_step(_batches(), guard=guard, scales=StepScales(loss=engine.scaler.scale, fault=float("nan")))
+    out = engine.train_step(_batches(), guard=guard, scales=StepScales(fault=float("nan")))
     assert out.skipped and len(guard.calls) == 1 and guard.calls[0][0] != guard.calls[0][0]  # NaN
-    assert out.metrics["overflow"] == 0.0 and engine.scaler.scale == 2.0 ** 12 and engine.scaler.clean_steps == 0
+    scaler = engine.stateful()["scaler"]
+    assert out.metrics["overflow"] == 0.0 and scaler.scale == 2.0 ** 12 and scaler.clean_steps == 0
