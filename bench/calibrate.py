@@ -77,8 +77,8 @@ def gemm_rows(args, device: torch.device, hw: Hardware, dtype: torch.dtype) -> l
     for name, m, k, n in layer_gemms(args.flavor, args.tokens, args.tp):
         x, w, g = (torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype),
                    torch.randn(m, n, device=device, dtype=dtype))
-        for part, fn in (("forward", lambda: x @ w), ("input grad", lambda: g @ w.T), ("weight grad", lambda: x.T @ g)):
-            achieved = 2 * m * k * n / timed(fn, device, args.reps)
+        for part, (a, b) in (("forward", (x, w)), ("input grad", (g, w.T)), ("weight grad", (x.T, g))):
+            achieved = 2 * m * k * n / timed(lambda a=a, b=b: a @ b, device, args.reps)
             model = matmul_efficiency(m, min(k, n), hw)
             rows.append([f"{name} {part}", f"{m}x{k}x{n}", f"{achieved / 1e12:.4g}", _ratio(achieved, peak),
                          f"{model:.3f}" if hw.peak_known else "-"])
@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         rows = gemm_rows(args, device, hw, dtype) + [attention_row(args, device, hw, dtype)]
         print(table(["kernel", "shape", "achieved TFLOP/s", "achieved / peak", "speed model's"], rows))
-        print(table(["memory", "size", "achieved", "achieved / datasheet", "speed model's"], [copy_row(args, device, hw)]))
+        print(table(["memory", "size", "achieved", "achieved / datasheet", "speed model's"],
+                    [copy_row(args, device, hw)]))
     if not args.no_collectives:
         run_collectives(args, device, hw)
 

@@ -93,7 +93,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     a = ap.parse_args()
     print(f"model: llama {MODEL}, torch {torch.__version__}, one thread per rank")
-    print("| tokens | layout | activations saved per rank (MiB) | vs cp 1 | step time per rank (s) | rank-seconds vs cp 1 |")
+    print("| tokens | layout | activations saved per rank (MiB) | vs cp 1 | step time per rank (s) "
+          "| rank-seconds vs cp 1 |")
     print("|---|---|---|---|---|---|")
     for T in a.seq_lens:
         base = run_distributed(_single, 1, T, a.rounds, a.warmup, timeout_s=3600)[0]

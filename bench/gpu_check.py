@@ -299,7 +299,8 @@ def main() -> int:
     bench_rows, bench_failed = run_bench(env, out_dir, left - MOE_S)
     left = BUDGET_S - (time.monotonic() - start) - MARGIN_S
     moe_rows, moe_failed = run_moe_bench(env, out_dir, left)
-    report = header(carried, time.monotonic() - start) + "\n" + table(test_rows + peer_rows + bench_rows + moe_rows) + "\n"
+    rows = test_rows + peer_rows + bench_rows + moe_rows
+    report = header(carried, time.monotonic() - start) + "\n" + table(rows) + "\n"
     (out_dir / "gpu_check.md").write_text(report)
     print("\n" + report + "\n".join(test_verdict), flush=True)  # last, where a short tail still shows it
     return 1 if tests_short or peers_failed or bench_failed or moe_failed else 0

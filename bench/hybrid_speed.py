@@ -10,7 +10,8 @@ Both models are `qwen3_5` built from the same flavor and overrides; the baseline
 `layer_types` to full_attention everywhere (so its blocks differ only in the sequence mixer,
 its parameter count differs by under 1%: printed). A timing is one training step of one sequence
 (forward, loss, backward), the two models alternating round by round after one warm-up each (at
-the first length; lengths past --long are timed once), so a busy machine slows them alike; the table has each one's median and the hybrid's speed
+the first length; lengths past --long are timed once), so a busy machine slows them alike; the table has each one's
+median and the hybrid's speed
 ratio first. Attention is torch's SDPA (flash on CUDA, its fused CPU kernel on CPU); the
 delta rule is forja's chunked PyTorch form on CPU, fla's kernel on CUDA when installed.
 """

@@ -78,7 +78,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     a = ap.parse_args()
-    print(f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
+    cpu = platform.processor() or platform.machine()
+    print(f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu}, "
           f"{torch.get_num_threads()} threads available, torch {torch.__version__}")
     print(f"command: python bench/moe_tp.py --batch {a.batch} --seq {a.seq} --steps {a.steps} --warmup {a.warmup}")
     base = None

@@ -103,7 +103,8 @@ def run_all(root: Path, parallel: int) -> None:
               MUP_COMMON + extra, parallel)
     # The seeds last: the muP figures need every trial, the seed spread is reported over what ran.
     for name, lr in best_lrs(root).items():
-        sweep(root / f"seeds-{name}", ["train.seed=1,2"], [f"optim.name={name}", f"optim.lr={lr}", *EXTRA.get(name, [])],
+        sweep(root / f"seeds-{name}", ["train.seed=1,2"],
+              [f"optim.name={name}", f"optim.lr={lr}", *EXTRA.get(name, [])],
               parallel)
 
 

@@ -9,7 +9,8 @@ Each contender is a process of its own (bench/peers_worker.py's protocol) that b
 and warms up once, then waits. On a CPU the rounds alternate: every round runs each contender for
 --steps steps in turn, the order rotated each round, so that a slow minute of the machine falls
 on all of them. On CUDA (--one-at-a-time) each contender runs its rounds alone and exits before
-the next starts: four 1B trainings do not fit one GPU's memory together. Reported per contender: median tokens/s over the rounds and its spread
+the next starts: four 1B trainings do not fit one GPU's memory together. Reported per contender: median tokens/s over
+the rounds and its spread
 (min-max), peak memory (CUDA: the allocator's peak in the round; CPU: the process's peak RSS)
 and MFU. Pairs come first, as ratios of medians (forja / peer). The framework's overhead is
 forja's Trainer step against forja's own model in a bare loop (bench/peers_forja.py --bare).
@@ -191,7 +192,8 @@ def summarize(entries: list[Entry], tokens_per_step: int, steps: int, flops: int
              for a, b in PAIRS if a in rows and b in rows]
     out = {"pairs": pairs, "contenders": rows}
     if "forja eager" in rows and "forja model alone (bare loop)" in rows:
-        out["forja_overhead"] = rows["forja model alone (bare loop)"]["tokens_per_s"] / rows["forja eager"]["tokens_per_s"] - 1
+        bare, eager = rows["forja model alone (bare loop)"], rows["forja eager"]
+        out["forja_overhead"] = bare["tokens_per_s"] / eager["tokens_per_s"] - 1
     return out
 
 
@@ -201,7 +203,8 @@ def markdown(result: dict, header: str) -> str:
     if "forja_overhead" in result:
         lines += ["", f"forja's own overhead per step (Trainer step against its model in a bare loop): "
                       f"{100 * result['forja_overhead']:+.1f}%"]
-    lines += ["", "| contender | tokens/s (median) | spread (min-max) | peak memory GiB | MFU |", "|---|---|---|---|---|"]
+    lines += ["", "| contender | tokens/s (median) | spread (min-max) | peak memory GiB | MFU |",
+              "|---|---|---|---|---|"]
     for name, r in result["contenders"].items():
         lo, hi = r["spread"]
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {lo:,.0f}-{hi:,.0f} | {r['peak_gib']:.2f} | "

@@ -10,7 +10,8 @@ these rows, so the table measures a prediction, not a fit.
 
 What a source does not state is filled with a stated default, never chosen per row to make it
 agree (Megatron-LM's table: micro-batch 1; no recomputation and 1F1B, Megatron's defaults);
-such rows say so in their `assumed` column. A setting forja cannot express (a virtual-pipeline size other than 2, a model
+such rows say so in their `assumed` column. A setting forja cannot express (a virtual-pipeline size other than 2, a
+model
 family forja lacks) makes the row `inexpressible`: listed with the reason, left out of the
 statistics. The sources, each at the commit read, are in SOURCES; docs/planner.md lists them.
 """
@@ -32,7 +33,8 @@ from forja.plan.layout import Layout  # noqa: E402
 from forja.plan.planner import Candidate, evaluate  # noqa: E402
 
 SOURCES = {
-    "torchtitan": "pytorch/torchtitan@b5bcd76c66d0acb1a08b176d9639425bc55e0b2a benchmarks/llama3_h100_202412_torchtitan.md",
+    "torchtitan": "pytorch/torchtitan@b5bcd76c66d0acb1a08b176d9639425bc55e0b2a "
+                  "benchmarks/llama3_h100_202412_torchtitan.md",
     "torchtitan-asynctp": "pytorch/torchtitan@b5bcd76c66d0acb1a08b176d9639425bc55e0b2a "
                           "benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md",
     "megatron-lm": "NVIDIA/Megatron-LM@d98e8a64ddf34856e74b24714e3bedb2f5a39553 README.md, images/model_table.png",
@@ -327,8 +329,8 @@ def summary(rows: list[Result]) -> dict[str, tuple[int, float, float, float]]:
 
 def main() -> None:
     rows = results()
-    print("| run | source | GPUs | GPU | published tok/s/GPU | predicted | log(pred/pub) | fits (forja's validator and memory) "
-          "| assumed |")
+    print("| run | source | GPUs | GPU | published tok/s/GPU | predicted | log(pred/pub) "
+          "| fits (forja's validator and memory) | assumed |")
     print("|---|---|---:|---|---:|---:|---:|---|---|")
     for r in rows:
         run = r.run

@@ -8,7 +8,8 @@ charts go to the run directory for one run, to ./report for several, or to --out
 A mixture-of-experts run (its log holds the `moe/...` keys of forja/train/step/experts.py) also
 gets expert_load.png, one panel each: the busiest expert's load over the mean and the load's
 coefficient of variation; the CV of every MoE layer; and, when non-zero, the share of
-token-slots dropped and the router losses. An "expert load" table then summarizes them. A run with downstream evaluation in the loop
+token-slots dropped and the router losses. An "expert load" table then summarizes them. A run with downstream
+evaluation in the loop
 (`eval/<task>/<metric>` keys, forja/train/evaluation.py) gets eval.png: accuracy, normalized
 accuracy and bits per byte of each task over steps. A run whose records carry the data
 loader's keys (`stage`, `tokens/<source>`, `data/padding`, `data/cut_docs`; forja/data/load/loader.py)
@@ -205,7 +206,7 @@ def plot(runs: list[Run], out_dir: Path) -> list[Path]:
         path = out_dir / f"{stem}.png"
         _save(fig, path)
         written.append(path)
-    extra = [plot_expert_load(runs, out_dir, Figure), plot_eval(runs, out_dir, Figure), plot_data(runs, out_dir, Figure)]
+    extra = [plot(runs, out_dir, Figure) for plot in (plot_expert_load, plot_eval, plot_data)]
     return written + [path for path in extra if path]
 
 

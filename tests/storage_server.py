@@ -1,8 +1,6 @@
 """A real S3-compatible server on localhost for tests: moto's server mode, plus a flaky proxy.
 
-Import the fixtures into a test module (pytest finds them by name there):
-
-    from tests.storage_server import moto_endpoint, s3_bucket, flaky_s3  # noqa: F401
+The fixtures reach every test through tests/conftest.py (`pytest_plugins`):
 
     def test_x(s3_bucket):            # "s3://forja-test-<hex>", a new empty bucket
         ...

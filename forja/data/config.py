@@ -26,7 +26,8 @@ class StageConfig:
     seq_len: int | None = None
     """This stage's sequence length (at most train.seq_len); None: train.seq_len_schedule / train.seq_len."""
     lr_phase: Literal["decay"] | None = None
-    """"decay": a wsd schedule decays over this stage (to the next stage or train.steps), not over schedule.decay_fraction."""
+    """"decay": a wsd schedule decays over this stage (to the next stage or train.steps), not over
+    schedule.decay_fraction."""
 
     def __post_init__(self) -> None:
         if not self.path:

@@ -93,7 +93,8 @@ def _run_cli(args: argparse.Namespace) -> int:
     model = quantize(cast(model, args.dtype), args.quantize)
     results = [evaluate(model, tok, task, prefix_id=prefix, batch_size=args.batch_size) for task in tasks]
     if args.json:
-        print(json.dumps({"source": str(args.source), "dtype": args.dtype, "quantize": args.quantize, "weight_bytes": weight_bytes(model),
+        print(json.dumps({"source": str(args.source), "dtype": args.dtype, "quantize": args.quantize,
+                          "weight_bytes": weight_bytes(model),
                           "tasks": results}, indent=2))
     else:
         _print_table(results)

@@ -127,7 +127,8 @@ class SinkGroup(Sink):
 def drop_after(path: Path, step: int) -> int:
     """Remove the lines of a JSONL file whose "step" is beyond `step`, and a torn last line;
     return how many went. Events (records with an "event": a rollback, a skipped step) stay:
-    they happened, even if the steps around them are trained again. The file is rewritten whole and renamed into place."""
+    they happened, even if the steps around them are trained again. The file is rewritten whole and renamed into
+    place."""
     if not path.is_file():
         return 0
     text = path.read_text(encoding="utf-8")

@@ -99,7 +99,8 @@ class Muon(torch.optim.Optimizer):
     `bucket_bytes`: the whole matrices one exchange of a distributed step moves, at most about."""
 
     def __init__(self, params: Iterable, *, lr: float = 0.02, weight_decay: float = 0.1, momentum: float = 0.95,
-                 nesterov: bool = True, ns_steps: int = 5, ns_coefficients: tuple[float, ...] = (3.4445, -4.775, 2.0315),
+                 nesterov: bool = True, ns_steps: int = 5,
+                 ns_coefficients: tuple[float, ...] = (3.4445, -4.775, 2.0315),
                  update_scale: str = "rms_match", betas: tuple[float, ...] = (0.9, 0.95), eps: float = 1e-8,
                  ns_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES):
         if len(ns_coefficients) != 3:

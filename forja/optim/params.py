@@ -22,7 +22,8 @@ from forja.names import named_unique_parameters
 from forja.optim.config import OptimConfig
 
 # Canonical names (forja/models/common/init.py) the rule keeps on AdamW though >= 2-D.
-ADAMW_BY_RULE = ("tok_embeddings.weight", "mtp.embed.weight", "pos_embeddings.weight", "output.weight", "*.router.gate.weight")
+ADAMW_BY_RULE = ("tok_embeddings.weight", "mtp.embed.weight", "pos_embeddings.weight", "output.weight",
+                 "*.router.gate.weight")
 
 
 def goes_to_muon(name: str, ndim: int, cfg: OptimConfig) -> bool:

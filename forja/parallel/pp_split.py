@@ -6,7 +6,8 @@ parameter it keeps has its name in the whole model ("layers.5.attention.wq.weigh
 checkpoints load across layouts. The embeddings (every direct child besides `layers`,
 `norm` and `output`: token and, for GPT-2, position embeddings) belong to the first stage;
 the final norm, the output projection and the multi-token prediction modules to the last,
-with a copy of the token embedding for them (`mtp.embed`: the ids come from the labels). A model that ties its output projection to the embedding keeps the tie
+with a copy of the token embedding for them (`mtp.embed`: the ids come from the labels). A model that ties its output
+projection to the embedding keeps the tie
 inside a stage that holds both (a V schedule's
 rank 0 holds both ends, but as two parts); otherwise the last stage's `output.weight`
 becomes its own copy of the embedding, which `Transformer.tied_parameters` names so that

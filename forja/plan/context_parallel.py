@@ -4,7 +4,8 @@ buffers the memory model adds. Formulas in docs/planner.md ("CP").
 
 - ring: each rank's K and V (B, Hkv/tp, T/cp, hd each) travel the ring, cp - 1 hops forward;
   backward passes K, V again and their gradient accumulators dK, dV (one hop more, back to
-  their owners). Its blocks are fp32 PyTorch matmuls over materialized scores (below). Gated DeltaNet blocks scan across the shards instead: an all-gather of
+  their owners). Its blocks are fp32 PyTorch matmuls over materialized scores (below). Gated DeltaNet blocks scan
+  across the shards instead: an all-gather of
   each rank's state transition (B, Hv/tp, dk, dk + dv) in fp32 and the convolutions' halos.
 - all-to-all (Ulysses): q, k, v (B, T/cp, H/tp hd) re-sharded over heads to (B, T, H/(tp cp) hd)
   and the output back, one all-to-all each; the same four in backward. KV heads fewer than

@@ -201,7 +201,8 @@ def enumerate_layouts(world: int, *, n_layers: int, n_heads: int, n_kv_heads: in
 def _layouts(world: int, n_layers: int, n_heads: int, n_kv_heads: int, n_experts: int, global_batch_size: int,
              seq_len: int, space: SearchSpace) -> Iterator[Layout]:
     # TP shards whole heads and whole KV heads (forja does not replicate KV heads over TP ranks).
-    tps = [t for t in divisors(min(world, space.max_tp, space.gpus_per_node)) if n_heads % t == 0 and n_kv_heads % t == 0]
+    tps = [t for t in divisors(min(world, space.max_tp, space.gpus_per_node))
+           if n_heads % t == 0 and n_kv_heads % t == 0]
     held = dict(space.fixed).get("tp")
     if held is not None and world % held == 0:
         tps = [held]  # a TP degree the user holds is judged (and refused, if so) by the validator, with its reason

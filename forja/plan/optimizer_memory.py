@@ -55,7 +55,8 @@ def optimizer_memory(job: Job, lay: Layout, rm, held: float, elements: float) ->
     parameter elements out of the `elements` it holds before FSDP sharding."""
     name = job.optimizer
     if name not in ("soap", "adafactor", "muon"):
-        return held * FP32 * job.state_per_param, 0.0  # torch's fused step (optim.implementation = auto) makes no temporary
+        # torch's fused step (optim.implementation = auto) makes no temporary
+        return held * FP32 * job.state_per_param, 0.0
     blocks, root, vectors = _whole_matrices(job, rm)
     mats = blocks + root
     # Vectors (norms, biases) are whole on every TP rank; the rank's shard holds its share of them.
@@ -96,7 +97,7 @@ def soap_matrix_state(rows: int, cols: int) -> float:
 def soap_step_temporaries(rows: int, cols: int) -> float:
     """Bytes SOAP's step makes for one matrix: the gathered gradient, its rotation, the rotated
     momentum, the normalized step and its rotation back (about 6 m n), G G^T and G^T G."""
-    factors = (rows * rows if rows <= SOAP_MAX_PRECOND_DIM else 0) + (cols * cols if cols <= SOAP_MAX_PRECOND_DIM else 0)
+    factors = sum(n * n for n in (rows, cols) if n <= SOAP_MAX_PRECOND_DIM)
     return (6 * rows * cols + factors) * FP32
 
 

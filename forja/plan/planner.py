@@ -113,7 +113,8 @@ def plan(job: Job, hw: Hardware, world: int, *, space: SearchSpace | None = None
     space = space or default_space(hw)
     a = job.args
     layouts = enumerate_layouts(world, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
-                                n_experts=a.n_experts if isinstance(a, MoEArgs) else 0, global_batch_size=job.global_batch_size,
+                                n_experts=a.n_experts if isinstance(a, MoEArgs) else 0,
+                                global_batch_size=job.global_batch_size,
                                 seq_len=job.seq_len, space=space)
     out, fitting = [], set()
     for lay in layouts:

@@ -124,7 +124,8 @@ def _all_cases(rank: int, world: int, device: str = "cpu") -> dict[str, dict[str
             results[f"{kind} {name}"] = _attention_case(name, kind, group, device)
         ring.TILE_SCORES = whole_blocks
         for documents in (False, True):
-            results[f"{kind} gated deltanet{' documents' if documents else ''}"] = _deltanet_case(kind, group, documents, device)
+            name = f"{kind} gated deltanet{' documents' if documents else ''}"
+            results[name] = _deltanet_case(kind, group, documents, device)
     return results
 
 

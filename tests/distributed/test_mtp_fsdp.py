@@ -19,9 +19,9 @@ def _fsdp_batches(rows: slice) -> list[Batch]:
 def _fsdp_run(rank: int, world: int) -> list:
     from forja.parallel import ParallelConfig, ParallelDims
 
-    dims = ParallelDims.from_config(ParallelConfig(dp_shard=world), world)
-    dims.build_mesh("cpu")
-    engine = _engine(dims, depth=2, parallel=ParallelConfig(dp_shard=world))
+    mesh = ParallelDims.from_config(ParallelConfig(dp_shard=world), world)
+    mesh.build_mesh("cpu")
+    engine = _engine(mesh, depth=2, parallel=ParallelConfig(dp_shard=world))
     outs = [engine.train_step(_fsdp_batches(slice(rank, rank + 1))) for _ in range(3)]
     return [(o.loss, o.metrics["mtp/loss_1"], o.metrics["mtp/loss_2"]) for o in outs]
 

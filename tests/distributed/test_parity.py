@@ -38,7 +38,8 @@ LAYOUTS = {
     # Inductor's code generation is exercised once a rank count (its first compile costs 10-30 s of
     # C++ builds on this CPU); the other compiled layouts trace the same graphs through AOTAutograd
     # (where TP's compile bug lived, docs/parallelism.md) and run them op by op.
-    "FSDP 2 + compile (aot_eager)": (2, {**FSDP2, "parallel.compile": "true", "parallel.compile_backend": '"aot_eager"'}),
+    "FSDP 2 + compile (aot_eager)": (2, {**FSDP2, "parallel.compile": "true",
+                                         "parallel.compile_backend": '"aot_eager"'}),
     # FSDP's CPU offload on a CPU-only machine runs unpinned: the same code path as on GPUs.
     "FSDP 2 + CPU offload": (2, {**FSDP2, "parallel.cpu_offload": "true"}),
     # The pieces compose.
@@ -46,7 +47,8 @@ LAYOUTS = {
                                              "parallel.ac": '"selective"'}),
     "FSDP 2 + full AC + compile": (2, {**FSDP2, "parallel.ac": '"full"', "parallel.compile": "true"}),
     # Compiled TP blocks: torch 2.13/2.14 need the embedding's output waited for (forja/parallel/tp.py).
-    "FSDP 2 x TP 2 + SP + compile (aot_eager)": (4, {"parallel.tp": "2", "parallel.dp_shard": "2", "parallel.compile": "true",
+    "FSDP 2 x TP 2 + SP + compile (aot_eager)": (4, {"parallel.tp": "2", "parallel.dp_shard": "2",
+                                                     "parallel.compile": "true",
                                                      "parallel.compile_backend": '"aot_eager"'}),
     # Fused ops (their PyTorch references on CPU) with the vocabulary-parallel fused loss.
     "TP 2 + SP + fused ops": (2, {"parallel.tp": "2", "parallel.dp_shard": "1", "model.fused_ops": "true"}),

@@ -1,7 +1,8 @@
 """The 2026 architectures reproduce the single-process losses under parallel layouts (CPU,
 Gloo, fp32): Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid) under FSDP, TP + SP, EP and PP;
 gpt-oss (sinks, sliding windows, MoE with biases) under TP; Gemma 3 (local/global layers)
-under FSDP x TP; DeepSeek-V3 with multi-token prediction under PP. And a hybrid run killed with SIGKILL resumes bit for bit. Each layout's
+under FSDP x TP; DeepSeek-V3 with multi-token prediction under PP. And a hybrid run killed with SIGKILL resumes bit for
+bit. Each layout's
 measured difference is printed (pytest -s) and recorded in docs/models.md.
 """
 

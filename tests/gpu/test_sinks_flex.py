@@ -22,7 +22,8 @@ def test_flex_sinks_match_the_written_out_scores(documents):
         out = model(tokens, doc_ids if documents else None)
         out.float().logsumexp(-1).mean().backward()
         logits.append(out.detach())
-        grads.append(torch.cat([model.layers["0"].attention.sinks.grad, model.layers["1"].attention.wq.weight.grad.flatten()]))
+        grads.append(torch.cat([model.layers["0"].attention.sinks.grad,
+                                model.layers["1"].attention.wq.weight.grad.flatten()]))
     torch.testing.assert_close(logits[1], logits[0], atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(grads[1], grads[0], atol=2e-5, rtol=1e-3)
 

@@ -37,7 +37,8 @@ def _wait_for_step(run, step: int, proc, timeout: float = 120) -> None:
 @pytest.mark.slow
 def test_a_killed_group_and_a_lost_lighthouse_leave_the_run_going(tmp_path, train_data):
     """Group 1 dies by SIGKILL as step 5 begins; group 0 trains on (alone while group 1 is away),
-    group 1 is restarted by its torchrun, heals from group 0 and rejoins. Later the lighthouse is killed; the launcher starts it
+    group 1 is restarted by its torchrun, heals from group 0 and rejoins. Later the lighthouse is killed; the launcher
+    starts it
     again on its port and both groups go on. Every step is recorded once, and the groups end with
     the same weights."""
     run = tmp_path / "ft"
@@ -77,7 +78,8 @@ def test_a_killed_group_and_a_lost_lighthouse_leave_the_run_going(tmp_path, trai
 
 def test_an_unreachable_lighthouse_stops_the_launch_before_anything_is_written(tmp_path, train_data):
     run = tmp_path / "nowhere"
-    proc = forja_process(train_args(run, train_data, **{**FT, "ft.timeout_s": "2"}) + ["--ft-groups", "2", "--ft-group", "0",
+    proc = forja_process(train_args(run, train_data, **{**FT, "ft.timeout_s": "2"}) + ["--ft-groups", "2",
+                                                                                       "--ft-group", "0",
                                                              "--ft-lighthouse", "localhost:9", "--nproc", "1"])
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 2, out[-3000:]

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from forja import storage
 from forja.cli import main
 from forja.files import read_records
-from tests.storage_server import flaky_s3, make_bucket, moto_endpoint, set_s3_env  # noqa: F401
+from tests.storage_server import make_bucket, set_s3_env
 
 from .conftest import forja_process, losses, train_args
 

@@ -11,7 +11,6 @@ import pytest
 from forja.cli import main
 from forja.data.corpus.store import upload
 from forja.storage import join
-from tests.storage_server import moto_endpoint, s3_bucket  # noqa: F401 (fixtures)
 
 from .conftest import losses, train_args
 

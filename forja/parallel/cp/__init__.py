@@ -144,7 +144,8 @@ class UlyssesMixing:
         values = _share(v_in.shape[-1], self.cp, self.rank)
         q_in, k_in = self._whole_rows(q_in, dk), self._whole_rows(k_in, dk)  # (B, T, Hk / cp * dk)
         v_in, g, beta = self._whole_rows(v_in, dv), self._whole_rows(g, 1), self._whole_rows(beta, 1)
-        o, _ = mixer.mix(q_in, k_in, v_in, g, beta, self.whole.document_ids, channels=(keys, values))  # (B, T, Hv / cp, dv)
+        # (B, T, Hv / cp, dv)
+        o, _ = mixer.mix(q_in, k_in, v_in, g, beta, self.whole.document_ids, channels=(keys, values))
         return heads_to_sequence(o.transpose(1, 2), self.group).transpose(1, 2)  # (B, Tl, Hv, dv)
 
     def _whole_rows(self, x: torch.Tensor, d: int) -> torch.Tensor:

@@ -156,7 +156,8 @@ class _RingAttention(torch.autograd.Function):
             grouped = (B, Hkv, H // Hkv, Tl)
             dq, dk, dv = _backward(q.float().view(*grouped, d), k.float(), v.float(), out, lse,
                                    d_out.float().view(*grouped, -1),
-                                   None if d_lse is None else d_lse.float().view(grouped), ctx.plan, ctx.scale, ctx.fused)
+                                   None if d_lse is None else d_lse.float().view(grouped), ctx.plan, ctx.scale,
+                                   ctx.fused)
         return dq.view(B, H, Tl, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

@@ -38,7 +38,8 @@ def gated_delta_across(mixer: nn.Module, q_in: torch.Tensor, k_in: torch.Tensor,
         docs = document_ids[:, a * c:(a + 1) * c] if document_ids is not None else None
         runs.append(_segment(mixer, [x[:, part] for x in inputs], g[:, part], beta[:, part], docs, windows[i]))
     # every segment's (transition, state from zero), in the row's order
-    ends = all_gather(torch.stack([torch.cat([M, S], dim=-1) for _, _, M, S in runs]), group)  # (cp, n, B, Hv, dk, dk + dv)
+    # (cp, n, B, Hv, dk, dk + dv)
+    ends = all_gather(torch.stack([torch.cat([M, S], dim=-1) for _, _, M, S in runs]), group)
     dk = runs[0][2].shape[-1]
     by_chunk = _by_chunk(ends, layout)
     starts = _initial_states(by_chunk, dk, layout, document_ids)

@@ -98,7 +98,8 @@ def launch_groups(args: argparse.Namespace, cfg, *, launcher_preflight, torchrun
         address = as_url(args.ft_lighthouse)
         check_lighthouse(address, cfg.ft.timeout_s)
     run_dir = None if is_url(cfg.run.dir) else Path(RunDir(cfg).prepare())
-    lighthouse = None if args.ft_lighthouse else Lighthouse(cfg, run_dir / "ft" / "lighthouse.json" if run_dir else None)
+    record = run_dir / "ft" / "lighthouse.json" if run_dir else None
+    lighthouse = None if args.ft_lighthouse else Lighthouse(cfg, record)
     address = lighthouse.address if lighthouse else address
     env = {**os.environ, LIGHTHOUSE_ENV: address, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            "RUST_LOG": os.environ.get("RUST_LOG", "warn"), **_threads(len(here) * (args.nproc or 1))}

@@ -50,7 +50,8 @@ from forja.train.launch.run_store import SYNC_S, RunStore, mirror_of
 # Keys that may differ between launches of one run ("section." means the whole section).
 RESUMABLE = ("run.", "checkpoint.", "metrics.", "parallel.", "ft.", "train.steps", "train.val_interval",
              "train.val_batches", "train.micro_batch_size", "train.sample_tokens", "train.sample_prompt",
-             "train.on_nonfinite", "train.spike", "train.rollback", "debug.", "train.gc_interval", "train.profile_at", "train.host_malloc", "train.device",
+             "train.on_nonfinite", "train.spike", "train.rollback", "debug.", "train.gc_interval", "train.profile_at",
+             "train.host_malloc", "train.device",
              "data.workers", "data.prefetch",
              # Data stages not yet begun may be edited or appended, and the packing changed (the loader
              # refuses a change to a begun stage, naming it: forja/data/load/stages.py).

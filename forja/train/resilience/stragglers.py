@@ -11,7 +11,8 @@ and every `metrics.interval` steps the ranks gather (busy, data wait) per step. 
 busy time is above `metrics.straggler_factor` times the median (the lower middle for an even
 count) is named in the log, with its data wait, which says whether input is to blame.
 
-`StragglerCallback` (forja/train/callbacks.py) does the counting and the naming. This sees what a rank does outside collectives: slow data loading, a busy or throttled host,
+`StragglerCallback` (forja/train/callbacks.py) does the counting and the naming. This sees what a rank does outside
+collectives: slow data loading, a busy or throttled host,
 garbage collection, I/O. A GPU slow inside its kernels holds everyone up *inside* the
 collectives of the step and shows as lower MFU on every rank instead.
 """

@@ -32,5 +32,6 @@ def test_schedule_groups_name_unknown_keys_and_groups():
     with pytest.raises(ForjaError, match="schedule.groups.adamw has no schedule key 'warmup'"):
         ScheduleConfig(groups={"adamw": {"warmup": 3}})
     opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(2))], "name": "vectors"}], lr=1.0)
-    with pytest.raises(ForjaError, match="'muon', which is not a parameter group of this optimizer; its groups: vectors"):
+    message = "'muon', which is not a parameter group of this optimizer; its groups: vectors"
+    with pytest.raises(ForjaError, match=message):
         build_scheduler(opt, ScheduleConfig(groups={"muon": {"warmup_steps": 0}}), 10)

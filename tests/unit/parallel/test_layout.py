@@ -35,7 +35,8 @@ def test_good_layouts_pass():
     (dict(world=2, tp=2, seq_len=63), r"train.seq_len = 63 \(parallel.tp = 2 with sequence parallelism\)"),
     (dict(world=2, cp=2, seq_len=66), r"train.seq_len = 66 \(2 x parallel.cp, a chunk and its mirror per rank = 4"),
     (dict(world=4, cp=4, cp_kind="all-to-all", seq_len=66), r"train.seq_len = 66 \(parallel.cp, a chunk per rank = 4"),
-    (dict(world=8, cp=8, cp_kind="all-to-all"), r"model n_heads = 4 is not divisible by parallel.cp = 8: parallel.cp_kind"),
+    (dict(world=8, cp=8, cp_kind="all-to-all"),
+     r"model n_heads = 4 is not divisible by parallel.cp = 8: parallel.cp_kind"),
     (dict(world=8, cp=4, tp=2, cp_kind="all-to-all"),
      r"model n_heads = 4 / parallel.tp = 2 = 2 per tensor-parallel rank is not divisible by parallel.cp = 4"),
     (dict(world=2, cp=2, seq_len=8, model=("qwen3_5", "debug")), r"leaves 2 tokens per chunk, fewer than the 3"),
@@ -43,7 +44,8 @@ def test_good_layouts_pass():
     (dict(world=4, gbs=6), r"train.global_batch_size = 6 is not divisible by the data-parallel degree 4"),
     (dict(world=2, gbs=8, mbs=3), r"= 4 is not divisible by train.micro_batch_size = 3"),
     (dict(world=2, ep=2), r"parallel.ep = 2 needs a mixture-of-experts model.*set parallel.ep = 1"),
-    (dict(world=3, ep=3, model=("qwen3", "debug-moe")), r"model n_experts = 8 \(parallel.ep = 3\) is not divisible by 3"),
+    (dict(world=3, ep=3, model=("qwen3", "debug-moe")),
+     r"model n_experts = 8 \(parallel.ep = 3\) is not divisible by 3"),
 ])
 def test_bad_layouts_name_the_keys(kwargs, message):
     with pytest.raises(ForjaError, match=message):

@@ -47,7 +47,8 @@ def test_both_kinds_are_searched_unless_one_is_held():
     assert kinds[1] == {"ring"} and all(kinds[cp] == {"ring", "all-to-all"} for cp in (2, 4, 8))
     # All-to-all splits a TP rank's heads over cp: 32 / tp 8 = 4 heads cannot go to 8 cp ranks.
     assert {lay.cp_kind for lay in free if lay.tp == 8 and lay.cp == 8} == {"ring"}
-    held = list(enumerate_layouts(64, **common, space=SearchSpace().with_fixed(parse_fixed("parallel.cp_kind=all-to-all"))))
+    held = list(enumerate_layouts(64, **common,
+                                  space=SearchSpace().with_fixed(parse_fixed("parallel.cp_kind=all-to-all"))))
     assert {lay.cp_kind for lay in held if lay.cp > 1} == {"all-to-all"}
     # Held, the kind is tried also where the heads do not split (the validator then says why).
     searched = {lay for lay in free if lay.cp > 1 and lay.cp_kind == "all-to-all"}
@@ -69,7 +70,8 @@ def _ring_by_hand(j: Job, lay: Layout, bw: float) -> float:
     forward = scores * 4 * a.head_dim / fp32 + scores * 10 * 4 / hbm  # q k^T, p v; 10 passes over the scores
     backward = scores * 10 * a.head_dim / fp32 + scores * 16 * 4 / hbm
     hops = lay.cp - 1
-    block = hops * max(0.0, kv / bw - forward / lay.cp) + hops * max(0.0, (kv + dkv) / bw - backward / lay.cp) + dkv / bw
+    block = (hops * max(0.0, kv / bw - forward / lay.cp) + hops * max(0.0, (kv + dkv) / bw - backward / lay.cp)
+             + dkv / bw)
     micro = j.global_batch_size // lay.dp // lay.micro_batch_size
     return a.n_layers * micro * block
 
@@ -200,7 +202,8 @@ def test_the_table_and_the_set_line_name_the_kind(capsys):
     space = default_space(H100).with_fixed(parse_fixed("parallel.cp=4"))
     ranked = plan(j, H100, 8, space=space)
     assert {c.layout.cp_kind for c in ranked} == {"ring", "all-to-all"}
-    held = plan(j, H100, 8, space=default_space(H100).with_fixed(parse_fixed("parallel.cp=4,parallel.cp_kind=all-to-all")))
+    held = plan(j, H100, 8,
+                space=default_space(H100).with_fixed(parse_fixed("parallel.cp=4,parallel.cp_kind=all-to-all")))
     assert held and {c.layout.cp_kind for c in held} == {"all-to-all"}
     console = Console(file=io.StringIO(), width=300)
     print_plan([evaluate(j, Layout.of(dp_shard=2, cp=4, cp_kind=k), H100) for k in ("all-to-all", "ring")], H100, 8, 5,

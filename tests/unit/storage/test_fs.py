@@ -12,7 +12,6 @@ import pytest
 from forja import storage
 from forja.errors import ForjaError
 from forja.storage import check_reachable, commit, committed, is_url, join, read_bytes, retrying, write_bytes_atomic
-from tests.storage_server import flaky_s3, moto_endpoint, s3_bucket  # noqa: F401 (fixtures)
 
 
 def test_what_counts_as_a_url() -> None:

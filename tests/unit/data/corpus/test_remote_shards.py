@@ -18,7 +18,6 @@ from forja.data.corpus.remote import RemoteTokens
 from forja.errors import ForjaError
 from forja.storage import exists, filesystem, join, read_bytes, write_bytes_atomic
 from forja.storage.blocks import BlockCache
-from tests.storage_server import flaky_s3, moto_endpoint, s3_bucket  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(autouse=True)

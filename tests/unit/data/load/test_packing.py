@@ -29,7 +29,8 @@ def rows(ranks: list[DataLoader], steps: int) -> list[torch.Tensor]:
     """Per step, (G, T + 1): every rank's inputs with the last label, and the document ids."""
     out = []
     for _ in range(steps):
-        parts = [torch.cat([b.input_ids, b.labels[:, -1:], b.document_ids], dim=1) for r in ranks for b in r.next_step()]
+        parts = [torch.cat([b.input_ids, b.labels[:, -1:], b.document_ids], dim=1)
+                 for r in ranks for b in r.next_step()]
         out.append(torch.cat(parts))
     return out
 

@@ -36,7 +36,8 @@ def _recovery(tmp_path, rollback_max: int) -> tuple[Recovery, _Sink]:
 @pytest.mark.parametrize("rollback_max, why", [(0, "train.rollback.max = 0"), (3, "no checkpoint was written yet")])
 def test_a_mismatch_that_cannot_roll_back_stops_naming_the_ranks(tmp_path, rollback_max, why):
     recovery, sink = _recovery(tmp_path, rollback_max)
-    with pytest.raises(ForjaError, match=f"step 6: silent data corruption: rank 1 differs, and {why}: training stopped"):
+    message = f"step 6: silent data corruption: rank 1 differs, and {why}: training stopped"
+    with pytest.raises(ForjaError, match=message):
         recovery.corrupted(6, "rank 1 differs")
     [(step, event)] = sink.records
     assert step == 6 and event["event"] == "mismatch" and event["action"] == "stop"

@@ -79,7 +79,8 @@ def test_only_fp16_gets_a_scaler_and_the_config_checks_its_keys():
 
 def _check_fp16(precision: str, float8: str = "none", mixed_precision: str = "fp32") -> None:
     """The layout validator's precision checks, on one process."""
-    check_layout(LayoutRequest(args=model_args("llama", "debug"), parallel=ParallelConfig(mixed_precision=mixed_precision),
+    check_layout(LayoutRequest(args=model_args("llama", "debug"),
+                               parallel=ParallelConfig(mixed_precision=mixed_precision),
                                world_size=1, seq_len=64, global_batch_size=8, micro_batch_size=8,
                                precision=precision, float8=float8))
 
