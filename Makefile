@@ -31,13 +31,15 @@ venv: $(VENV)/.installed-train
 train: $(VENV)/.installed-train
 	$(VENV)/bin/forja train
 
-# Two passes. The single-process tests leave a core idle much of the time (Python-bound
-# steps, a subprocess importing torch), so they run TEST_WORKERS at a time, a test file per
+# The linter first (ruff, [tool.ruff] in pyproject.toml: seconds), then two passes. The
+# single-process tests leave a core idle much of the time (Python-bound steps, a subprocess
+# importing torch), so they run TEST_WORKERS at a time, a test file per
 # worker (its shared runs stay in one process). The serial tests (process groups of 2-4 ranks
 # that already fill the cores, drills timed by sleeps) then run alone.
 TEST_WORKERS ?= 2
 
 test: $(VENV)/.installed-test
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m "not serial" -n $(TEST_WORKERS) --dist loadfile
 	$(PY) -m pytest -q -m serial
 

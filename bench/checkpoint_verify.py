@@ -28,8 +28,9 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import forja.checkpoint.manager as manager_module  # noqa: E402
 from async_checkpoint import build, model_parser, train_step  # noqa: E402
+
+import forja.checkpoint.manager as manager_module  # noqa: E402
 from forja.checkpoint.config import CheckpointConfig  # noqa: E402
 from forja.checkpoint.manager import CheckpointManager  # noqa: E402
 from forja.checkpoint.states import ModelState, OptimizerState  # noqa: E402

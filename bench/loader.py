@@ -51,10 +51,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import forja  # noqa: E402
-from forja.data.load.loader import DataLoader  # noqa: E402
-from forja.data.load.packing import IGNORE, build_packing  # noqa: E402
 from forja.data.corpus.prepare import DEFAULT_SHARD_TOKENS  # noqa: E402
 from forja.data.corpus.shards import FORMAT, FORMAT_VERSION, META, ShardWriter, open_prepared, write_json  # noqa: E402
+from forja.data.load.loader import DataLoader  # noqa: E402
+from forja.data.load.packing import IGNORE, build_packing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "llama3-8b.toml"

@@ -98,9 +98,9 @@ def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple
     FLOPs per token, and `rows` token rows from forja's own loader (the same tokens for every
     contender) saved to out/tokens.pt, their document ids to out/documents.pt: the paths by name."""
     from forja.config import load_config
-    from forja.models.llama.hf import config_from_args
     from forja.models import build_from_args
     from forja.models.config import run_model_args
+    from forja.models.llama.hf import config_from_args
     from forja.train.launch.data import data, loaders
 
     cfg = load_config(size["recipe"], [*size["sets"], *sets, f"train.seq_len={size['seq_len']}",

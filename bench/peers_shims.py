@@ -18,7 +18,6 @@ import types
 from dataclasses import dataclass
 
 import torch
-
 from peers_worker import cycle_rows
 
 

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from forja.errors import ForjaError
 
-
 # A write refused for want of room: the disk is full, the user's quota is spent, or the
 # process's file-size limit (ulimit -f, RLIMIT_FSIZE) is reached. One sentence for all three.
 _NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})

@@ -53,8 +53,15 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from forja import storage
 from forja.checkpoint import remote
 from forja.checkpoint.config import CheckpointConfig
-from forja.checkpoint.verify import (MANIFEST_KEY, META_FILE, complete_checkpoints, digests, newest_intact,
-                                     own_files, set_aside)
+from forja.checkpoint.verify import (
+    MANIFEST_KEY,
+    META_FILE,
+    complete_checkpoints,
+    digests,
+    newest_intact,
+    own_files,
+    set_aside,
+)
 from forja.errors import ForjaError
 from forja.files import check_writable, fsync_dir, no_room, write_atomic
 from forja.parallel.process_group import barrier, new_group

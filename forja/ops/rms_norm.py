@@ -22,8 +22,17 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from forja.errors import ForjaError
-from forja.ops.dispatch import (as_output, jit, kernel_promised, local_shards, program_count, record_fallback,
-                                 row_block, use_triton, waited)
+from forja.ops.dispatch import (
+    as_output,
+    jit,
+    kernel_promised,
+    local_shards,
+    program_count,
+    record_fallback,
+    row_block,
+    use_triton,
+    waited,
+)
 
 try:
     import triton.language as tl

@@ -25,8 +25,16 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from forja.errors import ForjaError
-from forja.ops.dispatch import (as_output, jit, kernel_promised, local_shards, next_power_of_2, record_fallback,
-                                 use_triton, waited)
+from forja.ops.dispatch import (
+    as_output,
+    jit,
+    kernel_promised,
+    local_shards,
+    next_power_of_2,
+    record_fallback,
+    use_triton,
+    waited,
+)
 
 try:
     import triton.language as tl

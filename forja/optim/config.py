@@ -8,7 +8,6 @@ from typing import Literal
 
 from forja.errors import ForjaError
 
-
 # Each optimizer's measured best peak learning rate (bench/optimizer_lr.py: configs/debug.toml,
 # 40 steps, a grid a factor ~3 apart; bench/RESULTS.md). `--set optim.name=X` without
 # `--set optim.lr` scales the recipe's lr by DEFAULT_LR[X] / DEFAULT_LR[the recipe's optimizer]

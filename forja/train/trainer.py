@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from forja import host
 from forja.checkpoint.identity import check_model_identity, initial_weights, model_identity
 from forja.checkpoint.manager import CheckpointManager, loadable_state
 from forja.checkpoint.states import ModelState, OptimizerState, RNGState, TrainerCounters
-from forja import host
 from forja.config import Config
 from forja.fallbacks import clear as clear_fallbacks
 from forja.generate import SamplingConfig, generate
@@ -40,20 +40,20 @@ from forja.parallel.checks import check_layout
 from forja.parallel.process_group import DistInfo, init_distributed, shutdown_distributed, timeout_error
 from forja.train.build import ModelParts, build_model_parts
 from forja.train.callbacks import Callback, StepRecord, default_callbacks
-from forja.train.launch.data import data, decay_window, loaders, stages
+from forja.train.evaluation import EvalCallback
 from forja.train.ft.replicas import LeaderOnly, build_replicas, checkpoint_dir, group_dir, group_of
+from forja.train.launch.data import data, decay_window, loaders, stages
+from forja.train.launch.finished import finished
+from forja.train.launch.preflight import Preflight
+from forja.train.launch.run_dir import RunDir, report_fallbacks
+from forja.train.probes import ActivationSizes
 from forja.train.resilience.drills import Drills, corrupt_weights, loss_factor
 from forja.train.resilience.fingerprint import FingerprintCheck
-from forja.train.step.engine import StepScales, build_engine
-from forja.train.evaluation import EvalCallback
-from forja.train.launch.finished import finished
 from forja.train.resilience.goodput import Goodput
-from forja.train.launch.preflight import Preflight
-from forja.train.probes import ActivationSizes
 from forja.train.resilience.recovery import Outcome, Recovery
-from forja.train.launch.run_dir import RunDir, report_fallbacks
-from forja.train.step.scaler import loss_scaler
 from forja.train.resilience.watchdog import Watchdog, grace_s
+from forja.train.step.engine import StepScales, build_engine
+from forja.train.step.scaler import loss_scaler
 
 
 class Trainer:

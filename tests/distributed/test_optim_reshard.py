@@ -10,8 +10,16 @@ import shutil
 import pytest
 
 from forja.cli import main
-from tests.distributed.parity import (COMMON, PARITY_STEPS, RESUME_STEP, SAVE_HALFWAY, SharedLayouts, max_difference,
-                                      single_process_losses, stop_halfway)
+from tests.distributed.parity import (
+    COMMON,
+    PARITY_STEPS,
+    RESUME_STEP,
+    SAVE_HALFWAY,
+    SharedLayouts,
+    max_difference,
+    single_process_losses,
+    stop_halfway,
+)
 from tests.integration.conftest import losses, train_args
 
 TOL = 1e-5

@@ -12,9 +12,18 @@ from pathlib import Path
 import pytest
 
 from forja.cli import main
-from tests.distributed.parity import (COMMON, MOE_TOL, PARITY_TOL, RESUME_STEP, SAVE_HALFWAY, SharedLayouts,
-                                      max_difference, resume_halfway)
+from tests.distributed.parity import (
+    COMMON,
+    MOE_TOL,
+    PARITY_TOL,
+    RESUME_STEP,
+    SAVE_HALFWAY,
+    SharedLayouts,
+    max_difference,
+    resume_halfway,
+)
 from tests.integration.conftest import losses, train_args
+
 MODELS = {
     "llama causal": {"model.document_mask": "false"},
     "llama": {},  # document masks on, as by default

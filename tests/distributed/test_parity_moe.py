@@ -15,8 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.parity import (MOE_TOL, RESUME_STEP, SAVE_HALFWAY, SharedLayouts, layout_losses, max_difference,
-                                      single_process_losses, stop_halfway)
+from tests.distributed.parity import (
+    MOE_TOL,
+    RESUME_STEP,
+    SAVE_HALFWAY,
+    SharedLayouts,
+    layout_losses,
+    max_difference,
+    single_process_losses,
+    stop_halfway,
+)
 from tests.integration.conftest import forja_process, losses, train_args
 
 MOE = {"model.family": '"qwen3"', "model.flavor": '"debug-moe"',

@@ -15,8 +15,16 @@ import shutil
 import pytest
 
 from forja.cli import main
-from tests.distributed.parity import (COMMON, PP_COMMON, RESUME_STEP, SAVE_HALFWAY, SharedLayouts, max_difference,
-                                      single_process_losses, stop_halfway)
+from tests.distributed.parity import (
+    COMMON,
+    PP_COMMON,
+    RESUME_STEP,
+    SAVE_HALFWAY,
+    SharedLayouts,
+    max_difference,
+    single_process_losses,
+    stop_halfway,
+)
 from tests.integration.conftest import losses, train_args
 
 # The brief's bound. NS amplifies the last-place differences of summed gradients a little, but

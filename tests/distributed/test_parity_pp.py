@@ -19,8 +19,18 @@ import torch.distributed.checkpoint as dcp
 
 from forja.cli import main
 from forja.versions import torch_version
-from tests.distributed.parity import (PARITY_STEPS, PP_COMMON, PP_TOL, RESUME_STEP, UNTIED, SharedLayouts,
-                                      last_checkpoint, max_difference, resume_halfway, single_process_losses)
+from tests.distributed.parity import (
+    PARITY_STEPS,
+    PP_COMMON,
+    PP_TOL,
+    RESUME_STEP,
+    UNTIED,
+    SharedLayouts,
+    last_checkpoint,
+    max_difference,
+    resume_halfway,
+    single_process_losses,
+)
 from tests.integration.conftest import losses, read_metrics
 
 PP2 = {**PP_COMMON, "parallel.pp": "2"}

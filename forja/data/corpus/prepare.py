@@ -56,8 +56,8 @@ from forja.data.corpus.store import open_stored, to_store
 from forja.data.corpus.tokenizer import Tokenizer, load_tokenizer
 from forja.errors import ForjaError
 from forja.files import DiskFull, no_room, replace_dir
-from forja.storage.blocks import cache_root  # $FORJA_CACHE, else ~/.cache/forja: where prepared data is cached
 from forja.storage import is_url
+from forja.storage.blocks import cache_root  # $FORJA_CACHE, else ~/.cache/forja: where prepared data is cached
 
 DEFAULT_VAL_FRACTION = 0.01
 TOKENIZER = "tokenizer.json"

@@ -45,12 +45,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from forja.data.corpus.prepare import cache_root
+from forja.data.corpus.shards import PreparedDataset
 from forja.data.load.batch import Batch, DataArg, as_mixture
 from forja.data.load.cursor import Cursor, Segment, SourceCursor
 from forja.data.load.order import Permutation, derive_key
 from forja.data.load.packing import IGNORE, PACKINGS, PAD_DOCUMENT, Packing, build_packing
-from forja.data.corpus.prepare import cache_root
-from forja.data.corpus.shards import PreparedDataset
 from forja.data.load.stages import Stage, StageSet
 from forja.data.load.windows import Samples, ValidationLoader, too_short
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from forja.data.corpus.mixture import Mixture
-from forja.data.load.order import Interleave
 from forja.data.corpus.shards import PreparedDataset
+from forja.data.load.order import Interleave
 from forja.errors import ForjaError
 
 

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from forja.data.load.batch import Batch, DataArg, as_mixture
 from forja.data.corpus.mixture import Mixture
-from forja.data.load.order import Interleave, Permutation, derive_key
 from forja.data.corpus.shards import PreparedDataset
+from forja.data.load.batch import Batch, DataArg, as_mixture
+from forja.data.load.order import Interleave, Permutation, derive_key
 from forja.errors import ForjaError
 
 

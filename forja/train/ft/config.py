@@ -7,6 +7,7 @@ from typing import Literal
 
 from forja.errors import ForjaError
 
+
 @dataclass(kw_only=True)
 class FTConfig:
     """[ft]: the data-parallel replicas become torchft replica groups, each its own torchrun job;

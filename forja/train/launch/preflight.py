@@ -27,8 +27,8 @@ from forja.config import Config
 from forja.errors import ForjaError
 from forja.eval.tasks import check_tasks
 from forja.files import write_atomic
-from forja.models.common.transformer import TransformerArgs
 from forja.models import build_from_args
+from forja.models.common.transformer import TransformerArgs
 from forja.models.config import run_model_args
 from forja.ops.float8 import check_float8
 from forja.parallel.checks import LayoutRequest, check_layout

@@ -36,8 +36,8 @@ from forja.data.load.loader import DataLoader
 from forja.errors import ForjaError
 from forja.metrics.sinks import Sink
 from forja.train.config import TrainConfig
-from forja.train.step.engine import StepOutput
 from forja.train.resilience.health import Anomaly, Health
+from forja.train.step.engine import StepOutput
 
 
 class Outcome(enum.Enum):

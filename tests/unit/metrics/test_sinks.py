@@ -11,8 +11,8 @@ from rich.console import Console
 
 from forja.errors import ForjaError
 from forja.files import read_records
-from forja.metrics.console import ConsoleSink
 from forja.metrics.config import MetricsConfig
+from forja.metrics.console import ConsoleSink
 from forja.metrics.sinks import JsonlSink, Sink, SinkGroup, build_sinks, tracker_key
 
 

@@ -6,8 +6,17 @@ import pytest
 import torch
 
 from forja import fallbacks
-from forja.ops.grouped_mm import (compute_dtype, grouped_mm, grouped_mm_fused, grouped_mm_loop, grouped_supported,
-                                   pad_groups, padded_groups, row_alignment, unpad_groups)
+from forja.ops.grouped_mm import (
+    compute_dtype,
+    grouped_mm,
+    grouped_mm_fused,
+    grouped_mm_loop,
+    grouped_supported,
+    pad_groups,
+    padded_groups,
+    row_alignment,
+    unpad_groups,
+)
 
 
 @pytest.mark.parametrize("counts", [[3, 4, 3, 6], [0, 9, 0, 7], [16, 0, 0, 0], [0, 0, 0, 0]])

@@ -8,21 +8,24 @@ import pytest
 import torch
 
 from forja.errors import ForjaError
+from forja.models import model_args
 from forja.models.common import max_logit
 from forja.models.common.attention import Attention, AttentionMask, _flex_block_mask, build_mask
 from forja.models.common.mla import MLA
 from forja.models.common.rope import rope_cos_sin, rope_frequencies
 from forja.models.common.step_context import StepContext, share_context
-from forja.models import model_args
 from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.optim.config import OptimConfig, ScheduleConfig
 from forja.optim.qk_clip import clip_factors, row_factors, scale_rows
 from forja.parallel import ParallelConfig, ParallelDims
-from forja.train.step.attention_logits import head_rows
 from forja.train.build import build_model_parts
+from forja.train.step.attention_logits import head_rows
 from forja.train.step.engine import build_engine
-from tests.integration.conftest import read_metrics, train_args
-from tests.integration.conftest import train_data  # noqa: F401  (the shared prepared corpus)
+from tests.integration.conftest import (
+    read_metrics,
+    train_args,
+    train_data,  # noqa: F401  (the shared prepared corpus)
+)
 
 B, T, D = 2, 24, 64
 

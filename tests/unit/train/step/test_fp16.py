@@ -15,10 +15,10 @@ from forja.models import model_args
 from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.optim.config import OptimConfig, ScheduleConfig
 from forja.parallel import ParallelConfig
+from forja.parallel.checks import LayoutRequest, check_layout
 from forja.train.build import build_model_parts
 from forja.train.config import TrainConfig
 from forja.train.step.engine import StepScales, build_engine
-from forja.parallel.checks import LayoutRequest, check_layout
 from forja.train.step.scaler import LossScaler, loss_scaler
 
 from .test_engine import _batches
