@@ -191,6 +191,8 @@ def predict_memory(job: Job, lay: Layout) -> MemoryBreakdown:
 
 
 def rank_peak(job: Job, lay: Layout, rm: RankModel) -> MemoryBreakdown:
+    """The peak of one rank: the largest of its three candidate moments (the loss's backward,
+    the first block's backward, the optimizer step)."""
     fsdp_on = lay.fsdp * lay.dp_replicate > 1 or job.bf16_params or lay.cpu_offload
     shard = lay.fsdp if fsdp_on else 1
     root, largest, blocks, experts = rank_elements(job, lay, rm)
@@ -205,23 +207,8 @@ def rank_peak(job: Job, lay: Layout, rm: RankModel) -> MemoryBreakdown:
     gathered_width = 2 if job.bf16_params else FP32
     tokens = lay.sequences_per_microbatch(job.global_batch_size) * job.seq_len / lay.cp
     micro = lay.microbatches(job.global_batch_size)
-    kept = working = 0.0
-    for b, idx in rm.groups:
-        checkpointed = sum(1 for i in idx if i % lay.ac_every == 0) if lay.ac_every else 0
-        for n, index in ((len(idx) - checkpointed, 1), (checkpointed, 0)):
-            if n:
-                k, wk = _block_activations_cached(job, lay, b, index)
-                kept, working = kept + n * (k * tokens + weight_casts(job, lay, b, index)), max(working, wk * tokens)
-    if lay.pp > 1:
-        kept *= inflight_chunks(lay, rm.pp_rank, micro)
-    if rm.last:
-        a = job.args
-        kept += tokens * a.dim * (2 * widths(job).res + widths(job).lin)  # final norm, output's input
-    loss_kept, loss_backward = _logits(job, lay, tokens) if rm.last else (0.0, 0.0)
-    # Each multi-token prediction depth runs the output head and its loss again, kept until backward.
-    loss_kept *= 1 + (job.args.mtp_depth if rm.last else 0)
-    if lay.pp > 1 and lay.pp_schedule == "gpipe":
-        loss_kept *= micro  # every micro-batch's forward (and loss) runs before any backward
+    kept, working = _kept_activations(job, lay, rm, tokens, micro)
+    loss_kept, loss_backward = _loss_memory(job, lay, rm, tokens, micro)
     buffers = (4 * tokens * job.args.dim * widths(job).lin * rm.stages) if lay.pp > 1 else 0.0
     # Context parallelism's transients: one block computes at a time, so the largest block's.
     buffers += max((cp_buffers(job, lay, b, tokens) for b, _ in rm.groups), default=0.0)
@@ -232,14 +219,7 @@ def rank_peak(job: Job, lay: Layout, rm: RankModel) -> MemoryBreakdown:
         blocks_gathered = 2 * largest if lay.reshard_after_forward else blocks + largest
         gathered = (root + blocks_gathered) * gathered_width
         buffers += 2 * largest / shard * FP32  # all-gather copy-in, reduce-scatter output
-    # Gradients between micro-batches: FSDP reduces each micro-batch's (sharded), except under
-    # PP, whose schedule reduce-scatters once after the last micro-batch (unsharded meanwhile).
-    # (Unsharded gradients have the gathered parameters' dtype; the reduce-scatter casts to fp32.)
-    accumulated = grads if micro > 1 else 0.0  # a pipeline's first backward comes before its last forward
-    if lay.pp > 1 and fsdp_on:
-        accumulated = elements * gathered_width
-    if lay.pp > 1 and lay.pp_schedule == "gpipe":
-        accumulated = 0.0  # GPipe runs every forward before the first backward makes a gradient
+    accumulated = _accumulated_gradients(lay, grads, micro, elements * gathered_width if fsdp_on else None)
     unsharded_grad = largest * gathered_width if fsdp_on else 0.0
 
     def snap(phase: str, *, acts: float, logits: float, grads_now: float, temps: float = 0.0) -> MemoryBreakdown:
@@ -256,3 +236,44 @@ def rank_peak(job: Job, lay: Layout, rm: RankModel) -> MemoryBreakdown:
              temps=optimizer_temps),
     ]
     return max(candidates, key=lambda m: m.total)
+
+
+def _kept_activations(job: Job, lay: Layout, rm: RankModel, tokens: float, micro: int) -> tuple[float, float]:
+    """(bytes the rank's blocks keep for backward over the micro-batches in flight, the largest
+    block's working memory in its backward)."""
+    kept = working = 0.0
+    for b, idx in rm.groups:
+        checkpointed = sum(1 for i in idx if i % lay.ac_every == 0) if lay.ac_every else 0
+        for n, index in ((len(idx) - checkpointed, 1), (checkpointed, 0)):
+            if n:
+                k, wk = _block_activations_cached(job, lay, b, index)
+                kept, working = kept + n * (k * tokens + weight_casts(job, lay, b, index)), max(working, wk * tokens)
+    if lay.pp > 1:
+        kept *= inflight_chunks(lay, rm.pp_rank, micro)
+    if rm.last:
+        a = job.args
+        kept += tokens * a.dim * (2 * widths(job).res + widths(job).lin)  # final norm, output's input
+    return kept, working
+
+
+def _loss_memory(job: Job, lay: Layout, rm: RankModel, tokens: float, micro: int) -> tuple[float, float]:
+    """(logits and loss bytes kept until backward, the loss's backward transients): the last stage's."""
+    loss_kept, loss_backward = _logits(job, lay, tokens) if rm.last else (0.0, 0.0)
+    # Each multi-token prediction depth runs the output head and its loss again, kept until backward.
+    loss_kept *= 1 + (job.args.mtp_depth if rm.last else 0)
+    if lay.pp > 1 and lay.pp_schedule == "gpipe":
+        loss_kept *= micro  # every micro-batch's forward (and loss) runs before any backward
+    return loss_kept, loss_backward
+
+
+def _accumulated_gradients(lay: Layout, grads: float, micro: int, unsharded: float | None) -> float:
+    """Gradient bytes held between micro-batches. FSDP (`unsharded`: the rank's gradients in the
+    gathered dtype, None without FSDP) reduces each micro-batch's, sharded, except under PP, whose
+    schedule reduce-scatters once after the last micro-batch (unsharded meanwhile; the
+    reduce-scatter casts to fp32)."""
+    accumulated = grads if micro > 1 else 0.0  # a pipeline's first backward comes before its last forward
+    if lay.pp > 1 and unsharded is not None:
+        accumulated = unsharded
+    if lay.pp > 1 and lay.pp_schedule == "gpipe":
+        accumulated = 0.0  # GPipe runs every forward before the first backward makes a gradient
+    return accumulated
