@@ -137,46 +137,23 @@ class Degrees:
 AXIS_NAMES = frozenset(f.name for f in fields(Degrees))
 
 
+def _held(name: str, doc: str) -> property:
+    """A read-only attribute that reads `name` of the held `degrees`."""
+    return property(lambda self: getattr(self.degrees, name), doc=doc)
+
+
 class WithDegrees:
     """Read access to a held `degrees` value, as loose attributes: `x.tp`, `x.dp`,
     `x.world_size` (a planner's Layout, the mesh builder's ParallelDims)."""
 
     degrees: Degrees
 
-    @property
-    def pp(self) -> int:
-        return self.degrees.pp
-
-    @property
-    def dp_replicate(self) -> int:
-        return self.degrees.dp_replicate
-
-    @property
-    def dp_shard(self) -> int:
-        return self.degrees.dp_shard
-
-    @property
-    def cp(self) -> int:
-        return self.degrees.cp
-
-    @property
-    def tp(self) -> int:
-        return self.degrees.tp
-
-    @property
-    def ep(self) -> int:
-        return self.degrees.ep
-
-    @property
-    def world_size(self) -> int:
-        return self.degrees.world_size
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree: how many different batches are processed at once."""
-        return self.degrees.dp
-
-    @property
-    def fsdp(self) -> int:
-        """Ranks a parameter is sharded over (dp_shard joined with cp, as ParallelDims.fsdp_mesh)."""
-        return self.degrees.fsdp
+    pp = _held("pp", "Pipeline stages.")
+    dp_replicate = _held("dp_replicate", "Data-parallel replicas.")
+    dp_shard = _held("dp_shard", "FSDP's sharding degree.")
+    cp = _held("cp", "Ranks splitting each sequence.")
+    tp = _held("tp", "Ranks splitting heads and FFN columns.")
+    ep = _held("ep", "dp_shard ranks splitting the routed experts.")
+    world_size = _held("world_size", "Ranks of the layout.")
+    dp = _held("dp", "Data-parallel degree: how many different batches are processed at once.")
+    fsdp = _held("fsdp", "Ranks a parameter is sharded over (dp_shard joined with cp, as ParallelDims.fsdp_mesh).")
