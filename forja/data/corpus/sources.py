@@ -28,14 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from forja.data.corpus.records import HfSource, JsonlSource, ParquetSource
-from forja.data.corpus.source_base import (
-    Source,
-    SourceStats,
-    clean_str,
-    decode_utf8,
-    expand_paths,
-    stat_hash,
-)
+from forja.data.corpus.source_base import Source, SourceStats, clean_str, decode_utf8, expand_paths, stat_hash
 from forja.errors import ForjaError
 
 __all__ = [
