@@ -3,7 +3,8 @@ rotary positions, a SwiGLU or mixture-of-experts feed-forward, and Llama's initi
 
 A family subclasses `RotaryDecoder` and defines its attention (`build_attention`) and its
 rotary frequencies (`rope_frequencies`); which blocks hold a mixture of experts is the
-args' `is_moe_layer` (MoEArgs; dense families' args are not MoEArgs).
+args' `is_moe_layer` (MoEArgs; dense families' args are not MoEArgs). Args with Gated
+DeltaNet blocks (GatedDeltaNetArgs) get their initialization and FLOPs here too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from forja import fallbacks
 from forja.models.common.attention import Attention
+from forja.models.common.gated_deltanet import GatedDeltaNetArgs
 from forja.models.common.mlp import SwiGLU
 from forja.models.common.moe import MoE, MoEArgs
 from forja.models.common.norms import RMSNorm
@@ -83,7 +85,10 @@ class RotaryDecoder(Transformer):
     def init_rule(self, name: str) -> tuple:
         """Small-std truncated normals; the matrices that write into the residual stream (wo,
         the MLP's and every expert's w2) shrink with depth so the stream's variance stays
-        bounded. Routers, experts' w1/w3 and attention projections: std 0.02."""
+        bounded. Routers, experts' w1/w3 and attention projections: std 0.02. A Gated DeltaNet's
+        own parameters: `gated_deltanet_init_rule`."""
+        if isinstance(self.args, GatedDeltaNetArgs) and (rule := self.args.linear_init_rule(name)) is not None:
+            return rule
         if name.endswith("norm.weight"):
             return ("ones",)
         if name.endswith("attention.sinks"):
@@ -95,3 +100,8 @@ class RotaryDecoder(Transformer):
         if name.endswith(RESIDUAL_OUT):
             return ("trunc_normal", 0.02 / math.sqrt(2 * self.args.n_layers))
         return ("trunc_normal", 0.02)
+
+    def mixer_flops(self, kind: str, seq_len: int) -> int:
+        if kind == "linear_attention" and isinstance(self.args, GatedDeltaNetArgs):
+            return self.args.linear_attention_flops(seq_len)
+        return super().mixer_flops(kind, seq_len)
