@@ -16,12 +16,13 @@ from torch import nn
 
 from forja import fallbacks
 from forja.models.common.attention import Attention
+from forja.models.common.blocks import TransformerBlock
 from forja.models.common.gated_deltanet import GatedDeltaNetArgs
 from forja.models.common.mlp import SwiGLU
 from forja.models.common.moe import MoE, MoEArgs
 from forja.models.common.norms import RMSNorm
 from forja.models.common.rope import rope_cos_sin
-from forja.models.common.transformer import Transformer, TransformerArgs, TransformerBlock
+from forja.models.common.transformer import Transformer, TransformerArgs
 from forja.ops.dispatch import ops_mode
 
 # Parameters that write into the residual stream, whose initialization shrinks with depth.

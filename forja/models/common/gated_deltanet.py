@@ -125,6 +125,11 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(n_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(n_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, norm_eps)
+        self.shape = (n_k_heads, n_v_heads, head_k_dim, head_v_dim, conv_kernel, chunk_size)
+
+    def structure_fields(self) -> dict:
+        """What it adds to its block's structure record (forja/models/common/blocks.py)."""
+        return {"mixer": "gated_deltanet", "gated_deltanet": self.shape}
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: AttentionMask, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:

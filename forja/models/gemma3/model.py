@@ -29,12 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from forja.errors import ForjaError
-from forja.models.common.attention import Attention, KVCache
+from forja.models.common.attention import Attention
+from forja.models.common.blocks import SandwichBlock
 from forja.models.common.decoder import RotaryDecoder
+from forja.models.common.mlp import GeGLU
 from forja.models.common.norms import RMSNorm
 from forja.models.common.rope import RopeScaling, YarnScaling, rope_cos_sin, rope_frequencies, rope_scaling_from
 from forja.models.common.transformer import ATTENTION_TYPES, TransformerArgs
@@ -85,34 +85,6 @@ class Gemma3Args(TransformerArgs):
         if self.final_logit_softcap is not None and "cross_entropy" in self.fused_ops:
             raise ForjaError("model.final_logit_softcap is set, but the fused cross-entropy never forms the logits "
                              "to cap; drop cross_entropy from model.fused_ops")
-
-
-class GeGLU(nn.Module):
-    """w2(gelu_tanh(w1 x) * w3 x) (Shazeer 2020, "GLU Variants Improve Transformer")."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
-
-
-class SandwichBlock(nn.Module):
-    """A norm before each sublayer and one on its output:
-    h = x + post_attention_norm(attn(attention_norm(x))), out = h + post_ffn_norm(ffn(ffn_norm(h)))."""
-
-    def __init__(self, attention: Attention, feed_forward: nn.Module, norms: list[nn.Module]):
-        super().__init__()
-        self.attention_norm, self.post_attention_norm, self.ffn_norm, self.post_ffn_norm = norms
-        self.attention = attention
-        self.feed_forward = feed_forward
-
-    def forward(self, x, rope, mask, cache: KVCache | None = None, layer: int = 0):
-        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), rope, mask, cache, layer))
-        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))  # (B, T, dim)
 
 
 class Gemma3(RotaryDecoder):

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from forja.models.common.attention import Attention
+from forja.models.common.blocks import TransformerBlock
 from forja.models.common.mlp import GeluMLP
 from forja.models.common.norms import LayerNorm
-from forja.models.common.transformer import Transformer, TransformerArgs, TransformerBlock
+from forja.models.common.transformer import Transformer, TransformerArgs
 
 
 @dataclass(kw_only=True)

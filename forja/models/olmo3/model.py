@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from forja.models.common.attention import Attention, KVCache
+from forja.models.common.attention import Attention
+from forja.models.common.blocks import PostNormBlock
 from forja.models.common.decoder import RotaryDecoder
 from forja.models.common.rope import RopeScaling, YarnScaling, rope_cos_sin, rope_frequencies, rope_scaling_from
 from forja.models.common.transformer import ATTENTION_TYPES, TransformerArgs
@@ -56,23 +56,6 @@ class Olmo3Args(TransformerArgs):
         # A table from TOML or a flavor override; YaRN unless its rope_type says "llama3".
         self.rope_scaling = rope_scaling_from(self.rope_scaling, key="model.overrides.rope_scaling", default="yarn")
         super().__post_init__()
-
-
-class PostNormBlock(nn.Module):
-    """OLMo 2/3's block: each sublayer reads the raw residual stream and its output is
-    normalized before the add."""
-
-    def __init__(self, attention: Attention, feed_forward: nn.Module, post_attention_norm: nn.Module,
-                 post_ffn_norm: nn.Module):
-        super().__init__()
-        self.attention = attention
-        self.post_attention_norm = post_attention_norm
-        self.feed_forward = feed_forward
-        self.post_ffn_norm = post_ffn_norm
-
-    def forward(self, x, rope, mask, cache: KVCache | None = None, layer: int = 0):
-        h = x + self.post_attention_norm(self.attention(x, rope, mask, cache, layer))  # (B, T, dim)
-        return h + self.post_ffn_norm(self.feed_forward(h))
 
 
 class Olmo3(RotaryDecoder):

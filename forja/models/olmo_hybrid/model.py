@@ -30,11 +30,11 @@ from torch import nn
 
 from forja.errors import ForjaError
 from forja.models.common.attention import Attention
+from forja.models.common.blocks import PostNormBlock
 from forja.models.common.decoder import RotaryDecoder
 from forja.models.common.gated_deltanet import GatedDeltaNetArgs
 from forja.models.common.rope import rope_frequencies
 from forja.models.common.transformer import TransformerArgs
-from forja.models.olmo3.model import PostNormBlock
 
 # The output norm of OLMo-Hybrid's Gated DeltaNet: fla's FusedRMSNormGated default, which
 # transformers keeps whatever rms_norm_eps says.

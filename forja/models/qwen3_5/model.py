@@ -29,13 +29,14 @@ from torch import nn
 
 from forja.errors import ForjaError
 from forja.models.common.attention import Attention
+from forja.models.common.blocks import TransformerBlock
 from forja.models.common.decoder import RotaryDecoder
 from forja.models.common.gated_deltanet import GatedDeltaNetArgs
 from forja.models.common.moe import MoEArgs
 from forja.models.common.mtp import MultiTokenPrediction
 from forja.models.common.norms import RMSNorm
 from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
-from forja.models.common.transformer import TransformerArgs, TransformerBlock
+from forja.models.common.transformer import TransformerArgs
 
 
 @dataclass(kw_only=True)
