@@ -2,7 +2,7 @@
 
 A family (llama/, gpt2/) chooses the norm, the MLP, the position scheme and the
 initialization; the forward pass, parameter and FLOP counting live here once.
-Single-device code: parallelism is applied from outside by `parallelize.py`.
+Single-device code: parallelism is applied from outside, by the family's TP plan.
 
 Layers sit in an `nn.ModuleDict` keyed "0", "1", ... so that a pipeline stage that
 drops some of them keeps the others' parameter names (checkpoints stay compatible).

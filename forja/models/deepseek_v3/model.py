@@ -39,7 +39,7 @@ from forja.models.common.transformer import TransformerArgs
 
 @dataclass(kw_only=True)
 class DeepSeekV3Args(TransformerArgs, MoEArgs, LatentAttentionArgs):
-    """A DeepSeek-V2/V3 model's shape; `flavors.py` holds the published sizes. `head_dim` is
+    """A DeepSeek-V2/V3 model's shape; the package's FLAVORS hold the published sizes. `head_dim` is
     the query/key width qk_nope_head_dim + qk_rope_head_dim; `ffn_dim` the dense blocks' MLP."""
 
     norm_eps: float = 1e-6

@@ -48,7 +48,7 @@ def gemma3_layer_types(n_layers: int, pattern: int = 6) -> tuple[str, ...]:
 
 @dataclass(kw_only=True)
 class Gemma3Args(TransformerArgs):
-    """A Gemma 3 text model's shape; `flavors.py` holds the published sizes."""
+    """A Gemma 3 text model's shape; the package's FLAVORS hold the published sizes."""
 
     norm_eps: float = 1e-6
     """Epsilon of every RMSNorm, QK-norm included (Hugging Face `rms_norm_eps`)."""

@@ -24,7 +24,7 @@ from forja.models.common.transformer import Transformer, TransformerArgs
 
 @dataclass(kw_only=True)
 class GPT2Args(TransformerArgs):
-    """A GPT-2 model's shape; `flavors.py` holds the published sizes."""
+    """A GPT-2 model's shape; the package's FLAVORS hold the published sizes."""
 
     max_seq_len: int = 1024
     """Rows of the learned position embedding (n_positions)."""

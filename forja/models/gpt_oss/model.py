@@ -16,7 +16,7 @@ A pre-norm RMSNorm decoder (eps 1e-5) whose every feed-forward is a mixture of e
   (up + 1) * g * sigmoid(1.702 g), g = min(gate, 7), up clamped to [-7, 7];
 - untied embeddings, no shared expert, no dense block.
 
-Parameter names follow the TP plan (`parallelize.py`): attention.wq/wk/wv/wo (weight and
+Parameter names follow the TP plan (the dense one of common/tp_plan.py): attention.wq/wk/wv/wo (weight and
 bias), attention.sinks, feed_forward.router.gate (weight, bias), feed_forward.experts.w1/w3
 (E, H, D), w2 (E, D, H), b1/b3 (E, H), b2 (E, D).
 """
@@ -47,7 +47,7 @@ def alternating_layer_types(n_layers: int) -> tuple[str, ...]:
 
 @dataclass(kw_only=True)
 class GptOssArgs(TransformerArgs, MoEArgs):
-    """A gpt-oss model's shape; `flavors.py` holds the published sizes. Its experts are its
+    """A gpt-oss model's shape; the package's FLAVORS hold the published sizes. Its experts are its
     only feed-forward, so `ffn_dim` (Hugging Face's `intermediate_size`) is one expert's
     hidden width and `moe_ffn_dim` follows it. Empty `layer_types`: alternating sliding and
     full attention, sliding first."""

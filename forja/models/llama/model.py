@@ -3,7 +3,7 @@
 RMSNorm pre-norm blocks, grouped-query attention with rotary positions (with the
 Llama 3.1 long-context frequency scaling), SwiGLU feed-forward, untied or tied
 (Llama 3.2 1B/3B) embeddings, optional QK-norm. Parameter names follow
-`parallelize.py`'s tensor-parallel plan: attention.wq/wk/wv/wo, feed_forward.w1/w2/w3.
+the dense tensor-parallel plan's (common/tp_plan.py): attention.wq/wk/wv/wo, feed_forward.w1/w2/w3.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from forja.models.common.transformer import TransformerArgs
 
 @dataclass(kw_only=True)
 class LlamaArgs(TransformerArgs):
-    """A Llama model's shape; `flavors.py` holds the published sizes."""
+    """A Llama model's shape; the package's FLAVORS hold the published sizes."""
 
     rope_theta: float = 500_000.0
     """Base of the rotary frequencies."""

@@ -11,7 +11,7 @@ Optional sliding-window attention (Hugging Face's `sliding_window`, None in the 
 8x7B and 8x22B): every block sees the latest `sliding_window` positions, itself included,
 which is forja's `TransformerArgs.sliding_window` exactly.
 
-Parameter names follow the TP plan (`parallelize.py`) and Llama's: attention.wq/wk/wv/wo,
+Parameter names follow the TP plan (the dense one of common/tp_plan.py) and Llama's: attention.wq/wk/wv/wo,
 feed_forward.router.gate and feed_forward.experts.w1/w3 (E, H, D), w2 (E, D, H).
 """
 
@@ -31,7 +31,7 @@ from forja.models.common.transformer import TransformerArgs
 
 @dataclass(kw_only=True)
 class MixtralArgs(TransformerArgs, MoEArgs):
-    """A Mixtral model's shape; `flavors.py` holds the published sizes. Its experts are its
+    """A Mixtral model's shape; the package's FLAVORS hold the published sizes. Its experts are its
     only feed-forward, so `ffn_dim` (Hugging Face's `intermediate_size`) is one expert's
     hidden width and `moe_ffn_dim` follows it."""
 

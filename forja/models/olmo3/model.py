@@ -39,7 +39,7 @@ def olmo3_layer_types(n_layers: int) -> tuple[str, ...]:
 
 @dataclass(kw_only=True)
 class Olmo3Args(TransformerArgs):
-    """An OLMo 3 model's shape; `flavors.py` holds the published sizes."""
+    """An OLMo 3 model's shape; the package's FLAVORS hold the published sizes."""
 
     norm_eps: float = 1e-6
     """Epsilon of every RMSNorm, QK-norm included (Hugging Face `rms_norm_eps`)."""

@@ -52,7 +52,7 @@ def olmo_hybrid_layer_types(n_layers: int) -> tuple[str, ...]:
 
 @dataclass(kw_only=True)
 class OlmoHybridArgs(GatedDeltaNetArgs, TransformerArgs):
-    """An OLMo-Hybrid model's shape; `flavors.py` holds the published size. Empty
+    """An OLMo-Hybrid model's shape; the package's FLAVORS hold the published size. Empty
     `layer_types`: `olmo_hybrid_layer_types(n_layers)`."""
 
     norm_eps: float = 1e-6

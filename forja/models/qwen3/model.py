@@ -12,7 +12,7 @@ rotary positions (base 1e6), SwiGLU feed-forward. What sets it apart:
   blocks: `Qwen3Args.is_moe_layer`, Hugging Face's `decoder_sparse_step` and
   `mlp_only_layers` rule.
 
-Parameter names follow the TP plan (`parallelize.py`) and Llama's: attention.wq/wk/wv/wo,
+Parameter names follow the TP plan (the dense one of common/tp_plan.py) and Llama's: attention.wq/wk/wv/wo,
 attention.q_norm/k_norm, feed_forward.w1/w2/w3, or in an MoE block
 feed_forward.router.gate and feed_forward.experts.w1/w2/w3 (E, H, D) / (E, D, H).
 """
@@ -33,7 +33,7 @@ from forja.models.common.transformer import TransformerArgs
 
 @dataclass(kw_only=True)
 class Qwen3Args(TransformerArgs, MoEArgs):
-    """A Qwen3 model's shape; `flavors.py` holds the published sizes. `n_experts=0` is dense
+    """A Qwen3 model's shape; the package's FLAVORS hold the published sizes. `n_experts=0` is dense
     Qwen3; above 0, Qwen3-MoE, whose dense blocks (if any) use `ffn_dim`."""
 
     norm_eps: float = 1e-6

@@ -41,7 +41,7 @@ from forja.models.common.transformer import TransformerArgs
 
 @dataclass(kw_only=True)
 class Qwen3_5Args(GatedDeltaNetArgs, TransformerArgs, MoEArgs):
-    """A Qwen3.5 model's shape; `flavors.py` holds the published sizes. `n_experts=0` is
+    """A Qwen3.5 model's shape; the package's FLAVORS hold the published sizes. `n_experts=0` is
     dense Qwen3.5; above 0, Qwen3.5-MoE (every block a mixture of experts)."""
 
     norm_eps: float = 1e-6
