@@ -62,10 +62,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, attention: nn.Module, feed_forward: nn.Module, attention_norm: nn.Module,
                  ffn_norm: nn.Module):
         super().__init__()
-        self.attention_norm = attention_norm
-        self.attention = attention
-        self.ffn_norm = ffn_norm
-        self.feed_forward = feed_forward
+        # Registered in the order they run (parameter names and order, as checkpoints hold them).
+        self.attention_norm, self.attention, self.ffn_norm, self.feed_forward = (attention_norm, attention, ffn_norm,
+                                                                                 feed_forward)
         self.structure = BlockStructure.of(self.placement, attention, feed_forward, attention_norm)
 
     def forward(self, x, rope, mask, cache: KVCache | None = None, layer: int = 0):
@@ -82,10 +81,8 @@ class PostNormBlock(nn.Module):
     def __init__(self, attention: nn.Module, feed_forward: nn.Module, post_attention_norm: nn.Module,
                  post_ffn_norm: nn.Module):
         super().__init__()
-        self.attention = attention
-        self.post_attention_norm = post_attention_norm
-        self.feed_forward = feed_forward
-        self.post_ffn_norm = post_ffn_norm
+        self.attention, self.post_attention_norm = attention, post_attention_norm
+        self.feed_forward, self.post_ffn_norm = feed_forward, post_ffn_norm
         self.structure = BlockStructure.of(self.placement, attention, feed_forward, post_attention_norm)
 
     def forward(self, x, rope, mask, cache: KVCache | None = None, layer: int = 0):

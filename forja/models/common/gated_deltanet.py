@@ -216,9 +216,10 @@ class GatedDeltaNetArgs:
     linear_n_v_heads: int = 32
     """Gated DeltaNet value heads (a multiple of the key heads, which are repeated)."""
     linear_k_head_dim: int = 128
-    """Width of a Gated DeltaNet query/key head."""
+    """Width of a Gated DeltaNet query/key head; each value head's recurrent state is
+    linear_k_head_dim x linear_v_head_dim."""
     linear_v_head_dim: int = 128
-    """Width of a Gated DeltaNet value head (its state is k_head_dim x v_head_dim per head)."""
+    """Width of a Gated DeltaNet value head."""
     linear_conv_kernel: int = 4
     """Taps of the short causal convolutions before the delta rule."""
 

@@ -207,6 +207,14 @@ def expert_rules(a: Any, hf: str, ours: str, *, fused: bool,
     return [TensorRule(f"{hf}experts.{{e}}.{h}.weight", (experts + f,), stacked=a.n_experts) for h, f in names]
 
 
+def expert_layouts(rules_in: Callable[[Any, bool], list[TensorRule]]) -> dict[str, Callable]:
+    """An HFAdapter's `rules` and `other_layouts` for a family with a mixture of experts, from
+    `rules_in(args, fused)`: the published checkpoints hold one tensor per expert, the layout
+    forja writes; transformers 5's modules hold them fused (`save_pretrained(save_original_format=
+    False)` writes that), read too when the model has experts."""
+    return dict(rules=lambda a: rules_in(a, False), other_layouts=lambda a: [rules_in(a, True)] if a.n_experts else [])
+
+
 # -- config.json -------------------------------------------------------------------------------
 def decoder_config(a: Any) -> dict:
     """The config.json keys every rotary decoder family writes alike, from its args."""

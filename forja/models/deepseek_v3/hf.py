@@ -267,14 +267,5 @@ def _rules(a: DeepSeekV3Args, fused_experts: bool) -> list[TensorRule]:
     return out + _mtp_rules(a, fused_experts)
 
 
-def rules(a: DeepSeekV3Args) -> list[TensorRule]:
-    """The published layout: one tensor per expert."""
-    return _rules(a, fused_experts=False)
-
-
-def other_layouts(a: DeepSeekV3Args) -> list[list[TensorRule]]:
-    return [_rules(a, fused_experts=True)] if a.n_experts else []
-
-
-ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, rules, IGNORED, other_layouts=other_layouts,
-                    held_args=held_args)
+ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, ignored=IGNORED,
+                    **hf_rules.expert_layouts(_rules), held_args=held_args)

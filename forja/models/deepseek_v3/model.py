@@ -108,9 +108,6 @@ class DeepSeekV3(RotaryDecoder):
         a = self.args  # only the decoupled rope part of each head rotates
         return rope_frequencies(a.qk_rope_head_dim, a.rope_theta, a.rope_scaling)
 
-    def rope_scale(self) -> float:
-        return 1.0 if self.args.rope_scaling is None else self.args.rope_scaling.rope_scale()
-
     def new_kv_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         a = self.args
         weight = next(iter(self.layers.values())).attention.wkv_b.weight

@@ -33,11 +33,11 @@ import torch
 from forja.errors import ForjaError
 from forja.models.common.attention import Attention
 from forja.models.common.blocks import SandwichBlock
-from forja.models.common.decoder import RotaryDecoder
+from forja.models.common.decoder import LocalRopeDecoder
 from forja.models.common.mlp import GeGLU
 from forja.models.common.norms import RMSNorm
-from forja.models.common.rope import RopeScaling, YarnScaling, rope_cos_sin, rope_frequencies, rope_scaling_from
-from forja.models.common.transformer import ATTENTION_TYPES, TransformerArgs
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
+from forja.models.common.transformer import TransformerArgs
 
 
 def gemma3_layer_types(n_layers: int, pattern: int = 6) -> tuple[str, ...]:
@@ -87,12 +87,12 @@ class Gemma3Args(TransformerArgs):
                              "to cap; drop cross_entropy from model.fused_ops")
 
 
-class Gemma3(RotaryDecoder):
-    args: Gemma3Args
+class Gemma3(LocalRopeDecoder):
+    """Global blocks: base rope_theta, frequencies / rope_linear_factor or scaled by rope_scaling
+    (with YaRN's factor on cos and sin); local blocks: base local_rope_theta, unscaled
+    (LocalRopeDecoder)."""
 
-    def __init__(self, args: Gemma3Args):
-        super().__init__(args)
-        self._freqs: dict[tuple[str, torch.device], torch.Tensor] = {}  # (kind, device) -> inv_freq
+    args: Gemma3Args
 
     def build_block(self, layer: int) -> SandwichBlock:
         return SandwichBlock(self.build_attention(layer), GeGLU(self.args.dim, self.args.ffn_dim),
@@ -114,19 +114,6 @@ class Gemma3(RotaryDecoder):
     def rope_frequencies(self) -> torch.Tensor:
         a = self.args
         return rope_frequencies(a.head_dim, a.rope_theta, a.rope_scaling) / a.rope_linear_factor
-
-    def rope_tables_for(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Global blocks: base rope_theta, frequencies / rope_linear_factor or scaled by
-        rope_scaling (with YaRN's factor on cos and sin); local blocks: base local_rope_theta, unscaled."""
-        if kind not in ATTENTION_TYPES:
-            return None
-        key = (kind, positions.device)
-        if key not in self._freqs:
-            freqs = (self.rope_frequencies() if kind == "full_attention"
-                     else rope_frequencies(self.args.head_dim, self.args.local_rope_theta))
-            self._freqs[key] = freqs.to(positions.device)
-        scale = self.rope_scale() if kind == "full_attention" else 1.0
-        return rope_cos_sin(self._freqs[key], positions, scale)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         out = super().logits(h)

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from forja.models.common.attention import Attention
 from forja.models.common.decoder import RotaryDecoder
-from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from
 from forja.models.common.transformer import TransformerArgs
 
 
@@ -34,11 +31,6 @@ class LlamaArgs(TransformerArgs):
 
 
 class Llama(RotaryDecoder):
+    """RotaryDecoder as it stands: grouped-query attention, whole-head RoPE, SwiGLU."""
+
     args: LlamaArgs
-
-    def build_attention(self, layer: int) -> Attention:
-        return self.gqa_attention()
-
-    def rope_frequencies(self) -> torch.Tensor:
-        a = self.args
-        return rope_frequencies(a.head_dim, a.rope_theta, a.rope_scaling)

@@ -84,15 +84,5 @@ def _rules(a: MixtralArgs, fused_experts: bool) -> list[TensorRule]:
     return hf_rules.decoder_rules(a, _ATTENTION_AND_NORMS + moe)
 
 
-def rules(a: MixtralArgs) -> list[TensorRule]:
-    """The released checkpoints' layout: `block_sparse_moe`, one tensor per expert."""
-    return _rules(a, fused_experts=False)
-
-
-def other_layouts(a: MixtralArgs) -> list[list[TensorRule]]:
-    """transformers 5's module layout: `mlp`, fused experts."""
-    return [_rules(a, fused_experts=True)]
-
-
-ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, rules, IGNORED,
-                    other_layouts=other_layouts)
+ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, ignored=IGNORED,
+                    **hf_rules.expert_layouts(_rules))

@@ -110,15 +110,5 @@ def _rules(a: Qwen3Args, fused_experts: bool) -> list[TensorRule]:
     return hf_rules.decoder_rules(a, lambda i: _layer_rules(a, i, fused_experts))
 
 
-def rules(a: Qwen3Args) -> list[TensorRule]:
-    """The released checkpoints' layout: one tensor per expert."""
-    return _rules(a, fused_experts=False)
-
-
-def other_layouts(a: Qwen3Args) -> list[list[TensorRule]]:
-    """transformers 5's fused experts, for an MoE model."""
-    return [_rules(a, fused_experts=True)] if a.n_experts else []
-
-
-ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, rules, IGNORED,
-                    other_layouts=other_layouts)
+ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, ignored=IGNORED,
+                    **hf_rules.expert_layouts(_rules))

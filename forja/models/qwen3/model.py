@@ -21,13 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from forja.errors import ForjaError
-from forja.models.common.attention import Attention
 from forja.models.common.decoder import RotaryDecoder
 from forja.models.common.moe import MoEArgs
-from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from
 from forja.models.common.transformer import TransformerArgs
 
 
@@ -68,10 +65,7 @@ class Qwen3Args(TransformerArgs, MoEArgs):
 
 
 class Qwen3(RotaryDecoder):
+    """RotaryDecoder as it stands (its QK-norm a field of the args); which blocks hold experts:
+    `Qwen3Args.is_moe_layer`."""
+
     args: Qwen3Args
-
-    def build_attention(self, layer: int) -> Attention:
-        return self.gqa_attention()
-
-    def rope_frequencies(self) -> torch.Tensor:
-        return rope_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)

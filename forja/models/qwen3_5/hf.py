@@ -229,14 +229,9 @@ def mtp_rules(a: Qwen3_5Args, fused_experts: bool) -> list[TensorRule]:
                                                                   0, fused_experts)
 
 
-def rules(a: Qwen3_5Args) -> list[TensorRule]:
-    """The published layout: one tensor per expert, the MTP module when counted."""
-    return model_rules(a, fused_experts=False) + mtp_rules(a, fused_experts=False)
-
-
-def other_layouts(a: Qwen3_5Args) -> list[list[TensorRule]]:
-    """transformers 5's fused experts, for an MoE model."""
-    return [model_rules(a, fused_experts=True) + mtp_rules(a, fused_experts=True)] if a.n_experts else []
+def _rules(a: Qwen3_5Args, fused_experts: bool) -> list[TensorRule]:
+    """The blocks' rules and the MTP module's when counted."""
+    return model_rules(a, fused_experts) + mtp_rules(a, fused_experts)
 
 
 def normalize_name(name: str) -> str:
@@ -244,5 +239,5 @@ def normalize_name(name: str) -> str:
     return re.sub(r"^model\.language_model\.", "model.", name)
 
 
-ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, rules, IGNORED,
-                    normalize_name=normalize_name, other_layouts=other_layouts, held_args=held_args)
+ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, ignored=IGNORED,
+                    **hf_rules.expert_layouts(_rules), normalize_name=normalize_name, held_args=held_args)

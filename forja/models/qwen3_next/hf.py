@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from forja.models.common import hf_rules
 from forja.models.common.hf_rules import HFAdapter, TensorRule, renamed, split_rows
 from forja.models.qwen3_5.hf import (
     check_exportable_as,
@@ -111,15 +112,5 @@ def _rules(a: Qwen3NextArgs, fused_experts: bool) -> list[TensorRule]:
     return model_rules(a, fused_experts, linear=linear_attention_rules) + mtp_rules(a, fused_experts)
 
 
-def rules(a: Qwen3NextArgs) -> list[TensorRule]:
-    """The published layout: one tensor per expert."""
-    return _rules(a, fused_experts=False)
-
-
-def other_layouts(a: Qwen3NextArgs) -> list[list[TensorRule]]:
-    """transformers 5's fused experts, for a model with experts."""
-    return [_rules(a, fused_experts=True)] if a.n_experts else []
-
-
-ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, rules, IGNORED, other_layouts=other_layouts,
-                    held_args=held_args)
+ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, ignored=IGNORED,
+                    **hf_rules.expert_layouts(_rules), held_args=held_args)
