@@ -47,7 +47,7 @@ CASE = checks.FamilyCase(
     tol=1e-5, logits=checks.hybrid_logits,
     tokens=80,  # two 64-token chunks of the delta rule (padded to whole chunks: 65 would cost the same)
     greedy={"dense": 20, "moe": 20},
-    export_flavors=("debug", "debug-moe"), export_tol=1e-4,  # within transformers' own float32 rounding (above)
+    export_flavors=("debug", "debug-moe"),  # measured 3.9e-7 and 4.8e-7: forja's init keeps logits small
     # (total, active per token); equal to transformers' count for the same config.json.
     published={"9b": (8_953_803_264, 8_953_803_264), "35b-a3b": (34_660_610_688, 3_454_988_928)},
     fused={"moe": ("model.layers.1.mlp.experts.gate_up_proj",)},

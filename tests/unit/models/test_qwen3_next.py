@@ -55,7 +55,7 @@ CASE = checks.FamilyCase(
     tokens=80,  # two 64-token chunks of the delta rule (padded to whole chunks: 65 would cost the same)
     same_tensors=True,  # the regrouped in_proj_qkvz / in_proj_ba included
     greedy={"moe": 20},  # every kind of block: Gated DeltaNet, attention, dense and MoE feed-forwards
-    export_tol=TOL_EXPERTS,
+    # The debug flavor exported: measured 7.2e-7 (forja's init keeps logits small), within tol.
     # (total, active per token); equal to transformers' count for the same config.json (which
     # builds no MTP module).
     published={"80b-a3b": (79_674_391_296, 3_874_929_408)},
