@@ -6,7 +6,7 @@
 
 Self-contained on public torch APIs, so it runs in any venv: 2 ranks, Gloo, CPU, fp32. A
 token embedding feeds a tiny Llama block (RMSNorm -> attention -> RMSNorm -> SwiGLU,
-residual adds); both get forja's TP plan for Llama (forja/models/llama/parallelize.py),
+residual adds); both get forja's TP plan for Llama (the dense plan, forja/models/common/tp_plan.py),
 and the same weights and tokens run eagerly and with the block, or one part of it,
 compiled in place as forja compiles each block. One line per configuration; exit status 1
 when an output or a gradient differs by more than --tol, is missing, or the run raised.

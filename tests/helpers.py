@@ -13,18 +13,6 @@ def max_logit_diff(hf_model, forja_model, tokens: torch.Tensor) -> float:
     return (ref - ours).abs().max().item()
 
 
-def save_hf_models(tmp_path_factory, make, names) -> dict:
-    """name -> (directory written by transformers' save_pretrained, the model), for each of
-    `names`, made by `make(name)`."""
-    out = {}
-    for name in names:
-        model = make(name)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        out[name] = (path, model)
-    return out
-
-
 @torch.no_grad()
 def hf_greedy(hf_model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """transformers' greedy `generate` for every one of `new_tokens` steps (no stop token,

@@ -6,7 +6,7 @@
     save_hf_checkpoint(model, "out_dir")            # transformers can load it
 
 Single-device code only: nothing here imports forja.parallel, forja.train or
-forja.checkpoint. A family's tensor-parallel plan is data (models/<family>/parallelize.py)
+forja.checkpoint. A family's tensor-parallel plan is data (models/<family>/parallelize.py, or the dense default)
 that forja.parallel applies.
 """
 

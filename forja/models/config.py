@@ -37,7 +37,7 @@ class ModelConfig:
     family: str = "llama"
     """Model family: llama, gpt2, qwen3, deepseek_v3 or mixtral."""
     flavor: str = "debug"
-    """A size from the family's flavors.py (debug, tiny, 3.2-1b, 124m, ...)."""
+    """A size from the family's FLAVORS (forja/models/<family>/__init__.py: debug, tiny, 3.2-1b, 124m, ...)."""
     attention: Literal["sdpa", "flex"] = "sdpa"
     """Attention kernel: sdpa, or flex (FlexAttention block masks for documents and windows, CUDA)."""
     document_mask: bool = True

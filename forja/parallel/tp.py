@@ -1,8 +1,8 @@
 """Tensor and sequence parallelism with DTensor (Megatron-LM's scheme, expressed as plans).
 
-A family's plan (models/<family>/parallelize.py, built on models/common/tp_plan.py) maps
-module names to torch's parallel styles; this file applies it to a model or a pipeline
-stage. The output projection stays vocabulary-sharded and the loss is computed under
+A family's plan (its ModelSpec's: models/<family>/parallelize.py, or the dense default of
+models/common/tp_plan.py) maps module names to torch's parallel styles; this file applies
+it to a model or a pipeline stage. The output projection stays vocabulary-sharded and the loss is computed under
 `loss_parallel()`: full (tokens, vocab) logits never exist on one rank.
 """
 

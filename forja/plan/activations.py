@@ -176,8 +176,7 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
     if block.ffn == "moe":
         # Under autocast the router keeps the fp32 input itself, and the shared experts' w1, w3
         # and their gate each their own bf16 cast (the routed rows are gathered copies, below).
-        gate = getattr(a, "shared_expert_gate", False)
-        shared_readers = (2 + gate) if a.n_shared_experts else 0
+        shared_readers = (2 + block.shared_expert_gate) if a.n_shared_experts else 0
         norm = _sublayer_input(job, lay, block, w, 1)
         norm += (shared_readers * a.dim * w.lin + a.dim * (w.res - w.lin)) if autocast else 0.0
     else:
@@ -196,12 +195,12 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
     cf = a.capacity_factor if a.capacity_factor > 0 else 1.0
     # The clamped SwiGLU keeps 7 hidden-wide tensors: gate and up (biased), the clamped gate,
     # its sigmoid, up + 1, gate * sigmoid and the product; SwiGLU 4 (3 fused) as above.
-    act = 7 if getattr(a, "expert_activation", "swiglu") == "clamped_swiglu" else 4
+    act = 7 if block.expert_activation == "clamped_swiglu" else 4
     # Per slot: the rows sorted in (under autocast w1 and w3 each keep their own bf16 cast),
     # the experts' output, and it times the fp32 weights (fp32: index_add's source); the expert FFN.
     routed = cf * k * (((2 if autocast else 1) + 1 + act * h / a.dim) * a.dim * w.lin + a.dim * FP32)
     shared = a.n_shared_experts * h * gated * w.lin
-    if a.n_shared_experts and getattr(a, "shared_expert_gate", False):
+    if a.n_shared_experts and block.shared_expert_gate:
         shared += a.dim * w.lin + FP32  # the shared output and its sigmoid gate, kept for the product
     router = a.n_experts * FP32 * 2 + k * 24  # logits, scores; indices
     router += a.dim * FP32 if w.res != FP32 else 0.0  # the router's fp32 copy of a bf16 input

@@ -14,9 +14,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from forja.models import build_from_args, spec_of
-from forja.models.common.gated_deltanet import GatedDeltaNet
-from forja.models.common.mlp import GeluMLP, SwiGLU
-from forja.models.common.moe import MoE
+from forja.models.common.blocks import BlockStructure
 from forja.models.common.transformer import Transformer, TransformerArgs
 
 _SPLIT_STYLES = (ColwiseParallel, RowwiseParallel)
@@ -63,6 +61,10 @@ class BlockShape:
     zero_centered: bool = False
     """The block's RMSNorms scale by (1 + w) in fp32 (Gemma, Qwen3.5): the normalized x they
     keep is fp32 whatever the input's dtype."""
+    expert_activation: str = ""
+    """A mixture of experts' activation ("swiglu", or "clamped_swiglu", gpt-oss's); "" without."""
+    shared_expert_gate: bool = False
+    """A mixture of experts' shared expert scaled by a per-token sigmoid gate (Qwen3.5)."""
 
 
 @dataclass(frozen=True)
@@ -121,9 +123,9 @@ def _counts(args: TransformerArgs) -> tuple:
     # Multi-token prediction modules count as blocks after the main ones: each runs a block
     # (its norms and 2d -> d projection with it, replicated) and, below, the output head again.
     mtp = list(model.mtp.layers.values()) if model.mtp is not None else []
-    for block in [*model.layers.values(), *mtp]:
-        inner = getattr(block, "block", block)  # an MTP module's transformer block
-        moe = isinstance(inner.feed_forward, MoE)
+    for block, inner in [*((b, b) for b in model.layers.values()), *((m, m.block) for m in mtp)]:
+        structure: BlockStructure = inner.structure  # an MTP module's: its transformer block's
+        moe = structure.ffn == "moe"
         styles = plan.block_plan(moe)
         split = replicated = experts = 0
         matrices = []
@@ -138,10 +140,10 @@ def _counts(args: TransformerArgs) -> tuple:
             else:
                 replicated += p.numel()
         active = inner.feed_forward.active_fraction() if moe else 0.0
-        gated = moe or isinstance(inner.feed_forward, SwiGLU)
-        layer_norm = isinstance(getattr(inner, "attention_norm", None), nn.LayerNorm)  # none in post-norm blocks
-        structure = _structure(inner, args.layer_type(len(counted)), block is not inner)
-        counted.append((split, replicated, experts, moe, gated, layer_norm, active, tuple(matrices), structure))
+        gated = structure.ffn in ("moe", "swiglu")
+        fields = _structure(structure, args.layer_type(len(counted)), block is not inner)
+        counted.append((split, replicated, experts, moe, gated, structure.norm == "layer", active, tuple(matrices),
+                        fields))
     output = 0 if args.tie_embeddings else _numel(model.output)
     # Whatever else the root holds is input side: token (and learned position) embeddings.
     embedding = _numel(model) - _numel(model.layers) - _numel(model.mtp) - _numel(model.norm) - output
@@ -152,22 +154,9 @@ def _counts(args: TransformerArgs) -> tuple:
     return _COUNTS[key]
 
 
-def _structure(block: nn.Module, kind: str, mtp: bool) -> dict:
-    """What the memory model needs of a block beyond its parameter counts, read off the
-    block as built: where it normalizes, its feed-forward, its attention's options, its
-    Gated DeltaNet's heads."""
-    if hasattr(block, "post_attention_norm"):
-        norms = "sandwich" if hasattr(block, "attention_norm") else "post"
-    else:
-        norms = "pre"
-    ff = block.feed_forward
-    ffn = ("moe" if isinstance(ff, MoE) else "swiglu" if isinstance(ff, SwiGLU)
-           else "gelu" if isinstance(ff, GeluMLP) else "geglu")
-    mixer, attention = (), block.attention
-    if isinstance(attention, GatedDeltaNet):
-        mixer = (attention.wq.out_features // attention.head_k_dim, attention.wv.out_features // attention.head_v_dim,
-                 attention.head_k_dim, attention.head_v_dim, attention.conv_q.weight.shape[-1], attention.chunk_size)
-    norm = getattr(block, "attention_norm", None) or getattr(block, "post_attention_norm", None)
-    return dict(kind=kind, norms=norms, ffn=ffn, output_gate=getattr(attention, "wg", None) is not None,
-                sinks=getattr(attention, "sinks", None) is not None, mixer=mixer, mtp=mtp,
-                zero_centered=bool(getattr(norm, "zero_centered", False)))
+def _structure(s: BlockStructure, kind: str, mtp: bool) -> dict:
+    """What the memory model needs of a block beyond its parameter counts, from the structure
+    record the block declares (forja/models/common/blocks.py)."""
+    return dict(kind=kind, norms=s.norms, ffn=s.ffn, output_gate=s.output_gate, sinks=s.sinks,
+                mixer=s.gated_deltanet, mtp=mtp, zero_centered=s.norm == "zero_centered",
+                expert_activation=s.expert_activation, shared_expert_gate=s.shared_expert_gate)

@@ -305,6 +305,10 @@ class Attention(MaxLogitTracking, nn.Module):
         # One learned logit per query head (see `attend`); under TP sharded with the heads.
         self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
 
+    def structure_fields(self) -> dict:
+        """What it adds to its block's structure record (forja/models/common/blocks.py)."""
+        return {"mixer": "attention", "output_gate": self.wg is not None, "sinks": self.sinks is not None}
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: AttentionMask, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, _ = x.shape

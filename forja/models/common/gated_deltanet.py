@@ -14,6 +14,9 @@ apart both in the state and in the convolution's window. Decoding keeps, per lay
 
 Projections are separate (wq, wk, wv, wz, wb, wa), so tensor parallelism can shard them
 by head; shapes below use -1 for head counts for that reason.
+
+A family with Gated DeltaNet blocks lists `GatedDeltaNetArgs` first among its args' bases:
+the mixer's fields, their validation, the blocks it builds and what they cost, declared once.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forja.errors import ForjaError
 from forja.models.common.attention import AttentionMask, KVCache
-from forja.models.common.gated_delta_rule import gated_delta_rule
+from forja.models.common.gated_delta_rule import gated_delta_rule, gated_delta_rule_flops
 
 
 @dataclass
@@ -121,6 +125,11 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(n_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(n_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, norm_eps)
+        self.shape = (n_k_heads, n_v_heads, head_k_dim, head_v_dim, conv_kernel, chunk_size)
+
+    def structure_fields(self) -> dict:
+        """What it adds to its block's structure record (forja/models/common/blocks.py)."""
+        return {"mixer": "gated_deltanet", "gated_deltanet": self.shape}
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: AttentionMask, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
@@ -194,3 +203,55 @@ def gated_deltanet_init_rule(name: str, *, conv_kernel: int = 4, dt_bias: str = 
         bound = conv_kernel**-0.5
         return ("uniform", -bound, bound)
     return None
+
+
+@dataclass(kw_only=True)
+class GatedDeltaNetArgs:
+    """The Gated DeltaNet fields of a family whose `layer_types` hold linear_attention blocks
+    (Qwen3.5, Qwen3-Next, OLMo-Hybrid); listed before TransformerArgs among the bases, whose
+    fields (dim, layer_type) it reads. Defaults: Qwen3.5's."""
+
+    linear_n_k_heads: int = 16
+    """Gated DeltaNet query/key heads."""
+    linear_n_v_heads: int = 32
+    """Gated DeltaNet value heads (a multiple of the key heads, which are repeated)."""
+    linear_k_head_dim: int = 128
+    """Width of a Gated DeltaNet query/key head; each value head's recurrent state is
+    linear_k_head_dim x linear_v_head_dim."""
+    linear_v_head_dim: int = 128
+    """Width of a Gated DeltaNet value head."""
+    linear_conv_kernel: int = 4
+    """Taps of the short causal convolutions before the delta rule."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.linear_n_v_heads % self.linear_n_k_heads:
+            raise ForjaError(f"model.linear_n_v_heads={self.linear_n_v_heads} is not a multiple of "
+                             f"model.linear_n_k_heads={self.linear_n_k_heads}; Gated DeltaNet repeats whole key heads")
+
+    @property
+    def supported_layer_types(self) -> tuple[str, ...]:
+        return ("full_attention", "linear_attention")
+
+    def head_counts(self) -> dict[str, int]:
+        counts = super().head_counts()
+        if "linear_attention" in self.layer_types:  # Gated DeltaNet splits by whole key heads
+            counts.update(linear_n_k_heads=self.linear_n_k_heads, linear_n_v_heads=self.linear_n_v_heads)
+        return counts
+
+    def gated_deltanet(self, norm_eps: float, allow_neg_eigval: bool = False) -> GatedDeltaNet:
+        """A linear-attention block's mixer; `norm_eps`: its gated output norm's."""
+        return GatedDeltaNet(self.dim, n_k_heads=self.linear_n_k_heads, n_v_heads=self.linear_n_v_heads,
+                             head_k_dim=self.linear_k_head_dim, head_v_dim=self.linear_v_head_dim,
+                             conv_kernel=self.linear_conv_kernel, norm_eps=norm_eps, allow_neg_eigval=allow_neg_eigval)
+
+    def linear_attention_flops(self, seq_len: int) -> int:
+        """Training FLOPs per token of one linear-attention block's delta rule (Transformer.mixer_flops)."""
+        return gated_delta_rule_flops(self.linear_n_v_heads, self.linear_k_head_dim, self.linear_v_head_dim, seq_len)
+
+    def linear_init_rule(self, name: str) -> tuple | None:
+        """`gated_deltanet_init_rule` for a parameter of a linear-attention block ("layers.{i}...."),
+        None for every other parameter."""
+        if name.startswith("layers.") and self.layer_type(int(name.split(".")[1])) == "linear_attention":
+            return gated_deltanet_init_rule(name, conv_kernel=self.linear_conv_kernel)
+        return None

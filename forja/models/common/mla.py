@@ -85,6 +85,10 @@ class MLA(MaxLogitTracking, nn.Module):
         self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
         self.shared_key = SharedKeyHead()
 
+    def structure_fields(self) -> dict:
+        """What it adds to its block's structure record (forja/models/common/blocks.py)."""
+        return {"mixer": "latent_attention"}
+
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, dim) -> q (B, T, H, dn + dr); H is this rank's heads under TP."""
         B, T, _ = x.shape

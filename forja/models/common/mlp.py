@@ -1,4 +1,7 @@
-"""Feed-forward blocks: SwiGLU (Llama) and GELU (GPT-2)."""
+"""Feed-forward blocks: SwiGLU (Llama), GeGLU (Gemma) and GELU (GPT-2).
+
+Each says what it adds to its block's structure record (`structure_fields`,
+forja/models/common/blocks.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,25 @@ class SwiGLU(nn.Module):
             return self.w2(swiglu(self.w1(x), self.w3(x)))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
+    def structure_fields(self) -> dict:
+        return {"ffn": "swiglu"}
+
+
+class GeGLU(nn.Module):
+    """w2(gelu_tanh(w1 x) * w3 x) (Shazeer 2020, "GLU Variants Improve Transformer")."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
+
+    def structure_fields(self) -> dict:
+        return {"ffn": "geglu"}
+
 
 class GeluMLP(nn.Module):
     """w2(gelu(w1 x)) with GPT-2's tanh approximation of GELU."""
@@ -37,3 +59,6 @@ class GeluMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+    def structure_fields(self) -> dict:
+        return {"ffn": "gelu"}

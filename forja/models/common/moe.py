@@ -351,6 +351,11 @@ class MoE(nn.Module):
         # micro-batch's tokens (set by the tensor-parallel plan); None: the whole batch is here.
         self.token_split_sum = None
 
+    def structure_fields(self) -> dict:
+        """What it adds to its block's structure record (forja/models/common/blocks.py)."""
+        return {"ffn": "moe", "expert_activation": self.args.expert_activation,
+                "shared_expert_gate": self.shared_gate is not None}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         flat = x.reshape(-1, D)  # (N, D)

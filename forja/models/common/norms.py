@@ -40,6 +40,10 @@ class RMSNorm(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
+    def structure_fields(self) -> dict:
+        """What it adds to its block's structure record (forja/models/common/blocks.py)."""
+        return {"norm": "zero_centered" if self.zero_centered else "rms"}
+
 
 class LayerNorm(nn.LayerNorm):
     """`nn.LayerNorm` with parameters created empty: `init_weights` fills them."""
@@ -50,3 +54,6 @@ class LayerNorm(nn.LayerNorm):
     def reset_parameters(self) -> None:
         # Called by nn.LayerNorm.__init__; initialization belongs to init_weights(seed).
         pass
+
+    def structure_fields(self) -> dict:
+        return {"norm": "layer"}

@@ -26,7 +26,7 @@ from forja.errors import ForjaError
 from forja.ops.rope import apply_rope
 
 __all__ = ["ROPE_TYPES", "RopeScaling", "YarnScaling", "apply_rope", "rope_cos_sin", "rope_frequencies",
-           "rope_scaling_from", "rope_scaling_from_hf", "rope_scaling_to_hf", "yarn_mscale"]
+           "rope_scaling_from", "rope_scaling_from_hf", "rope_scaling_to_hf", "yarn_from_hf", "yarn_mscale"]
 
 
 @dataclass(kw_only=True)
@@ -185,9 +185,17 @@ def rope_scaling_from_hf(rope: dict | None, max_len: int, *, where: str = "confi
     if kind == "llama3":
         return RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
                            high_freq_factor=float(rope["high_freq_factor"]), original_max_seq_len=original)
+    return yarn_from_hf(rope, max_len, original)
+
+
+def yarn_from_hf(rope: dict, max_len: int | None, original: int) -> YarnScaling:
+    """YaRN from a config.json rope dict, transformers' defaults for absent keys: the original
+    context `original` where the dict names none, a factor of max_len / original (1 when
+    config.json names no max_position_embeddings, `max_len` None)."""
+    original = int(rope.get("original_max_position_embeddings") or original)
     attention_factor = rope.get("attention_factor")
     return YarnScaling(
-        factor=float(rope.get("factor") or max_len / original), original_max_seq_len=original,
+        factor=float(rope.get("factor") or (max_len or original) / original), original_max_seq_len=original,
         beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
         mscale=float(rope.get("mscale") or 0.0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
         attention_factor=None if attention_factor is None else float(attention_factor),

@@ -277,6 +277,13 @@ def dense_tp_plan(sequence_parallel: bool, *, gated_mlp: bool = True, qk_norm: b
     return TPPlan(root, block, sequence_parallel)
 
 
+def default_tp_plan(args, sequence_parallel: bool) -> TPPlan:
+    """The plan of a family whose blocks are the dense decoder's (a gated MLP or a mixture of
+    experts; attention with optional per-head QK-norm and sinks): a ModelSpec's default."""
+    plan = dense_tp_plan(sequence_parallel, gated_mlp=True, qk_norm=args.qk_norm)
+    return shard_attention_sinks(plan) if args.attention_sinks else plan
+
+
 def float8_styles(plan: dict[str, ParallelStyle], module: nn.Module) -> dict[str, ParallelStyle]:
     """`plan` (for `module`, a block or the model) with torchao's float8 styles for the
     layers that are Float8Linear (tensorwise scaling: parallel/checks.py refuses the rest).

@@ -2,7 +2,7 @@
 
 A family (llama/, gpt2/) chooses the norm, the MLP, the position scheme and the
 initialization; the forward pass, parameter and FLOP counting live here once.
-Single-device code: parallelism is applied from outside by `parallelize.py`.
+Single-device code: parallelism is applied from outside, by the family's TP plan.
 
 Layers sit in an `nn.ModuleDict` keyed "0", "1", ... so that a pipeline stage that
 drops some of them keeps the others' parameter names (checkpoints stay compatible).
@@ -19,8 +19,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from forja.errors import ForjaError
-from forja.models.common.attention import (ATTENTION_BACKENDS, Attention, AttentionMask, KVCache, SequenceShards,
-                                          build_mask)
+from forja.models.common.attention import (
+    ATTENTION_BACKENDS,
+    AttentionMask,
+    KVCache,
+    SequenceShards,
+    build_mask,
+)
+from forja.models.common.blocks import TransformerBlock
 from forja.models.common.init import InitRule, init_parameters
 from forja.models.common.moe import MoE
 from forja.models.common.mtp import MultiTokenPrediction
@@ -182,22 +188,6 @@ def mup_init_rule(rule: InitRule, width_mult: float, ndims: dict[str, int]) -> I
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of logits (B, T, V) against labels (B, T), computed in fp32."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-
-
-class TransformerBlock(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x))."""
-
-    def __init__(self, attention: Attention, feed_forward: nn.Module, attention_norm: nn.Module,
-                 ffn_norm: nn.Module):
-        super().__init__()
-        self.attention_norm = attention_norm
-        self.attention = attention
-        self.ffn_norm = ffn_norm
-        self.feed_forward = feed_forward
-
-    def forward(self, x, rope, mask, cache: KVCache | None = None, layer: int = 0):
-        x = x + self.attention(self.attention_norm(x), rope, mask, cache, layer)
-        return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):

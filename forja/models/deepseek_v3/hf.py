@@ -38,8 +38,9 @@ import dataclasses
 import torch
 
 from forja.errors import ForjaError
+from forja.models.common import hf_rules
 from forja.models.common.hf_rules import HFAdapter, TensorRule
-from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from_hf, rope_scaling_to_hf
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from_hf, rope_scaling_to_hf, yarn_from_hf
 from forja.models.deepseek_v3.model import DeepSeekV3Args
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -62,15 +63,7 @@ def _yarn(cfg: dict) -> tuple[float, YarnScaling | RopeScaling | None]:
         return theta, rope_scaling_from_hf(scaling, cfg.get("max_position_embeddings", 4096))
     if kind != "yarn":
         raise _refuse("rope type", kind, "forja reads 'default', 'llama3' and 'yarn'")
-    original = int(scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 4096))
-    factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
-    attention_factor = scaling.get("attention_factor")
-    return theta, YarnScaling(
-        factor=float(factor), original_max_seq_len=original,
-        beta_fast=float(scaling.get("beta_fast") or 32.0), beta_slow=float(scaling.get("beta_slow") or 1.0),
-        mscale=float(scaling.get("mscale") or 0.0), mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0),
-        attention_factor=None if attention_factor is None else float(attention_factor),
-        truncate=bool(scaling.get("truncate", True)))
+    return theta, yarn_from_hf(scaling, cfg.get("max_position_embeddings"), cfg.get("max_position_embeddings", 4096))
 
 
 def _check_supported(cfg: dict) -> None:
@@ -78,23 +71,21 @@ def _check_supported(cfg: dict) -> None:
         method = cfg["quantization_config"].get("quant_method", "?")
         raise _refuse("quantization_config.quant_method", method,
                       "convert the weights to bf16 first (DeepSeek's inference/fp8_cast_bf16.py)")
-    for key, value, ok, why in [
-        ("attention_bias", cfg.get("attention_bias", False), lambda v: not v, "MLA here has no biases"),
-        ("hidden_act", cfg.get("hidden_act", "silu"), lambda v: v == "silu", "DeepSeek-V3 uses 'silu'"),
-        ("rope_interleave", cfg.get("rope_interleave", True), bool,
-         "forja reads DeepSeek's interleaved rotary layout (the published one)"),
-        ("scoring_func", cfg.get("scoring_func", "sigmoid"), lambda v: v == "sigmoid",
-         "DeepseekV3ForCausalLM routes by sigmoid scores (V2's softmax is DeepseekV2ForCausalLM, not read)"),
-        ("topk_method", cfg.get("topk_method", "noaux_tc"),
-         lambda v: v == "noaux_tc" or (v == "greedy" and (cfg.get("n_group") or 1) == 1),
-         "DeepseekV3ForCausalLM routes as 'noaux_tc' (which is 'greedy' when n_group is 1)"),
-        ("moe_layer_freq", cfg.get("moe_layer_freq", 1), lambda v: v == 1, "every block after the dense ones "
-         "is a mixture of experts in DeepseekV3ForCausalLM"),
-        ("n_shared_experts", cfg.get("n_shared_experts", 1), lambda v: v and v > 0,
-         "forja's DeepSeek-V3 has at least one shared expert"),
-    ]:
-        if not ok(value):
-            raise _refuse(key, value, why)
+    unsupported = hf_rules.Unsupported
+    hf_rules.check_config(cfg, [
+        hf_rules.no_attention_bias("MLA here has no biases"), hf_rules.activation("silu", "DeepSeek-V3 uses 'silu'"),
+        unsupported("rope_interleave", bool, "forja reads DeepSeek's interleaved rotary layout (the published one)",
+                    default=True),
+        unsupported("scoring_func", lambda v: v == "sigmoid", "DeepseekV3ForCausalLM routes by sigmoid scores (V2's "
+                    "softmax is DeepseekV2ForCausalLM, not read)", default="sigmoid"),
+        unsupported("topk_method", lambda v: v == "noaux_tc" or (v == "greedy" and (cfg.get("n_group") or 1) == 1),
+                    "DeepseekV3ForCausalLM routes as 'noaux_tc' (which is 'greedy' when n_group is 1)",
+                    default="noaux_tc"),
+        unsupported("moe_layer_freq", lambda v: v == 1, "every block after the dense ones is a mixture of experts in "
+                    "DeepseekV3ForCausalLM", default=1),
+        unsupported("n_shared_experts", lambda v: v and v > 0, "forja's DeepSeek-V3 has at least one shared expert",
+                    default=1),
+    ], _refuse)
 
 
 def args_from_config(cfg: dict) -> DeepSeekV3Args:
@@ -227,38 +218,19 @@ def _attention_rules(a: DeepSeekV3Args, hf: str, ours: str) -> list[TensorRule]:
     ]
 
 
-def _mlp_rules(hf: str, ours: str) -> list[TensorRule]:
-    return [TensorRule(hf + "gate_proj.weight", (ours + "w1.weight",)),
-            TensorRule(hf + "up_proj.weight", (ours + "w3.weight",)),
-            TensorRule(hf + "down_proj.weight", (ours + "w2.weight",))]
-
-
-def _per_expert_rules(a: DeepSeekV3Args, hf: str, ours: str) -> list[TensorRule]:
-    names = [("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")]
-    return [TensorRule(f"{hf}experts.{{e}}.{h}.weight", (f"{ours}experts.{f}",), stacked=a.n_experts)
-            for h, f in names]
-
-
-def _fused_expert_rules(a: DeepSeekV3Args, hf: str, ours: str) -> list[TensorRule]:
-    """transformers 5's own layout: gate and up stacked as (E, 2H, D), down as (E, D, H)."""
-    H = a.moe_ffn_dim
-    return [TensorRule(f"{hf}experts.gate_up_proj", (f"{ours}experts.w1", f"{ours}experts.w3"),
-                       to_forja=lambda t: (t[:, :H], t[:, H:]), to_hf=lambda ts: torch.cat(ts, dim=1)),
-            TensorRule(f"{hf}experts.down_proj", (f"{ours}experts.w2",))]
+_ROUTER = (("gate.weight", "router.gate.weight"), ("gate.e_score_correction_bias", "router.expert_bias"))
 
 
 def _block_rules(a: DeepSeekV3Args, i: int, hf: str, ours: str, fused_experts: bool) -> list[TensorRule]:
     """Decoder layer i's tensors, under the prefixes `hf` ("model.layers.{i}.") and `ours`."""
-    out = [TensorRule(hf + "input_layernorm.weight", (ours + "attention_norm.weight",)),
-           TensorRule(hf + "post_attention_layernorm.weight", (ours + "ffn_norm.weight",))]
+    out = hf_rules.renamed(hf_rules.NORM_PAIRS["pre"], hf, ours)
     out += _attention_rules(a, hf + "self_attn.", ours + "attention.")
-    hf, ours = hf + "mlp.", ours + "feed_forward."
     if not a.is_moe_layer(i):
-        return out + _mlp_rules(hf, ours)
-    out += [TensorRule(hf + "gate.weight", (ours + "router.gate.weight",)),
-            TensorRule(hf + "gate.e_score_correction_bias", (ours + "router.expert_bias",))]
-    out += _mlp_rules(hf + "shared_experts.", ours + "shared_experts.")
-    return out + (_fused_expert_rules(a, hf, ours) if fused_experts else _per_expert_rules(a, hf, ours))
+        return out + hf_rules.renamed(hf_rules.MLP_PAIRS, hf, ours)
+    hf, ours = hf + "mlp.", ours + "feed_forward."
+    out += hf_rules.renamed(_ROUTER, hf, ours) + hf_rules.renamed(hf_rules.SWIGLU_PAIRS, hf + "shared_experts.",
+                                                                 ours + "shared_experts.")
+    return out + hf_rules.expert_rules(a, hf, ours, fused=fused_experts)
 
 
 def _mtp_copies(a: DeepSeekV3Args) -> list[TensorRule]:
@@ -295,14 +267,5 @@ def _rules(a: DeepSeekV3Args, fused_experts: bool) -> list[TensorRule]:
     return out + _mtp_rules(a, fused_experts)
 
 
-def rules(a: DeepSeekV3Args) -> list[TensorRule]:
-    """The published layout: one tensor per expert."""
-    return _rules(a, fused_experts=False)
-
-
-def other_layouts(a: DeepSeekV3Args) -> list[list[TensorRule]]:
-    return [_rules(a, fused_experts=True)] if a.n_experts else []
-
-
-ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, rules, IGNORED, other_layouts=other_layouts,
-                    held_args=held_args)
+ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, ignored=IGNORED,
+                    **hf_rules.expert_layouts(_rules), held_args=held_args)

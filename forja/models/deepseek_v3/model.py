@@ -39,7 +39,7 @@ from forja.models.common.transformer import TransformerArgs
 
 @dataclass(kw_only=True)
 class DeepSeekV3Args(TransformerArgs, MoEArgs, LatentAttentionArgs):
-    """A DeepSeek-V2/V3 model's shape; `flavors.py` holds the published sizes. `head_dim` is
+    """A DeepSeek-V2/V3 model's shape; the package's FLAVORS hold the published sizes. `head_dim` is
     the query/key width qk_nope_head_dim + qk_rope_head_dim; `ffn_dim` the dense blocks' MLP."""
 
     norm_eps: float = 1e-6
@@ -107,9 +107,6 @@ class DeepSeekV3(RotaryDecoder):
     def rope_frequencies(self) -> torch.Tensor:
         a = self.args  # only the decoupled rope part of each head rotates
         return rope_frequencies(a.qk_rope_head_dim, a.rope_theta, a.rope_scaling)
-
-    def rope_scale(self) -> float:
-        return 1.0 if self.args.rope_scaling is None else self.args.rope_scaling.rope_scale()
 
     def new_kv_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         a = self.args

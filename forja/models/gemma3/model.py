@@ -29,15 +29,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from forja.errors import ForjaError
-from forja.models.common.attention import Attention, KVCache
-from forja.models.common.decoder import RotaryDecoder
+from forja.models.common.attention import Attention
+from forja.models.common.blocks import SandwichBlock
+from forja.models.common.decoder import LocalRopeDecoder
+from forja.models.common.mlp import GeGLU
 from forja.models.common.norms import RMSNorm
-from forja.models.common.rope import RopeScaling, YarnScaling, rope_cos_sin, rope_frequencies, rope_scaling_from
-from forja.models.common.transformer import ATTENTION_TYPES, TransformerArgs
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
+from forja.models.common.transformer import TransformerArgs
 
 
 def gemma3_layer_types(n_layers: int, pattern: int = 6) -> tuple[str, ...]:
@@ -48,7 +48,7 @@ def gemma3_layer_types(n_layers: int, pattern: int = 6) -> tuple[str, ...]:
 
 @dataclass(kw_only=True)
 class Gemma3Args(TransformerArgs):
-    """A Gemma 3 text model's shape; `flavors.py` holds the published sizes."""
+    """A Gemma 3 text model's shape; the package's FLAVORS hold the published sizes."""
 
     norm_eps: float = 1e-6
     """Epsilon of every RMSNorm, QK-norm included (Hugging Face `rms_norm_eps`)."""
@@ -87,40 +87,12 @@ class Gemma3Args(TransformerArgs):
                              "to cap; drop cross_entropy from model.fused_ops")
 
 
-class GeGLU(nn.Module):
-    """w2(gelu_tanh(w1 x) * w3 x) (Shazeer 2020, "GLU Variants Improve Transformer")."""
+class Gemma3(LocalRopeDecoder):
+    """Global blocks: base rope_theta, frequencies / rope_linear_factor or scaled by rope_scaling
+    (with YaRN's factor on cos and sin); local blocks: base local_rope_theta, unscaled
+    (LocalRopeDecoder)."""
 
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
-
-
-class SandwichBlock(nn.Module):
-    """A norm before each sublayer and one on its output:
-    h = x + post_attention_norm(attn(attention_norm(x))), out = h + post_ffn_norm(ffn(ffn_norm(h)))."""
-
-    def __init__(self, attention: Attention, feed_forward: nn.Module, norms: list[nn.Module]):
-        super().__init__()
-        self.attention_norm, self.post_attention_norm, self.ffn_norm, self.post_ffn_norm = norms
-        self.attention = attention
-        self.feed_forward = feed_forward
-
-    def forward(self, x, rope, mask, cache: KVCache | None = None, layer: int = 0):
-        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), rope, mask, cache, layer))
-        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))  # (B, T, dim)
-
-
-class Gemma3(RotaryDecoder):
     args: Gemma3Args
-
-    def __init__(self, args: Gemma3Args):
-        super().__init__(args)
-        self._freqs: dict[tuple[str, torch.device], torch.Tensor] = {}  # (kind, device) -> inv_freq
 
     def build_block(self, layer: int) -> SandwichBlock:
         return SandwichBlock(self.build_attention(layer), GeGLU(self.args.dim, self.args.ffn_dim),
@@ -142,19 +114,6 @@ class Gemma3(RotaryDecoder):
     def rope_frequencies(self) -> torch.Tensor:
         a = self.args
         return rope_frequencies(a.head_dim, a.rope_theta, a.rope_scaling) / a.rope_linear_factor
-
-    def rope_tables_for(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Global blocks: base rope_theta, frequencies / rope_linear_factor or scaled by
-        rope_scaling (with YaRN's factor on cos and sin); local blocks: base local_rope_theta, unscaled."""
-        if kind not in ATTENTION_TYPES:
-            return None
-        key = (kind, positions.device)
-        if key not in self._freqs:
-            freqs = (self.rope_frequencies() if kind == "full_attention"
-                     else rope_frequencies(self.args.head_dim, self.args.local_rope_theta))
-            self._freqs[key] = freqs.to(positions.device)
-        scale = self.rope_scale() if kind == "full_attention" else 1.0
-        return rope_cos_sin(self._freqs[key], positions, scale)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         out = super().logits(h)

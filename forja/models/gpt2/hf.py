@@ -39,8 +39,8 @@ def args_from_config(cfg: dict) -> GPT2Args:
 
 def config_from_args(a: GPT2Args) -> dict:
     if a.qk_norm or not a.bias or a.n_kv_heads != a.n_heads or a.sliding_window is not None:
-        raise ForjaError("this GPT-2 (qk_norm, no biases, grouped-query heads or a sliding window) has no GPT2LMHeadModel "
-                         "equivalent in transformers; export one with the published GPT-2 options")
+        raise ForjaError("this GPT-2 (qk_norm, no biases, grouped-query heads or a sliding window) has no "
+                         "GPT2LMHeadModel equivalent in transformers; export one with the published GPT-2 options")
     return {
         "architectures": list(ARCHITECTURES),
         "model_type": "gpt2",

@@ -16,14 +16,15 @@ import torch
 from torch import nn
 
 from forja.models.common.attention import Attention
+from forja.models.common.blocks import TransformerBlock
 from forja.models.common.mlp import GeluMLP
 from forja.models.common.norms import LayerNorm
-from forja.models.common.transformer import Transformer, TransformerArgs, TransformerBlock
+from forja.models.common.transformer import Transformer, TransformerArgs
 
 
 @dataclass(kw_only=True)
 class GPT2Args(TransformerArgs):
-    """A GPT-2 model's shape; `flavors.py` holds the published sizes."""
+    """A GPT-2 model's shape; the package's FLAVORS hold the published sizes."""
 
     max_seq_len: int = 1024
     """Rows of the learned position embedding (n_positions)."""

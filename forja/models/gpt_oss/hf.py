@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import torch
 
-from forja.errors import ForjaError
-from forja.models.common.hf_rules import HFAdapter, TensorRule, decoder_config
-from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from_hf, rope_scaling_to_hf
+from forja.models.common import hf_rules
+from forja.models.common.hf_rules import HFAdapter, TensorRule
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from_hf, rope_scaling_to_hf, yarn_from_hf
 from forja.models.gpt_oss.model import GptOssArgs, alternating_layer_types
 
 ARCHITECTURES = ("GptOssForCausalLM",)
 IGNORED: tuple[str, ...] = ()  # patterns of Hugging Face tensors forja does not need
 
-
-def _refuse(key: str, value, why: str) -> ForjaError:
-    return ForjaError(f"config.json: {key}={value!r} is not supported by forja's gpt-oss ({why})")
+_refuse = hf_rules.refusal("gpt-oss")
 
 
 def _rope(cfg: dict) -> tuple[float, YarnScaling | RopeScaling | None]:
@@ -54,15 +52,7 @@ def _rope(cfg: dict) -> tuple[float, YarnScaling | RopeScaling | None]:
         return theta, rope_scaling_from_hf(scaling, cfg.get("max_position_embeddings", 4096))
     if kind != "yarn":
         raise _refuse(f"{key}.rope_type", kind, "forja reads 'yarn', 'llama3' and 'default'")
-    original = int(scaling.get("original_max_position_embeddings") or 4096)
-    factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
-    attention_factor = scaling.get("attention_factor")
-    return theta, YarnScaling(
-        factor=float(factor), original_max_seq_len=original,
-        beta_fast=float(scaling.get("beta_fast") or 32.0), beta_slow=float(scaling.get("beta_slow") or 1.0),
-        mscale=float(scaling.get("mscale") or 0.0), mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0),
-        attention_factor=None if attention_factor is None else float(attention_factor),
-        truncate=bool(scaling.get("truncate", True)))
+    return theta, yarn_from_hf(scaling, cfg.get("max_position_embeddings"), 4096)
 
 
 def args_from_config(cfg: dict) -> GptOssArgs:
@@ -71,85 +61,39 @@ def args_from_config(cfg: dict) -> GptOssArgs:
         raise _refuse("quantization_config.quant_method", method, "forja loads the bf16/fp32 layout: dequantize the "
                       "experts first, e.g. from_pretrained with Mxfp4Config(dequantize=True) then save_pretrained")
     theta, scaling = _rope(cfg)
-    n_layers = cfg["num_hidden_layers"]
     # Defaults where a key is absent are transformers' GptOssConfig's.
+    args = hf_rules.decoder_args(cfg, hidden_size=2880, num_attention_heads=64, head_dim=64, intermediate_size=2880,
+                        vocab_size=201_088, max_position_embeddings=131_072, rms_norm_eps=1e-5)
     return GptOssArgs(
-        dim=cfg.get("hidden_size", 2880),
-        n_layers=n_layers,
-        n_heads=cfg.get("num_attention_heads", 64),
-        n_kv_heads=cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 64),
-        head_dim=cfg.get("head_dim") or 64,
-        ffn_dim=cfg.get("intermediate_size", 2880),
-        vocab_size=cfg.get("vocab_size", 201_088),
-        max_seq_len=cfg.get("max_position_embeddings", 131_072),
-        norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", True)),
-        sliding_window=cfg.get("sliding_window", 128),
-        layer_types=tuple(cfg.get("layer_types") or alternating_layer_types(n_layers)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        n_experts=cfg.get("num_local_experts", cfg.get("num_experts", 128)),
-        top_k=cfg.get("num_experts_per_tok", 4),
-        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        **args, attention_bias=bool(cfg.get("attention_bias", True)), sliding_window=cfg.get("sliding_window", 128),
+        layer_types=tuple(cfg.get("layer_types") or alternating_layer_types(args["n_layers"])),
+        rope_theta=theta, rope_scaling=scaling, n_experts=cfg.get("num_local_experts", cfg.get("num_experts", 128)),
+        top_k=cfg.get("num_experts_per_tok", 4), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
         swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
     )
 
 
-def _check_exportable(a: GptOssArgs) -> None:
-    """Refuse a forja gpt-oss that transformers' GptOssForCausalLM cannot express."""
-    problems = {
+def config_from_args(a: GptOssArgs) -> dict:
+    hf_rules.check_exportable(a, "a gpt-oss", {
         "qk_norm": (a.qk_norm, "gpt-oss's attention normalizes neither queries nor keys"),
         "attention_sinks": (not a.attention_sinks, "every gpt-oss attention layer has sinks"),
+        **hf_rules.router_problems(a, "gpt-oss", "gpt-oss's"),
         "score_func": (a.score_func != "topk_softmax", "gpt-oss takes a softmax over the top-k router logits"),
+        "expert_bias": (a.expert_bias, "gpt-oss's router has no balancing bias"),
         "router_bias": (not a.router_bias, "gpt-oss's router always has a bias"),
         "expert_proj_bias": (not a.expert_proj_bias, "gpt-oss's experts always have biases"),
         "expert_activation": (a.expert_activation != "clamped_swiglu", "gpt-oss's experts use the clamped SwiGLU"),
         "n_shared_experts": (a.n_shared_experts > 0, "gpt-oss has no shared expert"),
-        "route_scale": (a.route_scale != 1.0, "gpt-oss does not scale routing weights"),
-        "n_expert_groups": (a.n_expert_groups > 1, "gpt-oss routes over all experts at once"),
-        "expert_bias": (a.expert_bias, "gpt-oss's router has no balancing bias"),
         "capacity_factor": (a.capacity_factor > 0, "gpt-oss drops no tokens"),
-    }
-    for name, (bad, why) in problems.items():
-        if bad:
-            raise ForjaError(f"a gpt-oss with {name}={getattr(a, name)!r} has no equivalent in transformers "
-                             f"({why}); export a model trained without it")
-
-
-def _rope_scaling(a: GptOssArgs) -> dict:
-    # Written even for plain RoPE: with no rope_scaling at all, transformers would apply YaRN.
-    s = a.rope_scaling
-    if s is None:
-        return {"rope_type": "default"}
-    if isinstance(s, RopeScaling):
-        return rope_scaling_to_hf(s)
-    out = {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
-           "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "truncate": s.truncate}
-    if s.mscale or s.mscale_all_dim:
-        out.update(mscale=s.mscale, mscale_all_dim=s.mscale_all_dim)
-    if s.attention_factor is not None:
-        out["attention_factor"] = s.attention_factor
-    return out
-
-
-def config_from_args(a: GptOssArgs) -> dict:
-    _check_exportable(a)
-    return {
-        "architectures": list(ARCHITECTURES),
-        "model_type": "gpt_oss",
-        **decoder_config(a),
-        "attention_bias": a.attention_bias,
-        "sliding_window": a.sliding_window,
-        "layer_types": [a.layer_type(i) for i in range(a.n_layers)],
-        "num_local_experts": a.n_experts,
-        "num_experts_per_tok": a.top_k,
-        "swiglu_limit": a.swiglu_limit,
-        "swiglu_alpha": a.swiglu_alpha,
-        # The 4.x dialect, as the released checkpoints write it; 5.x reads it too.
-        "rope_theta": a.rope_theta,
-        "rope_scaling": _rope_scaling(a),
-    }
+    })
+    # rope_scaling is written even for plain RoPE: with none at all, transformers would apply YaRN.
+    rope = {"rope_type": "default"} if a.rope_scaling is None else rope_scaling_to_hf(a.rope_scaling)
+    # The 4.x dialect, as the released checkpoints write it; 5.x reads it too.
+    return {"architectures": list(ARCHITECTURES), "model_type": "gpt_oss", **hf_rules.decoder_config(a),
+            "attention_bias": a.attention_bias, "sliding_window": a.sliding_window,
+            "layer_types": [a.layer_type(i) for i in range(a.n_layers)], "num_local_experts": a.n_experts,
+            "num_experts_per_tok": a.top_k, "swiglu_limit": a.swiglu_limit, "swiglu_alpha": a.swiglu_alpha,
+            "rope_theta": a.rope_theta, "rope_scaling": rope}
 
 
 def _split_interleaved(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,29 +133,20 @@ def _untransposed(ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def rules(a: GptOssArgs) -> list[TensorRule]:
-    hf, ours = "model.layers.{i}.", "layers.{i}."
-    experts = ours + "feed_forward.experts."
-    out = [TensorRule("model.embed_tokens.weight", ("tok_embeddings.weight",)),
-           TensorRule("model.norm.weight", ("norm.weight",))]
-    params = ("weight", "bias") if a.attention_bias else ("weight",)
-    out += [TensorRule(f"{hf}self_attn.{p}_proj.{kind}", (f"{ours}attention.w{p}.{kind}",))
-            for p in "qkvo" for kind in params]
-    out += [
-        TensorRule(hf + "self_attn.sinks", (ours + "attention.sinks",)),
-        TensorRule(hf + "input_layernorm.weight", (ours + "attention_norm.weight",)),
-        TensorRule(hf + "post_attention_layernorm.weight", (ours + "ffn_norm.weight",)),
-        TensorRule(hf + "mlp.router.weight", (ours + "feed_forward.router.gate.weight",)),
-        TensorRule(hf + "mlp.router.bias", (ours + "feed_forward.router.gate.bias",)),
-        TensorRule(hf + "mlp.experts.gate_up_proj", (experts + "w1", experts + "w3"),
+    hf, ours = "model.layers.{i}.mlp.", "layers.{i}.feed_forward."
+    experts = ours + "experts."
+    layer = [*hf_rules.attention_pairs(bias=a.attention_bias), ("self_attn.sinks", "attention.sinks"),
+             *hf_rules.NORM_PAIRS["pre"]]
+    return hf_rules.decoder_rules(a, hf_rules.renamed(layer) + [
+        TensorRule(hf + "router.weight", (ours + "router.gate.weight",)),
+        TensorRule(hf + "router.bias", (ours + "router.gate.bias",)),
+        TensorRule(hf + "experts.gate_up_proj", (experts + "w1", experts + "w3"),
                    to_forja=_gate_up_to_forja, to_hf=_gate_up_to_hf),
-        TensorRule(hf + "mlp.experts.gate_up_proj_bias", (experts + "b1", experts + "b3"),
+        TensorRule(hf + "experts.gate_up_proj_bias", (experts + "b1", experts + "b3"),
                    to_forja=_gate_up_bias_to_forja, to_hf=_gate_up_bias_to_hf),
-        TensorRule(hf + "mlp.experts.down_proj", (experts + "w2",), to_forja=_transposed, to_hf=_untransposed),
-        TensorRule(hf + "mlp.experts.down_proj_bias", (experts + "b2",)),
-    ]
-    if not a.tie_embeddings:
-        out.append(TensorRule("lm_head.weight", ("output.weight",)))
-    return out
+        TensorRule(hf + "experts.down_proj", (experts + "w2",), to_forja=_transposed, to_hf=_untransposed),
+        TensorRule(hf + "experts.down_proj_bias", (experts + "b2",)),
+    ])
 
 
 ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, rules, IGNORED)

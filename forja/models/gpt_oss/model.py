@@ -16,7 +16,7 @@ A pre-norm RMSNorm decoder (eps 1e-5) whose every feed-forward is a mixture of e
   (up + 1) * g * sigmoid(1.702 g), g = min(gate, 7), up clamped to [-7, 7];
 - untied embeddings, no shared expert, no dense block.
 
-Parameter names follow the TP plan (`parallelize.py`): attention.wq/wk/wv/wo (weight and
+Parameter names follow the TP plan (the dense one of common/tp_plan.py): attention.wq/wk/wv/wo (weight and
 bias), attention.sinks, feed_forward.router.gate (weight, bias), feed_forward.experts.w1/w3
 (E, H, D), w2 (E, D, H), b1/b3 (E, H), b2 (E, D).
 """
@@ -26,13 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
-from forja.errors import ForjaError
 from forja.models.common.attention import Attention
-from forja.models.common.decoder import RotaryDecoder
+from forja.models.common.decoder import RotaryDecoder, experts_only
 from forja.models.common.moe import MoEArgs
-from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from
 from forja.models.common.transformer import TransformerArgs
 
 
@@ -47,7 +44,7 @@ def alternating_layer_types(n_layers: int) -> tuple[str, ...]:
 
 @dataclass(kw_only=True)
 class GptOssArgs(TransformerArgs, MoEArgs):
-    """A gpt-oss model's shape; `flavors.py` holds the published sizes. Its experts are its
+    """A gpt-oss model's shape; the package's FLAVORS hold the published sizes. Its experts are its
     only feed-forward, so `ffn_dim` (Hugging Face's `intermediate_size`) is one expert's
     hidden width and `moe_ffn_dim` follows it. Empty `layer_types`: alternating sliding and
     full attention, sliding first."""
@@ -82,14 +79,7 @@ class GptOssArgs(TransformerArgs, MoEArgs):
         self.rope_scaling = rope_scaling_from(self.rope_scaling, key="model.overrides.rope_scaling", default="yarn")
         if not self.layer_types:
             self.layer_types = alternating_layer_types(self.n_layers)
-        if self.moe_ffn_dim == 0:
-            self.moe_ffn_dim = self.ffn_dim
-        if self.moe_ffn_dim != self.ffn_dim:
-            raise ForjaError(f"model.moe_ffn_dim={self.moe_ffn_dim} differs from model.ffn_dim={self.ffn_dim}, "
-                             "but a gpt-oss's experts are its only feed-forward; set ffn_dim alone")
-        if self.n_experts < 1:
-            raise ForjaError(f"model.n_experts={self.n_experts}: every gpt-oss block is a mixture of experts; "
-                             "set n_experts >= 1")
+        experts_only(self, "gpt-oss")
         super().__post_init__()
         self.check_moe()
 
@@ -101,12 +91,6 @@ class GptOss(RotaryDecoder):
         a = self.args
         return Attention(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, bias=a.attention_bias, qk_norm=a.qk_norm,
                          norm_eps=a.norm_eps, fused_rope="rope" in a.fused_ops, sinks=a.attention_sinks)
-
-    def rope_frequencies(self) -> torch.Tensor:
-        return rope_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
-
-    def rope_scale(self) -> float:
-        return 1.0 if self.args.rope_scaling is None else self.args.rope_scaling.rope_scale()
 
     def init_rule(self, name: str) -> tuple:
         """Llama's rule (`RotaryDecoder.init_rule`), with every bias (attention, router,

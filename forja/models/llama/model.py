@@ -3,24 +3,21 @@
 RMSNorm pre-norm blocks, grouped-query attention with rotary positions (with the
 Llama 3.1 long-context frequency scaling), SwiGLU feed-forward, untied or tied
 (Llama 3.2 1B/3B) embeddings, optional QK-norm. Parameter names follow
-`parallelize.py`'s tensor-parallel plan: attention.wq/wk/wv/wo, feed_forward.w1/w2/w3.
+the dense tensor-parallel plan's (common/tp_plan.py): attention.wq/wk/wv/wo, feed_forward.w1/w2/w3.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from forja.models.common.attention import Attention
 from forja.models.common.decoder import RotaryDecoder
-from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from
 from forja.models.common.transformer import TransformerArgs
 
 
 @dataclass(kw_only=True)
 class LlamaArgs(TransformerArgs):
-    """A Llama model's shape; `flavors.py` holds the published sizes."""
+    """A Llama model's shape; the package's FLAVORS hold the published sizes."""
 
     rope_theta: float = 500_000.0
     """Base of the rotary frequencies."""
@@ -34,11 +31,6 @@ class LlamaArgs(TransformerArgs):
 
 
 class Llama(RotaryDecoder):
+    """RotaryDecoder as it stands: grouped-query attention, whole-head RoPE, SwiGLU."""
+
     args: LlamaArgs
-
-    def build_attention(self, layer: int) -> Attention:
-        return self.gqa_attention()
-
-    def rope_frequencies(self) -> torch.Tensor:
-        a = self.args
-        return rope_frequencies(a.head_dim, a.rope_theta, a.rope_scaling)

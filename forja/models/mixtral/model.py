@@ -11,7 +11,7 @@ Optional sliding-window attention (Hugging Face's `sliding_window`, None in the 
 8x7B and 8x22B): every block sees the latest `sliding_window` positions, itself included,
 which is forja's `TransformerArgs.sliding_window` exactly.
 
-Parameter names follow the TP plan (`parallelize.py`) and Llama's: attention.wq/wk/wv/wo,
+Parameter names follow the TP plan (the dense one of common/tp_plan.py) and Llama's: attention.wq/wk/wv/wo,
 feed_forward.router.gate and feed_forward.experts.w1/w3 (E, H, D), w2 (E, D, H).
 """
 
@@ -19,19 +19,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from forja.errors import ForjaError
-from forja.models.common.attention import Attention
-from forja.models.common.decoder import RotaryDecoder
+from forja.models.common.decoder import RotaryDecoder, experts_only
 from forja.models.common.moe import MoEArgs
-from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from
 from forja.models.common.transformer import TransformerArgs
 
 
 @dataclass(kw_only=True)
 class MixtralArgs(TransformerArgs, MoEArgs):
-    """A Mixtral model's shape; `flavors.py` holds the published sizes. Its experts are its
+    """A Mixtral model's shape; the package's FLAVORS hold the published sizes. Its experts are its
     only feed-forward, so `ffn_dim` (Hugging Face's `intermediate_size`) is one expert's
     hidden width and `moe_ffn_dim` follows it."""
 
@@ -48,23 +44,13 @@ class MixtralArgs(TransformerArgs, MoEArgs):
 
     def __post_init__(self) -> None:
         self.rope_scaling = rope_scaling_from(self.rope_scaling, key="model.overrides.rope_scaling", default="yarn")
-        if self.moe_ffn_dim == 0:
-            self.moe_ffn_dim = self.ffn_dim
-        if self.moe_ffn_dim != self.ffn_dim:
-            raise ForjaError(f"model.moe_ffn_dim={self.moe_ffn_dim} differs from model.ffn_dim={self.ffn_dim}, "
-                             "but a Mixtral's experts are its only feed-forward; set ffn_dim alone")
-        if self.n_experts < 1:
-            raise ForjaError(f"model.n_experts={self.n_experts}: every Mixtral block is a mixture of experts; "
-                             "set n_experts >= 1, or use the llama family for a dense model")
+        experts_only(self, "Mixtral", ", or use the llama family for a dense model")
         super().__post_init__()
         self.check_moe()
 
 
 class Mixtral(RotaryDecoder):
+    """RotaryDecoder as it stands: grouped-query attention, whole-head RoPE, every block's
+    feed-forward a mixture of experts (`MixtralArgs.is_moe_layer`)."""
+
     args: MixtralArgs
-
-    def build_attention(self, layer: int) -> Attention:
-        return self.gqa_attention()
-
-    def rope_frequencies(self) -> torch.Tensor:
-        return rope_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)

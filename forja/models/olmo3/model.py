@@ -23,13 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from torch import nn
-
-from forja.models.common.attention import Attention, KVCache
-from forja.models.common.decoder import RotaryDecoder
-from forja.models.common.rope import RopeScaling, YarnScaling, rope_cos_sin, rope_frequencies, rope_scaling_from
-from forja.models.common.transformer import ATTENTION_TYPES, TransformerArgs
+from forja.models.common.attention import Attention
+from forja.models.common.blocks import PostNormBlock
+from forja.models.common.decoder import LocalRopeDecoder
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from
+from forja.models.common.transformer import TransformerArgs
 
 
 def olmo3_layer_types(n_layers: int) -> tuple[str, ...]:
@@ -39,7 +37,7 @@ def olmo3_layer_types(n_layers: int) -> tuple[str, ...]:
 
 @dataclass(kw_only=True)
 class Olmo3Args(TransformerArgs):
-    """An OLMo 3 model's shape; `flavors.py` holds the published sizes."""
+    """An OLMo 3 model's shape; the package's FLAVORS hold the published sizes."""
 
     norm_eps: float = 1e-6
     """Epsilon of every RMSNorm, QK-norm included (Hugging Face `rms_norm_eps`)."""
@@ -58,29 +56,11 @@ class Olmo3Args(TransformerArgs):
         super().__post_init__()
 
 
-class PostNormBlock(nn.Module):
-    """OLMo 2/3's block: each sublayer reads the raw residual stream and its output is
-    normalized before the add."""
+class Olmo3(LocalRopeDecoder):
+    """Full blocks: base rope_theta, YaRN-scaled when configured; sliding blocks: base
+    local_rope_theta, unscaled (LocalRopeDecoder)."""
 
-    def __init__(self, attention: Attention, feed_forward: nn.Module, post_attention_norm: nn.Module,
-                 post_ffn_norm: nn.Module):
-        super().__init__()
-        self.attention = attention
-        self.post_attention_norm = post_attention_norm
-        self.feed_forward = feed_forward
-        self.post_ffn_norm = post_ffn_norm
-
-    def forward(self, x, rope, mask, cache: KVCache | None = None, layer: int = 0):
-        h = x + self.post_attention_norm(self.attention(x, rope, mask, cache, layer))  # (B, T, dim)
-        return h + self.post_ffn_norm(self.feed_forward(h))
-
-
-class Olmo3(RotaryDecoder):
     args: Olmo3Args
-
-    def __init__(self, args: Olmo3Args):
-        super().__init__(args)
-        self._freqs: dict[tuple[str, torch.device], torch.Tensor] = {}  # (kind, device) -> inv_freq
 
     def build_block(self, layer: int) -> PostNormBlock:
         return PostNormBlock(self.build_attention(layer), self.build_feed_forward(layer),
@@ -90,20 +70,3 @@ class Olmo3(RotaryDecoder):
         a = self.args
         return Attention(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, qk_norm=a.qk_norm, norm_eps=a.norm_eps,
                          fused_rope="rope" in a.fused_ops, qk_norm_over_heads=True)
-
-    def rope_frequencies(self) -> torch.Tensor:
-        return rope_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
-
-    def rope_tables_for(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Full blocks: base rope_theta, YaRN-scaled when configured; sliding blocks: base
-        local_rope_theta, unscaled."""
-        if kind not in ATTENTION_TYPES:
-            return None
-        a, key = self.args, (kind, positions.device)
-        full = kind == "full_attention"
-        if key not in self._freqs:
-            freqs = self.rope_frequencies() if full else rope_frequencies(a.head_dim, a.local_rope_theta)
-            self._freqs[key] = freqs.to(positions.device)
-        scale = a.rope_scaling.rope_scale() if full and a.rope_scaling is not None else 1.0
-        return rope_cos_sin(self._freqs[key], positions, scale)
-

@@ -34,10 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from forja.errors import ForjaError
+from forja.models.common import hf_rules
 from forja.models.common.hf_rules import HFAdapter, TensorRule
 from forja.models.olmo_hybrid.model import OlmoHybridArgs, olmo_hybrid_layer_types
-from forja.models.qwen3_5.hf import split_rows
 
 ARCHITECTURES = ("OlmoHybridForCausalLM",)
 IGNORED = (r"mtp\..*",)  # transformers ignores a multi-token prediction module too
@@ -46,22 +45,18 @@ _DEFAULT_THETA = 10_000.0  # transformers' rope default where config.json names 
 # The dolma2 tokenizer's ids, OlmoHybridConfig's defaults; written as null for a vocabulary too
 # small to hold them (transformers refuses a padding row outside the embedding).
 _TOKEN_IDS = (("pad_token_id", 100_277), ("eos_token_id", 100_257))
-
-
-def _refuse(key: str, value, why: str) -> ForjaError:
-    return ForjaError(f"config.json: {key}={value!r} is not supported by forja's OLMo-Hybrid ({why})")
+_refuse = hf_rules.refusal("OLMo-Hybrid")
+_SUPPORTED = [hf_rules.no_attention_bias("OLMo-Hybrid's projections have no biases"),
+              hf_rules.activation("silu", "its MLPs and convolutions use 'silu'"), hf_rules.NO_ATTENTION_DROPOUT]
+# The Gated DeltaNet's initialization ranges: args field -> (config.json key, OlmoHybridConfig's default).
+_INIT_RANGES = {"linear_a_log_min": ("linear_a_log_min", 0.0), "linear_a_log_max": ("linear_a_log_max", 16.0),
+                "linear_dt_min": ("linear_dt_min", 0.001), "linear_dt_max": ("linear_dt_max", 0.1),
+                "linear_dt_init_floor": ("linear_dt_init_floor", 1e-4)}
 
 
 def _check_supported(cfg: dict) -> None:
-    if cfg.get("attention_bias"):
-        raise _refuse("attention_bias", True, "OLMo-Hybrid's projections have no biases")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise _refuse("hidden_act", cfg["hidden_act"], "its MLPs and convolutions use 'silu'")
-    if cfg.get("attention_dropout"):
-        raise _refuse("attention_dropout", cfg["attention_dropout"], "forja trains without attention dropout; set 0.0")
-    kinds = [t for t in cfg.get("layer_types") or [] if t not in ("full_attention", "linear_attention")]
-    if kinds:
-        raise _refuse("layer_types", kinds[0], "each block is 'full_attention' or 'linear_attention'")
+    hf_rules.check_config(cfg, _SUPPORTED, _refuse)
+    hf_rules.check_linear_layer_types(cfg, _refuse)
     rope = cfg.get("rope_parameters") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise _refuse("rope_parameters.rope_type", rope.get("rope_type", rope.get("type")), "plain RoPE or none")
@@ -80,77 +75,46 @@ def _rope_theta(cfg: dict) -> float | None:
 
 def args_from_config(cfg: dict) -> OlmoHybridArgs:
     _check_supported(cfg)
-    dim, heads, n_layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    args = hf_rules.decoder_args(cfg, max_position_embeddings=65_536)
+    heads = args["n_heads"]
+    # OlmoHybridConfig's Gated DeltaNet: the attention's heads; keys 0.75 dim / heads wide, values twice that.
     k_heads = cfg.get("linear_num_key_heads") or heads
-    k_dim = cfg.get("linear_key_head_dim") or int(0.75 * dim / k_heads)
+    k_dim = cfg.get("linear_key_head_dim") or int(0.75 * args["dim"] / k_heads)
+    linear = hf_rules.linear_attention_args(cfg, linear_num_key_heads=heads, linear_num_value_heads=heads,
+                                   linear_key_head_dim=k_dim, linear_value_head_dim=2 * k_dim)
     return OlmoHybridArgs(
-        dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or dim // heads, ffn_dim=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"], max_seq_len=cfg.get("max_position_embeddings", 65_536),
-        norm_eps=cfg.get("rms_norm_eps", 1e-6), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_theta=_rope_theta(cfg),
-        layer_types=tuple(cfg.get("layer_types") or olmo_hybrid_layer_types(n_layers)),
-        linear_n_k_heads=k_heads, linear_n_v_heads=cfg.get("linear_num_value_heads") or heads,
-        linear_k_head_dim=k_dim, linear_v_head_dim=cfg.get("linear_value_head_dim") or 2 * k_dim,
-        linear_conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
+        **args, **linear, rope_theta=_rope_theta(cfg),
+        layer_types=tuple(cfg.get("layer_types") or olmo_hybrid_layer_types(args["n_layers"])),
         linear_allow_neg_eigval=bool(cfg.get("linear_allow_neg_eigval", True)),
-        linear_a_log_min=cfg.get("linear_a_log_min", 0.0), linear_a_log_max=cfg.get("linear_a_log_max", 16.0),
-        linear_dt_min=cfg.get("linear_dt_min", 0.001), linear_dt_max=cfg.get("linear_dt_max", 0.1),
-        linear_dt_init_floor=cfg.get("linear_dt_init_floor", 1e-4),
+        **{field: cfg.get(key, default) for field, (key, default) in _INIT_RANGES.items()},
     )
 
 
-def _check_exportable(a: OlmoHybridArgs) -> None:
-    """Refuse a forja OLMo-Hybrid that transformers' OlmoHybridForCausalLM cannot express."""
-    problems = {
+def config_from_args(a: OlmoHybridArgs) -> dict:
+    hf_rules.check_exportable(a, "an OLMo-Hybrid", {
         "qk_norm": (not a.qk_norm, "transformers' OLMo-Hybrid always normalizes q and k"),
         "attention_sinks": (a.attention_sinks, "its attention has no sinks"),
         "sliding_window": (a.sliding_window is not None, "its attention blocks see the whole context"),
         "linear_n_v_heads": (a.linear_n_v_heads != a.linear_n_k_heads,
                              "its Gated DeltaNet repeats no key heads: as many value heads as key heads"),
         "mtp_depth": (a.mtp_depth > 0, "OLMo-Hybrid has no multi-token prediction"),
-    }
-    for field, (bad, why) in problems.items():
-        if bad:
-            raise ForjaError(f"an OLMo-Hybrid with {field}={getattr(a, field)!r} has no equivalent in transformers "
-                             f"({why}); export a model trained without it")
-
-
-def config_from_args(a: OlmoHybridArgs) -> dict:
-    _check_exportable(a)
-    cfg = {
-        "architectures": list(ARCHITECTURES), "model_type": "olmo_hybrid",
-        "hidden_size": a.dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "intermediate_size": a.ffn_dim,
-        "vocab_size": a.vocab_size, "max_position_embeddings": a.max_seq_len, "rms_norm_eps": a.norm_eps,
-        "tie_word_embeddings": a.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "layer_types": [a.layer_type(i) for i in range(a.n_layers)],
-        "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
-        "linear_num_key_heads": a.linear_n_k_heads, "linear_num_value_heads": a.linear_n_v_heads,
-        "linear_key_head_dim": a.linear_k_head_dim, "linear_value_head_dim": a.linear_v_head_dim,
-        "linear_conv_kernel_dim": a.linear_conv_kernel, "linear_allow_neg_eigval": a.linear_allow_neg_eigval,
-        "linear_a_log_min": a.linear_a_log_min, "linear_a_log_max": a.linear_a_log_max,
-        "linear_dt_min": a.linear_dt_min, "linear_dt_max": a.linear_dt_max,
-        "linear_dt_init_floor": a.linear_dt_init_floor,
-    }
+    })
+    cfg = {"architectures": list(ARCHITECTURES), "model_type": "olmo_hybrid", **hf_rules.decoder_config(a),
+           "hidden_act": "silu", "attention_bias": False, **hf_rules.linear_attention_config(a),
+           "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
+           "linear_allow_neg_eigval": a.linear_allow_neg_eigval,
+           **{key: getattr(a, field) for field, (key, _) in _INIT_RANGES.items()}}
     cfg.update({key: None for key, token in _TOKEN_IDS if token >= a.vocab_size})
     return cfg
 
 
 # -- tensors ---------------------------------------------------------------------------------
-_MLP = (("mlp.gate_proj.weight", "feed_forward.w1.weight"), ("mlp.up_proj.weight", "feed_forward.w3.weight"),
-        ("mlp.down_proj.weight", "feed_forward.w2.weight"))
-_ATTENTION = (("self_attn.q_proj.weight", "attention.wq.weight"), ("self_attn.k_proj.weight", "attention.wk.weight"),
-              ("self_attn.v_proj.weight", "attention.wv.weight"), ("self_attn.o_proj.weight", "attention.wo.weight"),
-              ("self_attn.q_norm.weight", "attention.q_norm.weight"),
-              ("self_attn.k_norm.weight", "attention.k_norm.weight"),
-              ("feedforward_layer_norm.weight", "post_attention_norm.weight"),
+_ATTENTION = (*hf_rules.attention_pairs(qk_norm=True), ("feedforward_layer_norm.weight", "post_attention_norm.weight"),
               ("post_feedforward_layernorm.weight", "post_ffn_norm.weight"))
-_LINEAR = (("linear_attn.q_proj.weight", "attention.wq.weight"), ("linear_attn.k_proj.weight", "attention.wk.weight"),
-           ("linear_attn.v_proj.weight", "attention.wv.weight"), ("linear_attn.g_proj.weight", "attention.wz.weight"),
-           ("linear_attn.b_proj.weight", "attention.wb.weight"), ("linear_attn.a_proj.weight", "attention.wa.weight"),
-           ("linear_attn.o_proj.weight", "attention.wo.weight"), ("linear_attn.A_log", "attention.A_log"),
-           ("linear_attn.dt_bias", "attention.dt_bias"), ("linear_attn.o_norm.weight", "attention.norm.weight"),
+_LINEAR = (*((f"linear_attn.{p}_proj.weight", f"attention.w{f}.weight") for p, f in
+             (("q", "q"), ("k", "k"), ("v", "v"), ("g", "z"), ("b", "b"), ("a", "a"), ("o", "o"))),
+           ("linear_attn.A_log", "attention.A_log"), ("linear_attn.dt_bias", "attention.dt_bias"),
+           ("linear_attn.o_norm.weight", "attention.norm.weight"),
            ("attention_layer_norm.weight", "attention_norm.weight"),
            ("feedforward_layer_norm.weight", "ffn_norm.weight"))
 _CONVS = (("q_conv1d", "conv_q"), ("k_conv1d", "conv_k"), ("v_conv1d", "conv_v"))
@@ -201,14 +165,14 @@ def layer_rules(a: OlmoHybridArgs, i: int, conv: str) -> list[TensorRule]:
     """Layer i's rules, its convolutions stored `conv`: "split" (at the projections' widths),
     "thirds" (transformers' save_pretrained) or "fused" (one conv1d)."""
     hf, ours = f"model.layers.{i}.", f"layers.{i}."
-    out = [TensorRule(hf + h, (ours + f,)) for h, f in _MLP]
+    out = hf_rules.renamed(hf_rules.MLP_PAIRS, hf, ours)
     if a.layer_type(i) != "linear_attention":
-        return out + [TensorRule(hf + h, (ours + f,)) for h, f in _ATTENTION]
-    out += [TensorRule(hf + h, (ours + f,)) for h, f in _LINEAR]
+        return out + hf_rules.renamed(_ATTENTION, hf, ours)
+    out += hf_rules.renamed(_LINEAR, hf, ours)
     key, value = a.linear_n_k_heads * a.linear_k_head_dim, a.linear_n_v_heads * a.linear_v_head_dim
     convs = tuple(ours + f"attention.{f}.weight" for _, f in _CONVS)
     if conv == "fused":
-        to_forja, to_hf = split_rows([key, key, value])
+        to_forja, to_hf = hf_rules.split_rows([key, key, value])
         return out + [TensorRule(hf + "linear_attn.conv1d.weight", convs, to_forja=to_forja, to_hf=to_hf)]
     total = 2 * key + value
     third = -(-total // 3)  # torch.chunk's: the last piece takes what is left
@@ -217,13 +181,7 @@ def layer_rules(a: OlmoHybridArgs, i: int, conv: str) -> list[TensorRule]:
 
 
 def model_rules(a: OlmoHybridArgs, conv: str) -> list[TensorRule]:
-    out = [TensorRule("model.embed_tokens.weight", ("tok_embeddings.weight",)),
-           TensorRule("model.norm.weight", ("norm.weight",))]
-    for i in range(a.n_layers):
-        out += layer_rules(a, i, conv)
-    if not a.tie_embeddings:
-        out.append(TensorRule("lm_head.weight", ("output.weight",)))
-    return out
+    return hf_rules.decoder_rules(a, lambda i: layer_rules(a, i, conv))
 
 
 def rules(a: OlmoHybridArgs) -> list[TensorRule]:

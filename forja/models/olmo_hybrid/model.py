@@ -30,12 +30,11 @@ from torch import nn
 
 from forja.errors import ForjaError
 from forja.models.common.attention import Attention
+from forja.models.common.blocks import PostNormBlock
 from forja.models.common.decoder import RotaryDecoder
-from forja.models.common.gated_delta_rule import gated_delta_rule_flops
-from forja.models.common.gated_deltanet import GatedDeltaNet, gated_deltanet_init_rule
+from forja.models.common.gated_deltanet import GatedDeltaNetArgs
 from forja.models.common.rope import rope_frequencies
 from forja.models.common.transformer import TransformerArgs
-from forja.models.olmo3.model import PostNormBlock
 
 # The output norm of OLMo-Hybrid's Gated DeltaNet: fla's FusedRMSNormGated default, which
 # transformers keeps whatever rms_norm_eps says.
@@ -52,8 +51,8 @@ def olmo_hybrid_layer_types(n_layers: int) -> tuple[str, ...]:
 
 
 @dataclass(kw_only=True)
-class OlmoHybridArgs(TransformerArgs):
-    """An OLMo-Hybrid model's shape; `flavors.py` holds the published size. Empty
+class OlmoHybridArgs(GatedDeltaNetArgs, TransformerArgs):
+    """An OLMo-Hybrid model's shape; the package's FLAVORS hold the published size. Empty
     `layer_types`: `olmo_hybrid_layer_types(n_layers)`."""
 
     norm_eps: float = 1e-6
@@ -62,16 +61,11 @@ class OlmoHybridArgs(TransformerArgs):
     """RMSNorm over the whole query and key projections in the attention blocks."""
     rope_theta: float | None = 10_000.0
     """Base of the attention blocks' rotary frequencies; None: no rotary positions (NoPE)."""
+    # The 7B's Gated DeltaNet (GatedDeltaNetArgs' fields; transformers needs as many value heads as key heads).
     linear_n_k_heads: int = 30
-    """Gated DeltaNet query/key heads."""
     linear_n_v_heads: int = 30
-    """Gated DeltaNet value heads (a multiple of the key heads; transformers needs them equal)."""
     linear_k_head_dim: int = 96
-    """Width of a Gated DeltaNet query/key head."""
     linear_v_head_dim: int = 192
-    """Width of a Gated DeltaNet value head (its state is k_head_dim x v_head_dim per head)."""
-    linear_conv_kernel: int = 4
-    """Taps of the short causal convolutions before the delta rule."""
     linear_allow_neg_eigval: bool = True
     """Beta in (0, 2) instead of (0, 1): the state's transition may have negative eigenvalues."""
     linear_a_log_min: float = 0.0
@@ -89,25 +83,12 @@ class OlmoHybridArgs(TransformerArgs):
         if not self.layer_types:
             self.layer_types = olmo_hybrid_layer_types(self.n_layers)
         super().__post_init__()
-        if self.linear_n_v_heads % self.linear_n_k_heads:
-            raise ForjaError(f"model.linear_n_v_heads={self.linear_n_v_heads} is not a multiple of "
-                             f"model.linear_n_k_heads={self.linear_n_k_heads}; Gated DeltaNet repeats whole key heads")
         if not 0 <= self.linear_a_log_min <= self.linear_a_log_max:
             raise ForjaError(f"model.linear_a_log_min={self.linear_a_log_min} and model.linear_a_log_max="
                              f"{self.linear_a_log_max} must satisfy 0 <= min <= max (A = exp(A_log) is a decay rate)")
         if not 0 < self.linear_dt_min <= self.linear_dt_max:
             raise ForjaError(f"model.linear_dt_min={self.linear_dt_min} and model.linear_dt_max="
                              f"{self.linear_dt_max} must satisfy 0 < min <= max (time steps, drawn log-uniformly)")
-
-    @property
-    def supported_layer_types(self) -> tuple[str, ...]:
-        return ("full_attention", "linear_attention")
-
-    def head_counts(self) -> dict[str, int]:
-        counts = super().head_counts()
-        if "linear_attention" in self.layer_types:  # Gated DeltaNet splits by whole key heads
-            counts.update(linear_n_k_heads=self.linear_n_k_heads, linear_n_v_heads=self.linear_n_v_heads)
-        return counts
 
 
 class OlmoHybrid(RotaryDecoder):
@@ -122,10 +103,7 @@ class OlmoHybrid(RotaryDecoder):
     def build_attention(self, layer: int) -> nn.Module:
         a = self.args
         if a.layer_type(layer) == "linear_attention":
-            return GatedDeltaNet(a.dim, n_k_heads=a.linear_n_k_heads, n_v_heads=a.linear_n_v_heads,
-                                 head_k_dim=a.linear_k_head_dim, head_v_dim=a.linear_v_head_dim,
-                                 conv_kernel=a.linear_conv_kernel, norm_eps=GATED_NORM_EPS,
-                                 allow_neg_eigval=a.linear_allow_neg_eigval)
+            return a.gated_deltanet(norm_eps=GATED_NORM_EPS, allow_neg_eigval=a.linear_allow_neg_eigval)
         return Attention(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, qk_norm=a.qk_norm, norm_eps=a.norm_eps,
                          fused_rope="rope" in a.fused_ops, sinks=a.attention_sinks, qk_norm_over_heads=True)
 
@@ -138,22 +116,11 @@ class OlmoHybrid(RotaryDecoder):
         return super().rope_tables_for(kind, positions)
 
     def init_rule(self, name: str) -> tuple:
-        """RotaryDecoder's, and for a Gated DeltaNet's own parameters the args' ranges (A_log,
-        dt_bias, as transformers' OlmoHybridPreTrainedModel draws them) and the shared rule's
-        convolutions."""
+        """RotaryDecoder's, but a Gated DeltaNet's A_log and dt_bias drawn from the args' ranges,
+        as transformers' OlmoHybridPreTrainedModel draws them."""
         a = self.args
-        if name.startswith("layers.") and a.layer_type(int(name.split(".")[1])) == "linear_attention":
+        if a.linear_init_rule(name) is not None and name.endswith((".A_log", ".dt_bias")):
             if name.endswith(".A_log"):
                 return ("uniform_log", a.linear_a_log_min, a.linear_a_log_max)
-            if name.endswith(".dt_bias"):
-                return ("inv_softplus", a.linear_dt_min, a.linear_dt_max, a.linear_dt_init_floor)
-            rule = gated_deltanet_init_rule(name, conv_kernel=a.linear_conv_kernel)
-            if rule is not None:
-                return rule
+            return ("inv_softplus", a.linear_dt_min, a.linear_dt_max, a.linear_dt_init_floor)
         return super().init_rule(name)
-
-    def mixer_flops(self, kind: str, seq_len: int) -> int:
-        if kind != "linear_attention":
-            return super().mixer_flops(kind, seq_len)
-        a = self.args
-        return gated_delta_rule_flops(a.linear_n_v_heads, a.linear_k_head_dim, a.linear_v_head_dim, seq_len)

@@ -12,7 +12,7 @@ rotary positions (base 1e6), SwiGLU feed-forward. What sets it apart:
   blocks: `Qwen3Args.is_moe_layer`, Hugging Face's `decoder_sparse_step` and
   `mlp_only_layers` rule.
 
-Parameter names follow the TP plan (`parallelize.py`) and Llama's: attention.wq/wk/wv/wo,
+Parameter names follow the TP plan (the dense one of common/tp_plan.py) and Llama's: attention.wq/wk/wv/wo,
 attention.q_norm/k_norm, feed_forward.w1/w2/w3, or in an MoE block
 feed_forward.router.gate and feed_forward.experts.w1/w2/w3 (E, H, D) / (E, D, H).
 """
@@ -21,19 +21,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from forja.errors import ForjaError
-from forja.models.common.attention import Attention
 from forja.models.common.decoder import RotaryDecoder
 from forja.models.common.moe import MoEArgs
-from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
+from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from
 from forja.models.common.transformer import TransformerArgs
 
 
 @dataclass(kw_only=True)
 class Qwen3Args(TransformerArgs, MoEArgs):
-    """A Qwen3 model's shape; `flavors.py` holds the published sizes. `n_experts=0` is dense
+    """A Qwen3 model's shape; the package's FLAVORS hold the published sizes. `n_experts=0` is dense
     Qwen3; above 0, Qwen3-MoE, whose dense blocks (if any) use `ffn_dim`."""
 
     norm_eps: float = 1e-6
@@ -68,10 +65,7 @@ class Qwen3Args(TransformerArgs, MoEArgs):
 
 
 class Qwen3(RotaryDecoder):
+    """RotaryDecoder as it stands (its QK-norm a field of the args); which blocks hold experts:
+    `Qwen3Args.is_moe_layer`."""
+
     args: Qwen3Args
-
-    def build_attention(self, layer: int) -> Attention:
-        return self.gqa_attention()
-
-    def rope_frequencies(self) -> torch.Tensor:
-        return rope_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)

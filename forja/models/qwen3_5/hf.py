@@ -23,6 +23,7 @@ import re
 import torch
 
 from forja.errors import ForjaError
+from forja.models.common import hf_rules
 from forja.models.common.hf_rules import HFAdapter, TensorRule
 from forja.models.common.rope import ROPE_TYPES, rope_scaling_from_hf, rope_scaling_to_hf
 from forja.models.qwen3_5.model import Qwen3_5Args
@@ -30,10 +31,9 @@ from forja.models.qwen3_5.model import Qwen3_5Args
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
                  "Qwen3_5MoeForConditionalGeneration")
 IGNORED = (r"model\.visual\..*", r"mtp\..*")  # the vision tower; an MTP module config.json does not count
-
-
-def refuse(key: str, value, why: str, family: str = "Qwen3.5") -> ForjaError:
-    return ForjaError(f"config.json: {key}={value!r} is not supported by forja's {family} ({why})")
+_SUPPORTED = [hf_rules.no_attention_bias("its attention has no biases"),
+              hf_rules.activation("silu", "its MLPs are SwiGLU, 'silu'")]
+_NO_JITTER = [hf_rules.Unsupported("router_jitter_noise", lambda v: not v, "the router has no noise")]
 
 
 def text_config(cfg: dict) -> dict:
@@ -43,45 +43,31 @@ def text_config(cfg: dict) -> dict:
 
 
 def check_supported(cfg: dict, family: str = "Qwen3.5") -> None:
-    if cfg.get("attention_bias"):
-        raise refuse("attention_bias", True, "its attention has no biases", family)
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise refuse("hidden_act", cfg["hidden_act"], "its MLPs are SwiGLU, 'silu'", family)
-    kinds = [t for t in cfg.get("layer_types") or [] if t not in ("full_attention", "linear_attention")]
-    if kinds:
-        raise refuse("layer_types", kinds[0], "each block is 'full_attention' or 'linear_attention'", family)
+    refuse = hf_rules.refusal(family)
+    hf_rules.check_config(cfg, _SUPPORTED, refuse)
+    hf_rules.check_linear_layer_types(cfg, refuse)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default" and kind not in ROPE_TYPES:
-        raise refuse("rope_parameters.rope_type", kind, "'default', 'llama3' or 'yarn' (of the rotating dims)", family)
-    if cfg.get("router_jitter_noise"):
-        raise refuse("router_jitter_noise", cfg["router_jitter_noise"], "the router has no noise", family)
+        raise refuse("rope_parameters.rope_type", kind, "'default', 'llama3' or 'yarn' (of the rotating dims)")
+    hf_rules.check_config(cfg, _NO_JITTER, refuse)
     moe, shared = cfg.get("moe_intermediate_size"), cfg.get("shared_expert_intermediate_size")
     if cfg.get("num_experts") and shared and moe and shared % moe:
         raise refuse("shared_expert_intermediate_size", shared,
-                     f"the shared expert must be a whole number of experts {moe} wide", family)
+                     f"the shared expert must be a whole number of experts {moe} wide")
 
 
 def common_args(cfg: dict) -> dict:
     """The fields Qwen3.5 and Qwen3-Next read alike from a (text) config.json."""
     rope = cfg.get("rope_parameters") or {}
-    n_heads = cfg["num_attention_heads"]
+    args = hf_rules.decoder_args(cfg, intermediate_size=0, max_position_embeddings=32768)
     return dict(
-        dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
-        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
-        ffn_dim=cfg.get("intermediate_size") or 0, vocab_size=cfg["vocab_size"],
-        max_seq_len=cfg.get("max_position_embeddings", 32768), norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        **args, **hf_rules.linear_attention_args(cfg),
         # transformers' defaults where the file names none, as its config classes read them.
         rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10_000.0))),
         partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
-        rope_scaling=rope_scaling_from_hf(rope or cfg.get("rope_scaling") or {}, cfg.get("max_position_embeddings", 32768)),
-        layer_types=tuple(cfg.get("layer_types") or ()),
-        full_attention_interval=cfg.get("full_attention_interval", 4),
-        linear_n_k_heads=cfg.get("linear_num_key_heads", 16), linear_n_v_heads=cfg.get("linear_num_value_heads", 32),
-        linear_k_head_dim=cfg.get("linear_key_head_dim", 128), linear_v_head_dim=cfg.get("linear_value_head_dim", 128),
-        linear_conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
+        rope_scaling=rope_scaling_from_hf(rope or cfg.get("rope_scaling") or {}, args["max_seq_len"]),
+        layer_types=tuple(cfg.get("layer_types") or ()), full_attention_interval=cfg.get("full_attention_interval", 4),
     )
 
 
@@ -99,12 +85,13 @@ def _is_moe(cfg: dict) -> bool:
 
 def mtp_depth(cfg: dict, family: str = "Qwen3.5") -> int:
     """The number of MTP modules config.json counts (`mtp_num_hidden_layers`), as forja runs them."""
+    refuse = hf_rules.refusal(family)
     depth = cfg.get("mtp_num_hidden_layers") or 0
     if depth > 1:
         raise refuse("mtp_num_hidden_layers", depth, "its MTP layers share one fc and its norms; forja's "
-                     "depths each have their own, and the published checkpoints hold one", family)
+                     "depths each have their own, and the published checkpoints hold one")
     if cfg.get("mtp_use_dedicated_embeddings"):
-        raise refuse("mtp_use_dedicated_embeddings", True, "its MTP module reads the main model's embedding", family)
+        raise refuse("mtp_use_dedicated_embeddings", True, "its MTP module reads the main model's embedding")
     return depth
 
 
@@ -122,40 +109,30 @@ def held_args(a: Qwen3_5Args, names: set[str]) -> Qwen3_5Args:
     return a
 
 
-def check_exportable(a: Qwen3_5Args, family: str = "Qwen3.5") -> None:
+def check_exportable_as(a: Qwen3_5Args, family: str = "Qwen3.5") -> None:
     """Refuse a model transformers' classes cannot express."""
-    problems = {
+    hf_rules.check_exportable(a, f"a {family}", {
         "qk_norm": (a.qk_norm is False, "its attention always normalizes q and k"),
         "sliding_window": (a.sliding_window is not None, "export a model trained on the full context"),
         "attention_sinks": (a.attention_sinks, "its attention has no sinks"),
-        "score_func": (a.score_func != "softmax", "its router is a softmax"),
+        **hf_rules.router_problems(a, "it", "its"),
         "norm_topk_prob": (a.n_experts > 0 and not a.norm_topk_prob and family == "Qwen3.5",
                            "Qwen3.5-MoE always renormalizes the top-k weights"),
-        "route_scale": (a.route_scale != 1.0, "it does not scale routing weights"),
-        "n_expert_groups": (a.n_expert_groups > 1, "it routes over all experts at once"),
-        "expert_bias": (a.expert_bias, "its router has no bias"),
         "n_shared_experts": (a.n_experts > 0 and (a.n_shared_experts < 1) != (not a.shared_expert_gate),
                              "its shared expert always has its gate"),
-    }
-    for field, (bad, why) in problems.items():
-        if bad:
-            raise ForjaError(f"a {family} with {field}={getattr(a, field)!r} has no equivalent in transformers "
-                             f"({why}); export a model trained without it")
+    })
+    if a.mtp_depth > 1:
+        raise ForjaError(f"a {family} with mtp_depth={a.mtp_depth} has no equivalent in its checkpoints (one "
+                         "MTP module, whose layers share its fc and norms); export a model trained with depth 1 or 0")
 
 
 def common_config(a: Qwen3_5Args) -> dict:
-    cfg = {
-        "hidden_size": a.dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "intermediate_size": a.ffn_dim,
-        "vocab_size": a.vocab_size, "max_position_embeddings": a.max_seq_len, "rms_norm_eps": a.norm_eps,
-        "tie_word_embeddings": a.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "layer_types": list(a.layer_types), "linear_conv_kernel_dim": a.linear_conv_kernel,
-        "linear_key_head_dim": a.linear_k_head_dim, "linear_value_head_dim": a.linear_v_head_dim,
-        "linear_num_key_heads": a.linear_n_k_heads, "linear_num_value_heads": a.linear_n_v_heads,
-        "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta,
-                            "partial_rotary_factor": a.partial_rotary_factor,
-                            **(rope_scaling_to_hf(a.rope_scaling) if a.rope_scaling is not None else {})},
-    }
+    cfg = {**hf_rules.decoder_config(a), "hidden_act": "silu", "attention_bias": False,
+           **hf_rules.linear_attention_config(a),
+           "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta,
+                               "partial_rotary_factor": a.partial_rotary_factor,
+                               **(rope_scaling_to_hf(a.rope_scaling) if a.rope_scaling is not None else {})},
+           "mtp_num_hidden_layers": a.mtp_depth, "mtp_use_dedicated_embeddings": False}
     if a.n_experts:
         cfg.update(num_experts=a.n_experts, num_experts_per_tok=a.top_k, moe_intermediate_size=a.moe_ffn_dim,
                    shared_expert_intermediate_size=a.n_shared_experts * a.moe_ffn_dim,
@@ -163,33 +140,14 @@ def common_config(a: Qwen3_5Args) -> dict:
     return cfg
 
 
-def check_mtp_exportable(a: Qwen3_5Args, family: str = "Qwen3.5") -> None:
-    if a.mtp_depth > 1:
-        raise ForjaError(f"a {family} with mtp_depth={a.mtp_depth} has no equivalent in its checkpoints (one "
-                         "MTP module, whose layers share its fc and norms); export a model trained with depth 1 or 0")
-
-
 def config_from_args(a: Qwen3_5Args) -> dict:
-    check_exportable(a)
-    check_mtp_exportable(a)
+    check_exportable_as(a)
     moe = a.n_experts > 0
     return {"architectures": ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"],
-            "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text", **common_config(a),
-            "mtp_num_hidden_layers": a.mtp_depth, "mtp_use_dedicated_embeddings": False}
+            "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text", **common_config(a)}
 
 
 # -- tensors ---------------------------------------------------------------------------------
-def split_rows(sizes: list[int]):
-    """HF's concatenated rows (or conv channels) -> forja's pieces, and back."""
-    def to_forja(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(p.contiguous() for p in t.split(sizes, dim=0))
-
-    def to_hf(ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return torch.cat(ts, dim=0)
-
-    return to_forja, to_hf
-
-
 def query_and_gate(head_dim: int):
     """q_proj's rows, (H, [query hd | gate hd], D) -> wq (H hd, D), wg (H hd, D), and back."""
     def to_forja(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -205,10 +163,9 @@ def query_and_gate(head_dim: int):
 
 def attention_rules(a: Qwen3_5Args, hf: str, ours: str) -> list[TensorRule]:
     q_to_forja, q_to_hf = query_and_gate(a.head_dim)
+    others = hf_rules.attention_pairs(qk_norm=True)[1:]  # k, v, o, the norms
     return [TensorRule(hf + "self_attn.q_proj.weight", (ours + "attention.wq.weight", ours + "attention.wg.weight"),
-                       to_forja=q_to_forja, to_hf=q_to_hf)] + [
-        TensorRule(hf + f"self_attn.{h}.weight", (ours + f"attention.{f}.weight",))
-        for h, f in (("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo"), ("q_norm", "q_norm"), ("k_norm", "k_norm"))]
+                       to_forja=q_to_forja, to_hf=q_to_hf)] + hf_rules.renamed(others, hf, ours)
 
 
 _LINEAR_SINGLE = (("in_proj_z.weight", "wz.weight"), ("in_proj_b.weight", "wb.weight"),
@@ -218,62 +175,47 @@ _LINEAR_SINGLE = (("in_proj_z.weight", "wz.weight"), ("in_proj_b.weight", "wb.we
 
 def linear_attention_rules(a: Qwen3_5Args, hf: str, ours: str) -> list[TensorRule]:
     key, value = a.linear_n_k_heads * a.linear_k_head_dim, a.linear_n_v_heads * a.linear_v_head_dim
-    to_forja, to_hf = split_rows([key, key, value])
-    mixer = ours + "attention."
+    to_forja, to_hf = hf_rules.split_rows([key, key, value])
+    mixer, lin = ours + "attention.", hf + "linear_attn."
     return [
-        TensorRule(hf + "linear_attn.in_proj_qkv.weight", tuple(mixer + f"{n}.weight" for n in ("wq", "wk", "wv")),
+        TensorRule(lin + "in_proj_qkv.weight", tuple(mixer + f"{n}.weight" for n in ("wq", "wk", "wv")),
                    to_forja=to_forja, to_hf=to_hf),
-        TensorRule(hf + "linear_attn.conv1d.weight", tuple(mixer + f"{n}.weight" for n in ("conv_q", "conv_k", "conv_v")),
+        TensorRule(lin + "conv1d.weight", tuple(mixer + f"{n}.weight" for n in ("conv_q", "conv_k", "conv_v")),
                    to_forja=to_forja, to_hf=to_hf),
-    ] + [TensorRule(hf + "linear_attn." + h, (mixer + f,)) for h, f in _LINEAR_SINGLE]
+    ] + hf_rules.renamed(_LINEAR_SINGLE, lin, mixer)
 
 
-_DENSE_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
-
-
-def feed_forward_rules(a: Qwen3_5Args, hf: str, ours: str, fused_experts: bool,
-                       layer: int | None = None) -> list[TensorRule]:
-    """The feed-forward's rules of block `layer` (by default the index in `ours`, "layers.{i}.")."""
-    ff = ours + "feed_forward."
-    if not a.is_moe_layer(int(ours.split(".")[1]) if layer is None else layer):
-        return [TensorRule(hf + f"mlp.{h}.weight", (ff + f"{f}.weight",)) for h, f in _DENSE_MLP]
-    out = [TensorRule(hf + "mlp.gate.weight", (ff + "router.gate.weight",))]
+def feed_forward_rules(a: Qwen3_5Args, hf: str, ours: str, fused_experts: bool, layer: int) -> list[TensorRule]:
+    """The feed-forward's rules of a block with block `layer`'s kind of feed-forward."""
+    if not a.is_moe_layer(layer):
+        return hf_rules.renamed(hf_rules.MLP_PAIRS, hf, ours)
+    hf, ff = hf + "mlp.", ours + "feed_forward."
+    out = [TensorRule(hf + "gate.weight", (ff + "router.gate.weight",))]
     if a.n_shared_experts:
-        out += [TensorRule(hf + f"mlp.shared_expert.{h}.weight", (ff + f"shared_experts.{f}.weight",))
-                for h, f in _DENSE_MLP]
-        out.append(TensorRule(hf + "mlp.shared_expert_gate.weight", (ff + "shared_gate.weight",)))
-    experts = ff + "experts."
-    if fused_experts:
-        return out + [
-            TensorRule(hf + "mlp.experts.gate_up_proj", (experts + "w1", experts + "w3"),
-                       to_forja=lambda t: tuple(p.contiguous() for p in t.chunk(2, dim=1)),
-                       to_hf=lambda ts: torch.cat(ts, dim=1)),
-            TensorRule(hf + "mlp.experts.down_proj", (experts + "w2",)),
-        ]
-    return out + [TensorRule(hf + f"mlp.experts.{{e}}.{h}.weight", (experts + f,), stacked=a.n_experts)
-                  for h, f in _DENSE_MLP]
+        out += hf_rules.renamed(hf_rules.SWIGLU_PAIRS, hf + "shared_expert.", ff + "shared_experts.")
+        out.append(TensorRule(hf + "shared_expert_gate.weight", (ff + "shared_gate.weight",)))
+    return out + hf_rules.expert_rules(a, hf, ff, fused=fused_experts)
+
+
+def block_rules(a: Qwen3_5Args, hf: str, ours: str, mixer, layer: int, fused_experts: bool) -> list[TensorRule]:
+    """A block's rules under the prefixes `hf` and `ours`: its sequence mixer's (`mixer`), its
+    norms, and its feed-forward, that of block `layer`'s kind."""
+    norms = hf_rules.renamed(hf_rules.NORM_PAIRS["pre"], hf, ours)
+    return mixer(a, hf, ours) + norms + feed_forward_rules(a, hf, ours, fused_experts, layer)
 
 
 def layer_rules(a: Qwen3_5Args, i: int, fused_experts: bool, linear=linear_attention_rules) -> list[TensorRule]:
     """Block i's rules; `linear`: the Gated DeltaNet's (Qwen3-Next fuses its projections otherwise)."""
-    hf, ours = f"model.layers.{i}.", f"layers.{i}."
     mixer = linear if a.layer_type(i) == "linear_attention" else attention_rules
-    norms = [TensorRule(hf + "input_layernorm.weight", (ours + "attention_norm.weight",)),
-             TensorRule(hf + "post_attention_layernorm.weight", (ours + "ffn_norm.weight",))]
-    return mixer(a, hf, ours) + norms + feed_forward_rules(a, hf, ours, fused_experts)
+    return block_rules(a, f"model.layers.{i}.", f"layers.{i}.", mixer, i, fused_experts)
 
 
 def model_rules(a: Qwen3_5Args, fused_experts: bool, linear=linear_attention_rules) -> list[TensorRule]:
-    out = [TensorRule("model.embed_tokens.weight", ("tok_embeddings.weight",)),
-           TensorRule("model.norm.weight", ("norm.weight",))]
-    for i in range(a.n_layers):
-        out += layer_rules(a, i, fused_experts, linear)
-    if not a.tie_embeddings:
-        out.append(TensorRule("lm_head.weight", ("output.weight",)))
-    return out
+    return hf_rules.decoder_rules(a, lambda i: layer_rules(a, i, fused_experts, linear))
 
 
-_MTP_OWN = (("fc", "proj"), ("pre_fc_norm_hidden", "hnorm"), ("pre_fc_norm_embedding", "enorm"), ("norm", "norm"))
+_MTP_OWN = (("fc.weight", "proj.weight"), ("pre_fc_norm_hidden.weight", "hnorm.weight"),
+            ("pre_fc_norm_embedding.weight", "enorm.weight"), ("norm.weight", "norm.weight"))
 
 
 def mtp_rules(a: Qwen3_5Args, fused_experts: bool) -> list[TensorRule]:
@@ -282,23 +224,14 @@ def mtp_rules(a: Qwen3_5Args, fused_experts: bool) -> list[TensorRule]:
     kind, as forja's mtp.layers.{n_layers} (Qwen3_5.build_mtp)."""
     if not a.mtp_depth:
         return []
-    i = a.n_layers
-    ours, block = f"mtp.layers.{i}.", f"mtp.layers.{i}.block."
-    out = [TensorRule(f"mtp.{h}.weight", (ours + f"{f}.weight",)) for h, f in _MTP_OWN]
-    out += attention_rules(a, "mtp.layers.0.", block)
-    out += [TensorRule("mtp.layers.0.input_layernorm.weight", (block + "attention_norm.weight",)),
-            TensorRule("mtp.layers.0.post_attention_layernorm.weight", (block + "ffn_norm.weight",))]
-    return out + feed_forward_rules(a, "mtp.layers.0.", block, fused_experts, layer=0)
+    ours = f"mtp.layers.{a.n_layers}."
+    return hf_rules.renamed(_MTP_OWN, "mtp.", ours) + block_rules(a, "mtp.layers.0.", ours + "block.", attention_rules,
+                                                                  0, fused_experts)
 
 
-def rules(a: Qwen3_5Args) -> list[TensorRule]:
-    """The published layout: one tensor per expert, the MTP module when counted."""
-    return model_rules(a, fused_experts=False) + mtp_rules(a, fused_experts=False)
-
-
-def other_layouts(a: Qwen3_5Args) -> list[list[TensorRule]]:
-    """transformers 5's fused experts, for an MoE model."""
-    return [model_rules(a, fused_experts=True) + mtp_rules(a, fused_experts=True)] if a.n_experts else []
+def _rules(a: Qwen3_5Args, fused_experts: bool) -> list[TensorRule]:
+    """The blocks' rules and the MTP module's when counted."""
+    return model_rules(a, fused_experts) + mtp_rules(a, fused_experts)
 
 
 def normalize_name(name: str) -> str:
@@ -306,5 +239,5 @@ def normalize_name(name: str) -> str:
     return re.sub(r"^model\.language_model\.", "model.", name)
 
 
-ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, rules, IGNORED,
-                    normalize_name=normalize_name, other_layouts=other_layouts, held_args=held_args)
+ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, ignored=IGNORED,
+                    **hf_rules.expert_layouts(_rules), normalize_name=normalize_name, held_args=held_args)

@@ -29,19 +29,19 @@ from torch import nn
 
 from forja.errors import ForjaError
 from forja.models.common.attention import Attention
+from forja.models.common.blocks import TransformerBlock
 from forja.models.common.decoder import RotaryDecoder
-from forja.models.common.gated_delta_rule import gated_delta_rule_flops
-from forja.models.common.gated_deltanet import GatedDeltaNet, gated_deltanet_init_rule
+from forja.models.common.gated_deltanet import GatedDeltaNetArgs
 from forja.models.common.moe import MoEArgs
+from forja.models.common.mtp import MultiTokenPrediction
 from forja.models.common.norms import RMSNorm
 from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
-from forja.models.common.mtp import MultiTokenPrediction
-from forja.models.common.transformer import TransformerArgs, TransformerBlock
+from forja.models.common.transformer import TransformerArgs
 
 
 @dataclass(kw_only=True)
-class Qwen3_5Args(TransformerArgs, MoEArgs):
-    """A Qwen3.5 model's shape; `flavors.py` holds the published sizes. `n_experts=0` is
+class Qwen3_5Args(GatedDeltaNetArgs, TransformerArgs, MoEArgs):
+    """A Qwen3.5 model's shape; the package's FLAVORS hold the published sizes. `n_experts=0` is
     dense Qwen3.5; above 0, Qwen3.5-MoE (every block a mixture of experts)."""
 
     norm_eps: float = 1e-6
@@ -58,16 +58,6 @@ class Qwen3_5Args(TransformerArgs, MoEArgs):
     full_attention_interval: int = 4
     """Every this-many-th block (1-based) is full attention, the others Gated DeltaNet; used
     when `layer_types` is empty."""
-    linear_n_k_heads: int = 16
-    """Gated DeltaNet query/key heads."""
-    linear_n_v_heads: int = 32
-    """Gated DeltaNet value heads (a multiple of the key heads, which are repeated)."""
-    linear_k_head_dim: int = 128
-    """Width of a Gated DeltaNet query/key head."""
-    linear_v_head_dim: int = 128
-    """Width of a Gated DeltaNet value head (its state is k_head_dim x v_head_dim per head)."""
-    linear_conv_kernel: int = 4
-    """Taps of the short causal convolution before the delta rule."""
 
     def __post_init__(self) -> None:
         self.rope_scaling = rope_scaling_from(self.rope_scaling, key="model.overrides.rope_scaling", default="yarn")
@@ -79,19 +69,6 @@ class Qwen3_5Args(TransformerArgs, MoEArgs):
         self.check_moe()
         if self.full_attention_interval < 1:
             raise ForjaError(f"model.full_attention_interval={self.full_attention_interval} must be at least 1")
-        if self.linear_n_v_heads % self.linear_n_k_heads:
-            raise ForjaError(f"model.linear_n_v_heads={self.linear_n_v_heads} is not a multiple of "
-                             f"model.linear_n_k_heads={self.linear_n_k_heads}; Gated DeltaNet repeats whole key heads")
-
-    @property
-    def supported_layer_types(self) -> tuple[str, ...]:
-        return ("full_attention", "linear_attention")
-
-    def head_counts(self) -> dict[str, int]:
-        counts = super().head_counts()
-        if "linear_attention" in self.layer_types:  # Gated DeltaNet splits by whole key heads
-            counts.update(linear_n_k_heads=self.linear_n_k_heads, linear_n_v_heads=self.linear_n_v_heads)
-        return counts
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.n_experts > 0
@@ -112,9 +89,7 @@ class Qwen3_5(RotaryDecoder):
     def build_attention(self, layer: int) -> nn.Module:
         a = self.args
         if a.layer_type(layer) == "linear_attention":
-            return GatedDeltaNet(a.dim, n_k_heads=a.linear_n_k_heads, n_v_heads=a.linear_n_v_heads,
-                                 head_k_dim=a.linear_k_head_dim, head_v_dim=a.linear_v_head_dim,
-                                 conv_kernel=a.linear_conv_kernel, norm_eps=a.norm_eps)
+            return a.gated_deltanet(norm_eps=a.norm_eps)
         return Attention(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, qk_norm=a.qk_norm, norm_eps=a.norm_eps,
                          fused_rope="rope" in a.fused_ops, output_gate=True, rotary_dim=a.rotary_dim,
                          zero_centered_norm=True)
@@ -141,15 +116,5 @@ class Qwen3_5(RotaryDecoder):
         # The MTP module's own norms (mtp.layers.{j}.hnorm / enorm / norm) are zero-centered too.
         if name.startswith("mtp.layers.") and name.count(".") == 4 and name.endswith("norm.weight"):
             return ("zeros",)
-        if name.startswith("layers.") and self.args.layer_type(int(name.split(".")[1])) == "linear_attention":
-            rule = gated_deltanet_init_rule(name, conv_kernel=self.args.linear_conv_kernel)
-            if rule is not None:
-                return rule
         return super().init_rule(name)
-
-    def mixer_flops(self, kind: str, seq_len: int) -> int:
-        if kind != "linear_attention":
-            return super().mixer_flops(kind, seq_len)
-        a = self.args
-        return gated_delta_rule_flops(a.linear_n_v_heads, a.linear_k_head_dim, a.linear_v_head_dim, seq_len)
 

@@ -27,13 +27,12 @@ of forja's depths has its own.
 
 from __future__ import annotations
 
-
 import torch
 
-from forja.models.common.hf_rules import HFAdapter, TensorRule
+from forja.models.common import hf_rules
+from forja.models.common.hf_rules import HFAdapter, TensorRule, renamed, split_rows
 from forja.models.qwen3_5.hf import (
-    check_exportable,
-    check_mtp_exportable,
+    check_exportable_as,
     check_supported,
     common_args,
     common_config,
@@ -42,7 +41,6 @@ from forja.models.qwen3_5.hf import (
     moe_args,
     mtp_depth,
     mtp_rules,
-    split_rows,
 )
 from forja.models.qwen3_next.model import Qwen3NextArgs
 
@@ -65,11 +63,9 @@ def args_from_config(cfg: dict) -> Qwen3NextArgs:
 
 
 def config_from_args(a: Qwen3NextArgs) -> dict:
-    check_exportable(a, FAMILY)
-    check_mtp_exportable(a, FAMILY)
+    check_exportable_as(a, FAMILY)
     cfg = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **common_config(a),
-           "decoder_sparse_step": a.decoder_sparse_step, "mlp_only_layers": list(a.mlp_only_layers),
-           "mtp_num_hidden_layers": a.mtp_depth, "mtp_use_dedicated_embeddings": False}
+           "decoder_sparse_step": a.decoder_sparse_step, "mlp_only_layers": list(a.mlp_only_layers)}
     if not a.n_experts:
         cfg["num_experts"] = 0  # transformers' default is 512: say dense outright
     return cfg
@@ -109,22 +105,12 @@ def linear_attention_rules(a: Qwen3NextArgs, hf: str, ours: str) -> list[TensorR
                    to_forja=ba_to_forja, to_hf=ba_to_hf),
         TensorRule(lin + "conv1d.weight", tuple(mixer + f"{n}.weight" for n in ("conv_q", "conv_k", "conv_v")),
                    to_forja=conv_to_forja, to_hf=conv_to_hf),
-    ] + [TensorRule(lin + h, (mixer + f,)) for h, f in _LINEAR_SINGLE]
+    ] + renamed(_LINEAR_SINGLE, lin, mixer)
 
 
 def _rules(a: Qwen3NextArgs, fused_experts: bool) -> list[TensorRule]:
     return model_rules(a, fused_experts, linear=linear_attention_rules) + mtp_rules(a, fused_experts)
 
 
-def rules(a: Qwen3NextArgs) -> list[TensorRule]:
-    """The published layout: one tensor per expert."""
-    return _rules(a, fused_experts=False)
-
-
-def other_layouts(a: Qwen3NextArgs) -> list[list[TensorRule]]:
-    """transformers 5's fused experts, for a model with experts."""
-    return [_rules(a, fused_experts=True)] if a.n_experts else []
-
-
-ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, rules, IGNORED, other_layouts=other_layouts,
-                    held_args=held_args)
+ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, ignored=IGNORED,
+                    **hf_rules.expert_layouts(_rules), held_args=held_args)

@@ -29,7 +29,7 @@ from forja.models.qwen3_5.model import Qwen3_5, Qwen3_5Args
 
 @dataclass(kw_only=True)
 class Qwen3NextArgs(Qwen3_5Args):
-    """A Qwen3-Next model's shape; `flavors.py` holds the published one. Qwen3.5's fields,
+    """A Qwen3-Next model's shape; the package's FLAVORS hold the published one. Qwen3.5's fields,
     plus which blocks are a mixture of experts; `n_experts=0` makes every block dense."""
 
     decoder_sparse_step: int = 1

@@ -1,10 +1,12 @@
-"""The checks every model family's test file makes against transformers, written once:
-random-weight transformers models and their checkpoints (module fixtures), random tokens,
-forja's logits against transformers', what a checkpoint stores, parameter counts of
-transformers' model on the meta device, checkpoints with an edited config.json or edited
-tensors (for the refusal tests), state dicts compared bit for bit, the HF save round trip,
-greedy decoding, and float32 / float64 logit differences. The tensor-parallel cases live
-in test_tp_families.py.
+"""What every model family's tests share: a family's `FamilyCase` (its transformers configs,
+tolerances, published sizes, decoding lengths and refusals: the data test_conformance.py
+checks every registered family against), the session's random-weight transformers models
+and their checkpoints (`CheckpointStore`, built once whichever test asks first), and the
+checks themselves: forja's logits against transformers', what a checkpoint stores,
+parameter counts of transformers' model on the meta device, checkpoints with an edited
+config.json or edited tensors (for the refusal tests), state dicts compared bit for bit,
+the HF save round trip, greedy decoding, and float32 / float64 logit differences. The
+tensor-parallel cases live in test_tp_families.py.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -22,7 +25,123 @@ from safetensors.torch import load_file, save_file
 
 from forja.generate import SamplingConfig, generate
 from forja.models import load_hf_checkpoint, model_args, save_hf_checkpoint
-from tests.helpers import hf_greedy, max_logit_diff, save_hf_models
+from tests.helpers import hf_greedy, max_logit_diff
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """One transformers model a family is checked against."""
+
+    cls: str
+    """transformers' class, e.g. "LlamaForCausalLM"."""
+    config: dict
+    """Its config kwargs: small, but each exercising a feature of the family."""
+    flavor: str | None = None
+    """The forja flavor whose args config.json must read into exactly, or None."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FamilyCase:
+    """What test_conformance.py checks one family against. A family's test file (test_<family>.py)
+    defines `CASE`; the family-specific tests beside it reach the same checkpoints."""
+
+    family: str
+    configs: dict[str, HFConfig]
+    tol: float
+    """Bound on max |logit difference| from transformers' in float32 (the file says what was measured)."""
+    tokens: int = 48
+    """Logits are compared over a (2, tokens) batch."""
+    make: Callable[[str, HFConfig, int], torch.nn.Module] | None = None
+    """(name, config, seed) -> transformers' model; None: `random_hf_model` with `pick`/`draw`."""
+    pick: Callable[[str, torch.Tensor], bool] | None = None
+    draw: Callable[[torch.Tensor], object] | None = None
+    logits: Callable | None = None
+    """(case, name, hf_model, model, tokens, monkeypatch) -> None: the comparison when it is
+    more than max |logit difference| < tol (float64 references); None: `check_logits`."""
+    layout: Callable[[Path], object] | None = None
+    """What a save must write as transformers' checkpoint holds it (`stored_names`, `stored_shapes`);
+    None: not compared."""
+    same_tensors: bool = False
+    """A save writes transformers' checkpoint back tensor for tensor."""
+    after_round_trip: Callable | None = None
+    """(name, model, reloaded transformers model, case checkpoints) -> None: the family's further checks."""
+    greedy: dict[str, int] = field(default_factory=dict)
+    """Config name -> new tokens greedy decoding must equal transformers' `generate` over."""
+    uncached: bool = False
+    """Greedy decoding without the cache must equal it too."""
+    export_flavors: tuple[str, ...] = ("debug",)
+    prepare_export: Callable[[torch.nn.Module], None] | None = None
+    """Gives the exported model weights transformers would not start at (norm offsets, biases)."""
+    export_tokens: int = 20
+    export_tol: float | None = None
+    """The exported model's bound (None: `tol`)."""
+    published: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Flavor -> its counts: num_params(), then num_active_params() and without the embedding, as many as given."""
+    hf_config: Callable[[str], dict] | None = None
+    """Flavor -> the config.json transformers builds it from (None: the family's config_from_args)."""
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Config name -> tensors transformers 5's fused-experts layout (save_original_format=False) holds."""
+    refusals: tuple[tuple[str, dict, str], ...] = ()
+    """(config name, config.json changes, message) of each config.json forja refuses."""
+    refusal_prefix: str = r"^config\.json: "
+    """What each refusal's message starts with."""
+    export_refusals: tuple[tuple[dict, str], ...] = ()
+    """(overrides of `refusal_flavor`, message) of each model forja refuses to export."""
+    refusal_flavor: str = "debug"
+
+
+class FamilyCheckpoints:
+    """A family's transformers models and checkpoints, name -> (directory, model), each built
+    on first use and kept for the session; `loaded(name)` the forja model read from it (one
+    load shared by every test, which must not change it)."""
+
+    def __init__(self, case: FamilyCase, store: dict, tmp_path_factory):
+        self.case, self.store, self.tmp = case, store, tmp_path_factory
+
+    def __getitem__(self, name: str) -> tuple[Path, torch.nn.Module]:
+        key = (self.case.family, name)
+        if key not in self.store:
+            hf = make_hf_model(self.case, name)
+            path = self.tmp.mktemp(f"{self.case.family}-{name}")
+            hf.save_pretrained(path)
+            self.store[key] = (path, hf)
+        return self.store[key]
+
+    def loaded(self, name: str):
+        key = (self.case.family, name, "forja")
+        if key not in self.store:
+            self.store[key] = load_hf_checkpoint(self[name][0])
+        return self.store[key]
+
+
+def make_hf_model(case: FamilyCase, name: str, seed: int = 0) -> torch.nn.Module:
+    config = case.configs[name]
+    if case.make is not None:
+        return case.make(name, config, seed)
+    return random_hf_model(config.cls, config.config, seed, pick=case.pick, draw=case.draw)
+
+
+def family_fixtures(case: FamilyCase, prefix: str = "") -> tuple:
+    """A family test file's fixtures over the session's store (conftest.py's `hf_store`):
+    `checkpoints` (name -> (directory, transformers' model)) and `loaded` (name -> the forja
+    model read from it), their names after `prefix`. Assign both at module level."""
+    @pytest.fixture(scope="module", name=prefix + "checkpoints")
+    def checkpoints(hf_store, tmp_path_factory):
+        return FamilyCheckpoints(case, hf_store, tmp_path_factory)
+
+    @pytest.fixture(scope="module", name=prefix + "loaded")
+    def loaded(hf_store, tmp_path_factory):
+        return _Loaded(FamilyCheckpoints(case, hf_store, tmp_path_factory))
+
+    return checkpoints, loaded
+
+
+class _Loaded:
+    def __init__(self, checkpoints: FamilyCheckpoints):
+        self.checkpoints = checkpoints
+
+    def __getitem__(self, name: str):
+        return self.checkpoints.loaded(name)
 
 
 def random_hf_model(cls_name: str, config: dict, seed: int = 0, *,
@@ -44,22 +163,6 @@ def random_hf_model(cls_name: str, config: dict, seed: int = 0, *,
                 if pick(key, p):
                     draw(p)
     return model
-
-
-def checkpoint_fixtures(make_hf_model: Callable, names) -> tuple:
-    """The module fixtures (checkpoints, loaded) of a family's test file: name -> (directory
-    saved by transformers, the transformers model) for each of `names`, made by
-    `make_hf_model(name)`; name -> the forja model loaded from that directory (one load
-    shared by the module's tests, which must not change it). Assign both at module level."""
-    @pytest.fixture(scope="module")
-    def checkpoints(tmp_path_factory):
-        return save_hf_models(tmp_path_factory, make_hf_model, names)
-
-    @pytest.fixture(scope="module")
-    def loaded(checkpoints):
-        return {name: load_hf_checkpoint(path) for name, (path, _) in checkpoints.items()}
-
-    return checkpoints, loaded
 
 
 def check_logits(hf_model, model, tokens: torch.Tensor, tol: float, *, family: str, flavor: str | None,
@@ -155,10 +258,14 @@ def check_save_round_trip(model, out_dir: Path, *, hf_class: str, tokens: torch.
     return out, reloaded
 
 
-def assert_greedy_equal(hf_model, model, prompt: torch.Tensor, new_tokens: int) -> None:
-    """forja's greedy `generate` through its KV cache equals transformers' for `new_tokens`."""
+def assert_greedy_equal(hf_model, model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """forja's greedy `generate` through its KV cache equals transformers' for `new_tokens`;
+    returns it."""
     ref = hf_greedy(hf_model, prompt, new_tokens)
-    assert torch.equal(generate(model, prompt, SamplingConfig(max_new_tokens=new_tokens)), ref)
+    out = generate(model, prompt, SamplingConfig(max_new_tokens=new_tokens))
+    assert out.shape == (prompt.shape[0], prompt.shape[1] + new_tokens)
+    assert torch.equal(out, ref)
+    return out
 
 
 class Float64Diffs(NamedTuple):
@@ -169,6 +276,25 @@ class Float64Diffs(NamedTuple):
     hf64: torch.nn.Module
     model64: torch.nn.Module
     exact: torch.Tensor  # transformers' float64 logits
+
+
+def hybrid_logits(case: FamilyCase, name: str, hf_model, model, tokens: torch.Tensor, monkeypatch) -> None:
+    """A Gated DeltaNet family's logits against transformers'. In float32 the chunked delta rule
+    rounds otherwise than transformers' (a triangular solve where it loops over rows), which
+    small peaked models amplify: held to transformers' own float32 error from its float64
+    logits, and where the model has no experts to `case.tol`, and in float64 to 1e-10 (the same
+    function). With experts float64 is not held: both route in float32 whatever the dtype."""
+    flavor = case.configs[name].flavor
+    if flavor is not None:  # config.json read into exactly the flavor's args
+        assert model.args == model_args(case.family, flavor)
+    diff = max_logit_diff(hf_model, model, tokens)
+    hf_model.config._experts_implementation = "eager"  # transformers' grouped_mm has no float64
+    hf_rounding, diff64, *_ = float64_diffs(hf_model, model, tokens)
+    print(f"{name}: max |logit diff| float32 {diff:.3e} (transformers' own float32 error {hf_rounding:.3e}), "
+          f"float64 {diff64:.3e}")
+    assert diff < hf_rounding
+    if model.args.n_experts == 0:
+        assert diff < case.tol and diff64 < 1e-10
 
 
 def float64_diffs(hf_model, model, tokens: torch.Tensor) -> Float64Diffs:

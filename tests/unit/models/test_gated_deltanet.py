@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from forja.models import build_model
 from forja.models.common.attention import AttentionMask, KVCache
 from forja.models.common.gated_delta_rule import (
     chunk_gated_delta_rule,
@@ -274,3 +275,35 @@ def test_init_rules():
 def test_heads_that_do_not_group_are_refused():
     with pytest.raises(ValueError, match="multiple of n_k_heads"):
         GatedDeltaNet(DIM, n_k_heads=3, n_v_heads=4, head_k_dim=DK, head_v_dim=DV)
+
+
+# -- every family with Gated DeltaNet blocks -----------------------------------------------------
+
+def _tokens(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 2048, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(("family", "overrides"), [("qwen3_5", {}), ("qwen3_next", {}),
+                                                   ("olmo_hybrid", dict(rope_theta=None)),
+                                                   ("olmo_hybrid", dict(rope_theta=10_000.0))])
+def test_packed_documents_equal_each_document_alone(family, overrides):
+    model = build_model(family, "debug", seed=1, **overrides).eval()
+    a, b = _tokens(30, seed=5)[:1], _tokens(21, seed=6)[:1]
+    packed = model(torch.cat([a, b], 1), document_ids=torch.tensor([[0] * 30 + [1] * 21]))
+    torch.testing.assert_close(packed[:, 30:], model(b), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[:, :30], model(a), atol=2e-5, rtol=1e-5)
+    assert (model(torch.cat([a, b], 1))[:, 30:] - model(b)).abs().max() > 1e-3  # the ids matter
+
+
+@pytest.mark.parametrize(("family", "flavor", "overrides"), [
+    ("qwen3_5", "debug-moe", {}),
+    ("qwen3_next", "debug", dict(mtp_depth=1)),  # the MTP module's loss joins the backward
+    ("olmo_hybrid", "debug", dict(rope_theta=10_000.0)),
+])
+def test_a_training_step_reaches_every_parameter(family, flavor, overrides):
+    model = build_model(family, flavor, seed=2, **overrides)
+    tokens = _tokens(24)
+    model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == []

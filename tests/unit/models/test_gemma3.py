@@ -1,8 +1,9 @@
-"""Gemma 3 (text) against transformers: same weights, same logits, both ways, over sequences
-longer than the sliding window; local and global rotary bases, linear scaling, the
-query_pre_attn_scalar scale, (1 + w) norms, sqrt(dim) embeddings, final-logit soft-capping;
-the released config dialect; greedy decoding through the cache; published sizes; FLOPs;
-refusals. Tensor parallelism: test_tp_families.py."""
+"""Gemma 3 (text) against transformers: the conformance CASE (sequences longer than the
+sliding window, local and global rotary bases, linear scaling, the query_pre_attn_scalar
+scale, (1 + w) norms, sqrt(dim) embeddings, final-logit soft-capping; published sizes;
+refusals) and what is Gemma 3's own: its options reaching the model, the released config
+dialect, the local/global pattern, FLOPs, the soft cap refusing the fused loss. Tensor
+parallelism: test_tp_families.py."""
 
 from __future__ import annotations
 
@@ -13,55 +14,75 @@ import pytest
 import torch
 
 from forja.errors import ForjaError
-from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
-from forja.models.gemma3.hf import config_from_args
-from tests.helpers import max_logit_diff
-from tests.unit.models.family_checks import (assert_greedy_equal, check_logits, check_save_round_trip,
-                                             checkpoint_fixtures, edited_checkpoint, hf_meta_params, random_hf_model,
-                                             random_tokens)
+from forja.models import build_model, load_hf_checkpoint, model_args
+from tests.unit.models import family_checks as checks
 from tests.unit.models.test_flops import measured_flops_per_token
 
 transformers = pytest.importorskip("transformers")
 
-# Bound on max |logit difference| in float32, against transformers 5.24, torch 2.13, CPU.
-# Measured: 0.0 for "debug" and "scaled" (the same ops in the same order).
-TOL = 1e-5
-
 _SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, vocab_size=2048, max_position_embeddings=2048, rms_norm_eps=1e-6,
               sliding_window=8, query_pre_attn_scalar=48, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-# name -> (config kwargs, the forja flavor it equals or None).
-CONFIGS = {
-    # The `debug` flavor: five local blocks then a global one, window 8, bases 1e4 / 1e6,
-    # query_pre_attn_scalar 48 != head_dim 32, tied embeddings.
-    "debug": (dict(_SHAPE, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0), "debug"),
-    # Linear scaling by 8 of the global blocks, other bases, another pattern, a window of 5,
-    # one key/value head, untied embeddings, final logits soft-capped at 5.
-    "scaled": (dict(_SHAPE, num_hidden_layers=4, num_key_value_heads=1, head_dim=16, sliding_window=5,
-                    query_pre_attn_scalar=16, tie_word_embeddings=False, final_logit_softcapping=5.0,
-                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
-                    rope_theta=50_000.0, rope_local_base_freq=100.0,
-                    rope_scaling=dict(rope_type="linear", factor=8.0)), None),
-}
 
 
-def make_hf_model(name: str, seed: int = 0):
+@torch.no_grad()
+def _norm_offsets(model) -> None:
+    """forja, like transformers, starts Gemma's norm offsets at 0; make each norm tell."""
+    for key, p in model.named_parameters():
+        if "norm" in key:
+            p.normal_(0.0, 0.3)
+
+
+CASE = checks.FamilyCase(
+    family="gemma3",
+    configs={
+        # The `debug` flavor: five local blocks then a global one, window 8, bases 1e4 / 1e6,
+        # query_pre_attn_scalar 48 != head_dim 32, tied embeddings.
+        "debug": checks.HFConfig("Gemma3ForCausalLM", dict(_SHAPE, rope_theta=1_000_000.0,
+                                                           rope_local_base_freq=10_000.0), "debug"),
+        # Linear scaling by 8 of the global blocks, other bases, another pattern, a window of 5,
+        # one key/value head, untied embeddings, final logits soft-capped at 5.
+        "scaled": checks.HFConfig("Gemma3ForCausalLM", dict(
+            _SHAPE, num_hidden_layers=4, num_key_value_heads=1, head_dim=16, sliding_window=5,
+            query_pre_attn_scalar=16, tie_word_embeddings=False, final_logit_softcapping=5.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            rope_theta=50_000.0, rope_local_base_freq=100.0, rope_scaling=dict(rope_type="linear", factor=8.0))),
+    },
     # transformers starts Gemma's norm offsets at 0; make each norm tell
-    return random_hf_model("Gemma3ForCausalLM", CONFIGS[name][0], seed, pick=lambda key, p: "norm" in key,
-                           draw=lambda p: p.normal_(0.0, 0.3))
+    pick=lambda key, p: "norm" in key, draw=lambda p: p.normal_(0.0, 0.3),
+    # Bound on max |logit difference| in float32, against transformers 5.24, torch 2.13, CPU.
+    # Measured: 0.0 for "debug" and "scaled" (the same ops in the same order).
+    tol=1e-5,
+    tokens=40,  # five windows of 8
+    layout=checks.stored_names,
+    # 9 + 12 = 21 positions: the cache holds more than two windows of 8 (four of 5), and the
+    # 9-token prompt already fills one, so each of the 12 steps decodes past a window.
+    greedy={"debug": 12, "scaled": 12},
+    prepare_export=_norm_offsets,
+    # Text models, tied weights once; equal to transformers' count for the same config.json
+    # (built on the meta device).
+    published={"270m": (268_098_176,), "1b": (999_885_952,), "4b": (3_880_263_168,), "12b": (11_766_034_176,),
+               "27b": (27_009_346_304,)},
+    refusals=(
+        ("debug", dict(attn_logit_softcapping=50.0), r"attn_logit_softcapping=50\.0 is not supported"),
+        ("debug", dict(hidden_activation="gelu"), r"hidden_activation='gelu' is not supported"),
+        ("debug", dict(use_bidirectional_attention=True), r"use_bidirectional_attention=True is not supported"),
+        ("debug", dict(attention_bias=True), r"attention_bias=True is not supported"),
+        ("debug", dict(rope_parameters={"full_attention": {"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e6},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+         r"rope_parameters\.full_attention\.rope_type='longrope' is not supported"),
+        ("debug", dict(rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+         r"rope_parameters\.sliding_attention\.rope_type='linear' is not supported"),
+    ),
+    export_refusals=tuple((overrides, f"a Gemma 3 with {field}=") for overrides, field in [
+        (dict(qk_norm=False), "qk_norm"), (dict(attention_sinks=True), "attention_sinks"),
+        (dict(n_heads=3, n_kv_heads=1), "n_heads")]),
+)
 
-
-checkpoints, loaded = checkpoint_fixtures(make_hf_model, CONFIGS)
-
-
-_tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_load_matches_transformers_logits(checkpoints, loaded, name):
-    # 40 tokens: five windows of 8
-    check_logits(checkpoints[name][1], loaded[name], _tokens(40), TOL, family="gemma3", flavor=CONFIGS[name][1],
-                 label=name)
+checkpoints, loaded = checks.family_fixtures(CASE)
+_tokens = functools.partial(checks.random_tokens, vocab_size=_SHAPE["vocab_size"])
 
 
 def test_options_reach_the_model(loaded):
@@ -78,51 +99,18 @@ def test_the_released_config_dialect_reads_the_same(checkpoints, loaded, tmp_pat
     sliding_window_pattern at the top level, no layer_types."""
     src = checkpoints["debug"][0]
     ropes = json.loads((src / "config.json").read_text())["rope_parameters"]
-    dst = edited_checkpoint(src, tmp_path / "ckpt", drop=("rope_parameters", "layer_types"),
+    dst = checks.edited_checkpoint(src, tmp_path / "ckpt", drop=("rope_parameters", "layer_types"),
                             rope_theta=ropes["full_attention"]["rope_theta"],
                             rope_local_base_freq=ropes["sliding_attention"]["rope_theta"], rope_scaling=None,
                             sliding_window_pattern=6)
     assert load_hf_checkpoint(dst).args == loaded["debug"].args
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, loaded, tmp_path, name):
-    check_save_round_trip(loaded[name], tmp_path / "export", hf_class="Gemma3ForCausalLM", tokens=_tokens(33),
-                          tol=TOL, layout_of=checkpoints[name][0])
+# -- sizes and FLOPs ---------------------------------------------------------------------------
 
-
-def test_forja_model_exports_to_transformers(tmp_path):
-    model = build_model("gemma3", "debug", seed=3)
-    with torch.no_grad():  # forja also starts the norm offsets at 0
-        for key, p in model.named_parameters():
-            if "norm" in key:
-                p.normal_(0.0, 0.3)
-    save_hf_checkpoint(model, tmp_path / "a")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a").eval()
-    assert max_logit_diff(hf, model, _tokens(20)) < TOL
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name):
-    # 9 + 12 = 21 positions: the cache holds more than two windows of 8 (four of 5), and the
-    # 9-token prompt already fills one, so each of the 12 steps decodes past a window.
-    assert_greedy_equal(checkpoints[name][1], loaded[name], _tokens(9, seed=4), 12)
-
-
-# -- published sizes and FLOPs ---------------------------------------------------------------
-
-# Text models, tied weights once; equal to transformers' count for the same config.json
-# (built on the meta device below).
-PUBLISHED = {"270m": 268_098_176, "1b": 999_885_952, "4b": 3_880_263_168, "12b": 11_766_034_176,
-             "27b": 27_009_346_304}
-
-
-@pytest.mark.parametrize("flavor", list(PUBLISHED))
-def test_published_parameter_counts_equal_transformers(flavor):
-    model = build_model("gemma3", flavor, device="meta")
-    assert model.num_params() == PUBLISHED[flavor]
-    assert model.num_params() == hf_meta_params(config_from_args(model.args))
-    assert model.args.layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
+@pytest.mark.parametrize("flavor", list(CASE.published))
+def test_published_flavors_have_five_local_blocks_to_one_global(flavor):
+    assert model_args("gemma3", flavor).layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
 
 
 def test_debug_flavor_is_the_advertised_size():
@@ -143,35 +131,6 @@ def test_flops_formula_within_5_percent_of_counted():
 
 
 # -- bad input -------------------------------------------------------------------------------
-
-@pytest.mark.parametrize(("changes", "message"), [
-    (dict(attn_logit_softcapping=50.0), r"attn_logit_softcapping=50\.0 is not supported"),
-    (dict(hidden_activation="gelu"), r"hidden_activation='gelu' is not supported"),
-    (dict(use_bidirectional_attention=True), r"use_bidirectional_attention=True is not supported"),
-    (dict(attention_bias=True), r"attention_bias=True is not supported"),
-    (dict(rope_parameters={"full_attention": {"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e6},
-                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
-     r"rope_parameters\.full_attention\.rope_type='longrope' is not supported"),
-    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
-     r"rope_parameters\.sliding_attention\.rope_type='linear' is not supported"),
-])
-def test_unsupported_config_option_is_named(checkpoints, tmp_path, changes, message):
-    dst = edited_checkpoint(checkpoints["debug"][0], tmp_path / "ckpt", **changes)
-    with pytest.raises(ForjaError, match=r"config\.json: " + message):
-        load_hf_checkpoint(dst)
-
-
-@pytest.mark.parametrize(("overrides", "field"), [
-    (dict(qk_norm=False), "qk_norm"), (dict(attention_sinks=True), "attention_sinks"),
-    (dict(n_heads=3, n_kv_heads=1), "n_heads"),
-])
-def test_export_refuses_what_transformers_cannot_express(tmp_path, overrides, field):
-    model = build_model("gemma3", "debug", device="meta", **overrides)
-    with pytest.raises(ForjaError, match=f"a Gemma 3 with {field}="):
-        save_hf_checkpoint(model, tmp_path / "x")
-    assert not (tmp_path / "x").exists()
-
 
 def test_soft_capped_logits_refuse_the_fused_loss():
     with pytest.raises(ForjaError, match="final_logit_softcap is set, but the fused cross-entropy"):

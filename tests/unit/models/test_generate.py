@@ -1,27 +1,12 @@
-"""Decoding: greedy with the KV cache equals transformers' generate and the uncached loop."""
+"""Decoding: sampling, top-k / top-p, stop tokens, bad settings. Greedy decoding against
+transformers' generate (cached and uncached) is every family's, in test_conformance.py."""
 
 import pytest
 import torch
 
 from forja.errors import ForjaError
 from forja.generate import SamplingConfig, _filter_logits, generate
-from forja.models import build_model, load_hf_checkpoint
-from tests.helpers import hf_greedy
-
-from .conftest import HF_CONFIGS
-
-
-@pytest.mark.parametrize("name", list(HF_CONFIGS))
-def test_greedy_32_tokens_equals_transformers_generate(hf_checkpoints, name):
-    path, hf = hf_checkpoints[name]
-    model = load_hf_checkpoint(path)
-    prompt = torch.randint(0, hf.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
-    ref = hf_greedy(hf, prompt, 32)
-    cached = generate(model, prompt, SamplingConfig(max_new_tokens=32))
-    uncached = generate(model, prompt, SamplingConfig(max_new_tokens=32), use_cache=False)
-    assert cached.shape == (2, 41)
-    assert torch.equal(cached, ref)
-    assert torch.equal(cached, uncached)
+from forja.models import build_model
 
 
 def test_sampling_is_repeatable_by_seed_and_differs_across_seeds():

@@ -1,8 +1,8 @@
-"""gpt-oss against transformers: same weights, same logits, both ways (sliding windows,
-sinks, YaRN, the router's bias and top-k softmax, the experts' biases and clamped SwiGLU),
-packed documents, greedy decoding past the window, published sizes, refusals; a training
-step through a packed batch. Tensor parallelism (the sinks sharded with the heads):
-test_tp_families.py."""
+"""gpt-oss against transformers: the conformance CASE (sliding windows, sinks, YaRN, the
+router's bias and top-k softmax, the experts' biases and clamped SwiGLU; published sizes;
+refusals) and what is gpt-oss's own: the window and sinks mattering, packed documents, its
+checkpoint layout, the expert and router math piece by piece, a training step through a
+packed batch. Tensor parallelism (the sinks sharded with the heads): test_tp_families.py."""
 
 from __future__ import annotations
 
@@ -12,63 +12,87 @@ import pytest
 import torch
 
 from forja.errors import ForjaError
-from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
-from forja.models.gpt_oss.hf import config_from_args
-from tests.helpers import max_logit_diff
-from tests.unit.models.family_checks import (assert_greedy_equal, check_logits, check_save_round_trip,
-                                             checkpoint_fixtures, edited_checkpoint, hf_meta_params, random_hf_model,
-                                             random_tokens, stored_shapes)
+from forja.models import build_model, load_hf_checkpoint, model_args
+from tests.unit.models import family_checks as checks
 
 transformers = pytest.importorskip("transformers")
-
-# Bound on max |logit difference| in float32, against transformers 5.24, torch 2.13, CPU.
-# Measured: 0 to 1.7e-6 for "base" and "variant", plain and packed rows (0 everywhere on a
-# quiet machine; under load BLAS splits its work otherwise). transformers runs an expert's
-# gate and up projections as one interleaved (D, 2H) matmul, forja as two (H, D) ones.
-TOL = 1e-5
 
 _SHAPE = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, vocab_size=2048, max_position_embeddings=2048,
               num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
               rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150_000.0})
-# name -> (config kwargs, the forja flavor it equals or None).
-CONFIGS = {
-    # The `debug` flavor: sliding (8), full, sliding, full; YaRN without truncation.
-    "base": (_SHAPE, "debug"),
-    # A clamp the gate and up projections cross often (0.5, alpha 1.3), YaRN in the 4.x
-    # dialect with transformers' default truncation, no attention biases, tied embeddings,
-    # 3 blocks with their own layer types and a 5-token window, GQA 4:1, 4 experts top 1.
-    "variant": (dict(_SHAPE, num_hidden_layers=3, num_attention_heads=8, head_dim=16, sliding_window=5,
-                     layer_types=["full_attention", "sliding_attention", "sliding_attention"],
-                     num_local_experts=4, num_experts_per_tok=1, swiglu_limit=0.5, swiglu_alpha=1.3,
-                     attention_bias=False, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_parameters=None,
-                     rope_theta=10_000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0,
-                                                        "beta_slow": 1.0, "original_max_position_embeddings": 16}),
-                None),
-}
+_VARIANT_TYPES = ["full_attention", "sliding_attention", "sliding_attention"]
 
 
-def make_hf_model(name: str, seed: int = 0):
+def _layer_types_are_written(name, model, reloaded, checkpoints) -> None:
+    assert reloaded.config.layer_types == [model.args.layer_type(i) for i in range(model.args.n_layers)]
+
+
+@torch.no_grad()
+def _biases_and_sinks(model) -> None:
+    """forja starts biases and sinks at 0: give each a value."""
+    for key, p in model.named_parameters():
+        if p.dim() == 1 or ".b" in key[-3:] or key.endswith("sinks"):
+            p.normal_(0.0, 0.1)
+
+
+CASE = checks.FamilyCase(
+    family="gpt_oss",
+    configs={
+        # The `debug` flavor: sliding (8), full, sliding, full; YaRN without truncation.
+        "base": checks.HFConfig("GptOssForCausalLM", _SHAPE, "debug"),
+        # A clamp the gate and up projections cross often (0.5, alpha 1.3), YaRN in the 4.x
+        # dialect with transformers' default truncation, no attention biases, tied embeddings,
+        # 3 blocks with their own layer types and a 5-token window, GQA 4:1, 4 experts top 1.
+        "variant": checks.HFConfig("GptOssForCausalLM", dict(
+            _SHAPE, num_hidden_layers=3, num_attention_heads=8, head_dim=16, sliding_window=5,
+            layer_types=_VARIANT_TYPES, num_local_experts=4, num_experts_per_tok=1, swiglu_limit=0.5,
+            swiglu_alpha=1.3, attention_bias=False, tie_word_embeddings=True, rms_norm_eps=1e-6,
+            rope_parameters=None, rope_theta=10_000.0,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
+                          "original_max_position_embeddings": 16})),
+    },
     # transformers starts every bias but the router's at 0: give each a value
-    return random_hf_model("GptOssForCausalLM", CONFIGS[name][0], seed,
-                           pick=lambda key, p: key.endswith(("bias", "_bias")), draw=lambda p: p.normal_(0.0, 0.1))
+    pick=lambda key, p: key.endswith(("bias", "_bias")), draw=lambda p: p.normal_(0.0, 0.1),
+    # Bound on max |logit difference| in float32, against transformers 5.24, torch 2.13, CPU.
+    # Measured: 0 to 1.7e-6 for "base" and "variant", plain and packed rows (0 everywhere on a
+    # quiet machine; under load BLAS splits its work otherwise). transformers runs an expert's
+    # gate and up projections as one interleaved (D, 2H) matmul, forja as two (H, D) ones.
+    tol=1e-5,
+    tokens=40,  # 5x the window
+    layout=checks.stored_shapes, after_round_trip=_layer_types_are_written,
+    # The 9-token prompt already fills the 8- and 5-token windows: each of the 8 steps decodes
+    # past them, through transformers' sliding cache, to 17 positions (two windows of 8).
+    greedy={"base": 8, "variant": 8},
+    prepare_export=_biases_and_sinks,
+    # (total, active per token, active without the input embedding): the totals equal
+    # transformers' count for the same config.json (built on the meta device); OpenAI's
+    # model card counts the active ones without the embedding (its lookup does no matmul) but
+    # with the unembedding: 20.91B total / 3.61B active, 116.83B / 5.13B.
+    published={"20b": (20_914_757_184, 4_187_440_704, 3_608_307_264),
+               "120b": (116_829_156_672, 5_711_982_912, 5_132_849_472)},
+    refusals=(
+        ("base", dict(quantization_config={"quant_method": "mxfp4"}),
+         r"quantization_config\.quant_method='mxfp4' is not supported .*forja loads the bf16/fp32 layout"),
+        ("base", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+         r"rope_parameters\.rope_type='dynamic' is not supported"),
+    ),
+    export_refusals=tuple((overrides, f"a gpt-oss with {field}=") for overrides, field in [
+        (dict(qk_norm=True), "qk_norm"), (dict(score_func="softmax"), "score_func"),
+        (dict(router_bias=False), "router_bias"), (dict(expert_proj_bias=False), "expert_proj_bias"),
+        (dict(expert_activation="swiglu"), "expert_activation"), (dict(n_shared_experts=1), "n_shared_experts"),
+        (dict(attention_sinks=False), "attention_sinks"), (dict(capacity_factor=1.25), "capacity_factor")]),
+)
+
+checkpoints, loaded = checks.family_fixtures(CASE)
+_tokens = functools.partial(checks.random_tokens, vocab_size=_SHAPE["vocab_size"])
 
 
-checkpoints, loaded = checkpoint_fixtures(make_hf_model, CONFIGS)
-
-
-_tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_load_matches_transformers_logits(checkpoints, loaded, name):
-    model, flavor = loaded[name], CONFIGS[name][1]
-    if flavor is None:
-        assert model.args.rope_scaling.truncate and model.args.swiglu_limit == 0.5
-        assert [model.args.layer_type(i) for i in range(3)] == CONFIGS[name][0]["layer_types"]
-    # 40 tokens: 5x the window
-    check_logits(checkpoints[name][1], model, _tokens(40), TOL, family="gpt_oss", flavor=flavor, label=name)
+def test_the_variants_options_reach_the_args(loaded):
+    a = loaded["variant"].args
+    assert a.rope_scaling.truncate and a.swiglu_limit == 0.5
+    assert [a.layer_type(i) for i in range(3)] == _VARIANT_TYPES
 
 
 @torch.no_grad()
@@ -96,7 +120,7 @@ def _hf_document_masks(docs: torch.Tensor, window: int) -> dict[str, torch.Tenso
     return {kind: torch.zeros(m.shape).masked_fill(~m, low)[:, None] for kind, m in masks.items()}
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(CASE.configs))
 @torch.no_grad()
 def test_packed_documents_match_transformers(checkpoints, loaded, name):
     hf, model = checkpoints[name][1], loaded[name]
@@ -105,12 +129,12 @@ def test_packed_documents_match_transformers(checkpoints, loaded, name):
     ref = hf(tokens, attention_mask=_hf_document_masks(docs, model.args.sliding_window)).logits
     diff = (ref - model(tokens, document_ids=docs)).abs().max().item()
     print(f"{name} packed: max |logit diff| = {diff:.3e}")
-    assert diff < TOL
+    assert diff < CASE.tol
     assert (ref - model(tokens)).abs().max() > 1e-2  # the documents do matter
 
 
 def test_transformers_saves_its_module_layout(checkpoints):
-    shapes = stored_shapes(checkpoints["base"][0])
+    shapes = checks.stored_shapes(checkpoints["base"][0])
     E, D, H = 8, 128, 96
     assert shapes["model.layers.1.mlp.experts.gate_up_proj"] == [E, D, 2 * H]  # x @ W, gate/up interleaved
     assert shapes["model.layers.1.mlp.experts.gate_up_proj_bias"] == [E, 2 * H]
@@ -118,33 +142,6 @@ def test_transformers_saves_its_module_layout(checkpoints):
     assert shapes["model.layers.1.mlp.experts.down_proj_bias"] == [E, D]
     assert shapes["model.layers.3.mlp.router.bias"] == [E] and shapes["model.layers.0.self_attn.sinks"] == [4]
     assert shapes["model.layers.2.self_attn.o_proj.bias"] == [D]
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, loaded, tmp_path, name):
-    model = loaded[name]
-    _, reloaded = check_save_round_trip(model, tmp_path / "export", hf_class="GptOssForCausalLM",
-                                        tokens=_tokens(33), tol=TOL, layout_of=checkpoints[name][0],
-                                        stored=stored_shapes)
-    assert reloaded.config.layer_types == [model.args.layer_type(i) for i in range(model.args.n_layers)]
-
-
-def test_forja_model_exports_to_transformers(tmp_path):
-    model = build_model("gpt_oss", "debug", seed=3)
-    with torch.no_grad():  # forja starts biases and sinks at 0: give each a value
-        for key, p in model.named_parameters():
-            if p.dim() == 1 or ".b" in key[-3:] or key.endswith("sinks"):
-                p.normal_(0.0, 0.1)
-    save_hf_checkpoint(model, tmp_path / "a")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a").eval()
-    assert max_logit_diff(hf, model, _tokens(20)) < TOL
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name):
-    # The 9-token prompt already fills the 8- and 5-token windows: each of the 8 steps decodes
-    # past them, through transformers' sliding cache, to 17 positions (two windows of 8).
-    assert_greedy_equal(checkpoints[name][1], loaded[name], _tokens(9, seed=4), 8)
 
 
 # -- the expert and router math, piece by piece --------------------------------------------
@@ -201,25 +198,7 @@ def test_a_packed_training_step_equals_its_documents_alone():
         torch.testing.assert_close(packed[key], p.grad, atol=1e-6, rtol=1e-4, msg=key)
 
 
-# -- published sizes -------------------------------------------------------------------------
-
-# (total, active per token, active without the input embedding): the totals equal
-# transformers' count for the same config.json (built on the meta device below); OpenAI's
-# model card counts the active ones without the embedding (its lookup does no matmul) but
-# with the unembedding: 20.91B total / 3.61B active, 116.83B / 5.13B.
-PUBLISHED = {
-    "20b": (20_914_757_184, 4_187_440_704, 3_608_307_264),
-    "120b": (116_829_156_672, 5_711_982_912, 5_132_849_472),
-}
-
-
-@pytest.mark.parametrize("flavor", list(PUBLISHED))
-def test_published_parameter_counts_equal_transformers(flavor):
-    model = build_model("gpt_oss", flavor, device="meta")
-    counts = model.num_params(), model.num_active_params(), model.num_active_params(exclude_embeddings=True)
-    assert counts == PUBLISHED[flavor]
-    assert model.num_params() == hf_meta_params(config_from_args(model.args))
-
+# -- sizes and initialization ----------------------------------------------------------------
 
 def test_debug_flavor_is_the_advertised_size():
     model = build_model("gpt_oss", "debug", device="meta")
@@ -246,33 +225,8 @@ def test_args_refuse_a_second_expert_width_and_no_experts():
 
 # -- bad input -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("changes", "message"), [
-    (dict(quantization_config={"quant_method": "mxfp4"}),
-     r"quantization_config\.quant_method='mxfp4' is not supported .*forja loads the bf16/fp32 layout"),
-    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
-     r"rope_parameters\.rope_type='dynamic' is not supported"),
-])
-def test_unsupported_config_option_is_named(checkpoints, tmp_path, changes, message):
-    dst = edited_checkpoint(checkpoints["base"][0], tmp_path / "ckpt", **changes)
-    with pytest.raises(ForjaError, match=r"config\.json: " + message):
-        load_hf_checkpoint(dst)
-
-
 def test_a_config_without_rope_settings_takes_transformers_default(checkpoints, tmp_path):
-    dst = edited_checkpoint(checkpoints["base"][0], tmp_path / "ckpt", rope_parameters=None)
+    dst = checks.edited_checkpoint(checkpoints["base"][0], tmp_path / "ckpt", rope_parameters=None)
     s = load_hf_checkpoint(dst).args.rope_scaling
     assert (s.factor, s.original_max_seq_len, s.beta_fast, s.beta_slow, s.truncate) == (32.0, 4096, 32.0, 1.0, False)
     assert transformers.AutoConfig.from_pretrained(dst).rope_parameters["original_max_position_embeddings"] == 4096
-
-
-@pytest.mark.parametrize(("overrides", "field"), [
-    (dict(qk_norm=True), "qk_norm"), (dict(score_func="softmax"), "score_func"),
-    (dict(router_bias=False), "router_bias"), (dict(expert_proj_bias=False), "expert_proj_bias"),
-    (dict(expert_activation="swiglu"), "expert_activation"), (dict(n_shared_experts=1), "n_shared_experts"),
-    (dict(attention_sinks=False), "attention_sinks"), (dict(capacity_factor=1.25), "capacity_factor"),
-])
-def test_export_refuses_what_transformers_cannot_express(tmp_path, overrides, field):
-    model = build_model("gpt_oss", "debug", device="meta", **overrides)
-    with pytest.raises(ForjaError, match=f"a gpt-oss with {field}="):
-        save_hf_checkpoint(model, tmp_path / "x")
-    assert not (tmp_path / "x").exists()

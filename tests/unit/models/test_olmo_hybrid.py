@@ -1,7 +1,7 @@
-"""OLMo-Hybrid against transformers: Gated DeltaNet blocks (pre-norm) and OLMo 3's post-norm
-attention blocks with the same weights give the same logits, both ways; every checkpoint
-layout transformers 5.24 writes; packed documents; greedy decoding through the cache;
-the published size; refusals of what forja cannot represent. Tensor parallelism:
+"""OLMo-Hybrid against transformers: the conformance CASE (Gated DeltaNet blocks, pre-norm,
+and OLMo 3's post-norm attention blocks, float32 and float64; the published size; refusals)
+and what is OLMo-Hybrid's own: every checkpoint layout transformers 5.24 writes, packed
+documents, a training step, its initialization ranges, FLOPs. Tensor parallelism:
 test_tp_families.py."""
 
 from __future__ import annotations
@@ -11,14 +11,11 @@ import functools
 import pytest
 import torch
 
-from forja.errors import ForjaError
 from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
 from forja.models.common.gated_delta_rule import chunk_gated_delta_rule
 from forja.models.olmo_hybrid.hf import config_from_args
 from tests.helpers import max_logit_diff
-from tests.unit.models.family_checks import (assert_greedy_equal, assert_same_weights, check_save_round_trip,
-                                             checkpoint_fixtures, edited_checkpoint, float64_diffs, hf_meta_params,
-                                             random_hf_model, random_tokens, stored_shapes)
+from tests.unit.models import family_checks as checks
 from tests.unit.models.test_flops import measured_flops_per_token
 
 transformers = pytest.importorskip("transformers")
@@ -37,36 +34,6 @@ TOL_FLOAT64 = 1e-10
 
 _SHAPE = dict(hidden_size=128, num_attention_heads=4, vocab_size=2048, max_position_embeddings=2048,
               rms_norm_eps=1e-6, linear_conv_kernel_dim=4, pad_token_id=None, eos_token_id=None)
-# name -> (config kwargs, the forja flavor it equals or None).
-CONFIGS = {
-    # The published arrangement (3 Gated DeltaNet, 1 attention), NoPE, no grouping, value heads
-    # twice as wide as key heads: forja's debug flavor.
-    "debug": (dict(_SHAPE, num_hidden_layers=4, num_key_value_heads=4, intermediate_size=384,
-                   linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=24,
-                   linear_value_head_dim=48, tie_word_embeddings=False,
-                   rope_parameters={"rope_type": "default", "rope_theta": None}), "debug"),
-    # Another pattern, RoPE, GQA 2:1, tied embeddings, other Gated DeltaNet widths (q | k | v
-    # channels 64 | 64 | 128, which transformers' save_pretrained stores in chunks of 86, 86, 84).
-    "rope_gqa": (dict(_SHAPE, num_hidden_layers=5, num_key_value_heads=2, intermediate_size=256,
-                      layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",
-                                   "full_attention"],
-                      linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=32,
-                      linear_value_head_dim=64, linear_allow_neg_eigval=True, tie_word_embeddings=True,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}), None),
-}
-
-
-def make_hf_model(name: str, seed: int = 0):
-    # norms start at ones: give them values of their own
-    return random_hf_model("OlmoHybridForCausalLM", CONFIGS[name][0], seed,
-                           pick=lambda key, p: key.endswith("norm.weight"),
-                           draw=lambda p: p.add_(torch.randn_like(p) * 0.1))
-
-
-checkpoints, loaded = checkpoint_fixtures(make_hf_model, CONFIGS)
-
-
-_tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
 
 
 def _forja_rule(q, k, v, g=None, beta=None, initial_state=None, output_final_state=False, **_):
@@ -75,16 +42,14 @@ def _forja_rule(q, k, v, g=None, beta=None, initial_state=None, output_final_sta
                                   output_final_state=output_final_state)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_load_matches_transformers_logits(checkpoints, loaded, monkeypatch, name):
-    hf = checkpoints[name][1]
-    model = loaded[name]
-    flavor = CONFIGS[name][1]
+def _logits(case, name, hf, model, tokens, monkeypatch) -> None:
+    """float32 within TOL and transformers' own float32 error; float64 within TOL, and with
+    forja's delta rule in both models the same function."""
+    flavor = case.configs[name].flavor
     if flavor is not None:  # config.json read into exactly the flavor's args
         assert model.args == model_args("olmo_hybrid", flavor)
-    tokens = _tokens(80)  # two 64-token chunks of the delta rule (padded to whole chunks: 65 would cost the same)
     diff = max_logit_diff(hf, model, tokens)
-    hf_rounding, diff64, hf64, model64, exact = float64_diffs(hf, model, tokens)
+    hf_rounding, diff64, hf64, model64, exact = checks.float64_diffs(hf, model, tokens)
     with torch.no_grad():
         monkeypatch.setattr(modeling_olmo_hybrid, "torch_chunk_gated_delta_rule", _forja_rule)
         same_rule64 = (model64(tokens) - hf64(tokens).logits).abs().max().item()
@@ -95,54 +60,69 @@ def test_load_matches_transformers_logits(checkpoints, loaded, monkeypatch, name
     assert diff64 < TOL and same_rule64 < TOL_FLOAT64
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, loaded, tmp_path, name):
-    check_save_round_trip(loaded[name], tmp_path / "export",
-                          hf_class="OlmoHybridForCausalLM", tokens=_tokens(33), tol=TOL)
+CASE = checks.FamilyCase(
+    family="olmo_hybrid",
+    configs={
+        # The published arrangement (3 Gated DeltaNet, 1 attention), NoPE, no grouping, value heads
+        # twice as wide as key heads: forja's debug flavor.
+        "debug": checks.HFConfig("OlmoHybridForCausalLM", dict(
+            _SHAPE, num_hidden_layers=4, num_key_value_heads=4, intermediate_size=384, linear_num_key_heads=4,
+            linear_num_value_heads=4, linear_key_head_dim=24, linear_value_head_dim=48, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": None}), "debug"),
+        # Another pattern, RoPE, GQA 2:1, tied embeddings, other Gated DeltaNet widths (q | k | v
+        # channels 64 | 64 | 128, which transformers' save_pretrained stores in chunks of 86, 86, 84).
+        "rope_gqa": checks.HFConfig("OlmoHybridForCausalLM", dict(
+            _SHAPE, num_hidden_layers=5, num_key_value_heads=2, intermediate_size=256,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",
+                         "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=64,
+            linear_allow_neg_eigval=True, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})),
+    },
+    # norms start at ones: give them values of their own
+    pick=lambda key, p: key.endswith("norm.weight"), draw=lambda p: p.add_(torch.randn_like(p) * 0.1),
+    tol=TOL, logits=_logits,
+    tokens=80,  # two 64-token chunks of the delta rule (padded to whole chunks: 65 would cost the same)
+    greedy={"debug": 20, "rope_gqa": 20},
+    published={"7b": (7_430_870_688, 7_430_870_688)},  # equal to transformers' count for the same config.json
+    refusal_prefix="",
+    refusals=(
+        ("debug", dict(attention_bias=True), "attention_bias=True is not supported by forja's OLMo-Hybrid"),
+        ("debug", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        ("debug", dict(attention_dropout=0.1), "attention_dropout=0.1"),
+        ("debug", dict(layer_types=["sliding_attention"] * 4), "layer_types='sliding_attention'"),
+        ("debug", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type='yarn'"),
+        ("debug", dict(linear_num_value_heads=8), "linear_num_value_heads=8"),
+    ),
+    export_refusals=(
+        (dict(attention_sinks=True), "with attention_sinks=True has no equivalent in transformers"),
+        (dict(sliding_window=16), "with sliding_window=16 has no equivalent"),
+        (dict(linear_n_v_heads=8), "with linear_n_v_heads=8 has no equivalent"),
+        (dict(qk_norm=False), "with qk_norm=False has no equivalent"),
+    ),
+)
+
+checkpoints, loaded = checks.family_fixtures(CASE)
+_tokens = functools.partial(checks.random_tokens, vocab_size=_SHAPE["vocab_size"])
 
 
 def test_every_layout_transformers_writes_loads_the_same(checkpoints, loaded, tmp_path):
     """save_pretrained's convolutions in equal thirds (the fixture's files), forja's at the
     projections' widths, and transformers' module layout (one conv1d, module-named norms)."""
     path, hf = checkpoints["rope_gqa"]
-    thirds = stored_shapes(path)
+    thirds = checks.stored_shapes(path)
     # 256 channels in chunks of 86, not cut at the projections' 64 | 64 | 128
     assert thirds["model.layers.0.linear_attn.q_conv1d.weight"] == [86, 1, 4]
     assert "model.layers.0.attention_layer_norm.weight" in thirds
     ours = loaded["rope_gqa"]
-    written = stored_shapes(save_hf_checkpoint(ours, tmp_path / "forja"))
+    written = checks.stored_shapes(save_hf_checkpoint(ours, tmp_path / "forja"))
     assert [written[f"model.layers.0.linear_attn.{c}_conv1d.weight"][0] for c in "qkv"] == [64, 64, 128]
     hf.save_pretrained(tmp_path / "modules", save_original_format=False)
-    modules = stored_shapes(tmp_path / "modules")
+    modules = checks.stored_shapes(tmp_path / "modules")
     assert "model.layers.0.linear_attn.conv1d.weight" in modules
     assert "model.layers.0.input_layernorm.weight" in modules
     for other in (load_hf_checkpoint(tmp_path / "forja"), load_hf_checkpoint(tmp_path / "modules")):
-        assert_same_weights(other, ours)
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name):
-    hf = checkpoints[name][1]
-    assert_greedy_equal(hf, loaded[name], _tokens(9, seed=4), 20)
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("rope_theta", [None, 10_000.0])
-def test_packed_documents_equal_each_document_alone(rope_theta):
-    model = build_model("olmo_hybrid", "debug", seed=1, rope_theta=rope_theta).eval()
-    a, b = _tokens(30, seed=5)[:1], _tokens(21, seed=6)[:1]
-    packed = model(torch.cat([a, b], 1), document_ids=torch.tensor([[0] * 30 + [1] * 21]))
-    torch.testing.assert_close(packed[:, 30:], model(b), atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(packed[:, :30], model(a), atol=2e-5, rtol=1e-5)
-    assert (model(torch.cat([a, b], 1))[:, 30:] - model(b)).abs().max() > 1e-3  # the ids matter
-
-
-def test_a_training_step_reaches_every_parameter():
-    model = build_model("olmo_hybrid", "debug", seed=2, rope_theta=10_000.0)
-    tokens = _tokens(24)
-    model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
-    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
-    assert missing == []
+        checks.assert_same_weights(other, ours)
 
 
 def test_init_draws_the_decay_and_time_step_from_the_args_ranges():
@@ -164,45 +144,9 @@ def test_flops_formula_within_5_percent_of_counted():
 
 # -- the published size ------------------------------------------------------------------------
 
-PUBLISHED = {"7b": 7_430_870_688}  # equal to transformers' count for the same config.json
-
-
-@pytest.mark.parametrize("flavor", list(PUBLISHED))
-def test_published_parameter_counts_equal_transformers(flavor):
-    model = build_model("olmo_hybrid", flavor, device="meta")
-    total = model.num_params()
-    print(f"{flavor}: {total:,} parameters")
-    assert total == hf_meta_params(config_from_args(model.args)) == PUBLISHED[flavor]
-    assert total == model.num_active_params()
-    # The flavor is transformers' OlmoHybridConfig defaults in shape.
+def test_the_published_flavor_is_transformers_default_shape():
+    args = model_args("olmo_hybrid", "7b")
     defaults = transformers.OlmoHybridConfig()
-    assert config_from_args(model.args)["layer_types"] == defaults.layer_types
-    assert (model.args.linear_k_head_dim, model.args.linear_v_head_dim) == (defaults.linear_key_head_dim,
-                                                                              defaults.linear_value_head_dim)
-
-
-# -- what forja cannot represent ---------------------------------------------------------------
-
-@pytest.mark.parametrize(("changes", "message"), [
-    (dict(attention_bias=True), "attention_bias=True is not supported by forja's OLMo-Hybrid"),
-    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    (dict(attention_dropout=0.1), "attention_dropout=0.1"),
-    (dict(layer_types=["sliding_attention"] * 4), "layer_types='sliding_attention'"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type='yarn'"),
-    (dict(linear_num_value_heads=8), "linear_num_value_heads=8"),
-])
-def test_unsupported_config_option_is_named(checkpoints, tmp_path, changes, message):
-    edited_checkpoint(checkpoints["debug"][0], tmp_path, **changes)
-    with pytest.raises(ForjaError, match=message):
-        load_hf_checkpoint(tmp_path)
-
-
-@pytest.mark.parametrize(("override", "message"), [
-    (dict(attention_sinks=True), "with attention_sinks=True has no equivalent in transformers"),
-    (dict(sliding_window=16), "with sliding_window=16 has no equivalent"),
-    (dict(linear_n_v_heads=8), "with linear_n_v_heads=8 has no equivalent"),
-    (dict(qk_norm=False), "with qk_norm=False has no equivalent"),
-])
-def test_export_refuses_what_transformers_cannot_express(tmp_path, override, message):
-    with pytest.raises(ForjaError, match=message):
-        save_hf_checkpoint(build_model("olmo_hybrid", "debug", **override), tmp_path)
+    assert config_from_args(args)["layer_types"] == defaults.layer_types
+    assert (args.linear_k_head_dim, args.linear_v_head_dim) == (defaults.linear_key_head_dim,
+                                                                  defaults.linear_value_head_dim)

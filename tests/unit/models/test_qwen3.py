@@ -1,125 +1,86 @@
-"""Qwen3 and Qwen3-MoE against transformers: same weights, same logits, both ways; the
-experts' per-expert and fused checkpoint layouts; greedy decoding; published sizes;
-refusals of what forja cannot represent. Tensor parallelism: test_tp_families.py."""
+"""Qwen3 and Qwen3-MoE against transformers: the conformance CASE (dense and MoE blocks, the
+released per-expert and transformers 5's fused expert layouts, published sizes, refusals) and
+what is Qwen3's own: which blocks are mixtures of experts, the experts' initialization and
+checkpoint layout, damaged expert tensors named. Tensor parallelism: test_tp_families.py."""
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 import torch
 
 from forja.errors import ForjaError
-from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
-from forja.models.qwen3.hf import config_from_args
-from tests.helpers import max_logit_diff
-from tests.unit.models.family_checks import (assert_greedy_equal, assert_same_weights, check_logits,
-                                             check_save_round_trip, checkpoint_fixtures, edited_checkpoint,
-                                             hf_meta_params, random_hf_model, random_tokens, stored_names)
+from forja.models import build_model, load_hf_checkpoint, model_args
+from tests.unit.models import family_checks as checks
 
 transformers = pytest.importorskip("transformers")
-
-# Bound on max |logit difference| in float32, against transformers 5.24, torch 2.13, CPU.
-# Measured: 0.0 for "dense" and "moe" (the same ops in the same order, experts included),
-# 2.4e-6 for "moe_step2": transformers runs an expert's gate and up projections as one
-# (2H, D) matmul, forja as two (H, D) ones, and BLAS rounds the two shapes differently
-# (1-2e-7 on an expert's output when H = 48; identical when H = 64).
-TOL = 1e-5
 
 _SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=2048, max_position_embeddings=2048, rms_norm_eps=1e-6,
               rope_theta=1_000_000.0)
-# name -> (transformers class, config kwargs, the forja flavor it equals or None).
-CONFIGS = {
-    # The `debug` flavor: head_dim 64 != 128 / 4 heads, GQA 2:1, tied embeddings.
-    "dense": ("Qwen3ForCausalLM", dict(_SHAPE, head_dim=64, tie_word_embeddings=True), "debug"),
-    # The `debug-moe` flavor: 8 experts, top 2, renormalized; layer 0 dense (mlp_only_layers).
-    "moe": ("Qwen3MoeForCausalLM", dict(_SHAPE, head_dim=32, tie_word_embeddings=False, num_experts=8,
-                                        num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
-                                        mlp_only_layers=[0]), "debug-moe"),
-    # Every other block sparse, top 3 not renormalized, another eps and theta.
-    "moe_step2": ("Qwen3MoeForCausalLM", dict(
-        _SHAPE, head_dim=32, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=3,
-        moe_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=2, rms_norm_eps=1e-5,
-        rope_theta=10_000.0), None),
-}
+_MOE = "Qwen3MoeForCausalLM"
+_FUSED = ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj")
 
+CASE = checks.FamilyCase(
+    family="qwen3",
+    configs={
+        # The `debug` flavor: head_dim 64 != 128 / 4 heads, GQA 2:1, tied embeddings.
+        "dense": checks.HFConfig("Qwen3ForCausalLM", dict(_SHAPE, head_dim=64, tie_word_embeddings=True), "debug"),
+        # The `debug-moe` flavor: 8 experts, top 2, renormalized; layer 0 dense (mlp_only_layers).
+        "moe": checks.HFConfig(_MOE, dict(_SHAPE, head_dim=32, tie_word_embeddings=False, num_experts=8,
+                                          num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                                          mlp_only_layers=[0]), "debug-moe"),
+        # Every other block sparse, top 3 not renormalized, another eps and theta.
+        "moe_step2": checks.HFConfig(_MOE, dict(
+            _SHAPE, head_dim=32, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=3,
+            moe_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=2, rms_norm_eps=1e-5,
+            rope_theta=10_000.0)),
+    },
+    # Bound on max |logit difference| in float32, against transformers 5.24, torch 2.13, CPU.
+    # Measured: 0.0 for "dense" and "moe" (the same ops in the same order, experts included),
+    # 2.4e-6 for "moe_step2": transformers runs an expert's gate and up projections as one
+    # (2H, D) matmul, forja as two (H, D) ones, and BLAS rounds the two shapes differently
+    # (1-2e-7 on an expert's output when H = 48; identical when H = 64).
+    tol=1e-5,
+    layout=checks.stored_names,  # the released (per-expert) layout
+    greedy={"dense": 24, "moe": 24},
+    export_flavors=("debug", "debug-moe"),
+    # (total, active per token), tied weights once; equal to transformers' count for the same
+    # config.json (built on the meta device) and to the released models' reported sizes.
+    published={
+        "0.6b": (596_049_920, 596_049_920),
+        "1.7b": (1_720_574_976, 1_720_574_976),
+        "4b": (4_022_468_096, 4_022_468_096),
+        "8b": (8_190_735_360, 8_190_735_360),
+        "14b": (14_768_307_200, 14_768_307_200),
+        "32b": (32_762_123_264, 32_762_123_264),
+        "30b-a3b": (30_532_122_624, 3_353_032_704),
+        "235b-a22b": (235_093_634_560, 22_190_763_520),
+    },
+    fused={"moe": _FUSED, "moe_step2": _FUSED},
+    refusals=(
+        ("dense", dict(attention_bias=True), r"attention_bias=True is not supported"),
+        ("dense", dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
+        ("dense", dict(use_sliding_window=True, sliding_window=64), r"use_sliding_window=True is not supported"),
+        ("dense", dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6,
+                                        "original_max_position_embeddings": 512}),
+         r"rope_parameters\.rope_type='longrope' is not supported"),
+        ("dense", dict(rope_scaling={"type": "dynamic", "factor": 2.0}), r"rope_scaling\.rope_type='dynamic'"),
+        ("moe", dict(shared_expert_intermediate_size=256), r"shared_expert_intermediate_size=256 is not supported"),
+        ("moe", dict(scoring_func="sigmoid"), r"scoring_func='sigmoid' is not supported"),
+    ),
+    export_refusals=tuple((overrides, f"a Qwen3 with {field}=") for overrides, field in [
+        (dict(qk_norm=False), "qk_norm"), (dict(sliding_window=64), "sliding_window"),
+        (dict(score_func="sigmoid"), "score_func"), (dict(n_shared_experts=1), "n_shared_experts")]),
+    refusal_flavor="debug-moe",
+)
 
-def make_hf_model(name: str, seed: int = 0):
-    cls_name, kwargs, _ = CONFIGS[name]
-    return random_hf_model(cls_name, kwargs, seed)
-
-
-checkpoints, loaded = checkpoint_fixtures(make_hf_model, CONFIGS)
-
-
-_tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_load_matches_transformers_logits(checkpoints, loaded, name):
-    check_logits(checkpoints[name][1], loaded[name], _tokens(48), TOL, family="qwen3", flavor=CONFIGS[name][2],
-                 label=name)
+checkpoints, loaded = checks.family_fixtures(CASE)
 
 
 def test_transformers_saves_one_tensor_per_expert(checkpoints):
-    names = stored_names(checkpoints["moe"][0])
+    names = checks.stored_names(checkpoints["moe"][0])
     assert "model.layers.1.mlp.experts.7.gate_proj.weight" in names
     assert not any("gate_up_proj" in n for n in names)
-
-
-@pytest.mark.parametrize("name", ["moe", "moe_step2"])
-def test_fused_expert_layout_loads_the_same(checkpoints, loaded, tmp_path, name):
-    hf = checkpoints[name][1]
-    hf.save_pretrained(tmp_path / "fused", save_original_format=False)  # transformers 5's own layout
-    names = stored_names(tmp_path / "fused")
-    assert "model.layers.1.mlp.experts.gate_up_proj" in names and "model.layers.1.mlp.experts.down_proj" in names
-    assert_same_weights(load_hf_checkpoint(tmp_path / "fused"), loaded[name])  # fused, per expert
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, loaded, tmp_path, name):
-    path, _ = checkpoints[name]
-    # layout_of: the released (per-expert) layout
-    check_save_round_trip(loaded[name], tmp_path / "export", hf_class=CONFIGS[name][0],
-                          tokens=_tokens(33), tol=TOL, layout_of=path)
-
-
-@pytest.mark.parametrize("flavor", ["debug", "debug-moe"])
-def test_forja_model_exports_to_transformers(tmp_path, flavor):
-    model = build_model("qwen3", flavor, seed=3)
-    save_hf_checkpoint(model, tmp_path / "a")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a").eval()
-    assert max_logit_diff(hf, model, _tokens(20)) < TOL
-
-
-@pytest.mark.parametrize("name", ["dense", "moe"])
-def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded, name):
-    hf = checkpoints[name][1]
-    assert_greedy_equal(hf, loaded[name], _tokens(9, seed=4), 24)
-
-
-# -- published sizes -------------------------------------------------------------------------
-
-# (total, active per token), tied weights once; equal to transformers' count for the same
-# config.json (built on the meta device below) and to the released models' reported sizes.
-PUBLISHED = {
-    "0.6b": (596_049_920, 596_049_920),
-    "1.7b": (1_720_574_976, 1_720_574_976),
-    "4b": (4_022_468_096, 4_022_468_096),
-    "8b": (8_190_735_360, 8_190_735_360),
-    "14b": (14_768_307_200, 14_768_307_200),
-    "32b": (32_762_123_264, 32_762_123_264),
-    "30b-a3b": (30_532_122_624, 3_353_032_704),
-    "235b-a22b": (235_093_634_560, 22_190_763_520),
-}
-
-
-@pytest.mark.parametrize("flavor", list(PUBLISHED))
-def test_published_parameter_counts_equal_transformers(flavor):
-    model = build_model("qwen3", flavor, device="meta")
-    assert (model.num_params(), model.num_active_params()) == PUBLISHED[flavor]
-    assert model.num_params() == hf_meta_params(config_from_args(model.args))
 
 
 def test_small_flavors_are_the_advertised_size():
@@ -149,25 +110,9 @@ def test_init_rules_scale_the_experts_outputs_with_depth():
 
 # -- bad input -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("name", "changes", "message"), [
-    ("dense", dict(attention_bias=True), r"attention_bias=True is not supported"),
-    ("dense", dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
-    ("dense", dict(use_sliding_window=True, sliding_window=64), r"use_sliding_window=True is not supported"),
-    ("dense", dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6,
-                                    "original_max_position_embeddings": 512}),
-     r"rope_parameters\.rope_type='longrope' is not supported"),
-    ("dense", dict(rope_scaling={"type": "dynamic", "factor": 2.0}), r"rope_scaling\.rope_type='dynamic'"),
-    ("moe", dict(shared_expert_intermediate_size=256), r"shared_expert_intermediate_size=256 is not supported"),
-    ("moe", dict(scoring_func="sigmoid"), r"scoring_func='sigmoid' is not supported"),
-])
-def test_unsupported_config_option_is_named(checkpoints, tmp_path, name, changes, message):
-    dst = edited_checkpoint(checkpoints[name][0], tmp_path / "ckpt", **changes)
-    with pytest.raises(ForjaError, match=r"config\.json: " + message):
-        load_hf_checkpoint(dst)
-
 
 def test_missing_expert_is_named(checkpoints, tmp_path):
-    dst = edited_checkpoint(checkpoints["moe"][0], tmp_path / "ckpt",
+    dst = checks.edited_checkpoint(checkpoints["moe"][0], tmp_path / "ckpt",
                             edit_tensors=lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
     with pytest.raises(ForjaError, match=r"tensor model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight is missing"):
         load_hf_checkpoint(dst)
@@ -175,11 +120,11 @@ def test_missing_expert_is_named(checkpoints, tmp_path):
 
 def test_misshapen_expert_and_extra_expert_are_named(checkpoints, tmp_path):
     misshapen = {"model.layers.1.mlp.experts.0.down_proj.weight": torch.zeros(128, 63)}
-    dst = edited_checkpoint(checkpoints["moe"][0], tmp_path / "ckpt", edit_tensors=lambda t: t.update(misshapen))
+    dst = checks.edited_checkpoint(checkpoints["moe"][0], tmp_path / "ckpt", edit_tensors=lambda t: t.update(misshapen))
     with pytest.raises(ForjaError, match=r"experts\.0\.down_proj\.weight has shape \[128, 63\]; .* expects \[128, 64"):
         load_hf_checkpoint(dst)
     extra = {"model.layers.1.mlp.experts.8.gate_proj.weight": torch.zeros(64, 128)}
-    dst = edited_checkpoint(checkpoints["moe"][0], tmp_path / "extra", edit_tensors=lambda t: t.update(extra))
+    dst = checks.edited_checkpoint(checkpoints["moe"][0], tmp_path / "extra", edit_tensors=lambda t: t.update(extra))
     with pytest.raises(ForjaError, match=r"unexpected tensor model\.layers\.1\.mlp\.experts\.8\.gate_proj\.weight"):
         load_hf_checkpoint(dst)
 
@@ -187,18 +132,7 @@ def test_misshapen_expert_and_extra_expert_are_named(checkpoints, tmp_path):
 def test_damaged_fused_checkpoint_is_reported_in_its_own_layout(checkpoints, tmp_path):
     _, hf = checkpoints["moe"]
     hf.save_pretrained(tmp_path / "fused", save_original_format=False)
-    dst = edited_checkpoint(tmp_path / "fused", tmp_path / "damaged",
+    dst = checks.edited_checkpoint(tmp_path / "fused", tmp_path / "damaged",
                             edit_tensors=lambda t: t.pop("model.layers.3.mlp.experts.down_proj"))
     with pytest.raises(ForjaError, match=r"tensor model\.layers\.3\.mlp\.experts\.down_proj is missing"):
         load_hf_checkpoint(dst)
-
-
-@pytest.mark.parametrize(("overrides", "field"), [
-    (dict(qk_norm=False), "qk_norm"), (dict(sliding_window=64), "sliding_window"),
-    (dict(score_func="sigmoid"), "score_func"), (dict(n_shared_experts=1), "n_shared_experts"),
-])
-def test_export_refuses_what_transformers_cannot_express(tmp_path, overrides, field):
-    model = build_model("qwen3", "debug-moe", device="meta", **overrides)
-    with pytest.raises(ForjaError, match=f"a Qwen3 with {field}="):
-        save_hf_checkpoint(model, tmp_path / "x")
-    assert not (tmp_path / "x").exists()

@@ -1,7 +1,8 @@
-"""Qwen3-Next against transformers: the same weights give the same logits, both ways,
-through its own fusion of the Gated DeltaNet's projections; MoE blocks chosen by
-decoder_sparse_step / mlp_only_layers; packed documents; greedy decoding through the cache;
-the published size; the checkpoints' multi-token prediction tensors; refusals."""
+"""Qwen3-Next against transformers: the conformance CASE (its own fusion of the Gated
+DeltaNet's projections written back tensor for tensor, float32 and float64; the published
+size; refusals) and what is Qwen3-Next's own: MoE blocks chosen by decoder_sparse_step /
+mlp_only_layers, the projections' head order, packed documents, the checkpoints' multi-token
+prediction tensors."""
 
 from __future__ import annotations
 
@@ -13,94 +14,87 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from forja.errors import ForjaError
-from forja.models import build_model, load_hf_checkpoint, model_args, save_hf_checkpoint
+from forja.models import build_model, load_hf_checkpoint, save_hf_checkpoint
 from forja.models.qwen3_next.hf import config_from_args
 from tests.helpers import max_logit_diff
-from tests.unit.models.family_checks import (assert_greedy_equal, assert_same_weights, check_save_round_trip,
-                                             checkpoint_fixtures, edited_checkpoint, float64_diffs, hf_meta_params,
-                                             random_hf_model, random_tokens, stored_names)
+from tests.unit.models import family_checks as checks
 
 transformers = pytest.importorskip("transformers")
 
-# Bounds on max |logit difference| against transformers 5.24, torch 2.13, CPU (as
-# test_qwen3_5.py, whose reasons hold here: the chunked delta rule rounds differently from
-# transformers' in float32, and small peaked models amplify it). Measured in float32: 2.4e-5
-# (moe), 7.6e-6 (dense), 7.0e-6 (sparse_step), where transformers' own float32 logits are
-# 1.2e-4, 7.6e-5 and 1.2e-4 from its float64 ones: float32 is held to 1e-5 where the model
-# allows (the dense one) and everywhere to transformers' own float32 error. In float64: 0 for
-# the dense model; the models with experts are not held there, as both route in float32
-# whatever the dtype (forja from float32 router logits, transformers from float64 ones),
-# which moves expert outputs: measured 1.5e-5 and 1.1e-5.
-TOL = 1e-5
-TOL_FLOAT64 = 1e-10
-TOL_EXPERTS = 3e-5  # a model with experts in float32: 2.4e-5 (moe, above), 1.06e-5 (the MTP checkpoint's, 20 tokens)
+TOL_EXPERTS = 3e-5  # a model with experts in float32: 2.4e-5 (moe, below), 1.06e-5 (the MTP checkpoint's, 20 tokens)
 
 _SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
               vocab_size=2048, max_position_embeddings=2048, rms_norm_eps=1e-6, linear_num_key_heads=2,
               linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
               intermediate_size=256, tie_word_embeddings=False,
               rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25})
-# name -> (config kwargs, the forja flavor it equals or None).
-CONFIGS = {
-    # Block 1 dense (mlp_only_layers), blocks 0, 2, 3 8 experts top 2 and a gated shared expert.
-    "moe": (dict(_SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                 shared_expert_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1]), "debug"),
-    # No experts: every block a SwiGLU of intermediate_size; float64 is then exact.
-    "dense": (dict(_SHAPE, num_experts=0, tie_word_embeddings=True), None),
-    # Every second block a mixture (two shared experts' width, top-3 weights not renormalized),
-    # full attention every other block.
-    "sparse_step": (dict(_SHAPE, num_hidden_layers=5, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
-                         shared_expert_intermediate_size=64, decoder_sparse_step=2, norm_topk_prob=False,
-                         layer_types=["linear_attention", "full_attention"] * 2 + ["linear_attention"]), None),
-}
 
-
-def make_hf_model(name: str, seed: int = 0):
+CASE = checks.FamilyCase(
+    family="qwen3_next",
+    configs={
+        # Block 1 dense (mlp_only_layers), blocks 0, 2, 3 8 experts top 2 and a gated shared expert.
+        "moe": checks.HFConfig("Qwen3NextForCausalLM", dict(_SHAPE, num_experts=8, num_experts_per_tok=2,
+                                                     moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                                                     norm_topk_prob=True, mlp_only_layers=[1]), "debug"),
+        # No experts: every block a SwiGLU of intermediate_size; float64 is then exact.
+        "dense": checks.HFConfig("Qwen3NextForCausalLM", dict(_SHAPE, num_experts=0, tie_word_embeddings=True)),
+        # Every second block a mixture (two shared experts' width, top-3 weights not renormalized),
+        # full attention every other block.
+        "sparse_step": checks.HFConfig("Qwen3NextForCausalLM", dict(
+            _SHAPE, num_hidden_layers=5, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+            shared_expert_intermediate_size=64, decoder_sparse_step=2, norm_topk_prob=False,
+            layer_types=["linear_attention", "full_attention"] * 2 + ["linear_attention"])),
+    },
     # zero-centered norms start at 0 (scale 1): give them values of their own
-    return random_hf_model("Qwen3NextForCausalLM", CONFIGS[name][0], seed, pick=lambda key, p: p.dim() == 1,
-                           draw=lambda p: p.add_(torch.randn_like(p) * 0.1))
+    pick=lambda key, p: p.dim() == 1, draw=lambda p: p.add_(torch.randn_like(p) * 0.1),
+    # Bounds on max |logit difference| against transformers 5.24, torch 2.13, CPU (checks.hybrid_logits,
+    # as Qwen3.5's). Measured in float32: 2.4e-5 (moe), 7.6e-6 (dense), 7.0e-6 (sparse_step),
+    # where transformers' own float32 logits are 1.2e-4, 7.6e-5 and 1.2e-4 from its float64
+    # ones. In float64: 0 for the dense model; with experts 1.5e-5 and 1.1e-5 (not held).
+    tol=1e-5, logits=checks.hybrid_logits,
+    tokens=80,  # two 64-token chunks of the delta rule (padded to whole chunks: 65 would cost the same)
+    same_tensors=True,  # the regrouped in_proj_qkvz / in_proj_ba included
+    greedy={"moe": 20},  # every kind of block: Gated DeltaNet, attention, dense and MoE feed-forwards
+    # The debug flavor exported: measured 7.2e-7 (forja's init keeps logits small), within tol.
+    # (total, active per token); equal to transformers' count for the same config.json (which
+    # builds no MTP module).
+    published={"80b-a3b": (79_674_391_296, 3_874_929_408)},
+    fused={"moe": ("model.layers.2.mlp.experts.gate_up_proj",)},
+    refusal_prefix="",
+    refusals=(
+        ("moe", dict(attention_bias=True), "attention_bias=True is not supported by forja's Qwen3-Next"),
+        ("moe", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        ("moe", dict(layer_types=["sliding_attention"] * 4), "layer_types='sliding_attention'"),
+        ("moe", dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e7}),
+         "rope_type='longrope'"),
+        ("moe", dict(shared_expert_intermediate_size=96), "shared_expert_intermediate_size=96"),
+        ("moe", dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
+        ("moe", dict(mtp_num_hidden_layers=2), "mtp_num_hidden_layers=2 is not supported by forja's Qwen3-Next"),
+    ),
+    export_refusals=(
+        (dict(attention_sinks=True), "Qwen3-Next with attention_sinks=True has no equivalent in transformers"),
+        (dict(mtp_depth=2), "Qwen3-Next with mtp_depth=2 has no equivalent in its checkpoints"),
+    ),
+)
+
+checkpoints, loaded = checks.family_fixtures(CASE)
+_tokens = functools.partial(checks.random_tokens, vocab_size=_SHAPE["vocab_size"])
 
 
-checkpoints, loaded = checkpoint_fixtures(make_hf_model, CONFIGS)
+@pytest.mark.parametrize("name", list(CASE.configs))
+def test_the_blocks_with_experts_are_transformers(checkpoints, loaded, name):
+    args = loaded[name].args
+    moe_blocks = [args.is_moe_layer(i) for i in range(args.n_layers)]
+    assert moe_blocks == [hasattr(layer.mlp, "experts") for layer in checkpoints[name][1].model.layers]
 
 
-_tokens = functools.partial(random_tokens, vocab_size=_SHAPE["vocab_size"])
+def test_the_published_config_names_its_architecture():
+    cfg = config_from_args(build_model("qwen3_next", "80b-a3b", device="meta").args)
+    assert cfg["architectures"] == ["Qwen3NextForCausalLM"] and cfg["model_type"] == "qwen3_next"
 
 
 def _stored(path) -> dict[str, torch.Tensor]:
     return load_file(path / "model.safetensors")
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_load_matches_transformers_logits(checkpoints, loaded, name):
-    hf = checkpoints[name][1]
-    model = loaded[name]
-    flavor = CONFIGS[name][1]
-    if flavor is not None:  # config.json read into exactly the flavor's args
-        assert model.args == model_args("qwen3_next", flavor)
-    moe_blocks = [model.args.is_moe_layer(i) for i in range(model.args.n_layers)]
-    assert moe_blocks == [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
-    tokens = _tokens(80)  # two 64-token chunks of the delta rule (padded to whole chunks: 65 would cost the same)
-    diff = max_logit_diff(hf, model, tokens)
-    hf.config._experts_implementation = "eager"  # transformers' grouped_mm has no float64
-    hf_rounding, diff64, *_ = float64_diffs(hf, model, tokens)
-    print(f"{name}: max |logit diff| float32 {diff:.3e} (transformers' own float32 error {hf_rounding:.3e}), "
-          f"float64 {diff64:.3e}")
-    assert diff < hf_rounding
-    if model.args.n_experts == 0:
-        assert diff < TOL and diff64 < TOL_FLOAT64
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, loaded, tmp_path, name):
-    path, _ = checkpoints[name]
-    out, _ = check_save_round_trip(loaded[name], tmp_path / "export", hf_class="Qwen3NextForCausalLM",
-                                   tokens=_tokens(33), tol=TOL)
-    # forja's file holds transformers' tensors as they were: the regrouped in_proj_qkvz / in_proj_ba included.
-    original, written = _stored(path), _stored(out)
-    assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in written
-    for key, t in original.items():
-        assert torch.equal(written[key], t), key
 
 
 def test_grouped_projections_land_in_forjas_head_order(checkpoints, loaded):
@@ -117,13 +111,6 @@ def test_grouped_projections_land_in_forjas_head_order(checkpoints, loaded):
         assert torch.equal(theirs.reshape(1, 3, -1), mine)
 
 
-def test_fused_expert_layout_loads_the_same(checkpoints, loaded, tmp_path):
-    hf = checkpoints["moe"][1]
-    hf.save_pretrained(tmp_path / "fused", save_original_format=False)  # transformers 5's own layout
-    assert "model.layers.2.mlp.experts.gate_up_proj" in stored_names(tmp_path / "fused")
-    assert_same_weights(load_hf_checkpoint(tmp_path / "fused"), loaded["moe"])
-
-
 # -- the multi-token prediction module ----------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -132,7 +119,7 @@ def mtp_checkpoint(checkpoints, tmp_path_factory):
     plus the published checkpoints' MTP module, which transformers neither builds nor reads;
     its block is a second model's block 3 (full attention with experts), its fc and norms random."""
     path, hf = checkpoints["moe"]
-    donor = make_hf_model("moe", seed=1)
+    donor = checks.make_hf_model(CASE, "moe", seed=1)
     donor_path = tmp_path_factory.mktemp("donor")
     donor.save_pretrained(donor_path)
     tensors = _stored(path)
@@ -187,7 +174,7 @@ def test_the_mtp_module_loads_computes_transformers_pieces_and_saves_bit_exact(m
     h, emb = hf.model(tokens[:, :T]).last_hidden_state, hf.model.embed_tokens(tokens[:, 1:])  # (B, T, D) each
     diff = (mtp(h, emb, rope, mask) - _hf_mtp_reference(donor, stored, h, emb)).abs().max().item()
     print(f"MTP module output: max |diff| from transformers' pieces {diff:.2e}")
-    assert diff < TOL
+    assert diff < CASE.tol
     assert max_logit_diff(hf, model, _tokens(20)) < TOL_EXPERTS  # the main model's logits are unchanged
     out = save_hf_checkpoint(model, tmp_path / "export")
     saved = _stored(out)
@@ -222,70 +209,3 @@ def test_a_config_counting_an_mtp_module_it_does_not_hold(mtp_checkpoint, tmp_pa
               tmp_path / "model.safetensors")
     with pytest.raises(ForjaError, match="mtp.pre_fc_norm_hidden.weight is missing"):
         load_hf_checkpoint(tmp_path)
-
-
-def test_greedy_decoding_equals_transformers_generate(checkpoints, loaded):
-    path, hf = checkpoints["moe"]  # every kind of block: Gated DeltaNet, attention, dense and MoE feed-forwards
-    assert_greedy_equal(hf, loaded["moe"], _tokens(9, seed=4), 20)
-
-
-@torch.no_grad()
-def test_packed_documents_equal_each_document_alone():
-    model = build_model("qwen3_next", "debug", seed=1).eval()
-    a, b = _tokens(30, seed=5)[:1], _tokens(21, seed=6)[:1]
-    packed = model(torch.cat([a, b], 1), document_ids=torch.tensor([[0] * 30 + [1] * 21]))
-    torch.testing.assert_close(packed[:, 30:], model(b), atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(packed[:, :30], model(a), atol=2e-5, rtol=1e-5)
-
-
-def test_a_training_step_reaches_every_parameter():
-    model = build_model("qwen3_next", "debug", seed=2, mtp_depth=1)  # the MTP module's loss joins the backward
-    tokens = _tokens(24)
-    model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
-    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
-    assert missing == []
-
-
-# -- published sizes -------------------------------------------------------------------------
-
-# (total, active per token); equal to transformers' count for the same config.json (which
-# builds no MTP module).
-PUBLISHED = {"80b-a3b": (79_674_391_296, 3_874_929_408)}
-
-
-@pytest.mark.parametrize("flavor", list(PUBLISHED))
-def test_published_parameter_counts_equal_transformers(flavor):
-    model = build_model("qwen3_next", flavor, device="meta")
-    total, active = model.num_params(), model.num_active_params()
-    cfg = config_from_args(model.args)
-    assert cfg["architectures"] == ["Qwen3NextForCausalLM"] and cfg["model_type"] == "qwen3_next"
-    print(f"{flavor}: {total:,} total, {active:,} active")
-    assert total == hf_meta_params(cfg)
-    assert (total, active) == PUBLISHED[flavor]
-
-
-# -- what forja cannot represent ---------------------------------------------------------------
-
-@pytest.mark.parametrize(("changes", "message"), [
-    (dict(attention_bias=True), "attention_bias=True is not supported by forja's Qwen3-Next"),
-    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    (dict(layer_types=["sliding_attention"] * 4), "layer_types='sliding_attention'"),
-    (dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e7}), "rope_type='longrope'"),
-    (dict(shared_expert_intermediate_size=96), "shared_expert_intermediate_size=96"),
-    (dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
-    (dict(mtp_num_hidden_layers=2), "mtp_num_hidden_layers=2 is not supported by forja's Qwen3-Next"),
-])
-def test_unsupported_config_option_is_named(checkpoints, tmp_path, changes, message):
-    edited_checkpoint(checkpoints["moe"][0], tmp_path, **changes)
-    with pytest.raises(ForjaError, match=message) as err:
-        load_hf_checkpoint(tmp_path)
-    assert "\n" not in str(err.value)
-
-
-@pytest.mark.parametrize(("changes", "message"), [
-    (dict(attention_sinks=True), "Qwen3-Next with attention_sinks=True has no equivalent in transformers"),
-    (dict(mtp_depth=2), "Qwen3-Next with mtp_depth=2 has no equivalent in its checkpoints"),
-])
-def test_export_refuses_what_transformers_cannot_express(tmp_path, changes, message):
-    with pytest.raises(ForjaError, match=message):
-        save_hf_checkpoint(build_model("qwen3_next", "debug", **changes), tmp_path)

@@ -5,7 +5,6 @@ every family's case, and one test per family compares that family's results."""
 
 from __future__ import annotations
 
-import importlib
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from forja.models import build_model
+from forja.models import build_model, get_family
 
 SP_OFF_AND_ON = ((False, {}), (True, {}))  # (sequence_parallel, build_model overrides) per run
 
@@ -28,8 +27,6 @@ class TPCase:
     """The registry name build_model takes."""
     flavor: str = "debug"
     """The flavor built, seed 0."""
-    plan: str
-    """'module:function' of the family's TP plan, called as plan(args, sequence_parallel)."""
     grads: tuple[str, ...] | None
     """The parameters whose gradients are compared; None: every parameter."""
     runs: tuple[tuple[bool, dict], ...] = SP_OFF_AND_ON
@@ -92,13 +89,13 @@ def _deepseek_v3_experts_over_tp_ranks(model, mesh) -> None:
 CASES = (
     # Each rank routes half the tokens through whole experts; the router's and attention's
     # gradients are complete on every rank.
-    TPCase(id="mixtral", family="mixtral", plan="forja.models.mixtral.parallelize:mixtral_tp_plan",
+    TPCase(id="mixtral", family="mixtral",
            grads=("layers.0.attention.wq.weight", "layers.1.feed_forward.router.gate.weight",
                   "layers.2.feed_forward.experts.w1", "layers.3.feed_forward.experts.w2"),
            sum_experts=True, grad_atol=1e-7),
     # Sinks sharded with the heads, q/k/v biases with their columns, on a packed batch; experts
     # as Mixtral's. The loss: measured 1.9e-6 apart (a loss of 8.19: two float32 ulps).
-    TPCase(id="gpt_oss", family="gpt_oss", plan="forja.models.gpt_oss.parallelize:gpt_oss_tp_plan",
+    TPCase(id="gpt_oss", family="gpt_oss",
            grads=("layers.0.attention.sinks", "layers.0.attention.wq.bias", "layers.1.attention.wo.bias",
                   "layers.1.feed_forward.router.gate.bias", "layers.2.feed_forward.experts.b1",
                   "layers.3.feed_forward.experts.w2"),
@@ -106,14 +103,14 @@ CASES = (
            grad_atol=1e-7, loss_tol=1e-5),
     # The QK-norms' RMS spans all heads: the plan gathers q and k before them (to the rounding
     # of the ranks' partial sums: measured max |diff| 6.6e-7, on w2's gradient).
-    TPCase(id="olmo3", family="olmo3", plan="forja.models.olmo3.parallelize:olmo3_tp_plan",
+    TPCase(id="olmo3", family="olmo3",
            grads=("layers.0.attention.q_norm.weight", "layers.3.attention.k_norm.weight",
                   "layers.1.attention.wk.weight", "layers.2.post_attention_norm.weight",
                   "layers.0.feed_forward.w2.weight"),
            grad_atol=2e-6),
     # Heads split over 2 ranks, the per-head QK-norms' and the sandwich norms' gradients
     # summed where needed (to the rounding of the ranks' partial sums).
-    TPCase(id="gemma3", family="gemma3", plan="forja.models.gemma3.parallelize:gemma3_tp_plan",
+    TPCase(id="gemma3", family="gemma3",
            grads=("layers.0.attention.q_norm.weight", "layers.5.attention.k_norm.weight",
                   "layers.1.attention.wk.weight", "layers.2.post_attention_norm.weight",
                   "layers.3.post_ffn_norm.weight", "layers.0.feed_forward.w2.weight", "tok_embeddings.weight"),
@@ -121,7 +118,7 @@ CASES = (
     # Gated DeltaNet split by head (one key head and two value heads a rank), on a packed
     # batch. Every kind of its parameters (projections, convolutions, decay, the shared norm)
     # and the gated attention's gate: a misplaced shard shows in one of them.
-    TPCase(id="qwen3_5", family="qwen3_5", plan="forja.models.qwen3_5.parallelize:qwen3_5_tp_plan",
+    TPCase(id="qwen3_5", family="qwen3_5",
            grads=("layers.0.attention.wq.weight", "layers.0.attention.conv_k.weight",
                   "layers.1.attention.conv_v.weight", "layers.0.attention.A_log", "layers.2.attention.dt_bias",
                   "layers.1.attention.norm.weight", "layers.2.attention.wb.weight", "layers.1.attention.wa.weight",
@@ -130,7 +127,7 @@ CASES = (
            documents=True, prepare=_qwen3_5_offsets_by_head, check_shards=_qwen3_5_shards,
            grad_atol=1e-6, loss_tol=1e-5),
     # Attention blocks under OLMo 3's plan, Gated DeltaNet blocks split by head with their pre-norms.
-    TPCase(id="olmo_hybrid", family="olmo_hybrid", plan="forja.models.olmo_hybrid.parallelize:olmo_hybrid_tp_plan",
+    TPCase(id="olmo_hybrid", family="olmo_hybrid",
            grads=("layers.0.attention.wq.weight", "layers.0.attention.conv_k.weight", "layers.1.attention.A_log",
                   "layers.2.attention.norm.weight", "layers.2.attention_norm.weight", "layers.1.ffn_norm.weight",
                   "layers.3.attention.q_norm.weight", "layers.3.post_attention_norm.weight",
@@ -139,14 +136,14 @@ CASES = (
     # q_norm/k_norm see only a rank's heads; their weight gradients must still be the whole
     # model's (left as plain replicated tensors they would differ by ~2e-3 here). The loss: measured
     # 1.4e-6 apart with the venv built 2026-12-02 (a loss of 7.69: three float32 ulps).
-    *(TPCase(id=f"qwen3-{flavor}", family="qwen3", flavor=flavor, plan="forja.models.qwen3.parallelize:qwen3_tp_plan",
+    *(TPCase(id=f"qwen3-{flavor}", family="qwen3", flavor=flavor,
              grads=("layers.0.attention.q_norm.weight", "layers.3.attention.k_norm.weight",
                     "layers.1.attention.wk.weight"), grad_atol=1e-7, loss_tol=1e-5)
       for flavor in ("debug", "debug-moe")),
     # MLA split by heads, queries through the latent then directly: every gradient, the
     # replicated latent projections included (the shared rotated key's gradient is summed
     # over the ranks: without it wkv_a's differs).
-    TPCase(id="deepseek_v3", family="deepseek_v3", plan="forja.models.deepseek_v3.parallelize:deepseek_v3_tp_plan",
+    TPCase(id="deepseek_v3", family="deepseek_v3",
            grads=None, runs=((False, dict(q_lora_rank=64)), (True, dict(q_lora_rank=0))),
            after_tp=_deepseek_v3_experts_over_tp_ranks, grad_atol=1e-7),
 )
@@ -168,8 +165,7 @@ def _loss_and_grads(case: TPCase, model, tp: int) -> tuple[float, dict[str, torc
 
 
 def _run_case(case: TPCase, mesh, world: int) -> list:
-    module, name = case.plan.split(":")
-    plan = getattr(importlib.import_module(module), name)
+    plan = get_family(case.family).tp_plan  # the plan training applies: the family's, or the dense default
     from forja.parallel.tp import apply_tp
 
     out = []

@@ -1,4 +1,6 @@
-"""Published Qwen3 and Qwen3-MoE sizes, plus small ones for tests and laptops.
+"""Qwen3 and Qwen3-MoE: `model.py` the model, `hf.py` its checkpoints, the dense TP plan (common/tp_plan.py).
+
+Published Qwen3 and Qwen3-MoE sizes, plus small ones for tests and laptops.
 
 Values are those of the released config.json files (Qwen/Qwen3-0.6B ... Qwen/Qwen3-235B-A22B):
 head width 128 at every size, vocabulary of 151,936, RoPE base 1e6, RMSNorm eps 1e-6,
@@ -8,6 +10,10 @@ a mixture of experts (`decoder_sparse_step: 1`, no `mlp_only_layers`), so their 
 `ffn_dim` (`intermediate_size`) builds nothing and is kept only to round-trip config.json.
 Parameter counts: docs/models.md and tests/unit/models/test_qwen3.py.
 """
+
+from forja.models.qwen3.hf import ADAPTER
+from forja.models.qwen3.model import Qwen3, Qwen3Args
+from forja.models.spec import ModelSpec
 
 _QWEN3 = dict(vocab_size=151_936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6, max_seq_len=40_960)
 _MOE = dict(n_experts=128, top_k=8, norm_topk_prob=True, score_func="softmax")
@@ -33,3 +39,5 @@ FLAVORS: dict[str, dict] = {
     "235b-a22b": dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_dim=12288, moe_ffn_dim=1536,
                       **_MOE, **_QWEN3),
 }
+
+SPEC = ModelSpec("qwen3", Qwen3, Qwen3Args, FLAVORS, ADAPTER)

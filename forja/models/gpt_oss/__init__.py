@@ -1,4 +1,7 @@
-"""Published gpt-oss sizes, plus a small one for tests and laptops.
+"""gpt-oss: `model.py` the model, `hf.py` its checkpoints, the dense TP plan (common/tp_plan.py;
+sinks sharded with the heads, experts split by tokens).
+
+Published gpt-oss sizes, plus a small one for tests and laptops.
 
 Values are those of the released config.json files (openai/gpt-oss-20b, openai/gpt-oss-120b)
 and transformers' GptOssConfig defaults: width 2880, 64 query heads of width 64 (so
@@ -10,6 +13,9 @@ blocks, 128 experts. Parameter counts: docs/models.md and tests/unit/models/test
 """
 
 from forja.models.common.rope import YarnScaling
+from forja.models.gpt_oss.hf import ADAPTER
+from forja.models.gpt_oss.model import GptOss, GptOssArgs
+from forja.models.spec import ModelSpec
 
 _GPT_OSS = dict(dim=2880, n_heads=64, n_kv_heads=8, head_dim=64, ffn_dim=2880, vocab_size=201_088, top_k=4,
                 sliding_window=128, rope_theta=150_000.0, norm_eps=1e-5, max_seq_len=131_072)
@@ -25,3 +31,5 @@ FLAVORS: dict[str, dict] = {
     "20b": dict(n_layers=24, n_experts=32, **_GPT_OSS),
     "120b": dict(n_layers=36, n_experts=128, **_GPT_OSS),
 }
+
+SPEC = ModelSpec("gpt_oss", GptOss, GptOssArgs, FLAVORS, ADAPTER)

@@ -1,15 +1,22 @@
-"""Published DeepSeek-V2/V3 sizes, plus a small one for tests and laptops.
+"""DeepSeek-V2/V3: `model.py` the model, `hf.py` its checkpoints, `parallelize.py` its TP plan.
+
+Published DeepSeek-V2/V3 sizes, plus a small one for tests and laptops.
 
 Values are those of the released config.json files (deepseek-ai/DeepSeek-V2-Lite,
 DeepSeek-V2, DeepSeek-V3 on the Hugging Face hub). V3's multi-token prediction module
 (num_nextn_predict_layers = 1) is off in the flavors (`671b` counts the main model, as
-transformers builds it); `[model.mtp] depth = 1` adds it (forja/models/common/mtp.py). V2 routes differently from V3 (softmax scores without a balancing bias,
-"group-limited greedy" choosing groups by their best expert), which `score_func`,
-`expert_bias` and `group_score` express; transformers' DeepseekV3ForCausalLM, the reference
+transformers builds it); `[model.mtp] depth = 1` adds it (forja/models/common/mtp.py).
+V2 routes differently from V3 (softmax scores without a balancing bias, "group-limited
+greedy" choosing groups by their best expert), which `score_func`, `expert_bias` and
+`group_score` express; transformers' DeepseekV3ForCausalLM, the reference
 forja checks itself against, computes V3's routing only (see docs/models.md).
 """
 
 from forja.models.common.rope import YarnScaling
+from forja.models.deepseek_v3.hf import ADAPTER
+from forja.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3Args
+from forja.models.deepseek_v3.parallelize import deepseek_v3_tp_plan
+from forja.models.spec import ModelSpec
 
 # Every released V2/V3 config: 4K pre-training context extended 40x to 160K with YaRN.
 _YARN = dict(factor=40.0, original_max_seq_len=4096, beta_fast=32.0, beta_slow=1.0)
@@ -45,3 +52,5 @@ FLAVORS: dict[str, dict] = {
                  score_func="sigmoid", expert_bias=True, norm_topk_prob=True, route_scale=2.5,
                  n_expert_groups=8, topk_groups=4, group_score="top2_sum", **_MLA),
 }
+
+SPEC = ModelSpec("deepseek_v3", DeepSeekV3, DeepSeekV3Args, FLAVORS, ADAPTER, tp_plan=deepseek_v3_tp_plan)

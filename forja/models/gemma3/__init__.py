@@ -1,4 +1,6 @@
-"""Published Gemma 3 text-model sizes, plus a small one for tests and laptops.
+"""Gemma 3 (text): `model.py` the model, `hf.py` its checkpoints, `parallelize.py` its TP plan.
+
+Published Gemma 3 text-model sizes, plus a small one for tests and laptops.
 
 Values are those of the released config.json files (google/gemma-3-270m, -1b-pt, and the
 text_config of -4b-pt, -12b-pt, -27b-pt): five local blocks to one global one, RMSNorm eps
@@ -9,7 +11,10 @@ vocabulary and a window of 512; the larger ones 262,208 (image tokens) and 1024.
 Parameter counts: docs/models.md and tests/unit/models/test_gemma3.py.
 """
 
-from forja.models.gemma3.model import gemma3_layer_types
+from forja.models.gemma3.hf import ADAPTER
+from forja.models.gemma3.model import Gemma3, Gemma3Args, gemma3_layer_types
+from forja.models.gemma3.parallelize import gemma3_tp_plan
+from forja.models.spec import ModelSpec
 
 _GEMMA3 = dict(norm_eps=1e-6, tie_embeddings=True, head_dim=256, query_pre_attn_scalar=256,
                rope_theta=1_000_000.0, local_rope_theta=10_000.0)
@@ -34,3 +39,5 @@ FLAVORS: dict[str, dict] = {
     "27b": dict(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, ffn_dim=21_504,
                 layer_types=gemma3_layer_types(62), **{**_LARGE, "head_dim": 128, "query_pre_attn_scalar": 168}),
 }
+
+SPEC = ModelSpec("gemma3", Gemma3, Gemma3Args, FLAVORS, ADAPTER, tp_plan=gemma3_tp_plan)

@@ -1,4 +1,6 @@
-"""The published OLMo-Hybrid size, plus a small one for tests and laptops.
+"""OLMo-Hybrid: `model.py` the model, `hf.py` its checkpoints, `parallelize.py` its TP plan.
+
+The published OLMo-Hybrid size, plus a small one for tests and laptops.
 
 `7b` is allenai/Olmo-Hybrid-7B, the checkpoint transformers 5.24's OlmoHybridConfig names,
 with that config's defaults (no config.json was read): width 3840, 32 blocks in the pattern
@@ -12,7 +14,10 @@ docs/models.md and tests/unit/models/test_olmo_hybrid.py (equal to transformers'
 built on the meta device).
 """
 
-from forja.models.olmo_hybrid.model import olmo_hybrid_layer_types
+from forja.models.olmo_hybrid.hf import ADAPTER
+from forja.models.olmo_hybrid.model import OlmoHybrid, OlmoHybridArgs, olmo_hybrid_layer_types
+from forja.models.olmo_hybrid.parallelize import olmo_hybrid_tp_plan
+from forja.models.spec import ModelSpec
 
 FLAVORS: dict[str, dict] = {
     # ~1.3M parameters: blocks 0-2 Gated DeltaNet, block 3 attention, as the 7B's first four.
@@ -26,3 +31,5 @@ FLAVORS: dict[str, dict] = {
                tie_embeddings=False, linear_n_k_heads=30, linear_n_v_heads=30, linear_k_head_dim=96,
                linear_v_head_dim=192, linear_conv_kernel=4, linear_allow_neg_eigval=True),
 }
+
+SPEC = ModelSpec("olmo_hybrid", OlmoHybrid, OlmoHybridArgs, FLAVORS, ADAPTER, tp_plan=olmo_hybrid_tp_plan)

@@ -1,4 +1,6 @@
-"""Published Qwen3.5 and Qwen3.5-MoE sizes, plus small ones for tests and laptops.
+"""Qwen3.5 and Qwen3.5-MoE: `model.py` the model, `hf.py` its checkpoints, `parallelize.py` its TP plan.
+
+Published Qwen3.5 and Qwen3.5-MoE sizes, plus small ones for tests and laptops.
 
 Every released Qwen3.5 shares: 256-wide attention heads of which a quarter rotates (RoPE
 base 1e7), Gated DeltaNet in three of every four blocks (16 key heads and 32 value heads
@@ -8,6 +10,11 @@ base and context); `35b-a3b` is Qwen3_5MoeTextConfig's defaults, which THUDM/sli
 Megatron script for Qwen/Qwen3.5-35B-A3B repeats. Parameter counts: docs/models.md and
 tests/unit/models/test_qwen3_5.py (equal to transformers' models built on the meta device).
 """
+
+from forja.models.qwen3_5.hf import ADAPTER
+from forja.models.qwen3_5.model import Qwen3_5, Qwen3_5Args
+from forja.models.qwen3_5.parallelize import qwen3_5_tp_plan
+from forja.models.spec import ModelSpec
 
 _QWEN3_5 = dict(vocab_size=248_320, head_dim=256, rope_theta=10_000_000.0, partial_rotary_factor=0.25,
                 norm_eps=1e-6, max_seq_len=262_144, linear_n_k_heads=16, linear_n_v_heads=32,
@@ -29,3 +36,5 @@ FLAVORS: dict[str, dict] = {
                     n_experts=256, top_k=8, moe_ffn_dim=512, n_shared_experts=1, shared_expert_gate=True,
                     norm_topk_prob=True, **_QWEN3_5),
 }
+
+SPEC = ModelSpec("qwen3_5", Qwen3_5, Qwen3_5Args, FLAVORS, ADAPTER, tp_plan=qwen3_5_tp_plan)

@@ -1,10 +1,15 @@
-"""Published Llama 3 sizes, plus small ones for tests and laptops.
+"""Llama 3: `model.py` the model, `hf.py` its checkpoints, the dense TP plan (common/tp_plan.py).
+
+Published Llama 3 sizes, plus small ones for tests and laptops.
 
 Values are those of Meta's released configs (dim, layers, heads, kv heads, FFN width,
 RoPE base and scaling, vocabulary of 128,256, 131,072-token context for 3.1/3.2).
 """
 
 from forja.models.common.rope import RopeScaling
+from forja.models.llama.hf import ADAPTER
+from forja.models.llama.model import Llama, LlamaArgs
+from forja.models.spec import ModelSpec
 
 _LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
 _LLAMA32_SCALING = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
@@ -28,3 +33,5 @@ FLAVORS: dict[str, dict] = {
     "3.1-405b": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
                      rope_scaling=RopeScaling(**_LLAMA31_SCALING), **_LLAMA3),
 }
+
+SPEC = ModelSpec("llama", Llama, LlamaArgs, FLAVORS, ADAPTER)

@@ -1,4 +1,6 @@
-"""Published Qwen3-Next sizes, plus a small one for tests and laptops.
+"""Qwen3-Next: `model.py` the model, `hf.py` its checkpoints, Qwen3.5's TP plan (its blocks are the same modules).
+
+Published Qwen3-Next sizes, plus a small one for tests and laptops.
 
 `80b-a3b` is Qwen/Qwen3-Next-80B-A3B (Base, Instruct and Thinking share the shape): 48
 blocks, Gated DeltaNet in three of every four (16 key heads, 32 value heads of 128), gated
@@ -9,6 +11,11 @@ Its `intermediate_size` (5120) sizes no block (none is dense) but is kept, so an
 writes the published config. Parameter counts: docs/models.md and
 tests/unit/models/test_qwen3_next.py (equal to transformers' model built on the meta device).
 """
+
+from forja.models.qwen3_5.parallelize import qwen3_5_tp_plan
+from forja.models.qwen3_next.hf import ADAPTER
+from forja.models.qwen3_next.model import Qwen3Next, Qwen3NextArgs
+from forja.models.spec import ModelSpec
 
 FLAVORS: dict[str, dict] = {
     # ~1.5M parameters: blocks 0-2 Gated DeltaNet, block 3 gated attention; block 1 a dense
@@ -26,3 +33,5 @@ FLAVORS: dict[str, dict] = {
                     linear_conv_kernel=4, n_experts=512, top_k=10, moe_ffn_dim=512, n_shared_experts=1,
                     shared_expert_gate=True, norm_topk_prob=True),
 }
+
+SPEC = ModelSpec("qwen3_next", Qwen3Next, Qwen3NextArgs, FLAVORS, ADAPTER, tp_plan=qwen3_5_tp_plan)

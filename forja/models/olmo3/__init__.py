@@ -1,4 +1,6 @@
-"""Published OLMo 3 sizes, plus a small one for tests and laptops.
+"""OLMo 3: `model.py` the model, `hf.py` its checkpoints, `parallelize.py` its TP plan.
+
+Published OLMo 3 sizes, plus a small one for tests and laptops.
 
 Values are those of the released config.json files (allenai/Olmo-3-1025-7B and
 allenai/Olmo-3-1125-32B): vocabulary of 100,278 (the dolma2 tokenizer), RMSNorm eps 1e-6,
@@ -9,7 +11,10 @@ as query heads; the 32B groups 40 query heads over 8.
 Parameter counts: docs/models.md and tests/unit/models/test_olmo3.py.
 """
 
-from forja.models.olmo3.model import olmo3_layer_types
+from forja.models.olmo3.hf import ADAPTER
+from forja.models.olmo3.model import Olmo3, Olmo3Args, olmo3_layer_types
+from forja.models.olmo3.parallelize import olmo3_tp_plan
+from forja.models.spec import ModelSpec
 
 _YARN = dict(factor=8.0, original_max_seq_len=8192, beta_fast=32.0, beta_slow=1.0,
              attention_factor=1.2079441541679836)
@@ -27,3 +32,5 @@ FLAVORS: dict[str, dict] = {
     "32b": dict(dim=5120, n_layers=64, n_heads=40, n_kv_heads=8, ffn_dim=27_648,
                 layer_types=olmo3_layer_types(64), **_OLMO3),
 }
+
+SPEC = ModelSpec("olmo3", Olmo3, Olmo3Args, FLAVORS, ADAPTER, tp_plan=olmo3_tp_plan)

@@ -1,0 +1,87 @@
+"""Every block declares a structure record (forja/models/common/blocks.py) that agrees with the
+modules it holds: the planner prices blocks by that record alone, so a record that lied would
+misprice a block silently. Checked for every family's every kind of block (its debug flavors,
+with a multi-token prediction module where the family builds one)."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from forja.errors import ForjaError
+from forja.models import FAMILIES, build_model
+from forja.models.common.attention import Attention
+from forja.models.common.blocks import BlockStructure
+from forja.models.common.gated_deltanet import GatedDeltaNet
+from forja.models.common.mla import MLA
+from forja.models.common.mlp import GeGLU, GeluMLP, SwiGLU
+from forja.models.common.moe import MoE
+from forja.models.common.norms import RMSNorm
+
+MIXERS = {Attention: "attention", MLA: "latent_attention", GatedDeltaNet: "gated_deltanet"}
+FFNS = {MoE: "moe", SwiGLU: "swiglu", GeGLU: "geglu", GeluMLP: "gelu"}
+NORM_NAMES = ("attention_norm", "ffn_norm", "post_attention_norm", "post_ffn_norm")
+
+
+def _blocks(family: str):
+    """(layer type, block) of each block of the family's debug flavors, MTP blocks included."""
+    for flavor in (f for f in FAMILIES[family].flavors if f.startswith("debug")):
+        for mtp_depth in (0, 1):
+            try:
+                model = build_model(family, flavor, device="meta", mtp_depth=mtp_depth)
+            except ForjaError:  # a family that refuses multi-token prediction
+                continue
+            yield from ((model.args.layer_type(int(i)), b) for i, b in model.layers.items())
+            if model.mtp is not None:
+                yield from (("full_attention", m.block) for m in model.mtp.layers.values())
+
+
+def _norm_kind(norm: nn.Module) -> str:
+    if isinstance(norm, nn.LayerNorm):
+        return "layer"
+    assert isinstance(norm, RMSNorm), type(norm)
+    return "zero_centered" if norm.zero_centered else "rms"
+
+
+def _expected(block: nn.Module) -> BlockStructure:
+    """The record the block's modules call for, read off the modules themselves."""
+    norms = [getattr(block, n) for n in NORM_NAMES if hasattr(block, n)]
+    pre, post = hasattr(block, "attention_norm"), hasattr(block, "post_attention_norm")
+    mixer, ff = block.attention, block.feed_forward
+    attention = isinstance(mixer, Attention)
+    kinds = {_norm_kind(n) for n in norms}
+    assert len(kinds) == 1, kinds  # a block's norms are alike
+    linear = ()
+    if isinstance(mixer, GatedDeltaNet):
+        linear = (mixer.wq.out_features // mixer.head_k_dim, mixer.wv.out_features // mixer.head_v_dim,
+                  mixer.head_k_dim, mixer.head_v_dim, mixer.conv_q.weight.shape[-1], mixer.chunk_size)
+    moe = isinstance(ff, MoE)
+    return BlockStructure(
+        norms={(True, False): "pre", (False, True): "post", (True, True): "sandwich"}[(pre, post)],
+        norm=kinds.pop(), mixer=MIXERS[type(mixer)], ffn=FFNS[type(ff)],
+        output_gate=attention and mixer.wg is not None, sinks=attention and mixer.sinks is not None,
+        gated_deltanet=linear, expert_activation=ff.experts.activation if moe else "",
+        shared_expert_gate=moe and ff.shared_gate is not None)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_kind_of_block_declares_the_structure_of_its_modules(family):
+    seen = set()
+    for kind, block in _blocks(family):
+        assert block.structure == _expected(block), (kind, type(block).__name__)
+        assert (block.structure.mixer == "gated_deltanet") == (kind == "linear_attention")
+        seen.add((kind, block.structure))
+    print(f"{family}: {len(seen)} kinds of block")
+    assert seen
+
+
+def test_the_records_tell_the_kinds_apart():
+    """Each placement, norm, mixer and feed-forward occurs in some family: the record is not
+    one constant."""
+    records = {block.structure for family in FAMILIES for _, block in _blocks(family)}
+    for field, values in (("norms", {"pre", "post", "sandwich"}), ("norm", {"rms", "zero_centered", "layer"}),
+                          ("mixer", {"attention", "latent_attention", "gated_deltanet"}),
+                          ("ffn", {"swiglu", "geglu", "gelu", "moe"})):
+        assert {getattr(r, field) for r in records} == values, field
+    assert any(r.sinks for r in records) and any(r.output_gate for r in records)
+    assert {r.expert_activation for r in records} == {"", "swiglu", "clamped_swiglu"}
