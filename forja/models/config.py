@@ -91,7 +91,8 @@ class ModelConfig:
             raise ForjaError(f"model.rope_scaling: the {self.family} family has no rotary scaling; remove the key, "
                              f"or use one of {', '.join(with_it)}")
         if "rope_scaling" in self.overrides:
-            raise ForjaError("model.rope_scaling and model.overrides.rope_scaling are both set; keep model.rope_scaling")
+            raise ForjaError("model.rope_scaling and model.overrides.rope_scaling are both set; "
+                             "keep model.rope_scaling")
         return scaling
 
     def _check_overrides(self) -> None:

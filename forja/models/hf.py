@@ -204,7 +204,8 @@ def save_hf_checkpoint(model: Transformer, out: str | os.PathLike, *, overwrite:
     cfg = {**adapter.config_from_args(model.args), **(config_updates or {})}  # refuses unexportable models
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise ForjaError(f"{out} already exists and is not empty; choose another directory, or pass --overwrite (overwrite=True from Python)")
+        raise ForjaError(f"{out} already exists and is not empty; choose another directory, or pass --overwrite "
+                         "(overwrite=True from Python)")
     tensors = _to_hf_tensors(model, adapter, dtype)
     cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,13 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forja.errors import ForjaError
-from forja.models.common.attention import (
-    ATTENTION_BACKENDS,
-    AttentionMask,
-    KVCache,
-    SequenceShards,
-    build_mask,
-)
+from forja.models.common.attention import ATTENTION_BACKENDS, AttentionMask, KVCache, SequenceShards, build_mask
 from forja.models.common.blocks import TransformerBlock
 from forja.models.common.init import InitRule, init_parameters
 from forja.models.common.moe import MoE

@@ -16,12 +16,7 @@ Under sequence parallelism the post-norms compute on the rank's slice of the seq
 from __future__ import annotations
 
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from forja.models.common.tp_plan import TPPlan, dense_tp_plan
 from forja.models.olmo3.model import Olmo3Args

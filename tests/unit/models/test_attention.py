@@ -170,7 +170,8 @@ def test_layer_types_give_each_block_its_own_window():
 @pytest.mark.parametrize(("overrides", "message"), [
     (dict(layer_types=("full_attention",)), "names 1 blocks but model.n_layers=2"),
     (dict(layer_types=("full_attention", "local")), "holds .local.; each must be one of full_attention"),
-    (dict(layer_types=("full_attention", "linear_attention")), "linear_attention.; each must be one of full_attention, sliding_attention .this family"),
+    (dict(layer_types=("full_attention", "linear_attention")),
+     "linear_attention.; each must be one of full_attention, sliding_attention .this family"),
     (dict(layer_types=("full_attention", "sliding_attention")), "sliding_window is None; set the window"),
 ])
 def test_bad_layer_types_are_named(overrides, message):

@@ -10,8 +10,16 @@ import pytest
 
 from forja.cli import main
 from forja.errors import ForjaError
-from forja.plan.goodput import (FailureModel, diloco_goodput, ft_goodput, restart_goodput, restart_goodput_exact,
-                                simulate, table, young_interval)
+from forja.plan.goodput import (
+    FailureModel,
+    diloco_goodput,
+    ft_goodput,
+    restart_goodput,
+    restart_goodput_exact,
+    simulate,
+    table,
+    young_interval,
+)
 
 CLOSED = {"restart": restart_goodput, "ft": ft_goodput, "diloco": diloco_goodput}
 

@@ -8,8 +8,8 @@ import pytest
 
 from forja.errors import ForjaError
 from forja.metrics.throughput import lookup_peak
-from forja.plan.layout import Layout
 from forja.plan.hardware import ENV_VAR, Hardware, get_hardware, hardware_for_device, load_hardware
+from forja.plan.layout import Layout
 from forja.plan.planner import evaluate
 from forja.plan.speed import predict_time
 

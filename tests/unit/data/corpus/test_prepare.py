@@ -11,15 +11,7 @@ import pytest
 import tokenizers
 
 import forja
-from forja.data import (
-    Tokenizer,
-    cache_key,
-    load_tokenizer,
-    open_dataset,
-    open_prepared,
-    prepare,
-    prepare_cached,
-)
+from forja.data import Tokenizer, cache_key, load_tokenizer, open_dataset, open_prepared, prepare, prepare_cached
 from forja.data.corpus.encoding import DIGEST_BYTES, val_threshold
 from forja.data.corpus.mixture import Mixture
 from forja.data.corpus.sources import SourceStats, register_source
