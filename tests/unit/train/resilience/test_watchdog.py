@@ -50,7 +50,7 @@ def test_a_silent_rank_writes_its_report_and_exits(tmp_path):
     assert (report["phase"], report["step"]) == ("train_step", 7)
     assert report["collective"] is None
     assert "test_watchdog.py" in report["where"] and report["where"].endswith("in stuck_here")
-    assert report["seconds_since_beat"] > TIMEOUT_S
+    assert report["seconds_since_beat"] >= TIMEOUT_S  # rounded to the millisecond: may equal it
     assert "stuck_here" in text.split("\n", 1)[1]  # faulthandler's stacks follow the JSON line
     assert "forja-watchdog-rank0" in report["threads"].values()
     summary = (tmp_path / "hang" / "summary.txt").read_text()
