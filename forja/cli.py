@@ -23,7 +23,7 @@ _COMMANDS = {
     "generate": "forja.generate:add_cli",
     "report": "forja.report:add_cli",
     "sweep": "forja.sweep:add_cli",
-    "plan": "forja.plan.cli:add_cli",
+    "plan": "forja.train.rehearse.cli:add_plan_cli",  # the planner's command, with --rehearse
     "export": "forja.checkpoint.export:add_cli",
     "eval": "forja.eval.cli:add_cli",
     "lm-eval": "forja.eval.cli:add_lm_eval_cli",

@@ -67,9 +67,11 @@ class ParallelConfig:
     auto: bool = False
     """Let forja plan choose the layout (degrees, ZeRO stage, offload, AC, micro-batch, schedule): the
     fastest predicted to fit; the choice is written to <run.dir>/plan.json and these keys are ignored."""
-    memory_check: Literal["stop", "warn", "off"] = "stop"
-    """Before allocating, the layout's predicted peak memory per rank against the device's: stop (with
-    the breakdown and layouts that fit), warn and go on, or off."""
+    memory_check: Literal["stop", "warn", "rehearse", "off"] = "stop"
+    """Before allocating, the layout's peak memory per rank against the device's: stop (with the
+    breakdown and layouts that fit), warn and go on, or off. "rehearse" stops on the rehearsed peak
+    instead of the predicted one: the build and one step run on fake devices first (seconds to a
+    minute for an 8B; forja/train/rehearse/), with dense families and parallel.pp = 1."""
 
     def __post_init__(self) -> None:
         _ = self.degrees  # built to check each degree (dp_shard may be -1)

@@ -99,8 +99,10 @@ def new_group(ranks: list[int] | None = None, *, backend: str | None = None,
     torch names a members-only group after its ranks alone, so making the same one twice in
     one world group (a host program training run after run) would meet the first one's keys
     in the store and hang: such a group is made once per world group and then reused."""
+    if rehearsing():  # the fake backend stands in for every backend, and takes no timeout
+        backend = None
     if not members_only:
-        return dist.new_group(ranks, timeout=_timeout, backend=backend)
+        return dist.new_group(ranks, timeout=None if rehearsing() else _timeout, backend=backend)
     key = (id(dist.group.WORLD), tuple(ranks or ()), backend)
     if key not in _members_only:
         _members_only[key] = dist.new_group(ranks, timeout=_timeout, backend=backend, use_local_synchronization=True)
@@ -112,9 +114,17 @@ def new_group(ranks: list[int] | None = None, *, backend: str | None = None,
 _members_only: dict[tuple, dist.ProcessGroup] = {}
 
 
+def rehearsing() -> bool:
+    """Whether the world is torch's fake process group: one process standing for every rank of
+    a run, collectives that move nothing (forja's rehearsal, forja/train/rehearse.py)."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
 def set_group_timeout(group: dist.ProcessGroup) -> None:
     """Give an existing group (one torch made: a mesh dimension, a flattened mesh) the run's
     collective timeout."""
+    if rehearsing():
+        return  # fake groups (a rehearsal, forja/plan/rehearse.py) wait for nothing
     if not hasattr(group, "set_timeout"):  # in torch 2.11 and 2.13; not in every older one
         warnings.warn(f"torch {torch.__version__} cannot change a process group's timeout: collectives "
                       "within sub-groups (tensor/pipeline/replica dimensions) wait torch's default "

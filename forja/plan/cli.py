@@ -18,7 +18,7 @@ from forja.files import read_records
 GB = 1e9
 
 
-def add_cli(sub: argparse._SubParsersAction) -> None:
+def add_cli(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="predict memory and speed of every parallel layout; pick the best",
                        description="Predict per-rank peak memory, step time, tokens/s and MFU of the layouts "
                                    "of a recipe on N devices, rank those that fit, and say why the others don't.")
@@ -39,6 +39,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="compare a finished run's peak memory and tokens/s with the prediction for its layout")
     add_goodput_args(p)
     p.set_defaults(func=_run_cli)
+    return p  # forja/train/rehearse/cli.py adds --rehearse (it runs training code, which plan never imports)
 
 
 def add_goodput_args(p: argparse.ArgumentParser) -> None:
@@ -125,15 +126,34 @@ def hardware_for(args: argparse.Namespace):
 
 
 def _run_cli(args: argparse.Namespace) -> int:
+    if args.check:
+        return check_run(Path(args.check), args)
+    if args.goodput is not None and args.config is None:
+        return goodput_cli(args, failure_model(args))
+    cfg, hw, job, candidates = planned(args)
+    if args.goodput is not None:
+        from forja.plan.goodput import recipe_model
+
+        step = candidates[0].time.total or 2.0  # an unknown peak predicts no time: the default
+        return goodput_cli(args, failure_model(args, recipe_model(cfg, job, step, hw)), candidates, hw, job)
+    if args.json:
+        from forja.plan.planner import usable_memory
+
+        print(json.dumps({"hardware": hw.kind, "gpus": args.gpus, "params": job.shape.n_params,
+                          "usable_memory_bytes": round(usable_memory(hw)),
+                          "candidates": [c.as_json() for c in candidates]}, indent=1))
+        return 0
+    print_plan(candidates, hw, args.gpus, args.top, job)
+    return 0
+
+
+def planned(args: argparse.Namespace):
+    """The recipe, hardware, job and ranked candidates of `forja plan RECIPE --gpus N [--layout]`."""
     from forja.config import load_config
     from forja.plan.job import job_from_config
     from forja.plan.layout import parse_fixed
     from forja.plan.planner import default_space, plan
 
-    if args.check:
-        return check_run(Path(args.check), args)
-    if args.goodput is not None and args.config is None:
-        return goodput_cli(args, failure_model(args))
     if args.config is None or args.gpus is None:
         raise ForjaError("forja plan needs a RECIPE and --gpus N (or --check RUN_DIR, or --goodput)")
     if args.gpus < 1:
@@ -150,20 +170,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         raise ForjaError(f"no layout of {args.gpus} ranks{held} divides this job (global batch "
                          f"{job.global_batch_size}, {job.args.n_heads} heads, {job.args.n_kv_heads} KV heads, "
                          f"{job.args.n_layers} layers); change --gpus or the keys held")
-    if args.goodput is not None:
-        from forja.plan.goodput import recipe_model
-
-        step = candidates[0].time.total or 2.0  # an unknown peak predicts no time: the default
-        return goodput_cli(args, failure_model(args, recipe_model(cfg, job, step, hw)), candidates, hw, job)
-    if args.json:
-        from forja.plan.planner import usable_memory
-
-        print(json.dumps({"hardware": hw.kind, "gpus": args.gpus, "params": job.shape.n_params,
-                          "usable_memory_bytes": round(usable_memory(hw)),
-                          "candidates": [c.as_json() for c in candidates]}, indent=1))
-        return 0
-    print_plan(candidates, hw, args.gpus, args.top, job)
-    return 0
+    return cfg, hw, job, candidates
 
 
 def goodput_cli(args: argparse.Namespace, m, candidates=None, hw=None, job=None) -> int:

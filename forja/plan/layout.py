@@ -9,6 +9,7 @@ its values; `enumerate_layouts` lists the layouts that divide a world size, for 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -258,3 +259,9 @@ def _memory_options(base: Layout, n_layers: int, local: int, space: SearchSpace)
             continue  # fewer micro-batches than stages: the schedules refuse it
         yield replace(base, pp_schedule=schedule, reshard_after_forward=zero3, cpu_offload=offload, ac=ac,
                       ac_every=every)
+
+
+def with_layout(cfg, lay: Layout):
+    """`cfg` (a forja.config.Config) with the layout's parallel keys and micro-batch size."""
+    train = dataclasses.replace(cfg.train, micro_batch_size=lay.micro_batch_size)
+    return dataclasses.replace(cfg, parallel=lay.parallel(cfg.parallel), train=train)

@@ -180,8 +180,10 @@ def _logits(job: Job, lay: Layout, tokens: float) -> tuple[float, float]:
         kept = tokens * job.args.dim * widths(job).lin + vocab * job.args.dim * FP32
         return kept + 2 * rows * vocab * FP32, 0.0
     # log_softmax's fp32 output is kept; backward makes d(log_softmax) and d(logits) at once.
-    # Under TP the vocabulary-parallel loss (loss_parallel) also keeps its input logits.
-    kept = tokens * vocab * FP32 + (tokens * vocab * widths(job).lin if job.bf16 or lay.tp > 1 else 0.0)
+    # The loss's fp32 cast of bf16 logits keeps nothing of them (its backward casts the
+    # gradient back; measured by the rehearsal, forja/train/rehearse/); under TP the
+    # vocabulary-parallel loss (loss_parallel) keeps its input logits.
+    kept = tokens * vocab * FP32 + (tokens * vocab * widths(job).lin if lay.tp > 1 else 0.0)
     return kept, 2 * tokens * vocab * FP32
 
 
@@ -191,8 +193,13 @@ def predict_memory(job: Job, lay: Layout) -> MemoryBreakdown:
 
 
 def rank_peak(job: Job, lay: Layout, rm: RankModel) -> MemoryBreakdown:
-    """The peak of one rank: the largest of its three candidate moments (the loss's backward,
-    the first block's backward, the optimizer step)."""
+    """The peak of one rank: the largest of its three candidate moments."""
+    return max(rank_moments(job, lay, rm), key=lambda m: m.total)
+
+
+def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
+    """What one rank holds at each candidate moment of its peak: the loss's backward, the
+    first block's backward, the optimizer step (each `phase` names its own)."""
     fsdp_on = lay.fsdp * lay.dp_replicate > 1 or job.bf16_params or lay.cpu_offload
     shard = lay.fsdp if fsdp_on else 1
     root, largest, blocks, experts = rank_elements(job, lay, rm)
@@ -210,32 +217,34 @@ def rank_peak(job: Job, lay: Layout, rm: RankModel) -> MemoryBreakdown:
     kept, working = _kept_activations(job, lay, rm, tokens, micro)
     loss_kept, loss_backward = _loss_memory(job, lay, rm, tokens, micro)
     buffers = (4 * tokens * job.args.dim * widths(job).lin * rm.stages) if lay.pp > 1 else 0.0
-    # Context parallelism's transients: one block computes at a time, so the largest block's.
-    buffers += max((cp_buffers(job, lay, b, tokens) for b, _ in rm.groups), default=0.0)
+    # Context parallelism's transients live while a block computes (one at a time: the largest
+    # block's), not while the loss runs (measured by the rehearsal, forja/train/rehearse/).
+    in_block = max((cp_buffers(job, lay, b, tokens) for b, _ in rm.groups), default=0.0)
     # FSDP: the root stays gathered through forward and backward; ZeRO-3 regathers each block
     # (itself and the prefetched next), ZeRO-2 keeps every block gathered until its backward.
     gathered = 0.0
     if fsdp_on:
         blocks_gathered = 2 * largest if lay.reshard_after_forward else blocks + largest
         gathered = (root + blocks_gathered) * gathered_width
-        buffers += 2 * largest / shard * FP32  # all-gather copy-in, reduce-scatter output
+        in_block += 2 * largest / shard * FP32  # all-gather copy-in, reduce-scatter output
     accumulated = _accumulated_gradients(lay, grads, micro, elements * gathered_width if fsdp_on else None)
     unsharded_grad = largest * gathered_width if fsdp_on else 0.0
 
-    def snap(phase: str, *, acts: float, logits: float, grads_now: float, temps: float = 0.0) -> MemoryBreakdown:
+    def snap(phase: str, *, acts: float, logits: float, grads_now: float, temps: float = 0.0,
+             staged: float = 0.0) -> MemoryBreakdown:
         return MemoryBreakdown(parameters=params, gradients=grads_now, optimizer_state=state,
                                gathered_parameters=gathered, activations=acts, logits=logits,
-                               optimizer_temporaries=temps, buffers=buffers, pp_rank=rm.pp_rank, phase=phase)
+                               optimizer_temporaries=temps, buffers=buffers + staged, pp_rank=rm.pp_rank,
+                               phase=phase)
 
     output_grad = (root * FP32) if rm.last else 0.0
-    candidates = [
+    return [
         snap("loss backward", acts=kept, logits=loss_kept + loss_backward, grads_now=accumulated),
         snap("first block backward", acts=kept + working, logits=0.0,
-             grads_now=accumulated + output_grad + unsharded_grad),
+             grads_now=accumulated + output_grad + unsharded_grad, staged=in_block),
         snap("optimizer step", acts=0.0, logits=0.0, grads_now=max(grads, accumulated),
              temps=optimizer_temps),
     ]
-    return max(candidates, key=lambda m: m.total)
 
 
 def _kept_activations(job: Job, lay: Layout, rm: RankModel, tokens: float, micro: int) -> tuple[float, float]:

@@ -16,6 +16,7 @@ trainer's `setup`, which reads as the list of them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,8 +44,12 @@ class ModelParts:
 
 def build_model_parts(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfig, *, device: torch.device,
                       seed: int, load_weights: Callable[[Transformer], None] | None = None, seq_len: int = 0,
-                      float8: str = "none", float8_min_features: int = 1024) -> ModelParts:
-    """This rank's model, parallelized, with weights from `seed` or from `load_weights`."""
+                      float8: str = "none", float8_min_features: int = 1024,
+                      materialize_in: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                      ) -> ModelParts:
+    """This rank's model, parallelized, with weights from `seed` or from `load_weights`.
+    `materialize_in`: the mode the weights are made under (a rehearsal's fake tensors,
+    forja/train/rehearse/); the build before it runs on the meta device either way."""
     model = build_from_args(args, device="meta")
     plan = spec_of(args).tp_plan(args, cfg.sequence_parallel and dims.tp > 1)
     if float8 != "none":
@@ -54,7 +59,8 @@ def build_model_parts(args: TransformerArgs, dims: ParallelDims, cfg: ParallelCo
 
     def prepare(part: Transformer) -> None:
         parallelize(part, plan, dims, cfg, device)
-        _materialize(part, torch.device("cpu") if cfg.cpu_offload else device, seed, load_weights)
+        with materialize_in():
+            _materialize(part, torch.device("cpu") if cfg.cpu_offload else device, seed, load_weights)
 
     if dims.pp == 1:
         prepare(model)

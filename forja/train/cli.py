@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 from forja.errors import ForjaError
+from forja.train.rehearse.cli import add_train_args, train_rehearsal
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +51,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                         "scripts/ft_groups.sbatch); needs --ft-lighthouse HOST:PORT")
     p.add_argument("--ft-lighthouse", default=None, metavar="HOST:PORT",
                    help="the torchft lighthouse the groups meet at (default: --ft-groups starts one here)")
+    add_train_args(p)  # --rehearse --world N: forja/train/rehearse/cli.py
     p.set_defaults(func=run)
 
 
@@ -122,6 +124,8 @@ def launcher_preflight(cfg, *, nproc: int, nnodes: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from forja.config import load_config
 
+    if args.rehearse is not None:
+        return train_rehearsal(args)
     overrides = list(args.overrides) + (["run.start_over=true"] if args.start_over else [])
     if args.ft_groups is not None or args.ft_group is not None:
         return _launch_ft(args, overrides)

@@ -55,11 +55,12 @@ CONFIG_SECTIONS = {"forja.checkpoint.config", "forja.data.config", "forja.eval.c
 FLOORS: dict[str, list[tuple[str, ...]]] = {
     "forja.train": [
         ("config",),  # [run], [train], [debug]: values, and the drill grammar they are checked with
-        ("step",),  # how one step runs
+        ("step", "build"),  # how one step runs; the one build order of the model
         ("resilience",),  # health, recovery, drills, the watchdog: they act on a step's outcome
         ("ft",),  # replica groups: a group's manager uses the watchdog's restart count
+        ("rehearse",),  # a run's build and one step on fake devices, beside the planner's prediction
         ("launch",),  # before the loop: preflight, run directory, the run's data, the launch of ft groups
-        ("trainer", "build", "callbacks", "evaluation", "probes"),  # the loop and what only it uses
+        ("trainer", "callbacks", "evaluation", "probes"),  # the loop and what only it uses
         ("cli",),  # `forja train`: the preflight, then the trainer, torchrun or ft groups
     ],
     "forja.data": [

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from forja.config import Config
@@ -34,14 +35,17 @@ from forja.ops.float8 import check_float8
 from forja.parallel.checks import LayoutRequest, check_layout
 from forja.plan.hardware import Hardware, get_hardware, hardware_for_device
 from forja.plan.job import Job, job_from_config
-from forja.plan.layout import Layout
+from forja.plan.layout import Layout, with_layout
 from forja.plan.planner import Candidate, evaluate, layout_request, plan, usable_memory
 from forja.train.ft.checks import check_ft
 from forja.train.launch.data import check_data, check_splits, check_stages
 from forja.train.launch.run_dir import RunDir
 from forja.train.launch.stage_history import check_stage_history
+from forja.train.rehearse.rehearsal import rehearse_apart
 
 GB = 1e9
+# Set once a launch's rehearsal has run (parallel.memory_check = "rehearse"), for the workers.
+REHEARSED = "FORJA_REHEARSED"
 
 
 def check_positions(args: TransformerArgs, seq_len: int) -> None:
@@ -87,12 +91,6 @@ def device_hardware(device_type: str, *, ranks_here: int | None = None, in_worke
     ranks = ranks_here or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return get_hardware("cpu", memory_gb=ram / ranks / GB)
-
-
-def with_layout(cfg: Config, lay: Layout) -> Config:
-    """`cfg` with the layout's parallel keys and micro-batch size."""
-    train = dataclasses.replace(cfg.train, micro_batch_size=lay.micro_batch_size)
-    return dataclasses.replace(cfg, parallel=lay.parallel(cfg.parallel), train=train)
 
 
 @dataclasses.dataclass
@@ -175,6 +173,8 @@ class Preflight:
         cfg = self.cfg
         if cfg.parallel.memory_check == "off":
             return
+        if cfg.parallel.memory_check == "rehearse":
+            return self._rehearse(hw)
         job = self.job()
         own = evaluate(job, Layout.from_config(cfg.parallel, cfg.train.micro_batch_size, self.world_size), hw)
         if own.memory.total <= usable_memory(hw):
@@ -184,6 +184,26 @@ class Preflight:
             raise ForjaError(message)
         if self.rank == 0:
             print(f"forja: warning: {message}", flush=True)
+
+
+    def _rehearse(self, hw: Hardware) -> None:
+        """parallel.memory_check = "rehearse": the rehearsed peak against the device's memory. Once
+        per launch: the launcher's preflight, or rank 0's where no launcher ran one (the others
+        meet rank 0's verdict at their first collective)."""
+        if os.environ.get(REHEARSED) or (self.in_worker and self.rank != 0):
+            return
+        began = time.perf_counter()
+        out = rehearse_apart(self.cfg, self.world_size)
+        peak = max(r["peak_bytes"] for r in out["ranks"])
+        os.environ[REHEARSED] = "1"  # torchrun's workers inherit it: they need not rehearse again
+        seconds = time.perf_counter() - began
+        if peak > usable_memory(hw):
+            raise ForjaError(f"the rehearsal of this layout ({out['layout']}) peaks at {peak / GB:.2f} GB per rank "
+                             f"but {hw.name} leaves {usable_memory(hw) / GB:.1f} GB (rehearsed in {seconds:.0f} s; "
+                             "forja plan RECIPE --gpus N --rehearse shows where it goes); change the layout, or "
+                             "parallel.memory_check = 'warn' goes on anyway")
+        print(f"forja: rehearsed the layout in {seconds:.0f} s: peak {peak / GB:.2f} GB per rank of "
+              f"{usable_memory(hw) / GB:.1f} GB usable", flush=True)
 
 
 def over_memory_message(own: Candidate, job: Job, hw: Hardware, world: int) -> str:

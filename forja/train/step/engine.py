@@ -346,7 +346,11 @@ class StepEngine:
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.compute_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+        # No cast cache: autocast would keep every weight's bf16 copy until the forward ends, the
+        # whole model's under FSDP and activation checkpointing (measured by the rehearsal,
+        # forja/train/rehearse/); uncached, a matmul's backward keeps its own copy, and a
+        # checkpointed block recomputes it. Each weight is cast once per forward either way.
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, cache_enabled=False)
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         """Where the loss and its backward run: vocabulary-parallel cross-entropy under TP."""

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from forja.parallel import ParallelDims
+from forja.parallel.process_group import rehearsing
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,9 @@ class Tally:
         if not shown:
             return
         # float64 holds every float32, bfloat16 and float16 value exactly: the numbers are the tensors'.
-        values = torch.cat([t.reshape(-1).to(torch.float64) for _, t in shown]).tolist()
+        values = torch.cat([t.reshape(-1).to(torch.float64) for _, t in shown])
+        # A rehearsal's tensors have shapes but no values (forja/train/rehearse.py): it reads zeros.
+        values = [0.0] * values.numel() if rehearsing() else values.tolist()
         offset = 0
         for e, t in shown:
             e.host = values[offset:offset + t.numel()]

@@ -18,7 +18,7 @@ from forja.plan.cli import print_plan, set_items
 from forja.plan.hardware import get_hardware
 from forja.plan.job import Job
 from forja.plan.layout import Layout, SearchSpace, enumerate_layouts, parse_fixed
-from forja.plan.memory import predict_memory
+from forja.plan.memory import end_ranks, rank_moments
 from forja.plan.planner import default_space, evaluate, plan
 from forja.plan.shape import model_shape
 from forja.plan.speed import ATTENTION_EFFICIENCY, HBM_EFFICIENCY, cp_block_time, gemm_efficiency, predict_time
@@ -162,14 +162,20 @@ def test_gated_deltanet_under_ring_gathers_states_where_all_to_all_moves_every_t
     assert cp_block_time(j, ring, H100, block, s) < cp_block_time(j, a2a, H100, block, s) / 20
 
 
+def block_backward(j, lay: Layout):
+    """The moment a block computes its backward (CP's transients live only then)."""
+    (rm,) = end_ranks(j, lay)
+    return next(m for m in rank_moments(j, lay, rm) if m.phase == "first block backward")
+
+
 @pytest.mark.parametrize("kind", ["ring", "all-to-all"])
 def test_activations_per_rank_fall_with_cp_and_each_kind_adds_its_buffers(kind):
     j = job()
-    base = predict_memory(j, Layout.of(dp_shard=4))  # the same FSDP degree (dp_shard x cp) as below
+    base = block_backward(j, Layout.of(dp_shard=4))  # the same FSDP degree (dp_shard x cp) as below
     # Eager autocast keeps each block's bf16 weights for its backward, whatever the tokens.
     casts = sum(2 * (b.tp_split + b.replicated) for b in j.shape.blocks)
     for cp in (2, 4):
-        split = predict_memory(j, Layout.of(dp_shard=4 // cp, cp=cp, cp_kind=kind))
+        split = block_backward(j, Layout.of(dp_shard=4 // cp, cp=cp, cp_kind=kind))
         s = 32768 / cp
         # Beside the output wo keeps: ring's own fp32 one, all-to-all's full-sequence one (bf16).
         out = 32 * s * 4096 * (4 if kind == "ring" else 2)

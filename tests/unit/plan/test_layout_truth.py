@@ -19,8 +19,9 @@ from forja.parallel.checks import layout_errors
 from forja.parallel.config import PP_SCHEDULES
 from forja.plan import get_hardware, job_from_config
 from forja.plan.cli import set_items  # the --set line forja plan prints
+from forja.plan.layout import with_layout
 from forja.plan.planner import default_space, plan
-from forja.train.launch.preflight import Preflight, with_layout
+from forja.train.launch.preflight import Preflight
 
 PRINTED = 10  # rows of forja plan's table (its default --top)
 

@@ -1,0 +1,7 @@
+"""A run rehearsed on fake devices: forja's real build and one real step, at full size and full
+world size, in one CPU process, with every allocation and collective accounted.
+
+    run.py          one rank position: the fake world, the build, the step, the staging
+    tracker.py      live bytes by category and their peak (a dispatch mode over fake tensors)
+    collectives.py  every collective of the step by kind and group
+"""

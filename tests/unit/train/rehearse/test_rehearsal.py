@@ -1,0 +1,87 @@
+"""Rehearsals of real recipes on fake devices, against the planner's prediction: a sample of
+the agreement bench/rehearse.py measures at full size (docs/planner.md, "Rehearsal").
+
+Each rehearsal runs forja's build and one step of a model with a real vocabulary and width
+on a fake world in this process: seconds each, no GPU, nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from forja.cli import main
+from forja.config import load_config
+from forja.errors import ForjaError
+from forja.plan.hardware import get_hardware
+from forja.train.rehearse.rehearsal import rank_positions, rehearse
+
+# The promise docs/planner.md makes: the planner's per-rank peak within 5% of the rehearsal's.
+AGREEMENT = 0.05
+# Llama 3.2 1B's shape (full vocabulary and width) at 1,024 tokens a sequence: seconds a rehearsal.
+SMALL = ["train.seq_len=1024", "train.global_batch_size=16", "train.micro_batch_size=1"]
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallel.dp_shard=8", "parallel.ac=none"],
+    ["parallel.dp_shard=8", "parallel.ac=full"],
+    ["parallel.dp_shard=4", "parallel.dp_replicate=2", "parallel.ac=selective"],
+    ["parallel.dp_shard=2", "parallel.tp=4", "parallel.ac=selective"],
+    ["parallel.dp_shard=4", "parallel.cp=2", "parallel.cp_kind=all-to-all", "parallel.ac=full"],
+], ids=["fsdp8", "fsdp8-full-ac", "hsdp-selective-ac", "fsdp2-tp4-sp", "fsdp4-cp2-a2a"])
+def test_the_planners_peak_agrees_with_the_rehearsal(layout):
+    r = rehearse(load_config("llama3-1b", SMALL + layout), 8)
+    (rank,), (predicted,) = r.ranks, r.predicted
+    error = predicted.total / rank.peak_bytes - 1
+    assert abs(error) <= AGREEMENT, (layout, rank.peak_bytes, predicted.total, rank.by_category)
+    # The step really ran: weights, gradients and Adam's two moments are each the rank's shard.
+    by = rank.by_category
+    assert by["optimizer_state"] == pytest.approx(2 * by["parameters"], rel=0.02)
+    assert by["activations"] > 0 and rank.checkpoint_bytes >= 3 * by["parameters"] * 0.98
+
+
+def test_collectives_are_counted_by_kind_and_mesh_group():
+    r = rehearse(load_config("llama3-1b", SMALL + ["parallel.dp_shard=4", "parallel.tp=2"]), 8)
+    rows = {(c["kind"], c["group"]): c for c in r.ranks[0].collectives}
+    # FSDP gathers each block's weights in forward and again in backward, and reduce-scatters
+    # each block's gradients once per micro-batch, over dp_shard; TP moves activations over tp.
+    blocks = 16
+    gathers, scatters = rows[("allgather_base", "dp_shard")], rows[("reduce_scatter_base", "dp_shard")]
+    assert gathers["count"] >= 2 * blocks * r.ranks[0].microbatches_rehearsed
+    assert scatters["count"] >= blocks * r.ranks[0].microbatches_rehearsed
+    assert any(group == "tp" for _, group in rows)
+
+
+def test_rank_positions_are_the_pipeline_ends():
+    cfg = load_config("llama3-1b", ["parallel.pp=4", "parallel.dp_shard=2"])
+    assert rank_positions(cfg, 8) == [(0, "first stage"), (6, "last stage")]
+    assert rank_positions(load_config("llama3-1b"), 8) == [(0, "every rank")]
+
+
+@pytest.mark.parametrize(("sets", "world", "says"), [
+    (["parallel.dp_shard=3"], 8, "dp_shard"),
+    (["parallel.pp=2"], 8, "pipeline parallelism"),
+    (["model.family=deepseek_v3", "model.flavor=debug"], 8, "mixture of experts"),
+])
+def test_what_cannot_be_rehearsed_is_refused_before_anything_is_built(sets, world, says):
+    with pytest.raises(ForjaError, match=says):
+        rehearse(load_config("llama3-1b", SMALL + sets), world)
+
+
+def test_forja_plan_rehearse_prints_both_and_writes_only_its_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code = main(["plan", "llama3-1b", "--gpus", "8", "--gpu", "h100", "--layout",
+                 "parallel.dp_shard=8,parallel.ac=full,parallel.reshard_after_forward=true,train.micro_batch_size=1",
+                 *[f"--set={s}" for s in SMALL], "--rehearse"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "rehearsal:" in out and "predicted" in out and "rehearsed" in out and "reduce_scatter_base" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rehearsal.json"]
+    data = json.loads((tmp_path / "rehearsal.json").read_text())
+    assert data["world_size"] == 8 and abs(data["ranks"][0]["error"]) <= AGREEMENT
+    assert data["usable_bytes"] == pytest.approx((get_hardware("h100").memory_bytes - 3e9) * 0.95)
+
+
+def test_forja_train_rehearse_needs_a_world_size(capsys):
+    assert main(["train", "llama3-1b", "--rehearse"]) == 2
+    assert "--world" in capsys.readouterr().err
