@@ -116,6 +116,27 @@ def matmul_efficiency(rows: float, width: float, hw: Hardware | None = None) -> 
     return large * rows / (rows + HALF_RATE_SIZE) * width / (width + HALF_RATE_SIZE)
 
 
+def routed_expert_flops(job: Job, block) -> float:
+    """Training FLOPs per token of a block's routed experts (6 x the top-k experts' weights)."""
+    a = job.args
+    if not (block.moe and isinstance(a, MoEArgs) and a.n_experts):
+        return 0.0
+    return 6.0 * block.experts * a.top_k / a.n_experts
+
+
+def expert_gemm_factor(job: Job, lay: Layout, tokens_mb: float) -> float:
+    """The routed experts' matmul rate over the block's dense one: each expert's GEMM has only
+    the tokens routed to it as rows (top_k x the rank's tokens spread over n_experts / ep local
+    experts, evenly routed) and moe_ffn_dim as its narrow side, so small experts fill few tiles
+    (the same wave-quantization factor as any matmul, HALF_RATE_SIZE)."""
+    a = job.args
+    if not (isinstance(a, MoEArgs) and a.n_experts and a.moe_ffn_dim):
+        return 1.0
+    rows = tokens_mb / lay.tp * a.top_k * lay.ep / a.n_experts  # under TP a rank routes 1/tp of the tokens
+    dense = matmul_efficiency(tokens_mb, min(a.dim, a.n_heads * a.head_dim / lay.tp))
+    return matmul_efficiency(rows, min(a.dim, a.moe_ffn_dim)) / dense
+
+
 def recompute_factor(lay: Layout) -> float:
     """Block FLOPs with recomputation: full AC reruns the forward (1/3 of 6N more)."""
     if lay.ac == "full":
@@ -184,11 +205,13 @@ def _compute_time(job: Job, lay: Layout, hw: Hardware, rm, tokens_mb: float, tok
     linear_rate = rate * (hw.fp8_flops / peak if fp8 else 1.0)
     attn_rate = attention_rate(job, hw)
     hbm = hw.hbm_bytes_per_s * HBM_EFFICIENCY
+    expert_rate = linear_rate * expert_gemm_factor(job, lay, tokens_mb)
     linear = attn = memory = 0.0
     ring = ring_attention_seconds(job, lay, hw) if lay.cp > 1 and lay.cp_kind == "ring" else None
     for b, idx in rm.groups:
-        n, attention = len(idx), attention_flops(job, b)
-        linear += n * (b.flops_per_token - attention) * recompute_factor(lay) / lay.tp / linear_rate
+        n, attention, routed = len(idx), attention_flops(job, b), routed_expert_flops(job, b)
+        dense = (b.flops_per_token - attention - routed) / linear_rate + routed / expert_rate
+        linear += n * dense * recompute_factor(lay) / lay.tp
         if ring and attention:  # forja's ring blocks, not the fused kernel (per micro-batch -> per token)
             attn += n * (ring[0] * (1 + forward_reruns(lay)) + ring[1]) / tokens_mb
         else:
