@@ -1,0 +1,98 @@
+"""Rehearsals at full size against the planner and against published runs (docs/planner.md,
+"Rehearsal"): each case runs forja's build and one step on fake devices in this process.
+
+    python bench/rehearse.py                 # every case (minutes on a 2-core CPU)
+    python bench/rehearse.py --only 8B       # the cases whose name holds "8B"
+
+Columns: the planner's per-rank peak for the rehearsed program (eager, no fused kernels:
+what a fake tensor can run), the rehearsal's peak of live tensors, their error, and where a
+run was published, its figure: torchtitan logs the caching allocator's reserved peak
+(`torch.cuda.max_memory_reserved`, GiB), an upper bound on live tensors; the "as reserved"
+column divides the rehearsed peak by forja's allocator term (forja/plan/planner.py,
+FRAGMENTATION) to compare like with like. Published runs used torch.compile; the rehearsal
+runs eager, which keeps more (a compiled block fuses and recomputes some of what eager saves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from forja.config import load_config  # noqa: E402
+from forja.plan.planner import FRAGMENTATION  # noqa: E402
+from forja.train.rehearse.rehearsal import rehearse  # noqa: E402
+
+GIB = 2 ** 30
+TITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+TITAN_8B = ["train.seq_len=8192", "model.attention=sdpa"]
+
+
+@dataclass
+class Case:
+    name: str
+    recipe: str
+    world: int
+    sets: list[str]
+    published_gib: float | None = None
+    source: str = ""
+
+
+CASES = [
+    Case("8B FSDP 64, SAC (recipe)", "llama3-8b", 64, ["parallel.ac=selective"]),
+    Case("8B FSDP 64, no AC", "llama3-8b", 64, ["parallel.ac=none"]),
+    Case("8B FSDP 64, full AC", "llama3-8b", 64, ["parallel.ac=full"]),
+    Case("8B FSDP 8 x TP 8, SAC", "llama3-8b", 64, ["parallel.dp_shard=8", "parallel.tp=8", "parallel.ac=selective"]),
+    Case("8B FSDP 8, SAC, mbs 2 (torchtitan table 1, eager)", "llama3-8b", 8,
+         TITAN_8B + ["parallel.dp_shard=8", "parallel.ac=selective", "train.micro_batch_size=2",
+                     "train.global_batch_size=16"], 82.4, TITAN),
+    Case("8B FSDP 8, SAC, mbs 2, bf16 parameters (torchtitan table 1, eager)", "llama3-8b", 8,
+         TITAN_8B + ["parallel.dp_shard=8", "parallel.ac=selective", "train.micro_batch_size=2",
+                     "train.global_batch_size=16", "parallel.mixed_precision=bf16"], 82.4, TITAN),
+    Case("8B FSDP 128, SAC, mbs 2 (torchtitan table 3, eager)", "llama3-8b", 128,
+         TITAN_8B + ["parallel.dp_shard=128", "parallel.ac=selective", "train.micro_batch_size=2",
+                     "train.global_batch_size=256"], 67.0, TITAN),
+    Case("8B FSDP 4 x CP 2 all-to-all, 64k, full AC", "llama3-8b", 8,
+         ["parallel.dp_shard=4", "parallel.cp=2", "parallel.cp_kind=all-to-all", "parallel.ac=full",
+          "train.seq_len=65536", "train.micro_batch_size=1", "train.global_batch_size=4"]),
+    Case("70B FSDP 32 x TP 8, full AC, mbs 16 (torchtitan table 4, bf16 eager)", "llama3-8b", 256,
+         ["model.flavor=3.1-70b", "parallel.dp_shard=32", "parallel.tp=8", "parallel.ac=full",
+          "train.micro_batch_size=16", "train.global_batch_size=512"] + TITAN_8B, 71.9, TITAN),
+]
+
+
+def run(case: Case) -> dict:
+    began = time.perf_counter()
+    r = rehearse(load_config(case.recipe, case.sets), case.world)
+    rank, predicted = max(zip(r.ranks, r.predicted), key=lambda rp: rp[0].peak_bytes)
+    return {"case": case, "layout": r.layout, "rehearsed": rank.peak_bytes, "predicted": predicted.total,
+            "seconds": time.perf_counter() - began}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="", help="run the cases whose name holds this")
+    args = p.parse_args()
+    print("| case | ranks | layout | predicted GiB | rehearsed GiB | error | as reserved GiB | published GiB "
+          "| rehearsal s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for case in CASES:
+        if args.only not in case.name:
+            continue
+        row = run(case)
+        published = f"{case.published_gib:.1f}" if case.published_gib else "-"
+        print(f"| {case.name} | {case.world} | {row['layout'].replace(' | ', ', ')} | {row['predicted'] / GIB:.2f} | "
+              f"{row['rehearsed'] / GIB:.2f} | {row['predicted'] / row['rehearsed'] - 1:+.1%} | "
+              f"{row['rehearsed'] / FRAGMENTATION / GIB:.1f} | {published} | {row['seconds']:.0f} |", flush=True)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    print(f"\npeak host memory of this process: {peak_rss:.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
