@@ -81,13 +81,15 @@ class Run:
     inexpressible: str = ""
     """Why forja cannot express the published setting (the row is then out of the statistics)."""
     extra: dict = field(default_factory=dict)
+    published_gib: float | None = None
+    """Peak memory per GPU as published (torchtitan: the caching allocator's reserved peak, GiB)."""
 
 
 def _titan_8b(name, gpus, tps, seq, batch, mbs, layout, *, float8="none", compile_=True, ac="selective",
-              source="torchtitan", assumed=""):
+              source="torchtitan", assumed="", mem=None):
     return Run(name, source, gpus, tps, {**LLAMA, "model.flavor": "3.1-8b"}, seq, batch,
                dict(layout, ac=ac, micro_batch_size=mbs), TITAN_GPU, float8, compile_, assumed=assumed,
-               inexpressible=_ring(layout))
+               inexpressible=_ring(layout), published_gib=mem)
 
 
 # torchtitan's context parallelism is PyTorch's ring over fused flash-attention kernels; forja's own
@@ -103,48 +105,52 @@ def _ring(layout: dict) -> str:
 SEQ_FROM_CONFIG = "seq_len 8192 from torchtitan's train config (the table does not state it)"
 RUNS: list[Run] = [
     # -- torchtitan, Llama 3.1 on 96 GB / 500 W H100 (tables 1-6 of the 2024-12 file) ------------
-    _titan_8b("8B FSDP 8, SAC, eager", 8, 5762, 8192, 16, 2, dict(dp_shard=8), compile_=False, assumed=SEQ_FROM_CONFIG),
-    _titan_8b("8B FSDP 8, SAC, compile", 8, 6667, 8192, 16, 2, dict(dp_shard=8), assumed=SEQ_FROM_CONFIG),
+    _titan_8b("8B FSDP 8, SAC, eager", 8, 5762, 8192, 16, 2, dict(dp_shard=8), compile_=False, assumed=SEQ_FROM_CONFIG,
+              mem=82.4),
+    _titan_8b("8B FSDP 8, SAC, compile", 8, 6667, 8192, 16, 2, dict(dp_shard=8), assumed=SEQ_FROM_CONFIG, mem=77.0),
     _titan_8b("8B FSDP 8, SAC, compile, float8", 8, 8532, 8192, 16, 2, dict(dp_shard=8), float8="tensorwise",
-              assumed=SEQ_FROM_CONFIG),
+              assumed=SEQ_FROM_CONFIG, mem=76.8),
     _titan_8b("8B FSDP 8 CP 1, 32k, full AC, float8", 8, 3890, 32768, 8, 1, dict(dp_shard=8), float8="tensorwise",
-              ac="full"),
+              ac="full", mem=83.9),
     _titan_8b("8B FSDP 4 CP 2, 64k, full AC, float8", 8, 2540, 65536, 4, 1, dict(dp_shard=4, cp=2),
-              float8="tensorwise", ac="full"),
+              float8="tensorwise", ac="full", mem=84.2),
     _titan_8b("8B FSDP 2 CP 4, 128k, full AC, float8", 8, 1071, 131072, 2, 1, dict(dp_shard=2, cp=4),
-              float8="tensorwise", ac="full"),
-    _titan_8b("8B CP 8, 256k, full AC, float8", 8, 548, 262144, 1, 1, dict(cp=8), float8="tensorwise", ac="full"),
+              float8="tensorwise", ac="full", mem=84.0),
+    _titan_8b("8B CP 8, 256k, full AC, float8", 8, 548, 262144, 1, 1, dict(cp=8), float8="tensorwise", ac="full",
+              mem=84.5),
     _titan_8b("8B FSDP 128, SAC, eager", 128, 5605, 8192, 256, 2, dict(dp_shard=128), compile_=False,
-              assumed=SEQ_FROM_CONFIG),
-    _titan_8b("8B FSDP 128, SAC, compile", 128, 6514, 8192, 256, 2, dict(dp_shard=128), assumed=SEQ_FROM_CONFIG),
+              assumed=SEQ_FROM_CONFIG, mem=67.0),
+    _titan_8b("8B FSDP 128, SAC, compile", 128, 6514, 8192, 256, 2, dict(dp_shard=128), assumed=SEQ_FROM_CONFIG,
+              mem=62.0),
     _titan_8b("8B FSDP 128, SAC, compile, float8", 128, 8380, 8192, 256, 2, dict(dp_shard=128), float8="tensorwise",
-              assumed=SEQ_FROM_CONFIG),
+              assumed=SEQ_FROM_CONFIG, mem=61.8),
 ]
 
 
 def _titan_big(name, flavor, gpus, tps, batch, mbs, layout, *, seq=8192, float8="tensorwise", async_tp=False,
-               source="torchtitan", ac="full", assumed=SEQ_FROM_CONFIG):
+               source="torchtitan", ac="full", assumed=SEQ_FROM_CONFIG, mem=None):
     return Run(name, source, gpus, tps, {**LLAMA, "model.flavor": flavor}, seq, batch,
                dict(layout, ac=ac, micro_batch_size=mbs), TITAN_GPU, float8, assumed=assumed,
-               extra={"parallel.async_tp": async_tp}, inexpressible=_ring(layout))
+               extra={"parallel.async_tp": async_tp}, inexpressible=_ring(layout), published_gib=mem)
 
 
 PP_MICRO = "pipeline micro-batches not stated: 8 (torchtitan's default, the pipeline degree)"
 _405 = dict(dp_shard=8, tp=8, pp=8, pp_microbatches=8)
 RUNS += [
-    _titan_big("70B FSDP 32 x TP 8, full AC, float8", "3.1-70b", 256, 829, 512, 16, dict(dp_shard=32, tp=8)),
+    _titan_big("70B FSDP 32 x TP 8, full AC, float8", "3.1-70b", 256, 829, 512, 16, dict(dp_shard=32, tp=8), mem=71.9),
     _titan_big("70B FSDP 32 x TP 8, full AC, float8, async TP", "3.1-70b", 256, 876, 512, 16,
-               dict(dp_shard=32, tp=8), async_tp=True),
+               dict(dp_shard=32, tp=8), async_tp=True, mem=67.6),
     _titan_big("405B FSDP 8 x TP 8 x PP 8, 1F1B, float8, async TP", "3.1-405b", 512, 100, 256, 1,
-               dict(_405, pp_schedule="1f1b"), async_tp=True, assumed=f"{SEQ_FROM_CONFIG}; {PP_MICRO}"),
+               dict(_405, pp_schedule="1f1b"), async_tp=True, assumed=f"{SEQ_FROM_CONFIG}; {PP_MICRO}", mem=82.5),
     _titan_big("405B FSDP 8 x TP 8 x PP 8, interleaved 1F1B, float8, async TP", "3.1-405b", 512, 128, 256, 1,
-               dict(_405, pp_schedule="interleaved-1f1b"), async_tp=True, assumed=f"{SEQ_FROM_CONFIG}; {PP_MICRO}"),
+               dict(_405, pp_schedule="interleaved-1f1b"), async_tp=True, assumed=f"{SEQ_FROM_CONFIG}; {PP_MICRO}",
+               mem=72.7),
 ]
-for fsdp, cp, tps in ((8, 1, 76), (4, 2, 47), (2, 4, 31), (1, 8, 16)):
+for fsdp, cp, tps, mem in ((8, 1, 76, 75.3), (4, 2, 47, 75.9), (2, 4, 31, 77.1), (1, 8, 16, 84.9)):
     RUNS.append(_titan_big(f"405B FSDP {fsdp} CP {cp} TP 8 PP 8, {32 * cp}k, 1F1B, float8, async TP", "3.1-405b",
                            512, tps, 8 * fsdp, 1, dict(dp_shard=fsdp, cp=cp, tp=8, pp=8, pp_microbatches=8,
                                                        pp_schedule="1f1b"),
-                           seq=32768 * cp, async_tp=True, assumed=PP_MICRO))
+                           seq=32768 * cp, async_tp=True, assumed=PP_MICRO, mem=mem))
 # -- torchtitan async TP (2025-06): tokens/s per GPU, TP and async TP columns ------------------
 ASYNC_SEQ = "sequence length not stated: 8192 (torchtitan's train config)"
 for precision, tp_tps, async_tps in (("none", 597.3, 652.4), ("tensorwise", 809.8, 942.4),
@@ -300,6 +306,10 @@ class Result:
     run: Run
     predicted: float
     fits: bool
+    peak_bytes: float = 0.0
+    """The planner's per-rank peak for the run's layout."""
+    refused_for_memory: bool = False
+    """Whether forja's memory check refuses it (the validator accepts the layout)."""
 
     @property
     def log_ratio(self) -> float:
@@ -314,7 +324,7 @@ def results(runs: list[Run] = RUNS) -> list[Result]:
         if run.inexpressible:
             continue
         c = predict(run)
-        out.append(Result(run, c.tokens_per_sec_per_device, c.fits))
+        out.append(Result(run, c.tokens_per_sec_per_device, c.fits, c.memory.total, c.runs and not c.fits))
     return out
 
 
@@ -438,10 +448,45 @@ def main() -> None:
     failures = validation_failures(rows)
     print("\nValidation criteria (tests/unit/plan/test_validation.py): "
           + ("all hold." if not failures else "MISSED: " + "; ".join(failures)))
+    memory_table(rows, rehearsed=rehearse_rows(rows) if "--rehearse" in sys.argv else {})
     left = [run for run in RUNS if run.inexpressible]
     print(f"\nLeft out ({len(left)} published rows forja cannot express):\n")
     for run in left:
         print(f"- {run.name} ({run.source}, {run.published:,.0f} tok/s/GPU): {run.inexpressible}")
+
+
+def memory_table(rows: list[Result], rehearsed: dict[str, float]) -> None:
+    """Per-rank peak memory: predicted, rehearsed (`--rehearse`) and published, and how many
+    published runs forja's memory check refuses."""
+    refused = [r for r in rows if r.refused_for_memory]
+    print(f"\nforja's memory check refuses {len(refused)} of {len(rows)} expressible published runs "
+          f"({sum(r.run.published_gib is not None for r in refused)} of them with a published peak).\n")
+    print("| run | predicted GiB | rehearsed GiB (eager) | published GiB (reserved) | refused |")
+    print("|---|---:|---:|---:|---|")
+    for r in rows:
+        if r.run.published_gib is None and r.run.name not in rehearsed:
+            continue
+        reh = rehearsed.get(r.run.name)
+        print(f"| {r.run.name} | {r.peak_bytes / 2 ** 30:.1f} | {'-' if reh is None else f'{reh / 2 ** 30:.1f}'} | "
+              f"{r.run.published_gib or '-'} | {'yes' if r.refused_for_memory else 'no'} |")
+
+
+def rehearse_rows(rows: list[Result]) -> dict[str, float]:
+    """The rehearsed peak of each row forja can rehearse (dense, no pipeline), eager (forja/train/rehearse/)."""
+    from forja.errors import ForjaError
+    from forja.plan.layout import with_layout
+    from forja.train.rehearse.rehearsal import rehearse
+
+    out = {}
+    for r in rows:
+        if r.run.published_gib is None:
+            continue
+        cfg = with_layout(load_config("configs/llama3-8b.toml", config_sets(r.run)), Layout.of(**r.run.layout))
+        try:
+            out[r.run.name] = max(rank.peak_bytes for rank in rehearse(cfg, r.run.gpus).ranks)
+        except ForjaError:
+            continue  # pipeline stages or experts: not rehearsable yet
+    return out
 
 
 if __name__ == "__main__":
