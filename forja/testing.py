@@ -4,7 +4,8 @@
 `torch.distributed` process group (Gloo on CPU), calls `fn(rank, world_size, *args)`
 in each, and returns the list of their return values, ordered by rank. A process group
 timeout turns a hang into a failure within seconds, and any rank's exception fails the
-call with that rank's traceback.
+call with that rank's traceback. The processes are forked from a server that imported
+torch and forja once (`PRELOADED`), so a call costs no import.
 
 `stop_launchers` and `child_launchers` stop torchrun launchers a test started, workers
 included, when the test fails or times out.
@@ -34,8 +35,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What every rank imports anyway, imported once in the fork server: an import of torch and its
+# distributed stack costs about 4 s of a core here, which used to be paid by every rank of
+# every call (most of a distributed test's time: its steps take a tenth of a second).
+PRELOADED = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch.distributed.checkpoint",
+             "torch.distributed.pipelining", "forja.train.trainer"]
+
+
+def _context(fresh: bool):
+    """multiprocessing's fork-server context, its server importing PRELOADED (set before it
+    starts: the server is made once a process, at the first call); with `fresh`, spawn's
+    (a new interpreter a rank, for what must be set before an import)."""
+    if fresh:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOADED)
+    return ctx
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn: Callable,
-            args: tuple, results: Any) -> None:
+            args: tuple, results: Any, environ: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment now, not the fork server's from its start
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
@@ -53,13 +74,16 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
 
 
 def run_distributed(fn: Callable, world_size: int = 2, *args: Any, backend: str = "gloo",
-                    timeout_s: float = 60.0) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` ranks; return their results."""
-    ctx = mp.get_context("spawn")
+                    timeout_s: float = 60.0, fresh: bool = False) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; return their results. With
+    `fresh`, each rank is a new interpreter that imports what it needs after the caller's
+    environment is set (e.g. TRITON_INTERPRET, read when triton is imported)."""
+    ctx = _context(fresh)
     with ctx.Manager() as manager:
         results = manager.dict()
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout_s, fn, args, results))
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout_s, fn, args, results,
+                                                  dict(os.environ)))
                  for r in range(world_size)]
         for p in procs:
             p.start()

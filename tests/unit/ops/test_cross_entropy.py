@@ -314,7 +314,7 @@ def test_vocabulary_parallel_with_the_triton_kernels_interpreted(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     want = _run(_plain, *_inputs(n=24, d=8, v=37))
-    for got in run_distributed(_tp_case, 2, "plain", "triton"):
+    for got in run_distributed(_tp_case, 2, "plain", "triton", fresh=True):
         _assert_close(got, want, 1e-5)
 
 
