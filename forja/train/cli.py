@@ -1,7 +1,9 @@
 """`forja train`: train from a recipe, resuming the run directory's latest checkpoint.
 
-With `--nproc` or `--nnodes` the command re-executes itself under torchrun
-(`python -m torch.distributed.run`): on one machine with `--standalone`, on several with
+With `--nproc` or `--nnodes` the command runs itself under torchrun's elastic agent, as
+`python -m torch.distributed.run ... -m forja train ...` would (`torchrun_command`), the agent
+in this process and the workers forked from a server that imported forja
+(forja/train/launch/agent.py): on one machine with `--standalone`, on several with
 torchrun's c10d rendezvous, where every machine runs the same command and they meet at
 `--rdzv-endpoint` (see docs/parallelism.md, "Launching").
 """
@@ -12,10 +14,10 @@ import argparse
 import hashlib
 import os
 import signal
-import subprocess
 import sys
 
 from forja.errors import ForjaError
+from forja.train.launch.agent import enter_worker, launch, start_server
 from forja.train.rehearse.cli import add_train_args, train_rehearsal
 
 
@@ -89,26 +91,6 @@ def torchrun_command(args: argparse.Namespace, run_dir: str) -> list[str]:
     return cmd
 
 
-def launch(cmd: list[str], *, restarts: bool = False) -> int:
-    """Run torchrun and wait for it. Its workers run in sessions of their own, so only
-    torchrun can stop them (after they save a checkpoint): a SIGTERM to this process is
-    passed on rather than killing torchrun and orphaning them. Ctrl-C reaches torchrun
-    from the terminal directly, so here it is ignored rather than sent twice.
-
-    With `restarts`, the workers' store is made afresh by each attempt's rank 0: the store
-    torchrun shares with its workers by default outlives an attempt, and the process groups
-    of the next attempt would find the dead one's addresses in it under the same names."""
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if restarts else None
-    proc = subprocess.Popen(cmd, env=env)
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, _: proc.send_signal(signum)),
-                signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
-    try:
-        return proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def launcher_preflight(cfg, *, nproc: int, nnodes: int) -> None:
     """The workers' preflight, run once here before torchrun starts: a bad launch stops with
     one sentence (exit code 2), not once per rank inside torchrun's traceback, and leaves no
@@ -122,26 +104,56 @@ def launcher_preflight(cfg, *, nproc: int, nnodes: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from forja.config import load_config
-
     if args.rehearse is not None:
         return train_rehearsal(args)
     overrides = list(args.overrides) + (["run.start_over=true"] if args.start_over else [])
     if args.ft_groups is not None or args.ft_group is not None:
         return _launch_ft(args, overrides)
+    # The workers' server imports torch and forja on another core while this process does too.
+    server_env = start_server() if launch_needed(args) else None
+    from forja.config import load_config
+
     cfg = load_config(args.config, overrides)  # errors surface before any process starts
-    if launch_needed(args):
+    if server_env is not None:
         cmd = torchrun_command(args, str(cfg.run.dir))
         from forja.train.launch.finished import finished
 
         if finished(cfg):  # complete already: say so here rather than start torchrun to say it
             return 0
         launcher_preflight(cfg, nproc=args.nproc or 1, nnodes=args.nnodes)
-        return launch(cmd, restarts=args.max_restarts > 0)
+        return launch(cmd, worker, (cfg, list(sys.argv)), server_env=server_env, restarts=args.max_restarts > 0)
+    train(cfg)
+    return 0
+
+
+def train(cfg) -> str | None:
+    """Train `cfg` in this process; return what stopped it early (a signal's name), if anything."""
     from forja.train.trainer import Trainer
 
-    Trainer(cfg).run()
-    return 0
+    trainer = Trainer(cfg)
+    trainer.run()
+    return trainer.stop_reason
+
+
+# A worker stopped by a signal (the agent passes the launcher's on) exits with this code
+# itself: an agent that is stopping the launch reads no worker's return value, and a worker
+# that returned one would wait for it to be read until the agent's shutdown timeout killed it.
+EXIT_STOPPED = 128 + signal.SIGTERM
+
+
+def worker(cfg, launcher_argv: list[str], changes) -> None:
+    """One process of a `--nproc` launch (forja/train/launch/agent.py): `forja train` with the
+    launcher's checked config, under torchrun's environment."""
+    enter_worker(launcher_argv, changes)
+    try:
+        stopped_by = train(cfg)
+    except ForjaError as exc:
+        print(f"forja train: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if stopped_by is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_STOPPED)
 
 
 def _launch_ft(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -1,6 +1,6 @@
 """SIGTERM to `forja train --nproc 2` (a scheduler's preemption, `kill`, scancel) reaches
-the training processes through torchrun: they finish the step, save a checkpoint and
-exit, and none is left behind. (torchrun starts its workers in sessions of their own, so
+the training processes through torchrun's agent: they finish the step, save a checkpoint and
+exit, and none is left behind. (The workers run in sessions of their own, as torchrun's, so
 a launcher that died at once would orphan them, still training.)"""
 
 from __future__ import annotations
@@ -13,15 +13,29 @@ from tests.distributed.parity import COMMON
 from tests.integration.conftest import forja_process, read_metrics, train_args
 
 
-def processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+def descendants(pid: int) -> set[int]:
+    """The processes below `pid` now (the workers are the fork server's children)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            if text.encode() in cmdline.read_bytes():
-                pids.append(int(cmdline.parent.name))
-        except OSError:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
             continue  # exited while we looked
-    return pids
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def test_sigterm_to_the_launcher_saves_and_stops_every_process(tmp_path, train_data):
@@ -31,9 +45,11 @@ def test_sigterm_to_the_launcher_saves_and_stops_every_process(tmp_path, train_d
     while not (run / "metrics.jsonl").exists() or len(read_metrics(run)) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-5000:]
         time.sleep(0.2)
+    below = descendants(proc.pid)
+    assert len(below) >= 2, below  # the two workers at least
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
     assert "stopped by SIGTERM" in out and "checkpoint saved" in out, out[-5000:]
     step = max(r["step"] for r in read_metrics(run) if "loss" in r)
     assert (run / "checkpoints" / f"step-{step:08d}").is_dir()
-    assert processes_mentioning(str(run)) == []
+    assert [pid for pid in below if alive(pid)] == []

@@ -55,6 +55,8 @@ C10D_OPS = frozenset({
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _DIST_DIR = os.path.join(_TORCH_DIR, "distributed")
+# torchrun's agent calls a `--nproc` worker through its own wrappers: the bottom of every stack there.
+_ELASTIC_DIR = os.path.join(_DIST_DIR, "elastic")
 _STDLIB_DIRS = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
 # Shown paths are relative to these, in order: "forja/train/step/engine.py", "torch/distributed/...".
 _ROOTS = (os.path.dirname(_TORCH_DIR), os.path.dirname(os.path.dirname(forja.__file__)))
@@ -111,7 +113,8 @@ def locate(frame: FrameType | None) -> tuple[str | None, str | None]:
     while frame is not None:
         frames.append(frame)
         frame = frame.f_back
-    dist_frames = [f for f in frames if _under(f.f_code.co_filename, _DIST_DIR)]
+    dist_frames = [f for f in frames
+                   if _under(f.f_code.co_filename, _DIST_DIR) and not _under(f.f_code.co_filename, _ELASTIC_DIR)]
     ops = [f for f in dist_frames if f.f_code.co_name in C10D_OPS]
     collective = None
     if ops:
