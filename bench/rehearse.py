@@ -63,6 +63,11 @@ CASES = [
     Case("70B FSDP 32 x TP 8, full AC, mbs 16 (torchtitan table 4, bf16 eager)", "llama3-8b", 256,
          ["model.flavor=3.1-70b", "parallel.dp_shard=32", "parallel.tp=8", "parallel.ac=full",
           "train.micro_batch_size=16", "train.global_batch_size=512"] + TITAN_8B, 71.9, TITAN),
+    # The full DeepSeek-V3 (61 layers, 58 of them 256 routed experts) on 256 ranks, the experts
+    # over 64 of them; routing balanced (forja/train/rehearse/routing.py).
+    Case("DeepSeek-V3 671B FSDP 256, EP 64, full AC, 4k", "llama3-8b", 256,
+         ["model.family=deepseek_v3", "model.flavor=671b", "parallel.dp_shard=256", "parallel.ep=64",
+          "parallel.ac=full", "train.seq_len=4096", "train.micro_batch_size=1", "train.global_batch_size=256"]),
 ]
 
 

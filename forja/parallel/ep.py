@@ -79,12 +79,18 @@ class ExpertDispatch:
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # (ep * local,): rows from each source
         received = received.view(self.ep, local)  # (source rank, local expert)
-        send = counts.view(self.ep, local).sum(1).tolist()
-        recv = received.sum(1).tolist()
+        send, recv = self.split_sizes(counts.view(self.ep, local), received, x.shape[0])
         rows = all_to_all(x, recv, send, self.group)  # (R, D): by source rank, then by expert
         order = _by_expert(received, sum(recv))  # rows regrouped by local expert, then by source
         self._pending.append((order, send, recv))
         return rows[order], received.sum(0)
+
+    @staticmethod
+    def split_sizes(sending: torch.Tensor, received: torch.Tensor, rows: int) -> tuple[list[int], list[int]]:
+        """Rows to send to each rank and rows to receive from each, on the host (a
+        device-to-host wait per MoE layer): sending (ep, local) rows for each rank's experts,
+        received (ep, local) rows each rank sends here; `rows` this rank's, their sum."""
+        return sending.sum(1).tolist(), received.sum(1).tolist()
 
     @torch.compiler.disable
     def combine(self, module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:

@@ -126,6 +126,18 @@ def test_moe_checkpoint_reshards_between_ep_layouts(tmp_path, train_data, reques
     assert diff < MOE_TOL
 
 
+def _children(pid: int, candidates: list[int]) -> set[int]:
+    """Which of `candidates` are `pid`'s own children."""
+    out = set()
+    for c in candidates:
+        try:
+            if int(Path(f"/proc/{c}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.add(c)
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below `pid` (Linux /proc)."""
     children: dict[int, list[int]] = {}
@@ -155,7 +167,9 @@ def test_kill_9_of_a_rank_then_resume_is_bit_identical_under_ep(tmp_path, train_
     while not (run / "checkpoints" / "step-00000008").is_dir():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
         time.sleep(0.05)
-    workers = [p for p in _descendants(proc.pid) if not _descendants(p)]  # the leaves: the ranks
+    # The ranks: leaves below the launcher's own children (its fork server, its resource tracker).
+    below = _descendants(proc.pid)
+    workers = [p for p in below if not _descendants(p) and p not in _children(proc.pid, below)]
     os.kill(workers[-1], signal.SIGKILL)  # one rank dies with no handler run
     proc.communicate(timeout=300)
     assert proc.returncode != 0

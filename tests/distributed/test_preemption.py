@@ -52,4 +52,9 @@ def test_sigterm_to_the_launcher_saves_and_stops_every_process(tmp_path, train_d
     assert "stopped by SIGTERM" in out and "checkpoint saved" in out, out[-5000:]
     step = max(r["step"] for r in read_metrics(run) if "loss" in r)
     assert (run / "checkpoints" / f"step-{step:08d}").is_dir()
+    # The fork server and multiprocessing's resource tracker leave when they read the launcher's
+    # end of their pipes, a moment after it exits; a worker left training would stay.
+    deadline = time.monotonic() + 10
+    while [pid for pid in below if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert [pid for pid in below if alive(pid)] == []

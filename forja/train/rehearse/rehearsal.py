@@ -33,6 +33,7 @@ from forja.plan.job import Job, job_from_config
 from forja.plan.layout import Layout
 from forja.plan.memory import MemoryBreakdown, rank_model, rank_peak
 from forja.plan.planner import layout_request, usable_memory
+from forja.train.rehearse.routing import ROUTING_NOTE
 from forja.train.rehearse.run import EAGER_NOTE, RankRehearsal, rehearse_rank
 from forja.train.rehearse.tracker import CATEGORIES
 
@@ -101,7 +102,8 @@ def rehearse(cfg: Config, world_size: int, hw: Hardware | None = None) -> Rehear
         predicted.append(_predicted(job, lay, rank // (world_size // lay.pp)))
     return Rehearsal(layout=lay.describe(), world_size=world_size, hardware=hw.name if hw else "",
                      usable_bytes=usable_memory(hw) if hw else float("inf"),
-                     ranks=ranks, predicted=predicted, seconds=time.perf_counter() - began, notes=[EAGER_NOTE])
+                     ranks=ranks, predicted=predicted, seconds=time.perf_counter() - began,
+                     notes=[EAGER_NOTE] + ([ROUTING_NOTE] if getattr(args, "n_experts", 0) else []))
 
 
 def _check_rehearsable(cfg: Config, args, world_size: int) -> None:
@@ -110,10 +112,10 @@ def _check_rehearsable(cfg: Config, args, world_size: int) -> None:
         raise ForjaError("the rehearsal cannot run pipeline parallelism yet: torch's schedules agree on each "
                          "stage's shapes at the first step by exchanging values, which fake tensors do not hold; "
                          "rehearse the layout with parallel.pp = 1 (its other degrees alike) for now")
-    if getattr(args, "n_experts", 0):
-        raise ForjaError(f"the rehearsal cannot run {cfg.model.family}'s mixture of experts yet: routing decides "
-                         "each expert's share of the tokens from the router's values, which fake tensors do not "
-                         "hold; rehearse a dense family, or use forja plan's prediction for this one")
+    if getattr(args, "n_experts", 0) and getattr(args, "capacity_factor", 0) > 0:
+        raise ForjaError(f"the rehearsal cannot run a capacity factor ({args.capacity_factor:g}): which token-slots "
+                         "an expert keeps depends on the router's values, which fake tensors do not hold; rehearse "
+                         "the dropless layer (model.overrides = {capacity_factor=0}), which holds at least as much")
 
 
 def _predicted(job: Job, lay: Layout, pp_rank: int) -> MemoryBreakdown:

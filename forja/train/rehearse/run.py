@@ -31,6 +31,8 @@ from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import ParallelDims
 from forja.train.build import build_model_parts
 from forja.train.rehearse.collectives import mesh_group_names
+from forja.train.rehearse.kernels import gpu_attention
+from forja.train.rehearse.routing import balanced_routing
 from forja.train.rehearse.tracker import AllocationTracker
 from forja.train.step.engine import build_engine
 
@@ -82,7 +84,7 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
 def rehearse_rank(cfg: Config, args: TransformerArgs, world_size: int, rank: int, position: str) -> RankRehearsal:
     """Rehearse rank `rank` of `cfg`'s run on `world_size` ranks."""
     began = time.perf_counter()
-    with fake_world(rank, world_size):
+    with fake_world(rank, world_size), balanced_routing(), gpu_attention():
         dims = ParallelDims.from_config(cfg.parallel, world_size)
         dims.build_mesh("cpu")
         fake = FakeTensorMode(allow_non_fake_inputs=True)

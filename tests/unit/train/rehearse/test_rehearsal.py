@@ -13,6 +13,7 @@ import pytest
 from forja.cli import main
 from forja.config import load_config
 from forja.errors import ForjaError
+from forja.models.config import run_model_args
 from forja.plan.hardware import get_hardware
 from forja.train.rehearse.rehearsal import rank_positions, rehearse
 
@@ -20,6 +21,9 @@ from forja.train.rehearse.rehearsal import rank_positions, rehearse
 AGREEMENT = 0.05
 # Llama 3.2 1B's shape (full vocabulary and width) at 1,024 tokens a sequence: seconds a rehearsal.
 SMALL = ["train.seq_len=1024", "train.global_batch_size=16", "train.micro_batch_size=1"]
+# A mixture of experts with latent attention: DeepSeek-V3's debug flavor (its MoE layers routed
+# as a balanced router would, forja/train/rehearse/routing.py).
+DEEPSEEK = ["model.family=deepseek_v3", "model.flavor=debug"]
 
 
 @pytest.mark.parametrize("layout", [
@@ -28,7 +32,8 @@ SMALL = ["train.seq_len=1024", "train.global_batch_size=16", "train.micro_batch_
     ["parallel.dp_shard=4", "parallel.dp_replicate=2", "parallel.ac=selective"],
     ["parallel.dp_shard=2", "parallel.tp=4", "parallel.ac=selective"],
     ["parallel.dp_shard=4", "parallel.cp=2", "parallel.cp_kind=all-to-all", "parallel.ac=full"],
-], ids=["fsdp8", "fsdp8-full-ac", "hsdp-selective-ac", "fsdp2-tp4-sp", "fsdp4-cp2-a2a"])
+    DEEPSEEK + ["parallel.dp_shard=8", "parallel.ep=4", "parallel.ac=none"],
+], ids=["fsdp8", "fsdp8-full-ac", "hsdp-selective-ac", "fsdp2-tp4-sp", "fsdp4-cp2-a2a", "deepseek-v3-ep4"])
 def test_the_planners_peak_agrees_with_the_rehearsal(layout):
     r = rehearse(load_config("llama3-1b", SMALL + layout), 8)
     (rank,), (predicted,) = r.ranks, r.predicted
@@ -52,6 +57,19 @@ def test_collectives_are_counted_by_kind_and_mesh_group():
     assert any(group == "tp" for _, group in rows)
 
 
+def test_experts_move_their_rows_over_the_ep_group_as_routed():
+    cfg = load_config("llama3-1b", SMALL + DEEPSEEK + ["parallel.dp_shard=8", "parallel.ep=4"])
+    r = rehearse(cfg, 8)
+    rank = r.ranks[0]
+    args = run_model_args(cfg.model, cfg.data.vocab_size)
+    moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    rows = {(c["kind"], c["group"]): c for c in rank.collectives}
+    # Each MoE layer, each micro-batch: the counts, the rows there and back in forward, the
+    # rows' gradients both ways in backward.
+    assert rows[("alltoall_base", "ep")]["count"] == 5 * moe * rank.microbatches_rehearsed
+    assert any("balanced router" in note for note in r.notes)
+
+
 def test_rank_positions_are_the_pipeline_ends():
     cfg = load_config("llama3-1b", ["parallel.pp=4", "parallel.dp_shard=2"])
     assert rank_positions(cfg, 8) == [(0, "first stage"), (6, "last stage")]
@@ -61,7 +79,8 @@ def test_rank_positions_are_the_pipeline_ends():
 @pytest.mark.parametrize(("sets", "world", "says"), [
     (["parallel.dp_shard=3"], 8, "dp_shard"),
     (["parallel.pp=2"], 8, "pipeline parallelism"),
-    (["model.family=deepseek_v3", "model.flavor=debug"], 8, "mixture of experts"),
+    (["model.family=deepseek_v3", "model.flavor=debug", "model.overrides={capacity_factor=1.25}"], 8,
+     "capacity factor"),
 ])
 def test_what_cannot_be_rehearsed_is_refused_before_anything_is_built(sets, world, says):
     with pytest.raises(ForjaError, match=says):
