@@ -30,7 +30,7 @@ from forja.config import load_config  # noqa: E402
 from forja.plan.hardware import Hardware, get_hardware  # noqa: E402
 from forja.plan.job import job_from_config  # noqa: E402
 from forja.plan.layout import Layout  # noqa: E402
-from forja.plan.planner import Candidate, evaluate  # noqa: E402
+from forja.plan.planner import Candidate, evaluate, usable_memory  # noqa: E402
 
 SOURCES = {
     "torchtitan": "pytorch/torchtitan@b5bcd76c66d0acb1a08b176d9639425bc55e0b2a "
@@ -177,7 +177,11 @@ def megatron_gpt_flops(h: int, layers: int, seq: int = 4096, vocab: int = 131072
 
 
 MEGATRON_ASSUMED = ("micro-batch, recomputation and schedule not published: mbs 1; no AC and 1F1B (Megatron's "
-                    "defaults); distributed optimizer over DP expressed as DDP (same traffic)")
+                    "defaults); Megatron's distributed optimizer over DP 48 as forja's: FSDP 48, ZeRO-2, "
+                    "gradients reduced once a step (parallel.grad_sync = 'step'; under PP the schedule does so)")
+# Megatron's distributed optimizer (the DP ranks shard the optimizer state and the fp32 weights;
+# gradients reduced, weights gathered once a step) as forja expresses it.
+DIST_OPT_LAYOUT = dict(reshard_after_forward=False, grad_sync="step")
 for size, heads, h, layers, tp, pp, gpus, batch, tflops in (
         ("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
         ("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6),
@@ -189,7 +193,10 @@ for size, heads, h, layers, tp, pp, gpus, batch, tflops in (
                     {"model.family": "gpt2", "model.flavor": "124m", "model.overrides.dim": h,
                      "model.overrides.n_layers": layers, "model.overrides.n_heads": heads,
                      "model.overrides.ffn_dim": 4 * h, "model.overrides.max_seq_len": 4096,
-                     "data.vocab_size": 131072}, 4096, batch, dict(dp_replicate=48, tp=tp, pp=pp),
+                     "data.vocab_size": 131072}, 4096, batch,
+                    # under PP the schedule itself reduces once a step
+                    dict(dp_shard=48, tp=tp, pp=pp, **DIST_OPT_LAYOUT) | ({"grad_sync": "micro-batch"} if pp > 1
+                                                                          else {}),
                     assumed=MEGATRON_ASSUMED, converted=f"{tflops} TFLOP/s/GPU / Megatron's FLOPs per token"))
 
 
@@ -210,6 +217,7 @@ GPT_OSS = {"model.family": "gpt_oss", "model.flavor": "120b", "data.vocab_size":
 L70 = {**LLAMA, "model.flavor": "3.1-70b"}
 L405 = {**LLAMA, "model.flavor": "3.1-405b"}
 L8 = {**LLAMA, "model.flavor": "3.1-8b"}
+DIST_OPT = "DDP + distributed optimizer as forja's: FSDP, ZeRO-2, gradients reduced once a step (grad_sync 'step')"
 VP = "forja's interleaved schedule runs 2 stages per rank; the run used VP {}"
 RUNS += [
     _bridge("Llama 3 70B, GB200, FP8, FSDP 64", L70, 64, 4224, 8192, 256, 2, dict(dp_shard=64), "gb200"),
@@ -233,10 +241,10 @@ RUNS += [
             "h100", float8="none"),
     _bridge("Llama 3 8B, H100, FP8-CS, FSDP 8", L8, 8, 14451, 8192, 128, 1, dict(dp_shard=8), "h100",
             source="megatron-bridge-25.11"),
-    _bridge("Llama 3 8B, B200, FP8-CS, DP 8", L8, 8, 30624, 8192, 128, 2, dict(dp_replicate=8), "b200",
-            source="megatron-bridge-25.11", assumed="distributed optimizer as DDP (same traffic)"),
-    _bridge("Llama 3 8B, GB200, FP8-CS, DP 8", L8, 8, 31508, 8192, 128, 2, dict(dp_replicate=8), "gb200",
-            source="megatron-bridge-25.11", assumed="distributed optimizer as DDP (same traffic)"),
+    _bridge("Llama 3 8B, B200, FP8-CS, DP 8", L8, 8, 30624, 8192, 128, 2, dict(dp_shard=8, **DIST_OPT_LAYOUT), "b200",
+            source="megatron-bridge-25.11", assumed=DIST_OPT),
+    _bridge("Llama 3 8B, GB200, FP8-CS, DP 8", L8, 8, 31508, 8192, 128, 2, dict(dp_shard=8, **DIST_OPT_LAYOUT), "gb200",
+            source="megatron-bridge-25.11", assumed=DIST_OPT),
 ]
 
 # -- OLMo-core README (before 41f8ddc, 2025-03): tokens/s per H100 --------------------------------
@@ -456,36 +464,43 @@ def main() -> None:
 
 
 def memory_table(rows: list[Result], rehearsed: dict[str, float]) -> None:
-    """Per-rank peak memory: predicted, rehearsed (`--rehearse`) and published, and how many
-    published runs forja's memory check refuses."""
+    """Per-rank peak memory: predicted, rehearsed (`--rehearse`) and published, beside what the
+    memory check lets a rank use, and how many published runs forja's memory check refuses."""
     refused = [r for r in rows if r.refused_for_memory]
+    fits = [r for r in refused if r.run.name in rehearsed and rehearsed[r.run.name] <= usable(r)]
     print(f"\nforja's memory check refuses {len(refused)} of {len(rows)} expressible published runs "
-          f"({sum(r.run.published_gib is not None for r in refused)} of them with a published peak).\n")
-    print("| run | predicted GiB | rehearsed GiB (eager) | published GiB (reserved) | refused |")
-    print("|---|---:|---:|---:|---|")
+          f"({sum(r.run.published_gib is not None for r in refused)} of them with a published peak)"
+          + (f"; the rehearsal fits {len(fits)} of them{': ' + ', '.join(r.run.name for r in fits) if fits else ''}"
+             if rehearsed else "") + ".\n")
+    print("| run | predicted GiB | rehearsed GiB (eager) | published GiB (reserved) | usable GiB | refused |")
+    print("|---|---:|---:|---:|---:|---|")
     for r in rows:
-        if r.run.published_gib is None and r.run.name not in rehearsed:
+        if r.run.published_gib is None and r.run.name not in rehearsed and not r.refused_for_memory:
             continue
         reh = rehearsed.get(r.run.name)
         print(f"| {r.run.name} | {r.peak_bytes / 2 ** 30:.1f} | {'-' if reh is None else f'{reh / 2 ** 30:.1f}'} | "
-              f"{r.run.published_gib or '-'} | {'yes' if r.refused_for_memory else 'no'} |")
+              f"{r.run.published_gib or '-'} | {usable(r) / 2 ** 30:.1f} | "
+              f"{'yes' if r.refused_for_memory else 'no'} |")
+
+
+def usable(r: Result) -> float:
+    """Bytes forja's memory check lets one rank of the run's device reach (forja/plan/planner.py)."""
+    return usable_memory(hardware(*r.run.gpu))
 
 
 def rehearse_rows(rows: list[Result]) -> dict[str, float]:
-    """The rehearsed peak of each row forja can rehearse (dense, no pipeline), eager (forja/train/rehearse/)."""
-    from forja.errors import ForjaError
+    """The rehearsed peak (the highest rank position's) of each row with a published peak or
+    refused by the memory check, eager (forja/train/rehearse/)."""
     from forja.plan.layout import with_layout
     from forja.train.rehearse.rehearsal import rehearse
 
     out = {}
     for r in rows:
-        if r.run.published_gib is None:
+        if r.run.published_gib is None and not r.refused_for_memory:
             continue
         cfg = with_layout(load_config("configs/llama3-8b.toml", config_sets(r.run)), Layout.of(**r.run.layout))
-        try:
-            out[r.run.name] = max(rank.peak_bytes for rank in rehearse(cfg, r.run.gpus).ranks)
-        except ForjaError:
-            continue  # pipeline stages or experts: not rehearsable yet
+        out[r.run.name] = max(rank.peak_bytes for rank in rehearse(cfg, r.run.gpus).ranks)
+        print(f"rehearsed {r.run.name}: {out[r.run.name] / 2 ** 30:.1f} GiB", file=sys.stderr, flush=True)
     return out
 
 

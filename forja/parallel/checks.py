@@ -230,11 +230,29 @@ def _check_replica_groups(r: LayoutRequest, dims: ParallelDims) -> None:
                          "number of replicas")
 
 
+def _check_grad_sync(r: LayoutRequest, dims: ParallelDims) -> None:
+    """What reducing once a step (a distributed optimizer) asks: the gathered parameters kept
+    between micro-batches (ZeRO-2), on the device, and no pipeline (whose schedule already does it)."""
+    p = r.parallel
+    if p.grad_sync != "step":
+        return
+    keeps = "parallel.grad_sync = 'step' keeps the gathered parameters and whole gradients through the step"
+    if dims.pp > 1:
+        raise ForjaError(f"{keeps}, which a pipeline schedule already does with parallel.pp = {dims.pp}; set "
+                         "parallel.grad_sync = 'micro-batch'")
+    if p.reshard_after_forward:
+        raise ForjaError(f"{keeps}, so it frees none after forward: set parallel.reshard_after_forward = false "
+                         "(ZeRO-2), or parallel.grad_sync = 'micro-batch'")
+    if p.cpu_offload:
+        raise ForjaError(f"{keeps} on the device, which parallel.cpu_offload = true moves to the host; set one "
+                         "of them back (parallel.grad_sync = 'micro-batch' or parallel.cpu_offload = false)")
+
+
 # Each check stops at its own first problem; the validator runs them all, so a layout with
 # several problems hears of each (a planner's table shows the first).
 CHECKS: tuple[Check, ...] = (_check_tp, _check_vocab, _check_sequence_parallel, _check_float8, _check_ep,
                              _check_moe_tp, _check_cp, _check_mixers, _check_batch, _check_pipeline, _check_precision,
-                             _check_mtp, _check_max_logits, _check_replica_groups)
+                             _check_mtp, _check_max_logits, _check_replica_groups, _check_grad_sync)
 
 
 def layout_errors(r: LayoutRequest) -> list[str]:

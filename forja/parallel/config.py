@@ -23,6 +23,13 @@ class ParallelConfig:
     """FSDP sharding degree; -1 takes whatever the other degrees leave of the world size."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (ZeRO-3) or keep them for backward (ZeRO-2)."""
+    grad_sync: Literal["micro-batch", "step"] = "micro-batch"
+    """FSDP with gradient accumulation: reduce-scatter each micro-batch's gradients and regather the
+    parameters for the next (the default: sharded gradients between micro-batches), or keep the
+    gathered parameters and the whole gradients through the step's micro-batches and reduce once
+    after the last ("step": Megatron's distributed optimizer, ZeRO-1/2; one all-gather and one
+    reduce-scatter a step for the memory of whole bf16 parameters and fp32 gradients). "step" needs
+    reshard_after_forward = false; pipelines already reduce once a step."""
     cpu_offload: bool = False
     """FSDP: keep parameters, gradients and optimizer state in CPU memory (pinned on GPUs; on CPUs, a no-op)."""
     mixed_precision: Literal["fp32", "bf16"] = "fp32"

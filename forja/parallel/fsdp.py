@@ -7,7 +7,11 @@ across groups (HSDP; with dp_shard = 1 that is plain replication, as DDP does).
 
 ZeRO stages: optimizer state and gradients are always sharded (ZeRO-2);
 `reshard_after_forward` also frees the gathered parameters between forward and backward
-(ZeRO-3), trading a second all-gather for memory.
+(ZeRO-3), trading a second all-gather for memory. With gradient accumulation FSDP reduces
+each micro-batch's gradients and regathers the parameters for the next; `grad_sync = "step"`
+(`hold_gradients`) keeps both gathered parameters and whole gradients until the step's last
+micro-batch instead, so a step makes one all-gather and one reduce-scatter: the memory and the
+traffic of Megatron's distributed optimizer.
 
 CPU offload keeps the sharded parameters, their gradients and the optimizer state in
 CPU memory; FSDP copies each unit's shards to the device for its forward and backward.
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from forja.models.common.moe import moe_layers
 from forja.parallel.config import ParallelConfig
@@ -52,6 +56,15 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, device
             _shard_experts(block, dims, reshard, kwargs)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+
+
+def hold_gradients(model: nn.Module, hold: bool) -> None:
+    """Before each micro-batch under parallel.grad_sync = "step": `hold` (every one but the
+    step's last) accumulates whole gradients and keeps the parameters gathered after backward;
+    the last reduce-scatters the sum and frees them."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(not hold)  # recurses into every unit, experts' included
+        model.set_reshard_after_backward(not hold)
 
 
 def _shard_experts(block: nn.Module, dims: ParallelDims, reshard: bool, kwargs: dict) -> None:

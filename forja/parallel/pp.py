@@ -143,11 +143,14 @@ class Pipeline:
         self.owners = stage_owners(cfg.pp, cfg.pp_schedule)
         self.group = dims.pp_group
         self.pp_rank = dims.pp_mesh.get_local_rank()
-        self.stages = [PipelineStage(part, s, self.n_stages, device, group=self.group)
-                       for part, s in zip(parts, stage_ids)]
+        # Under sequence parallelism a stage hands on this rank's slice of the sequence.
+        self.sequence_split = dims.tp if dims.tp > 1 and cfg.sequence_parallel else 1
+        # The residual stream's dtype: FSDP's compute dtype for the parameters (autocast's
+        # matmul outputs are added to it, so an fp32 stream stays fp32).
+        self.hidden_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
         self.has_first = 0 in stage_ids
         self.has_last = self.n_stages - 1 in stage_ids
-        self._schedule = None
+        self._schedules: dict[int, object] = {}  # by sequence length (tokens per row on this rank)
         self._shape: tuple[int, int] | None = None  # (local batch, microbatches) the schedule runs
 
     @property
@@ -156,26 +159,41 @@ class Pipeline:
         return self.owners[0] == self.owners[-1]
 
     # -- training ----------------------------------------------------------------------------
-    def _schedule_for(self, local_batch: int, n_batches: int,
+    def _stages(self, m: int, T: int) -> list[PipelineStage]:
+        """This rank's stages for microbatches of `m` rows of `T` tokens (this rank's part of the
+        sequence under context parallelism), each told what it receives and sends: tokens (m, T)
+        into the first, hidden states (m, T / sequence split, dim) between stages, the loss (0-dim)
+        out of the last. Given both, the library builds its buffers from them instead of running
+        every stage once on empty inputs to find out, a forward whose values nobody should see."""
+        hidden = torch.empty(m, T // self.sequence_split, self.parts[0].args.dim, dtype=self.hidden_dtype,
+                             device="meta", requires_grad=True)  # its gradient travels back
+        tokens, loss = torch.empty(m, T, dtype=torch.int64, device="meta"), torch.empty((), device="meta")
+        return [PipelineStage(part, s, self.n_stages, self.device, input_args=tokens if s == 0 else hidden,
+                              output_args=loss if s == self.n_stages - 1 else hidden, group=self.group)
+                for part, s in zip(self.parts, self.stage_ids)]
+
+    def _schedule_for(self, local_batch: int, T: int, n_batches: int,
                       loss_fn: Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]):
-        """The schedule, built on the first step, when the batch's shape is known."""
+        """The schedule for sequences of T tokens, built at the first step that has them (its
+        stages' buffers have their shapes; a length schedule gets one per length)."""
         n, source = microbatches(self.cfg, local_batch, local_batch // n_batches)
-        if self._schedule is None:
+        if self._shape is None:
             error = microbatch_error(self.cfg.pp_schedule, self.cfg.pp, n, local_batch, source)
             if error:
                 raise ForjaError(error)
-            cls = SCHEDULES[self.cfg.pp_schedule]
-            stages = self.stages if len(self.stages) > 1 else self.stages[0]
-            # The last stage's forward already returns the microbatch's loss (labels are
-            # among its inputs); the schedule's target, the microbatch's labels, tells how
-            # many of them it trains on (padding).
-            self._schedule = cls(stages, n_microbatches=n, loss_fn=lambda out, target: loss_fn(out, n, target),
-                                 scale_grads=False)
             self._shape = (local_batch, n)
         elif self._shape != (local_batch, n):
             raise ForjaError(f"the pipeline was set up for {self._shape[1]} microbatches of a local batch of "
                              f"{self._shape[0]} sequences, and cannot change within a run; got {n} of {local_batch}")
-        return self._schedule
+        if T not in self._schedules:
+            stages = self._stages(local_batch // n, T)
+            # The last stage's forward already returns the microbatch's loss (labels are
+            # among its inputs); the schedule's target, the microbatch's labels, tells how
+            # many of them it trains on (padding).
+            self._schedules[T] = SCHEDULES[self.cfg.pp_schedule](
+                stages if len(stages) > 1 else stages[0], n_microbatches=n,
+                loss_fn=lambda out, target: loss_fn(out, n, target), scale_grads=False)
+        return self._schedules[T]
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None, *,
              n_batches: int, loss_fn: Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor],
@@ -186,7 +204,7 @@ class Pipeline:
         microbatch adds to the step's loss. Returns those losses on the last stage's rank, [] elsewhere.
         Under context parallelism tokens and labels are this rank's part of each row and
         `cp_rows` (local batch, T) the whole rows' documents (forja/parallel/cp `stage_hook`)."""
-        schedule = self._schedule_for(tokens.shape[0], n_batches, loss_fn)
+        schedule = self._schedule_for(tokens.shape[0], tokens.shape[1], n_batches, loss_fn)
         kwargs = {"labels": labels}  # every stage's forward gets its microbatch's slice
         if document_ids is not None:
             kwargs["document_ids"] = document_ids

@@ -24,8 +24,8 @@ from forja.parallel.pp_split import stages_per_rank
 # The layout's `parallel.*` keys, in the order a plan prints them: the degrees, cp's kind after
 # cp, then the options (the rest of ParallelConfig is left as the recipe says).
 PARALLEL_KEYS = (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.TP, Axis.PP, Axis.CP, "cp_kind", Axis.EP,
-                 "reshard_after_forward", "cpu_offload", "sequence_parallel", "ac", "ac_every", "pp_schedule",
-                 "pp_microbatches")
+                 "reshard_after_forward", "grad_sync", "cpu_offload", "sequence_parallel", "ac", "ac_every",
+                 "pp_schedule", "pp_microbatches")
 OPTION_KEYS = tuple(k for k in PARALLEL_KEYS if not isinstance(k, Axis))
 LAYOUT_KEYS = frozenset(PARALLEL_KEYS) | {"micro_batch_size"}
 """What `forja plan --layout` may hold: the layout's keys, by name without the section."""
@@ -43,6 +43,8 @@ class Layout(WithDegrees):
     """Under cp > 1: "ring" (K/V passed around the cp ranks) or "all-to-all" (re-sharded over heads)."""
     reshard_after_forward: bool = True
     """ZeRO-3 (True) or ZeRO-2 (False) under FSDP."""
+    grad_sync: str = "micro-batch"
+    """FSDP's reduction: every micro-batch, or once a step with whole gradients held ("step")."""
     cpu_offload: bool = False
     """FSDP's parameters, gradients and optimizer state in host memory."""
     sequence_parallel: bool = True
@@ -107,6 +109,8 @@ class Layout(WithDegrees):
         parts = [self.degrees.describe(self.cp_kind)]
         if self.fsdp > 1 or self.dp_replicate > 1:
             parts.append("zero-3" if self.reshard_after_forward else "zero-2")
+            if self.grad_sync == "step":
+                parts.append("grads/step")
         if self.cpu_offload:
             parts.append("offload")
         if self.tp > 1 and not self.sequence_parallel:
@@ -254,11 +258,16 @@ def _memory_options(base: Layout, n_layers: int, local: int, space: SearchSpace)
     schedules = [s for s in space.pp_schedules if n_layers >= base.pp * stages_per_rank(s)] if base.pp > 1 else ["1f1b"]
     zeros = (True, False) if base.fsdp > 1 else (True,)
     offloads = (False, True) if space.allow_offload and base.fsdp > 1 else (False,)
-    for schedule, zero3, offload, (ac, every) in itertools.product(schedules, zeros, offloads, AC_MODES):
+    # Reducing once a step matters only with gradient accumulation outside a pipeline, under ZeRO-2.
+    syncs = ("micro-batch", "step") if base.fsdp > 1 and base.pp == 1 and local // base.micro_batch_size > 1 \
+        else ("micro-batch",)
+    for schedule, zero3, offload, sync, (ac, every) in itertools.product(schedules, zeros, offloads, syncs, AC_MODES):
         if base.pp > 1 and (local // base.micro_batch_size) < base.pp:
             continue  # fewer micro-batches than stages: the schedules refuse it
-        yield replace(base, pp_schedule=schedule, reshard_after_forward=zero3, cpu_offload=offload, ac=ac,
-                      ac_every=every)
+        if sync == "step" and (zero3 or offload):
+            continue  # the validator's rule: whole gradients and kept parameters are ZeRO-2's, on the device
+        yield replace(base, pp_schedule=schedule, reshard_after_forward=zero3, cpu_offload=offload, grad_sync=sync,
+                      ac=ac, ac_every=every)
 
 
 def with_layout(cfg, lay: Layout):

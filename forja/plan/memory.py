@@ -225,26 +225,43 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
     gathered = 0.0
     if fsdp_on:
         blocks_gathered = 2 * largest if lay.reshard_after_forward else blocks + largest
+        if lay.pp > 1 and rm.stages > 1 and lay.reshard_after_forward:
+            # A rank's other stage keeps its blocks gathered from its last backward (the schedule
+            # reshards only after the step's last micro-batch) while this one's backward begins.
+            blocks_gathered += blocks * (rm.stages - 1) / rm.stages
         gathered = (root + blocks_gathered) * gathered_width
         in_block += 2 * largest / shard * FP32  # all-gather copy-in, reduce-scatter output
-    accumulated = _accumulated_gradients(lay, grads, micro, elements * gathered_width if fsdp_on else None)
+    accumulated = _accumulated_gradients(lay, grads, micro, elements * FP32 if fsdp_on else None)
     unsharded_grad = largest * gathered_width if fsdp_on else 0.0
+    if fsdp_on and lay.pp > 1 and lay.pp_schedule != "gpipe":
+        unsharded_grad = 0.0  # the block's unsharded gradient is part of what the schedule accumulates
+    if fsdp_on and lay.grad_sync == "step" and micro > 1:
+        # Reduced once a step: the rank's whole gradients, accumulated in FSDP's fp32 reduce dtype.
+        accumulated, unsharded_grad = elements * FP32, 0.0
 
     def snap(phase: str, *, acts: float, logits: float, grads_now: float, temps: float = 0.0,
-             staged: float = 0.0) -> MemoryBreakdown:
+             staged: float = 0.0, gathered_now: float = gathered) -> MemoryBreakdown:
         return MemoryBreakdown(parameters=params, gradients=grads_now, optimizer_state=state,
-                               gathered_parameters=gathered, activations=acts, logits=logits,
+                               gathered_parameters=gathered_now, activations=acts, logits=logits,
                                optimizer_temporaries=temps, buffers=buffers + staged, pp_rank=rm.pp_rank,
                                phase=phase)
 
     output_grad = (root * FP32) if rm.last else 0.0
-    return [
+    moments = [
         snap("loss backward", acts=kept, logits=loss_kept + loss_backward, grads_now=accumulated),
         snap("first block backward", acts=kept + working, logits=0.0,
              grads_now=accumulated + output_grad + unsharded_grad, staged=in_block),
         snap("optimizer step", acts=0.0, logits=0.0, grads_now=max(grads, accumulated),
              temps=optimizer_temps),
     ]
+    if fsdp_on and lay.pp > 1:
+        # The schedule keeps each block gathered after its backward until the step's last
+        # micro-batch: at the end of a later micro-batch's backward the rank's stages are whole,
+        # with their whole gradients (fp32), and one micro-batch fewer is in flight.
+        inflight = inflight_chunks(lay, rm.pp_rank, micro)
+        moments.append(snap("stage backward end", acts=kept * (inflight - 1) / inflight + working, logits=0.0,
+                            grads_now=elements * FP32 + output_grad, gathered_now=(root + blocks) * gathered_width))
+    return moments
 
 
 def _kept_activations(job: Job, lay: Layout, rm: RankModel, tokens: float, micro: int) -> tuple[float, float]:
@@ -276,10 +293,10 @@ def _loss_memory(job: Job, lay: Layout, rm: RankModel, tokens: float, micro: int
 
 
 def _accumulated_gradients(lay: Layout, grads: float, micro: int, unsharded: float | None) -> float:
-    """Gradient bytes held between micro-batches. FSDP (`unsharded`: the rank's gradients in the
-    gathered dtype, None without FSDP) reduces each micro-batch's, sharded, except under PP, whose
-    schedule reduce-scatters once after the last micro-batch (unsharded meanwhile; the
-    reduce-scatter casts to fp32)."""
+    """Gradient bytes held between micro-batches. FSDP (`unsharded`: the rank's whole gradients
+    in fp32, FSDP's reduce dtype, in which it accumulates them; None without FSDP) reduces each
+    micro-batch's, sharded, except under PP, whose schedule reduce-scatters once after the last
+    micro-batch (unsharded meanwhile)."""
     accumulated = grads if micro > 1 else 0.0  # a pipeline's first backward comes before its last forward
     if lay.pp > 1 and unsharded is not None:
         accumulated = unsharded

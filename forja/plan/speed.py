@@ -330,10 +330,11 @@ def _fsdp_exposed(job: Job, lay: Layout, hw: Hardware, rm, compute: float) -> fl
     comm = 0.0
     if lay.fsdp > 1:
         gathers = 2 if lay.reshard_after_forward else 1
-        comm += gathers * ring_time(elements * gather_width, lay.fsdp, bw)
-        comm += ring_time(elements * 4, lay.fsdp, bw)  # gradients reduced in fp32
-        if lay.pp == 1:  # without a pipeline, FSDP reduces every micro-batch
-            comm += (lay.microbatches(job.global_batch_size) - 1) * ring_time(elements * 4, lay.fsdp, bw)
+        # Without a pipeline FSDP reduces every micro-batch's gradients and gathers the parameters
+        # again for the next, unless parallel.grad_sync = "step" holds both until the last.
+        rounds = lay.microbatches(job.global_batch_size) if lay.pp == 1 and lay.grad_sync != "step" else 1
+        comm += rounds * gathers * ring_time(elements * gather_width, lay.fsdp, bw)
+        comm += rounds * ring_time(elements * 4, lay.fsdp, bw)  # gradients reduced in fp32
     if lay.dp_replicate > 1:
         comm += ring_time(elements / max(1, lay.fsdp) * 4, lay.dp_replicate,
                           link_bandwidth(hw, lay, Axis.DP_REPLICATE), all_reduce=True)

@@ -142,7 +142,7 @@ class Trainer:
         self.engine = build_engine(self.parts, built.pipeline, self.optimizers, self.scheduler, self.dims,
                                    device=self.device, precision=c.train.precision, grad_clip=c.train.grad_clip,
                                    document_mask=c.model.document_mask, scaler=loss_scaler(c.train),
-                                   replicas=self.replicas)
+                                   replicas=self.replicas, grad_sync=c.parallel.grad_sync)
         self.loader, self.val_loader = loaders(c, dataset, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp,
                                                later=stages(c, self.tokenizer, rank=self.rank))
         self.checkpoints = CheckpointManager(c.checkpoint, checkpoint_dir(self.directory.checkpoints, c, self.group),

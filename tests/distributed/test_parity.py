@@ -28,6 +28,9 @@ LAYOUTS = {
     "DDP 2": (2, {"parallel.dp_replicate": "2", "parallel.dp_shard": "1"}),
     "FSDP 2 (ZeRO-3)": (2, FSDP2),
     "FSDP 2 (ZeRO-2)": (2, {**FSDP2, "parallel.reshard_after_forward": "false"}),
+    # Megatron's distributed optimizer: two micro-batches a rank, reduced once after the second.
+    "FSDP 2 (ZeRO-2), gradients reduced once a step": (2, {**FSDP2, "parallel.reshard_after_forward": "false",
+                                                            "parallel.grad_sync": '"step"'}),
     "HSDP 2x2": (4, {"parallel.dp_replicate": "2", "parallel.dp_shard": "2"}),
     "TP 2": (2, {"parallel.tp": "2", "parallel.dp_shard": "1", "parallel.sequence_parallel": "false"}),
     "TP 2 + SP": (2, {"parallel.tp": "2", "parallel.dp_shard": "1"}),

@@ -342,7 +342,8 @@ class Transformer(nn.Module):
 
             mult = self.args.mup_width_mult  # (h / m) W^T = logits / m: muP's multiplier, fused
             h = h if mult == 1.0 else h * (1.0 / mult)
-            return fused_linear_cross_entropy(h.flatten(0, 1), self.output.weight, labels.flatten())
+            # (B, T, dim) whole: flattening a sequence-parallel DTensor first would make a strided shard
+            return fused_linear_cross_entropy(h, self.output.weight, labels)
         return next_token_loss(self.logits(h), labels)
 
     def init_weights(self, seed: int = 0) -> None:

@@ -19,6 +19,8 @@ def gpt2_tp_plan(args: GPT2Args, sequence_parallel: bool) -> TPPlan:
     plan = dense_tp_plan(sequence_parallel, gated_mlp=False)
     if sequence_parallel:
         plan.root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        plan.root["layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                                   use_local_output=True)
+        # The block is called as block(x, rope, mask, cache, layer): only x is split.
+        rest = (None,) * 4
+        plan.root["layers.0"] = PrepareModuleInput(input_layouts=(Replicate(), *rest),
+                                                   desired_input_layouts=(Shard(1), *rest), use_local_output=True)
     return plan

@@ -7,6 +7,9 @@ never holds. A GPU takes the memory-efficient kernel, which saves the output and
 log-sum-exp a row. While a rehearsal runs, that case calls the memory-efficient kernel's
 op directly (its fake implementation gives the shapes, its derivative the backward); every
 other call is torch's own.
+
+The fused loss checks its target ids with a value read on a CPU (a GPU asserts on the device
+and reads nothing): on fake tensors it takes the GPU's way (`device_checked_targets`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
+
+from forja.ops import cross_entropy
 
 
 @contextlib.contextmanager
@@ -37,3 +42,18 @@ def gpu_attention() -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = sdpa
+
+
+@contextlib.contextmanager
+def device_checked_targets() -> Iterator[None]:
+    check = cross_entropy._check_target_ids
+
+    def on_device(targets: torch.Tensor, ignore_index: int, vocab: int) -> None:
+        if not isinstance(targets, FakeTensor):
+            check(targets, ignore_index, vocab)  # a fake tensor has no values to read: nothing to check
+
+    cross_entropy._check_target_ids = on_device
+    try:
+        yield
+    finally:
+        cross_entropy._check_target_ids = check

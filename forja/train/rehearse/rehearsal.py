@@ -74,7 +74,9 @@ def rehearsal_config(cfg: Config) -> Config:
     train = cfg.train
     if train.precision == "auto":
         train = dataclasses.replace(train, precision="bf16")
-    return dataclasses.replace(cfg, train=train, parallel=dataclasses.replace(cfg.parallel, compile=False))
+    # Async TP is a compiled graph's rewrite (the same tensors, overlapped): off with compile.
+    return dataclasses.replace(cfg, train=train, parallel=dataclasses.replace(cfg.parallel, compile=False,
+                                                                             async_tp=False))
 
 
 def rank_positions(cfg: Config, world_size: int) -> list[tuple[int, str]]:
@@ -108,10 +110,6 @@ def rehearse(cfg: Config, world_size: int, hw: Hardware | None = None) -> Rehear
 
 def _check_rehearsable(cfg: Config, args, world_size: int) -> None:
     """What a fake tensor cannot run yet, refused before anything is built."""
-    if cfg.parallel.degrees.resolve(world_size).pp > 1:
-        raise ForjaError("the rehearsal cannot run pipeline parallelism yet: torch's schedules agree on each "
-                         "stage's shapes at the first step by exchanging values, which fake tensors do not hold; "
-                         "rehearse the layout with parallel.pp = 1 (its other degrees alike) for now")
     if getattr(args, "n_experts", 0) and getattr(args, "capacity_factor", 0) > 0:
         raise ForjaError(f"the rehearsal cannot run a capacity factor ({args.capacity_factor:g}): which token-slots "
                          "an expert keeps depends on the router's values, which fake tensors do not hold; rehearse "

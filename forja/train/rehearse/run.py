@@ -31,14 +31,15 @@ from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import ParallelDims
 from forja.train.build import build_model_parts
 from forja.train.rehearse.collectives import mesh_group_names
-from forja.train.rehearse.kernels import gpu_attention
+from forja.train.rehearse.kernels import device_checked_targets, gpu_attention
+from forja.train.rehearse.pipeline import static_stage_votes
 from forja.train.rehearse.routing import balanced_routing
 from forja.train.rehearse.tracker import AllocationTracker
 from forja.train.step.engine import build_engine
 
-EAGER_NOTE = ("rehearsed in eager mode on the CPU path: compiled graphs, Triton kernels and FlexAttention cannot run "
-              "on fake tensors (attention as causal SDPA, one document per row; memory counted as the CUDA "
-              "allocator rounds it)")
+EAGER_NOTE = ("rehearsed in eager mode on the CPU path: compiled graphs (async TP among them), Triton kernels and "
+              "FlexAttention cannot run on fake tensors (attention as causal SDPA, one document per row; memory "
+              "counted as the CUDA allocator rounds it)")
 # Without pipeline parallelism a step's micro-batches repeat one another: the peak is reached
 # by the second (the first's gradients are then held), so a step rehearses at most two.
 REHEARSED_MICROBATCHES = 2
@@ -79,12 +80,25 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_sharding_plans()
+
+
+def _forget_sharding_plans() -> None:
+    """DTensor caches each op's output placement by the meshes' shapes and names, with the mesh
+    of the first call in it: the next rank position's meshes look alike but hold other groups
+    (a later pipeline stage's tp group is not the first's), so each position starts afresh."""
+    from torch.distributed.tensor import debug
+
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear is not None:  # torch 2.11-2.13 have it; a torch without it caches nothing to clear
+        clear()
 
 
 def rehearse_rank(cfg: Config, args: TransformerArgs, world_size: int, rank: int, position: str) -> RankRehearsal:
     """Rehearse rank `rank` of `cfg`'s run on `world_size` ranks."""
     began = time.perf_counter()
-    with fake_world(rank, world_size), balanced_routing(), gpu_attention():
+    with fake_world(rank, world_size), balanced_routing(), gpu_attention(), device_checked_targets(), \
+            static_stage_votes():
         dims = ParallelDims.from_config(cfg.parallel, world_size)
         dims.build_mesh("cpu")
         fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -135,7 +149,8 @@ def _step(cfg: Config, args: TransformerArgs, dims: ParallelDims, built, tracker
     optimizers = OptimizerGroup(parts, cfg.optim)
     scheduler = SchedulerGroup(optimizers.optimizers, cfg.schedule, cfg.train.steps)
     engine = build_engine(parts, built.pipeline, optimizers, scheduler, dims, device=torch.device("cpu"),
-                          precision=cfg.train.precision, grad_clip=cfg.train.grad_clip, document_mask=False)
+                          precision=cfg.train.precision, grad_clip=cfg.train.grad_clip, document_mask=False,
+                          grad_sync=cfg.parallel.grad_sync)
     per_rank = cfg.train.global_batch_size // dims.dp
     micro = max(1, per_rank // cfg.train.micro_batch_size)
     rehearsed = micro if dims.pp > 1 else min(micro, REHEARSED_MICROBATCHES)

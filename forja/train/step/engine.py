@@ -65,6 +65,7 @@ from forja.models.common.transformer import Transformer
 from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import ParallelDims, local_value, loss_context
 from forja.parallel.cp import ContextParallel, LocalPart
+from forja.parallel.fsdp import hold_gradients
 from forja.parallel.pp import Pipeline
 from forja.train.step.attention_logits import AttentionLogits
 from forja.train.step.experts import ExpertBalance
@@ -123,8 +124,10 @@ class StepEngine:
 
     def __init__(self, parts: list[Transformer], optimizers: OptimizerGroup, scheduler: SchedulerGroup,
                  dims: ParallelDims, *, device: torch.device, compute_dtype: torch.dtype | None,
-                 grad_clip: float, document_mask: bool, scaler: LossScaler | None = None, replicas: Any = None):
+                 grad_clip: float, document_mask: bool, scaler: LossScaler | None = None, replicas: Any = None,
+                 grad_sync: str = "micro-batch"):
         self.parts, self.optimizers, self.scheduler, self.dims = parts, optimizers, scheduler, dims
+        self.grad_sync = grad_sync  # parallel.grad_sync: FSDP reduces each micro-batch, or once a step
         self.replicas = replicas  # torchft replica groups (forja/train/ft/replicas.py), or None
         self.device, self.compute_dtype = device, compute_dtype
         self.grad_clip, self.document_mask = grad_clip, document_mask
@@ -256,7 +259,9 @@ class StepEngine:
         pipeline's: the last stage's, zeros on the other stages)."""
         total = torch.zeros((), device=self.device)
         padded = self._padded(batches)
-        for batch in batches:
+        for i, batch in enumerate(batches):
+            if self.grad_sync == "step":
+                hold_gradients(self.model, hold=i < len(batches) - 1)
             part = self._local_part(*self._inputs(batch))
             with self._loss_context():
                 with self.autocast():
@@ -460,11 +465,11 @@ def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 def build_engine(parts: list[Transformer], pipeline: Pipeline | None, optimizers: OptimizerGroup,
                  scheduler: SchedulerGroup, dims: ParallelDims, *, device: torch.device, precision: str,
                  grad_clip: float, document_mask: bool, scaler: LossScaler | None = None,
-                 replicas: Any = None) -> StepEngine:
+                 replicas: Any = None, grad_sync: str = "micro-batch") -> StepEngine:
     """The engine for this layout: a pipeline's when the parts are pipeline stages. `scaler`
     scales the loss (train.precision = "fp16"); `replicas` averages over torchft replica groups."""
     kwargs = dict(device=device, compute_dtype=compute_dtype(precision, device), grad_clip=grad_clip,
                   document_mask=document_mask, scaler=scaler, replicas=replicas)
     if pipeline is None:
-        return StepEngine(parts, optimizers, scheduler, dims, **kwargs)
+        return StepEngine(parts, optimizers, scheduler, dims, grad_sync=grad_sync, **kwargs)
     return PipelineEngine(parts, optimizers, scheduler, dims, pipeline=pipeline, **kwargs)

@@ -28,6 +28,7 @@ def test_good_layouts_pass():
     _check(8, tp=2, pp=2)  # dp_shard fills the rest: 2
     _check(4, dp_replicate=2)
     _check(8, ep=4, tp=2, model=("qwen3", "debug-moe"))  # 8 experts over 4 of the 4 dp_shard ranks
+    _check(4, grad_sync="step", reshard_after_forward=False)  # a distributed optimizer, as Megatron's
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -46,6 +47,9 @@ def test_good_layouts_pass():
     (dict(world=2, ep=2), r"parallel.ep = 2 needs a mixture-of-experts model.*set parallel.ep = 1"),
     (dict(world=3, ep=3, model=("qwen3", "debug-moe")),
      r"model n_experts = 8 \(parallel.ep = 3\) is not divisible by 3"),
+    (dict(world=2, grad_sync="step"), r"grad_sync = 'step' .* set parallel.reshard_after_forward = false"),
+    (dict(world=4, pp=2, grad_sync="step", reshard_after_forward=False), r"a pipeline schedule already does"),
+    (dict(world=2, grad_sync="step", reshard_after_forward=False, cpu_offload=True), r"cpu_offload = true moves"),
 ])
 def test_bad_layouts_name_the_keys(kwargs, message):
     with pytest.raises(ForjaError, match=message):
