@@ -63,6 +63,19 @@ CASES = [
     Case("70B FSDP 32 x TP 8, full AC, mbs 16 (torchtitan table 4, bf16 eager)", "llama3-8b", 256,
          ["model.flavor=3.1-70b", "parallel.dp_shard=32", "parallel.tp=8", "parallel.ac=full",
           "train.micro_batch_size=16", "train.global_batch_size=512"] + TITAN_8B, 71.9, TITAN),
+    # A pipeline: torchtitan's 405B row (its float8, compile and async TP are a compiled graph's:
+    # rehearsed eager in bf16), each stage given its shapes (forja/parallel/pp.py).
+    Case("405B FSDP 8 x TP 8 x PP 8, 1F1B x 8, full AC (torchtitan table 4, bf16 eager)", "llama3-8b", 512,
+         ["model.flavor=3.1-405b", "parallel.dp_shard=8", "parallel.tp=8", "parallel.pp=8",
+          "parallel.pp_microbatches=8", "parallel.ac=full", "parallel.mixed_precision=bf16",
+          "train.micro_batch_size=1", "train.global_batch_size=256"] + TITAN_8B, 82.5, TITAN),
+    # Megatron-LM's GPT 32B on 384 H100s with its distributed optimizer (parallel.grad_sync = "step").
+    Case("GPT 32B TP 8 x FSDP 48, ZeRO-2, gradients once a step (Megatron-LM's distributed optimizer)", "llama3-8b",
+         384, ["model.family=gpt2", "model.flavor=124m", "model.overrides.dim=7168", "model.overrides.n_layers=48",
+               "model.overrides.n_heads=56", "model.overrides.ffn_dim=28672", "model.overrides.max_seq_len=4096",
+               "data.vocab_size=131072", "train.seq_len=4096", "train.global_batch_size=192",
+               "train.micro_batch_size=1", "parallel.mixed_precision=bf16", "parallel.dp_shard=48", "parallel.tp=8",
+               "parallel.reshard_after_forward=false", "parallel.grad_sync=step"]),
     # The full DeepSeek-V3 (61 layers, 58 of them 256 routed experts) on 256 ranks, the experts
     # over 64 of them; routing balanced (forja/train/rehearse/routing.py).
     Case("DeepSeek-V3 671B FSDP 256, EP 64, full AC, 4k", "llama3-8b", 256,

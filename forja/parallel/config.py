@@ -78,7 +78,7 @@ class ParallelConfig:
     """Before allocating, the layout's peak memory per rank against the device's: stop (with the
     breakdown and layouts that fit), warn and go on, or off. "rehearse" stops on the rehearsed peak
     instead of the predicted one: the build and one step run on fake devices first (seconds to a
-    minute for an 8B; forja/train/rehearse/), with dense families and parallel.pp = 1."""
+    minute for an 8B; forja/train/rehearse/), every layout but a capacity factor's."""
 
     def __post_init__(self) -> None:
         _ = self.degrees  # built to check each degree (dp_shard may be -1)

@@ -75,6 +75,12 @@ class ExpertDispatch:
     @torch.compiler.disable  # data-dependent split sizes: run eagerly inside compiled blocks
     def dispatch(self, module: nn.Module, inputs: tuple) -> tuple:
         x, counts = inputs  # (M, D) sorted by global expert; (E,) rows per global expert
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and x.dtype == torch.float32:
+            # The experts' first matmul casts its input to autocast's dtype anyway: cast before
+            # sending, and the rows travel in half the bytes with the same values (their
+            # gradients come back in that dtype too, as the matmul makes them).
+            x = x.to(torch.get_autocast_dtype(device))
         local = counts.numel() // self.ep
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # (ep * local,): rows from each source

@@ -198,6 +198,9 @@ def enumerate_layouts(world: int, *, n_layers: int, n_heads: int, n_kv_heads: in
     seen: set[Layout] = set()
     for lay in _layouts(world, n_layers, n_heads, n_kv_heads, n_experts, global_batch_size, seq_len, space):
         lay = replace(lay, **space.options())  # a fixed option holds for every layout
+        if lay.grad_sync == "step" and "grad_sync" not in dict(space.fixed) and (
+                lay.reshard_after_forward or lay.cpu_offload):
+            continue  # a held option made the search's own "step" invalid: the search drops it
         if lay not in seen:
             seen.add(lay)
             yield lay

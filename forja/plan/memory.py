@@ -181,10 +181,9 @@ def _logits(job: Job, lay: Layout, tokens: float) -> tuple[float, float]:
         return kept + 2 * rows * vocab * FP32, 0.0
     # log_softmax's fp32 output is kept; backward makes d(log_softmax) and d(logits) at once.
     # The loss's fp32 cast of bf16 logits keeps nothing of them (its backward casts the
-    # gradient back; measured by the rehearsal, forja/train/rehearse/); under TP the
-    # vocabulary-parallel loss (loss_parallel) keeps its input logits.
-    kept = tokens * vocab * FP32 + (tokens * vocab * widths(job).lin if lay.tp > 1 else 0.0)
-    return kept, 2 * tokens * vocab * FP32
+    # gradient back); under TP the vocabulary-parallel loss (loss_parallel) keeps the same but
+    # its backward makes a third fp32 copy (measured by the rehearsal, forja/train/rehearse/).
+    return tokens * vocab * FP32, (3 if lay.tp > 1 else 2) * tokens * vocab * FP32
 
 
 def predict_memory(job: Job, lay: Layout) -> MemoryBreakdown:

@@ -33,7 +33,7 @@ def test_table_and_one_layout(capsys):
     out = capsys.readouterr().out
     assert "layouts run and fit" in out and "GB usable per device" in out
     best = next(line for line in out.splitlines() if line.startswith("best: "))
-    assert best.count("--set ") == 15 and "--set parallel.dp_shard=" in best  # the whole line, unwrapped
+    assert best.count("--set ") == 16 and "--set parallel.dp_shard=" in best  # the whole line, unwrapped
     every_key = "parallel.dp_replicate=1,parallel.dp_shard=8,parallel.tp=2,parallel.pp=1,parallel.cp=1,parallel.ep=1," \
                 "parallel.reshard_after_forward=true,parallel.cpu_offload=false,parallel.ac=full,train.micro_batch_size=1"
     assert main(["plan", "llama3-8b", "--gpus", "16", "--json", "--layout", every_key]) == 0

@@ -28,6 +28,7 @@ from forja.config import Config
 from forja.errors import ForjaError
 from forja.models.config import run_model_args
 from forja.parallel.checks import check_layout
+from forja.parallel.pp_split import V_SCHEDULES
 from forja.plan.hardware import Hardware
 from forja.plan.job import Job, job_from_config
 from forja.plan.layout import Layout
@@ -85,7 +86,10 @@ def rank_positions(cfg: Config, world_size: int) -> list[tuple[int, str]]:
     pp = cfg.parallel.degrees.resolve(world_size).pp
     if pp == 1:
         return [(0, "every rank")]
-    return [(0, "first stage"), ((pp - 1) * (world_size // pp), "last stage")]
+    last = (pp - 1) * (world_size // pp)
+    if cfg.parallel.pp_schedule in V_SCHEDULES:  # rank 0 holds the V's two ends
+        return [(0, "first and last stage"), (last, "middle stages")]
+    return [(0, "first stage"), (last, "last stage")]
 
 
 def rehearse(cfg: Config, world_size: int, hw: Hardware | None = None) -> Rehearsal:

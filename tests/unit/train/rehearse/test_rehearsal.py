@@ -6,6 +6,7 @@ on a fake world in this process: seconds each, no GPU, nothing written."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -26,6 +27,12 @@ SMALL = ["train.seq_len=1024", "train.global_batch_size=16", "train.micro_batch_
 DEEPSEEK = ["model.family=deepseek_v3", "model.flavor=debug"]
 
 
+# Megatron's distributed optimizer (parallel.grad_sync = "step"), and a 1F1B pipeline over 2 stages.
+GRADS_PER_STEP = ["parallel.dp_shard=8", "parallel.reshard_after_forward=false", "parallel.grad_sync=step",
+                  "parallel.mixed_precision=bf16", "parallel.ac=full"]
+PP2 = ["parallel.pp=2", "parallel.dp_shard=4"]
+
+
 @pytest.mark.parametrize("layout", [
     ["parallel.dp_shard=8", "parallel.ac=none"],
     ["parallel.dp_shard=8", "parallel.ac=full"],
@@ -33,15 +40,14 @@ DEEPSEEK = ["model.family=deepseek_v3", "model.flavor=debug"]
     ["parallel.dp_shard=2", "parallel.tp=4", "parallel.ac=selective"],
     ["parallel.dp_shard=4", "parallel.cp=2", "parallel.cp_kind=all-to-all", "parallel.ac=full"],
     DEEPSEEK + ["parallel.dp_shard=8", "parallel.ep=4", "parallel.ac=none"],
-    ["parallel.dp_shard=8", "parallel.reshard_after_forward=false", "parallel.grad_sync=step",
-     "parallel.mixed_precision=bf16", "parallel.ac=full"],
-    ["parallel.pp=2", "parallel.dp_shard=4"],
+    GRADS_PER_STEP,
+    PP2,
     ["parallel.pp=2", "parallel.dp_shard=4", "parallel.pp_schedule=interleaved-1f1b", "parallel.mixed_precision=bf16"],
     ["model.family=gpt2", "model.flavor=124m", "parallel.dp_shard=4", "parallel.tp=2"],
 ], ids=["fsdp8", "fsdp8-full-ac", "hsdp-selective-ac", "fsdp2-tp4-sp", "fsdp4-cp2-a2a", "deepseek-v3-ep4",
         "fsdp8-grads-per-step", "pp2-1f1b", "pp2-interleaved-bf16", "gpt2-tp2-sp"])
 def test_the_planners_peak_agrees_with_the_rehearsal(layout):
-    r = rehearse(load_config("llama3-1b", SMALL + layout), 8)
+    r = _rehearsed(tuple(layout))
     assert len(r.ranks) == (2 if "parallel.pp=2" in layout else 1)  # a pipeline's first and last stage
     for rank, predicted in zip(r.ranks, r.predicted):
         error = predicted.total / rank.peak_bytes - 1
@@ -52,15 +58,19 @@ def test_the_planners_peak_agrees_with_the_rehearsal(layout):
         assert by["activations"] > 0 and rank.checkpoint_bytes >= 3 * by["parameters"] * 0.98
 
 
+@functools.lru_cache(maxsize=None)
+def _rehearsed(layout: tuple[str, ...]):
+    """Llama 3.2 1B's shape under `layout` on 8 fake ranks, rehearsed once for every test asking."""
+    return rehearse(load_config("llama3-1b", SMALL + list(layout)), 8)
+
+
 def test_a_distributed_optimizer_gathers_and_reduces_once_a_step():
     """parallel.grad_sync = "step" (Megatron's distributed optimizer): FSDP keeps the gathered
     weights and whole gradients through the step's micro-batches, so each unit is gathered
     and reduce-scattered once, where the default does both for every micro-batch."""
     counts = {}
     for sync in ("micro-batch", "step"):
-        cfg = load_config("llama3-1b", SMALL + ["parallel.dp_shard=8", "parallel.reshard_after_forward=false",
-                                                f"parallel.grad_sync={sync}"])
-        rank = rehearse(cfg, 8).ranks[0]
+        rank = _rehearsed(tuple(GRADS_PER_STEP[:2] + [f"parallel.grad_sync={sync}"] + GRADS_PER_STEP[3:])).ranks[0]
         rows = {(c["kind"], c["group"]): c["count"] for c in rank.collectives}
         counts[sync] = rows[("allgather_base", "dp_shard")], rows[("reduce_scatter_base", "dp_shard")]
         assert rank.microbatches_rehearsed == 2
@@ -69,8 +79,7 @@ def test_a_distributed_optimizer_gathers_and_reduces_once_a_step():
 
 
 def test_a_pipeline_stage_sends_hidden_states_and_receives_their_gradients():
-    r = rehearse(load_config("llama3-1b", SMALL + ["parallel.pp=2", "parallel.dp_shard=4"]), 8)
-    for rank in r.ranks:
+    for rank in _rehearsed(tuple(PP2)).ranks:
         rows = {(c["kind"], c["group"]): c for c in rank.collectives}
         # 1F1B over 4 micro-batches: each forward's hidden states one way, its gradient the other,
         # and the schedule's start-up vote (forja/train/rehearse/pipeline.py) once each way.
@@ -107,6 +116,8 @@ def test_rank_positions_are_the_pipeline_ends():
     cfg = load_config("llama3-1b", ["parallel.pp=4", "parallel.dp_shard=2"])
     assert rank_positions(cfg, 8) == [(0, "first stage"), (6, "last stage")]
     assert rank_positions(load_config("llama3-1b"), 8) == [(0, "every rank")]
+    v = load_config("llama3-1b", ["parallel.pp=2", "parallel.pp_schedule=zero-bubble", "parallel.ac=full"])
+    assert rank_positions(v, 8) == [(0, "first and last stage"), (4, "middle stages")]
 
 
 @pytest.mark.parametrize(("sets", "world", "says"), [
