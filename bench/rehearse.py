@@ -5,7 +5,8 @@
     python bench/rehearse.py --only 8B       # the cases whose name holds "8B"
 
 Columns: the planner's per-rank peak for the rehearsed program (eager, no fused kernels:
-what a fake tensor can run), the rehearsal's peak of live tensors, their error, and where a
+what a fake tensor can run), the rehearsal's peak of live tensors on the rank position that
+peaks highest, their error (a pipeline's other end: its own error beside it), and where a
 run was published, its figure: torchtitan logs the caching allocator's reserved peak
 (`torch.cuda.max_memory_reserved`, GiB), an upper bound on live tensors; the "as reserved"
 column divides the rehearsed peak by forja's allocator term (forja/plan/planner.py,
@@ -87,25 +88,27 @@ CASES = [
 def run(case: Case) -> dict:
     began = time.perf_counter()
     r = rehearse(load_config(case.recipe, case.sets), case.world)
-    rank, predicted = max(zip(r.ranks, r.predicted), key=lambda rp: rp[0].peak_bytes)
+    pairs = sorted(zip(r.ranks, r.predicted), key=lambda rp: rp[0].peak_bytes, reverse=True)
+    (rank, predicted), others = pairs[0], pairs[1:]
+    other = "; ".join(f"{o.position} {p.total / o.peak_bytes - 1:+.1%}" for o, p in others) or "-"
     return {"case": case, "layout": r.layout, "rehearsed": rank.peak_bytes, "predicted": predicted.total,
-            "seconds": time.perf_counter() - began}
+            "other": other, "seconds": time.perf_counter() - began}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="run the cases whose name holds this")
     args = p.parse_args()
-    print("| case | ranks | layout | predicted GiB | rehearsed GiB | error | as reserved GiB | published GiB "
-          "| rehearsal s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| case | ranks | layout | predicted GiB | rehearsed GiB | error | other rank position | as reserved GiB "
+          "| published GiB | rehearsal s |")
+    print("|---|---:|---|---:|---:|---:|---|---:|---:|---:|")
     for case in CASES:
         if args.only not in case.name:
             continue
         row = run(case)
         published = f"{case.published_gib:.1f}" if case.published_gib else "-"
         print(f"| {case.name} | {case.world} | {row['layout'].replace(' | ', ', ')} | {row['predicted'] / GIB:.2f} | "
-              f"{row['rehearsed'] / GIB:.2f} | {row['predicted'] / row['rehearsed'] - 1:+.1%} | "
+              f"{row['rehearsed'] / GIB:.2f} | {row['predicted'] / row['rehearsed'] - 1:+.1%} | {row['other']} | "
               f"{row['rehearsed'] / FRAGMENTATION / GIB:.1f} | {published} | {row['seconds']:.0f} |", flush=True)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     print(f"\npeak host memory of this process: {peak_rss:.2f} GiB")

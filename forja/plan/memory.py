@@ -276,8 +276,10 @@ def _kept_activations(job: Job, lay: Layout, rm: RankModel, tokens: float, micro
     if lay.pp > 1:
         kept *= inflight_chunks(lay, rm.pp_rank, micro)
     if rm.last:
-        a = job.args
-        kept += tokens * a.dim * (2 * widths(job).res + widths(job).lin)  # final norm, output's input
+        # The final norm's input and output, split over tp under sequence parallelism, and the
+        # output projection's input, whole (gathered for the vocabulary-split projection).
+        sp = lay.tp if lay.tp > 1 and lay.sequence_parallel else 1
+        kept += tokens * job.args.dim * (2 * widths(job).res / sp + widths(job).lin)
     return kept, working
 
 
