@@ -80,6 +80,26 @@ def rehearsal_config(cfg: Config) -> Config:
                                                                              async_tp=False))
 
 
+def fewer_pipeline_microbatches(cfg: Config, world_size: int) -> tuple[Config, str]:
+    """A pipeline step of many micro-batches, rehearsed with 2 x pp x stages per rank of them, of
+    the same size, and a note saying so ("" when nothing changed). Past that count a schedule's
+    micro-batches in flight, and so its peak, stop growing (1F1B holds at most pp, the
+    interleaved and V schedules fewer than 2 pp v; every earlier gradient is accumulated whole
+    either way), while each one costs the rehearsal a stage's forward and backward. GPipe, which
+    holds them all, is rehearsed whole."""
+    lay = Layout.from_config(cfg.parallel, cfg.train.micro_batch_size, world_size)
+    m = lay.microbatches(cfg.train.global_batch_size)
+    cap = 2 * lay.pp * lay.stages_per_rank
+    if lay.pp == 1 or lay.pp_schedule == "gpipe" or m <= cap:
+        return cfg, ""
+    rows = round(lay.sequences_per_microbatch(cfg.train.global_batch_size))
+    train = dataclasses.replace(cfg.train, global_batch_size=lay.dp * cap * rows)
+    parallel = dataclasses.replace(cfg.parallel, pp_microbatches=cap if cfg.parallel.pp_microbatches else 0)
+    note = (f"the pipeline step's {m} micro-batches rehearsed as {cap} of the same {rows} sequences: past "
+            f"2 x pp x stages per rank the micro-batches in flight, and the peak, stop growing")
+    return dataclasses.replace(cfg, train=train, parallel=parallel), note
+
+
 def rank_positions(cfg: Config, world_size: int) -> list[tuple[int, str]]:
     """(global rank, what it stands for) of each distinct position; the pipeline dimension is
     the mesh's outermost, so stage s starts at rank s * world / pp."""
@@ -98,9 +118,10 @@ def rehearse(cfg: Config, world_size: int, hw: Hardware | None = None) -> Rehear
     began = time.perf_counter()
     cfg = rehearsal_config(cfg)
     args = run_model_args(cfg.model, cfg.data.vocab_size)
-    job = dataclasses.replace(job_from_config(cfg, gpu=True, args=args), fused=frozenset(), fla=False)
-    check_layout(layout_request(job, "cuda", world_size))
+    check_layout(layout_request(_job(cfg, args), "cuda", world_size))
     _check_rehearsable(cfg, args, world_size)
+    cfg, fewer = fewer_pipeline_microbatches(cfg, world_size)
+    job = _job(cfg, args)  # the program rehearsed: eager, no fused kernels
     lay = Layout.from_config(cfg.parallel, cfg.train.micro_batch_size, world_size)
     ranks, predicted = [], []
     for rank, position in rank_positions(cfg, world_size):
@@ -109,7 +130,12 @@ def rehearse(cfg: Config, world_size: int, hw: Hardware | None = None) -> Rehear
     return Rehearsal(layout=lay.describe(), world_size=world_size, hardware=hw.name if hw else "",
                      usable_bytes=usable_memory(hw) if hw else float("inf"),
                      ranks=ranks, predicted=predicted, seconds=time.perf_counter() - began,
-                     notes=[EAGER_NOTE] + ([ROUTING_NOTE] if getattr(args, "n_experts", 0) else []))
+                     notes=[EAGER_NOTE] + ([ROUTING_NOTE] if getattr(args, "n_experts", 0) else [])
+                     + ([fewer] if fewer else []))
+
+
+def _job(cfg: Config, args) -> Job:
+    return dataclasses.replace(job_from_config(cfg, gpu=True, args=args), fused=frozenset(), fla=False)
 
 
 def _check_rehearsable(cfg: Config, args, world_size: int) -> None:

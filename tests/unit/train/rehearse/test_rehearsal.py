@@ -16,7 +16,7 @@ from forja.config import load_config
 from forja.errors import ForjaError
 from forja.models.config import run_model_args
 from forja.plan.hardware import get_hardware
-from forja.train.rehearse.rehearsal import rank_positions, rehearse
+from forja.train.rehearse.rehearsal import fewer_pipeline_microbatches, rank_positions, rehearse
 
 # The promise docs/planner.md makes: the planner's per-rank peak within 5% of the rehearsal's.
 AGREEMENT = 0.05
@@ -110,6 +110,17 @@ def test_experts_move_their_rows_over_the_ep_group_as_routed():
     # rows' gradients both ways in backward.
     assert rows[("alltoall_base", "ep")]["count"] == 5 * moe * rank.microbatches_rehearsed
     assert any("balanced router" in note for note in r.notes)
+
+
+def test_a_long_pipeline_step_is_rehearsed_with_the_micro_batches_its_peak_needs():
+    cfg = load_config("llama3-1b", ["parallel.pp=2", "parallel.dp_shard=4", "train.global_batch_size=64",
+                                    "train.micro_batch_size=2"])
+    fewer, note = fewer_pipeline_microbatches(cfg, 8)
+    # 64 / 4 = 16 rows a rank in 8 micro-batches of 2; 1F1B over 2 stages holds at most 2 in flight.
+    assert (fewer.train.global_batch_size, fewer.train.micro_batch_size) == (4 * 4 * 2, 2) and "8 micro-batches" in note
+    gpipe = load_config("llama3-1b", ["parallel.pp=2", "parallel.dp_shard=4", "train.global_batch_size=64",
+                                      "parallel.pp_schedule=gpipe"])
+    assert fewer_pipeline_microbatches(gpipe, 8) == (gpipe, "")  # GPipe holds every micro-batch: all of them
 
 
 def test_rank_positions_are_the_pipeline_ends():
