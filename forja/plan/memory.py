@@ -257,9 +257,13 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
         # The schedule keeps each block gathered after its backward until the step's last
         # micro-batch: at the end of a later micro-batch's backward the rank's stages are whole,
         # with their whole gradients (fp32), and one micro-batch fewer is in flight.
+        # Under TP the embedding's backward makes its gradient whole (DTensor has no vocabulary-
+        # split strategy for it): V x D in fp32 for a moment, beside its own 1/tp share.
+        whole_embedding = job.shape.embedding * (1 - 1 / lay.tp) * FP32 if rm.first and lay.tp > 1 else 0.0
         inflight = inflight_chunks(lay, rm.pp_rank, micro)
         moments.append(snap("stage backward end", acts=kept * (inflight - 1) / inflight + working, logits=0.0,
-                            grads_now=elements * FP32 + output_grad, gathered_now=(root + blocks) * gathered_width))
+                            grads_now=elements * FP32 + output_grad + whole_embedding,
+                            gathered_now=(root + blocks) * gathered_width))
     return moments
 
 

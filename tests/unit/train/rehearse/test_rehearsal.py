@@ -25,26 +25,27 @@ SMALL = ["train.seq_len=1024", "train.global_batch_size=16", "train.micro_batch_
 # A mixture of experts with latent attention: DeepSeek-V3's debug flavor (its MoE layers routed
 # as a balanced router would, forja/train/rehearse/routing.py).
 DEEPSEEK = ["model.family=deepseek_v3", "model.flavor=debug"]
+DEEPSEEK_EP4 = DEEPSEEK + ["parallel.dp_shard=8", "parallel.ep=4", "parallel.ac=none"]
 
 
 # Megatron's distributed optimizer (parallel.grad_sync = "step"), and a 1F1B pipeline over 2 stages.
 GRADS_PER_STEP = ["parallel.dp_shard=8", "parallel.reshard_after_forward=false", "parallel.grad_sync=step",
                   "parallel.mixed_precision=bf16", "parallel.ac=full"]
 PP2 = ["parallel.pp=2", "parallel.dp_shard=4"]
+FSDP2_TP4 = ["parallel.dp_shard=2", "parallel.tp=4", "parallel.ac=selective"]
 
 
 @pytest.mark.parametrize("layout", [
     ["parallel.dp_shard=8", "parallel.ac=none"],
-    ["parallel.dp_shard=8", "parallel.ac=full"],
     ["parallel.dp_shard=4", "parallel.dp_replicate=2", "parallel.ac=selective"],
-    ["parallel.dp_shard=2", "parallel.tp=4", "parallel.ac=selective"],
+    FSDP2_TP4,
     ["parallel.dp_shard=4", "parallel.cp=2", "parallel.cp_kind=all-to-all", "parallel.ac=full"],
-    DEEPSEEK + ["parallel.dp_shard=8", "parallel.ep=4", "parallel.ac=none"],
+    DEEPSEEK_EP4,
     GRADS_PER_STEP,
     PP2,
     ["parallel.pp=2", "parallel.dp_shard=4", "parallel.pp_schedule=interleaved-1f1b", "parallel.mixed_precision=bf16"],
     ["model.family=gpt2", "model.flavor=124m", "parallel.dp_shard=4", "parallel.tp=2"],
-], ids=["fsdp8", "fsdp8-full-ac", "hsdp-selective-ac", "fsdp2-tp4-sp", "fsdp4-cp2-a2a", "deepseek-v3-ep4",
+], ids=["fsdp8", "hsdp-selective-ac", "fsdp2-tp4-sp", "fsdp4-cp2-a2a", "deepseek-v3-ep4",
         "fsdp8-grads-per-step", "pp2-1f1b", "pp2-interleaved-bf16", "gpt2-tp2-sp"])
 def test_the_planners_peak_agrees_with_the_rehearsal(layout):
     r = _rehearsed(tuple(layout))
@@ -88,7 +89,7 @@ def test_a_pipeline_stage_sends_hidden_states_and_receives_their_gradients():
 
 
 def test_collectives_are_counted_by_kind_and_mesh_group():
-    r = rehearse(load_config("llama3-1b", SMALL + ["parallel.dp_shard=4", "parallel.tp=2"]), 8)
+    r = _rehearsed(tuple(FSDP2_TP4))  # the agreement test's
     rows = {(c["kind"], c["group"]): c for c in r.ranks[0].collectives}
     # FSDP gathers each block's weights in forward and again in backward, and reduce-scatters
     # each block's gradients once per micro-batch, over dp_shard; TP moves activations over tp.
@@ -100,8 +101,8 @@ def test_collectives_are_counted_by_kind_and_mesh_group():
 
 
 def test_experts_move_their_rows_over_the_ep_group_as_routed():
-    cfg = load_config("llama3-1b", SMALL + DEEPSEEK + ["parallel.dp_shard=8", "parallel.ep=4"])
-    r = rehearse(cfg, 8)
+    cfg = load_config("llama3-1b", SMALL + DEEPSEEK_EP4)
+    r = _rehearsed(tuple(DEEPSEEK_EP4))  # the agreement test's
     rank = r.ranks[0]
     args = run_model_args(cfg.model, cfg.data.vocab_size)
     moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
