@@ -224,9 +224,11 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
     gathered = 0.0
     if fsdp_on:
         blocks_gathered = 2 * largest if lay.reshard_after_forward else blocks + largest
-        if lay.pp > 1 and rm.stages > 1 and lay.reshard_after_forward:
+        steady = lay.pp > 1 and inflight_chunks(lay, rm.pp_rank, micro) < micro
+        if steady and rm.stages > 1 and lay.reshard_after_forward:
             # A rank's other stage keeps its blocks gathered from its last backward (the schedule
-            # reshards only after the step's last micro-batch) while this one's backward begins.
+            # reshards only after the step's last micro-batch) while this one's backward begins;
+            # unless the warm-up runs every forward before the first backward (no backward before).
             blocks_gathered += blocks * (rm.stages - 1) / rm.stages
         gathered = (root + blocks_gathered) * gathered_width
         in_block += 2 * largest / shard * FP32  # all-gather copy-in, reduce-scatter output
