@@ -195,8 +195,7 @@ for size, heads, h, layers, tp, pp, gpus, batch, tflops in (
                      "model.overrides.ffn_dim": 4 * h, "model.overrides.max_seq_len": 4096,
                      "data.vocab_size": 131072}, 4096, batch,
                     # under PP the schedule itself reduces once a step
-                    dict(dp_shard=48, tp=tp, pp=pp, **DIST_OPT_LAYOUT) | ({"grad_sync": "micro-batch"} if pp > 1
-                                                                          else {}),
+                    dict(dp_shard=48, tp=tp, pp=pp, **DIST_OPT_LAYOUT if pp == 1 else {"reshard_after_forward": False}),
                     assumed=MEGATRON_ASSUMED, converted=f"{tflops} TFLOP/s/GPU / Megatron's FLOPs per token"))
 
 

@@ -200,7 +200,7 @@ def enumerate_layouts(world: int, *, n_layers: int, n_heads: int, n_kv_heads: in
         lay = replace(lay, **space.options())  # a fixed option holds for every layout
         if lay.grad_sync == "step" and "grad_sync" not in dict(space.fixed) and (
                 lay.reshard_after_forward or lay.cpu_offload):
-            continue  # a held option made the search's own "step" invalid: the search drops it
+            continue  # "step" is ZeRO-2's, on the device (the validator's rule): not searched otherwise
         if lay not in seen:
             seen.add(lay)
             yield lay
@@ -267,8 +267,6 @@ def _memory_options(base: Layout, n_layers: int, local: int, space: SearchSpace)
     for schedule, zero3, offload, sync, (ac, every) in itertools.product(schedules, zeros, offloads, syncs, AC_MODES):
         if base.pp > 1 and (local // base.micro_batch_size) < base.pp:
             continue  # fewer micro-batches than stages: the schedules refuse it
-        if sync == "step" and (zero3 or offload):
-            continue  # the validator's rule: whole gradients and kept parameters are ZeRO-2's, on the device
         yield replace(base, pp_schedule=schedule, reshard_after_forward=zero3, cpu_offload=offload, grad_sync=sync,
                       ac=ac, ac_every=every)
 

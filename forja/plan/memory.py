@@ -221,10 +221,11 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
     in_block = max((cp_buffers(job, lay, b, tokens) for b, _ in rm.groups), default=0.0)
     # FSDP: the root stays gathered through forward and backward; ZeRO-3 regathers each block
     # (itself and the prefetched next), ZeRO-2 keeps every block gathered until its backward.
+    inflight = inflight_chunks(lay, rm.pp_rank, micro)
     gathered = 0.0
     if fsdp_on:
         blocks_gathered = 2 * largest if lay.reshard_after_forward else blocks + largest
-        steady = lay.pp > 1 and inflight_chunks(lay, rm.pp_rank, micro) < micro
+        steady = lay.pp > 1 and inflight < micro
         if steady and rm.stages > 1 and lay.reshard_after_forward:
             # A rank's other stage keeps its blocks gathered from its last backward (the schedule
             # reshards only after the step's last micro-batch) while this one's backward begins;
@@ -233,12 +234,9 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
         gathered = (root + blocks_gathered) * gathered_width
         in_block += 2 * largest / shard * FP32  # all-gather copy-in, reduce-scatter output
     accumulated = _accumulated_gradients(lay, grads, micro, elements * FP32 if fsdp_on else None)
-    unsharded_grad = largest * gathered_width if fsdp_on else 0.0
-    if fsdp_on and lay.pp > 1 and lay.pp_schedule != "gpipe":
-        unsharded_grad = 0.0  # the block's unsharded gradient is part of what the schedule accumulates
-    if fsdp_on and lay.grad_sync == "step" and micro > 1:
-        # Reduced once a step: the rank's whole gradients, accumulated in FSDP's fp32 reduce dtype.
-        accumulated, unsharded_grad = elements * FP32, 0.0
+    # A block's unsharded gradient before its reduce-scatter, unless the whole ones are held anyway.
+    holds_whole = (lay.pp > 1 and lay.pp_schedule != "gpipe") or (lay.grad_sync == "step" and micro > 1)
+    unsharded_grad = largest * gathered_width if fsdp_on and not holds_whole else 0.0
 
     def snap(phase: str, *, acts: float, logits: float, grads_now: float, temps: float = 0.0,
              staged: float = 0.0, gathered_now: float = gathered) -> MemoryBreakdown:
@@ -262,7 +260,6 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
         # Under TP the embedding's backward makes its gradient whole (DTensor has no vocabulary-
         # split strategy for it): V x D in fp32 for a moment, beside its own 1/tp share.
         whole_embedding = job.shape.embedding * (1 - 1 / lay.tp) * FP32 if rm.first and lay.tp > 1 else 0.0
-        inflight = inflight_chunks(lay, rm.pp_rank, micro)
         moments.append(snap("stage backward end", acts=kept * (inflight - 1) / inflight + working, logits=0.0,
                             grads_now=elements * FP32 + output_grad + whole_embedding,
                             gathered_now=(root + blocks) * gathered_width))
@@ -303,9 +300,9 @@ def _accumulated_gradients(lay: Layout, grads: float, micro: int, unsharded: flo
     """Gradient bytes held between micro-batches. FSDP (`unsharded`: the rank's whole gradients
     in fp32, FSDP's reduce dtype, in which it accumulates them; None without FSDP) reduces each
     micro-batch's, sharded, except under PP, whose schedule reduce-scatters once after the last
-    micro-batch (unsharded meanwhile)."""
+    micro-batch (unsharded meanwhile), and under parallel.grad_sync = "step", which does the same."""
     accumulated = grads if micro > 1 else 0.0  # a pipeline's first backward comes before its last forward
-    if lay.pp > 1 and unsharded is not None:
+    if unsharded is not None and (lay.pp > 1 or (lay.grad_sync == "step" and micro > 1)):
         accumulated = unsharded
     if lay.pp > 1 and lay.pp_schedule == "gpipe":
         accumulated = 0.0  # GPipe runs every forward before the first backward makes a gradient

@@ -118,10 +118,12 @@ def rehearse(cfg: Config, world_size: int, hw: Hardware | None = None) -> Rehear
     began = time.perf_counter()
     cfg = rehearsal_config(cfg)
     args = run_model_args(cfg.model, cfg.data.vocab_size)
-    check_layout(layout_request(_job(cfg, args), "cuda", world_size))
+    job = _job(cfg, args)  # the program rehearsed: eager, no fused kernels
+    check_layout(layout_request(job, "cuda", world_size))
     _check_rehearsable(cfg, args, world_size)
     cfg, fewer = fewer_pipeline_microbatches(cfg, world_size)
-    job = _job(cfg, args)  # the program rehearsed: eager, no fused kernels
+    if fewer:  # a shorter pipeline step: predicted as rehearsed
+        job = _job(cfg, args)
     lay = Layout.from_config(cfg.parallel, cfg.train.micro_batch_size, world_size)
     ranks, predicted = [], []
     for rank, position in rank_positions(cfg, world_size):
