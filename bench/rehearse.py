@@ -94,7 +94,7 @@ def family_cases() -> list[Case]:
     from forja.models.registry import FAMILIES
 
     base = ["parallel.dp_shard=64", "parallel.ac=selective", "train.seq_len=4096", "train.micro_batch_size=1",
-            "train.global_batch_size=64", "model.attention=sdpa"]
+            "train.global_batch_size=64"]
     cases = []
     for family, spec in FAMILIES.items():
         for flavor, fields in spec.flavors.items():

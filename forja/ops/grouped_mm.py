@@ -38,6 +38,7 @@ grouped kernel takes them (the weights' cast is what autocast does for F.linear 
 
 from __future__ import annotations
 
+import concurrent.futures
 from functools import cache
 
 import torch
@@ -125,10 +126,18 @@ def _grouped_supported(device_type: str, dtype: torch.dtype, capability: tuple[i
         return capability is not None and capability >= (9, 0) and dtype == torch.bfloat16
     if device_type != "cpu":
         return False
-    try:  # older torch has no CPU kernel: probe once (outside autocast, in the dtype asked about)
-        with torch.autocast("cpu", enabled=False):  # 16-byte aligned rows and group starts (16 rows each)
-            x, w = torch.ones(32, 16, dtype=dtype), torch.ones(2, 16, 16, dtype=dtype)
-            grouped_mm_fused(x, w, torch.tensor([16, 16]))
+    # Older torch has no CPU kernel: probe once, in the dtype asked about, on a thread of its own.
+    # The first forward asks, and its thread may be inside autocast, a fake-tensor mode or
+    # selective checkpointing, which would count the probe as one of the forward's matmuls and
+    # hand its output to the recomputation (each is thread-local; a new thread has none).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(_probe_cpu_kernel, dtype).result()
+
+
+def _probe_cpu_kernel(dtype: torch.dtype) -> bool:
+    x, w = torch.ones(32, 16, dtype=dtype), torch.ones(2, 16, 16, dtype=dtype)  # 16-byte aligned groups of 16 rows
+    try:
+        grouped_mm_fused(x, w, torch.tensor([16, 16]))
         return True
     except (RuntimeError, NotImplementedError):
         return False

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from forja.models.common.moe import moe_layers
 from forja.parallel.config import ParallelConfig
@@ -69,11 +70,22 @@ def hold_gradients(model: nn.Module, hold: bool) -> None:
 
 def _shard_experts(block: nn.Module, dims: ParallelDims, reshard: bool, kwargs: dict) -> None:
     """Make a block's routed experts (sharded over "ep" already) an FSDP unit of their own."""
+    mesh = dims.expert_fsdp_mesh
     for _, moe in moe_layers(block):
-        fully_shard(moe.experts, reshard_after_forward=reshard, **{**kwargs, "mesh": dims.expert_fsdp_mesh})
+        placement = _expert_placement(moe.experts, mesh.shape[-1])
+        fully_shard(moe.experts, reshard_after_forward=reshard, **{**kwargs, "mesh": mesh, **placement})
         # Each expert's gradient sums every EP rank's tokens: average over all dp (x cp) ranks.
         moe.experts.set_gradient_divide_factor(float(dims.dp * dims.cp))
         if dims.dp_shard // dims.ep * dims.cp > 1:
             # A custom factor is applied with NCCL's PREMUL_SUM, which Gloo lacks: divide apart.
             # Not with one shard: torch 2.11-2.13 then divide twice (the copy and the post-divide).
             moe.experts.set_force_sum_reduction_for_comms(True)
+
+
+def _expert_placement(experts: nn.Module, shards: int) -> dict:
+    """FSDP splits a parameter's first dim: a rank's experts (E / ep, ...). When they do not
+    divide among the `shards` ranks holding them (Mixtral's 8 experts under EP 8 over 64 ranks:
+    one expert, 8 ranks), the first ranks would keep whole experts and the rest none; each
+    expert's rows (dim 1) are split instead, as torchtitan does."""
+    local_experts = next(iter(experts.parameters())).to_local().shape[0]
+    return {} if local_experts % shards == 0 else {"shard_placement_fn": lambda param: Shard(1)}

@@ -34,6 +34,7 @@ from forja.models.common.norms import RMSNorm
 from forja.models.common.rope import apply_rope
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
+FLEX_DEVICES = ("cuda",)  # where FlexAttention has a backward (a rehearsal adds its fake CPU)
 
 
 @dataclass
@@ -89,7 +90,7 @@ def build_mask(
         device = document_ids.device
     device = device or torch.device("cpu")
     if backend == "flex" and offset == 0 and (document_ids is not None or window or flex_causal):
-        if device.type == "cuda":
+        if device.type in FLEX_DEVICES:
             return AttentionMask(block_mask=_flex_block_mask(document_ids, q_len, window, device))
         fallbacks.record("attention.flex", asked='model.attention = "flex"', instead="SDPA",
                          why=f"FlexAttention has no backward on {device.type}", fix="train on CUDA")

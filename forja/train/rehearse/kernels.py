@@ -8,6 +8,12 @@ log-sum-exp a row. While a rehearsal runs, that case calls the memory-efficient 
 op directly (its fake implementation gives the shapes, its derivative the backward); every
 other call is torch's own.
 
+FlexAttention (sliding windows, attention sinks, packed documents) compiles a Triton kernel,
+which a fake tensor cannot run; eager, it would write every (T, T) score out. While a
+rehearsal runs, "flex" blocks get a stand-in (`flex_attention_standin`) that holds what
+FlexAttention's kernel holds: it saves q, k and v, returns the output and one log-sum-exp a
+row, and its backward makes the three gradients. The block mask holds nothing per token.
+
 The fused loss checks its target ids with a value read on a CPU (a GPU asserts on the device
 and reads nothing): on fake tensors it takes the GPU's way (`device_checked_targets`).
 """
@@ -21,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
+from forja.models.common import attention as attention_module
 from forja.ops import cross_entropy
 
 
@@ -57,3 +64,42 @@ def device_checked_targets() -> Iterator[None]:
         yield
     finally:
         cross_entropy._check_target_ids = check
+
+
+class _FlexHolds(torch.autograd.Function):
+    """FlexAttention's memory without its kernel: q (B, H, T, hd), k and v (B, Hkv, T, hd | hv)
+    -> out (B, H, T, hv), lse (B, H, T) fp32; the values of a fake tensor do not matter."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@contextlib.contextmanager
+def flex_attention_standin() -> Iterator[None]:
+    """FlexAttention's blocks on the rehearsal's fake CPU, held as its kernel holds them."""
+    devices, block_mask, flex = (attention_module.FLEX_DEVICES, attention_module._flex_block_mask,
+                                 attention_module._flex_attention)
+
+    def no_block_mask(document_ids, T, window, device):
+        return "rehearsal"  # a block mask is a few int32 per tile: nothing a rank's peak notices
+
+    def standin(q, k, v, block_mask, scale=None, with_lse: bool = False):
+        out, lse = _FlexHolds.apply(q, k, v)
+        return (out, lse) if with_lse else out
+
+    attention_module.FLEX_DEVICES = (*devices, "cpu")
+    attention_module._flex_block_mask, attention_module._flex_attention = no_block_mask, standin
+    try:
+        yield
+    finally:
+        attention_module.FLEX_DEVICES = devices
+        attention_module._flex_block_mask, attention_module._flex_attention = block_mask, flex

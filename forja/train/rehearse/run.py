@@ -31,15 +31,15 @@ from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import ParallelDims
 from forja.train.build import build_model_parts
 from forja.train.rehearse.collectives import mesh_group_names
-from forja.train.rehearse.kernels import device_checked_targets, gpu_attention
+from forja.train.rehearse.kernels import device_checked_targets, flex_attention_standin, gpu_attention
 from forja.train.rehearse.pipeline import static_stage_votes
 from forja.train.rehearse.routing import balanced_routing
 from forja.train.rehearse.tracker import AllocationTracker
 from forja.train.step.engine import build_engine
 
-EAGER_NOTE = ("rehearsed in eager mode on the CPU path: compiled graphs (async TP among them), Triton kernels and "
-              "FlexAttention cannot run on fake tensors (attention as causal SDPA, one document per row; memory "
-              "counted as the CUDA allocator rounds it)")
+EAGER_NOTE = ("rehearsed in eager mode on the CPU path: compiled graphs (async TP among them) and Triton kernels "
+              "cannot run on fake tensors (FlexAttention as a stand-in holding what its kernel holds; one document "
+              "per row; memory counted as the CUDA allocator rounds it)")
 # Without pipeline parallelism a step's micro-batches repeat one another: the peak is reached
 # by the second (the first's gradients are then held), so a step rehearses at most two.
 REHEARSED_MICROBATCHES = 2
@@ -97,8 +97,8 @@ def _forget_sharding_plans() -> None:
 def rehearse_rank(cfg: Config, args: TransformerArgs, world_size: int, rank: int, position: str) -> RankRehearsal:
     """Rehearse rank `rank` of `cfg`'s run on `world_size` ranks."""
     began = time.perf_counter()
-    with fake_world(rank, world_size), balanced_routing(), gpu_attention(), device_checked_targets(), \
-            static_stage_votes():
+    with fake_world(rank, world_size), balanced_routing(), gpu_attention(), flex_attention_standin(), \
+            device_checked_targets(), static_stage_votes():
         dims = ParallelDims.from_config(cfg.parallel, world_size)
         dims.build_mesh("cpu")
         fake = FakeTensorMode(allow_non_fake_inputs=True)
