@@ -59,7 +59,8 @@ class Rehearsal:
 
     def as_json(self) -> dict:
         return {"layout": self.layout, "world_size": self.world_size, "hardware": self.hardware,
-                "usable_bytes": round(self.usable_bytes) if self.hardware else None, "seconds": round(self.seconds, 1), "notes": self.notes,
+                "usable_bytes": round(self.usable_bytes) if self.hardware else None,
+                "seconds": round(self.seconds, 1), "notes": self.notes,
                 "ranks": [{**r.as_json(), "predicted_bytes": round(p.total), "predicted_phase": p.phase,
                            "predicted_by_category": predicted_categories(p),
                            "error": p.total / r.peak_bytes - 1}
