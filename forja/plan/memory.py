@@ -198,7 +198,8 @@ def rank_peak(job: Job, lay: Layout, rm: RankModel) -> MemoryBreakdown:
 
 def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
     """What one rank holds at each candidate moment of its peak: the loss's backward, the
-    first block's backward, the optimizer step (each `phase` names its own)."""
+    first block's backward, the optimizer step, and under a pipeline the end of a stage's
+    backward (each `phase` names its own)."""
     fsdp_on = lay.fsdp * lay.dp_replicate > 1 or job.bf16_params or lay.cpu_offload
     shard = lay.fsdp if fsdp_on else 1
     root, largest, blocks, experts = rank_elements(job, lay, rm)
@@ -219,26 +220,30 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
     # Context parallelism's transients live while a block computes (one at a time: the largest
     # block's), not while the loss runs (measured by the rehearsal, forja/train/rehearse/).
     in_block = max((cp_buffers(job, lay, b, tokens) for b, _ in rm.groups), default=0.0)
+    inflight = inflight_chunks(lay, rm.pp_rank, micro)
+    order = stage_order(lay, rm, micro, inflight)
     # FSDP: the root stays gathered through forward and backward; ZeRO-3 regathers each block
     # (itself and the prefetched next), ZeRO-2 keeps every block gathered until its backward.
-    inflight = inflight_chunks(lay, rm.pp_rank, micro)
     gathered = 0.0
     if fsdp_on:
         blocks_gathered = 2 * largest if lay.reshard_after_forward else blocks + largest
-        steady = lay.pp > 1 and inflight < micro
-        if steady and rm.stages > 1 and lay.reshard_after_forward:
+        if order == "together" and lay.reshard_after_forward:
             # A rank's other stage keeps its blocks gathered from its last backward (the schedule
-            # reshards only after the step's last micro-batch) while this one's backward begins;
-            # unless the warm-up runs every forward before the first backward (no backward before).
+            # reshards a stage only after its last micro-batch) while this one's backward begins.
             blocks_gathered += blocks * (rm.stages - 1) / rm.stages
         gathered = (root + blocks_gathered) * gathered_width
         in_block += 2 * largest / shard * FP32  # all-gather copy-in, reduce-scatter output
+    output_root = root - (job.shape.embedding / lay.tp if rm.first else 0.0)  # the final norm and output's
     accumulated = _accumulated_gradients(lay, grads, micro, elements * FP32 if fsdp_on else None)
+    if fsdp_on and order == "one at a time":  # only the stage nearest the loss has run a backward
+        accumulated = (output_root + blocks / rm.stages) * FP32
+    elif order == "all first":
+        accumulated = 0.0  # no backward before the first one
     # A block's unsharded gradient before its reduce-scatter, unless the whole ones are held anyway.
     holds_whole = (lay.pp > 1 and lay.pp_schedule != "gpipe") or (lay.grad_sync == "step" and micro > 1)
     unsharded_grad = largest * gathered_width if fsdp_on and not holds_whole else 0.0
 
-    def snap(phase: str, *, acts: float, logits: float, grads_now: float, temps: float = 0.0,
+    def snap(phase: str, *, acts: float, logits: float = 0.0, grads_now: float, temps: float = 0.0,
              staged: float = 0.0, gathered_now: float = gathered) -> MemoryBreakdown:
         return MemoryBreakdown(parameters=params, gradients=grads_now, optimizer_state=state,
                                gathered_parameters=gathered_now, activations=acts, logits=logits,
@@ -248,22 +253,53 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
     output_grad = (root * FP32) if rm.last else 0.0
     moments = [
         snap("loss backward", acts=kept, logits=loss_kept + loss_backward, grads_now=accumulated),
-        snap("first block backward", acts=kept + working, logits=0.0,
+        snap("first block backward", acts=kept + working,
              grads_now=accumulated + output_grad + unsharded_grad, staged=in_block),
-        snap("optimizer step", acts=0.0, logits=0.0, grads_now=max(grads, accumulated),
-             temps=optimizer_temps),
+        snap("optimizer step", acts=0.0, grads_now=max(grads, accumulated), temps=optimizer_temps),
     ]
     if fsdp_on and lay.pp > 1:
-        # The schedule keeps each block gathered after its backward until the step's last
-        # micro-batch: at the end of a later micro-batch's backward the rank's stages are whole,
-        # with their whole gradients (fp32), and one micro-batch fewer is in flight.
         # Under TP the embedding's backward makes its gradient whole (DTensor has no vocabulary-
         # split strategy for it): V x D in fp32 for a moment, beside its own 1/tp share.
         whole_embedding = job.shape.embedding * (1 - 1 / lay.tp) * FP32 if rm.first and lay.tp > 1 else 0.0
-        moments.append(snap("stage backward end", acts=kept * (inflight - 1) / inflight + working, logits=0.0,
-                            grads_now=elements * FP32 + output_grad + whole_embedding,
-                            gathered_now=(root + blocks) * gathered_width))
+        for acts, whole, others in _stage_backward_ends(order, rm, kept, inflight, micro, root, output_root, blocks):
+            last_to_run = whole != output_root + blocks / rm.stages or rm.stages == 1
+            moments.append(snap("stage backward end", acts=acts + working, gathered_now=whole * gathered_width,
+                                grads_now=whole * FP32 + others * grads + (output_grad if rm.last else 0.0)
+                                + (whole_embedding if last_to_run else 0.0)))
     return moments
+
+
+def stage_order(lay: Layout, rm: RankModel, micro: int, inflight: float) -> str:
+    """How a pipeline rank's backwards overlap its stages (torch.distributed.pipelining's
+    schedules, which reduce a stage's gradients and reshard it right after its last backward):
+    "" without a pipeline; "all first" when every forward runs before the first backward;
+    "together" when its stages' backwards interleave, all of them whole at once (interleaved
+    1F1B over several rounds of pp micro-batches; the V schedules); "one at a time" when the
+    stage nearest the loss finishes every backward before the next begins (interleaved 1F1B
+    with one round); a rank of one stage in its steady phase is "together" with itself."""
+    if lay.pp == 1:
+        return ""
+    if inflight >= micro:
+        return "all first"
+    if rm.stages > 1 and lay.pp_schedule == "interleaved-1f1b" and micro <= lay.pp:
+        return "one at a time"
+    return "together"
+
+
+def _stage_backward_ends(order: str, rm: RankModel, kept: float, inflight: float, micro: int, root: float,
+                         output_root: float, blocks: float) -> list[tuple[float, float, float]]:
+    """(activations in flight, elements whole, share of the rank's sharded gradients held) at the
+    end of a stage's first backward, when a schedule keeps each stage gathered with whole fp32
+    gradients from its first backward to its last: one micro-batch fewer is in flight."""
+    if order == "together" or rm.stages == 1:
+        return [(kept * (inflight - 1) / inflight, root + blocks, 0.0)]
+    per_stage = blocks / rm.stages
+    # The stage nearest the loss (holding the output on the last rank) runs its backwards first,
+    # every other stage's micro-batches still in flight; the lowest (the embedding's, on the
+    # first rank) runs last, its own m - 1 later micro-batches in flight, the others reduced.
+    return [(kept * (inflight - 1) / inflight, output_root + per_stage, 0.0),
+            (kept * (micro - 1) / inflight / rm.stages, root - output_root + per_stage,
+             (rm.stages - 1) / rm.stages)]
 
 
 def _kept_activations(job: Job, lay: Layout, rm: RankModel, tokens: float, micro: int) -> tuple[float, float]:

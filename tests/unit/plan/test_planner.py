@@ -9,7 +9,7 @@ from forja.models import model_args
 from forja.plan.hardware import get_hardware
 from forja.plan.job import Job
 from forja.plan.layout import Layout, SearchSpace, enumerate_layouts, parse_fixed, parse_layout
-from forja.plan.memory import inflight_chunks, predict_memory
+from forja.plan.memory import RankModel, inflight_chunks, predict_memory, stage_order
 from forja.plan.planner import evaluate, plan, usable_memory
 from forja.plan.shape import model_shape
 from forja.plan.speed import bubble_fraction, predict_time
@@ -59,6 +59,18 @@ def test_pipeline_schedules_hold_and_idle_as_their_papers_say():
     assert inflight_chunks(one_f, 3, 16) == 1
     assert bubble_fraction(one_f, 16) == pytest.approx(3 / 16)
     assert bubble_fraction(inter, 16) == pytest.approx(3 / 32)
+
+
+def test_a_ranks_stages_are_whole_together_only_where_their_backwards_interleave():
+    """torch's schedules reduce a stage's gradients right after its last backward: interleaved
+    1F1B over one round of pp micro-batches finishes the stage nearest the loss first."""
+    inter = Layout.of(pp=4, pp_schedule="interleaved-1f1b")
+    two = RankModel(pp_rank=3, stages=2)
+    assert stage_order(inter, two, 16, inflight_chunks(inter, 3, 16)) == "together"  # four rounds
+    assert stage_order(inter, two, 4, inflight_chunks(inter, 3, 4)) == "one at a time"  # one round
+    assert stage_order(inter, two, 4, inflight_chunks(inter, 0, 4)) == "all first"  # warm-up runs all 8
+    gpipe = Layout.of(pp=4, pp_schedule="gpipe")
+    assert stage_order(gpipe, RankModel(pp_rank=0), 16, inflight_chunks(gpipe, 0, 16)) == "all first"
 
 
 def test_the_search_ranks_fitting_layouts_first_and_says_why_others_do_not():
