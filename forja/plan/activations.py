@@ -166,6 +166,9 @@ def linear_attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) 
     # silu(gate) (fp32 alike) and their product cast back for wo; its statistics.
     out = value * (4 * FP32 + 2 * w.lin) + hv * FP32
     matmuls = (2 * key + 2 * value + job.args.dim) * w.lin + value * w.lin  # q, k, v, z, wo; the rule's output
+    if not (job.gpu and job.fla):  # the chunked reference's own matmuls, which op-level AC keeps too:
+        # k_beta k^T and q k^T (C x C a chunk), w S, q S and attn v_new (dv each), k^T v_new (a state a chunk)
+        matmuls += hv * (2 * min(C, T) + 3 * dv + chunks * dk * dv / T) * w.lin
     return norm_saved(job, lay, block, w, readers=6) + conv + gates + rule + out, matmuls  # wq wk wv wz wb wa
 
 
