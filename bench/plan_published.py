@@ -201,12 +201,17 @@ for size, heads, h, layers, tp, pp, gpus, batch, tflops in (
 
 # -- Megatron-Bridge performance summary (tokens/s per GPU as published) -----------------------
 def _bridge(name, model, gpus, tps, seq, batch, mbs, layout, gpu, *, float8="tensorwise", source="megatron-bridge",
-            assumed="", inexpressible=""):
-    note = "recomputation not in the table: none (Megatron's default); TE's fused kernels as forja's compile"
+            assumed="", inexpressible="", recompute=""):
+    """A row of Megatron-Bridge's performance summary; `recompute`: what its performance preset
+    recomputes (scripts/performance/configs at v0.4.2), as forja's op-level selective AC, the
+    closest forja has; none where the preset sets none."""
+    note = (f"the preset recomputes {recompute}: as forja's op-level selective AC" if recompute
+            else "the preset recomputes nothing") + "; TE's fused kernels as forja's compile"
     dp_note = "; DDP + distributed optimizer as FSDP (forja's EP lives in dp_shard)" if layout.get("ep") else ""
     mx = "; MXFP8 as forja's float8 (no MX recipe)" if "MXFP8" in name else ""
-    return Run(name, source, gpus, tps, model, seq, batch, dict(layout, micro_batch_size=mbs), (gpu, None), float8,
-               assumed="; ".join(filter(None, (note + dp_note + mx, assumed))), inexpressible=inexpressible)
+    ac = {"ac": "selective"} if recompute else {}
+    return Run(name, source, gpus, tps, model, seq, batch, dict(layout, micro_batch_size=mbs, **ac), (gpu, None),
+               float8, assumed="; ".join(filter(None, (note + dp_note + mx, assumed))), inexpressible=inexpressible)
 
 
 QWEN30 = {"model.family": "qwen3", "model.flavor": "30b-a3b", "data.vocab_size": 151936}
@@ -219,14 +224,17 @@ L8 = {**LLAMA, "model.flavor": "3.1-8b"}
 DIST_OPT = "DDP + distributed optimizer as forja's: FSDP, ZeRO-2, gradients reduced once a step (grad_sync 'step')"
 VP = "forja's interleaved schedule runs 2 stages per rank; the run used VP {}"
 RUNS += [
-    _bridge("Llama 3 70B, GB200, FP8, FSDP 64", L70, 64, 4224, 8192, 256, 2, dict(dp_shard=64), "gb200"),
+    _bridge("Llama 3 70B, GB200, FP8, FSDP 64", L70, 64, 4224, 8192, 256, 2, dict(dp_shard=64), "gb200",
+            inexpressible="the preset offloads 40 of the 80 layers' activations to host memory "
+                          "(cpu_offloading_num_layers = 40): forja has no activation offloading"),
     _bridge("Llama 3 70B, H100, FP8, TP 4 x PP 8 VP 5", L70, 64, 1664, 8192, 256, 1,
             dict(dp_replicate=2, tp=4, pp=8, pp_schedule="interleaved-1f1b"), "h100", inexpressible=VP.format(5)),
     _bridge("Llama 3.1 405B, H100, FP8, TP 8 x PP 8 x CP 2 VP 8", L405, 1024, 328, 8192, 1536, 1,
             dict(dp_replicate=8, tp=8, pp=8, cp=2, pp_schedule="interleaved-1f1b"), "h100",
             inexpressible=VP.format(8)),
     _bridge("DeepSeek-V3, B200, MXFP8, PP 8 VP 2 x EP 32", DSV3, 256, 3328, 4096, 4096, 1,
-            dict(dp_shard=32, ep=32, pp=8, pp_schedule="interleaved-1f1b"), "b200"),
+            dict(dp_shard=32, ep=32, pp=8, pp_schedule="interleaved-1f1b"), "b200", recompute="mla_up_proj and mlp",
+            assumed="Adam's moments and the main gradients in bf16 there (precision-aware optimizer), fp32 in forja"),
     _bridge("DeepSeek-V3, GB200, MXFP8, PP 4 VP 4 x EP 64", DSV3, 256, 4256, 4096, 4096, 1,
             dict(dp_shard=64, ep=64, pp=4, pp_schedule="interleaved-1f1b"), "gb200", inexpressible=VP.format(4)),
     _bridge("Qwen3-30B-A3B, B200, MXFP8, EP 8", QWEN30, 8, 27136, 4096, 512, 4, dict(dp_shard=8, ep=8), "b200"),
@@ -237,7 +245,7 @@ RUNS += [
     _bridge("Qwen3-235B-A22B, H100, FP8, TP 2 x PP 8 VP 4 x EP 32", QWEN235, 256, 1712, 4096, 8192, 1,
             dict(dp_shard=16, tp=2, pp=8, ep=32, pp_schedule="interleaved-1f1b"), "h100", inexpressible=VP.format(4)),
     _bridge("GPT-OSS 120B, H100, BF16, PP 4 x EP 8", GPT_OSS, 64, 5824, 4096, 1280, 1, dict(dp_shard=16, pp=4, ep=8),
-            "h100", float8="none"),
+            "h100", float8="none", recompute="layernorm and moe_act"),
     _bridge("Llama 3 8B, H100, FP8-CS, FSDP 8", L8, 8, 14451, 8192, 128, 1, dict(dp_shard=8), "h100",
             source="megatron-bridge-25.11"),
     _bridge("Llama 3 8B, B200, FP8-CS, DP 8", L8, 8, 30624, 8192, 128, 2, dict(dp_shard=8, **DIST_OPT_LAYOUT), "b200",
