@@ -14,8 +14,13 @@ so checkpoints are the same with or without activation checkpointing.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
+
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from forja.parallel.config import ParallelConfig
@@ -36,8 +41,33 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _op_level_context():
-    return create_selective_checkpoint_contexts(_save_matmuls)
+def _op_level_context(block: nn.Module):
+    forward, recompute = create_selective_checkpoint_contexts(_save_matmuls)
+    return forward, _within_forward_root(block, recompute)
+
+
+@contextlib.contextmanager
+def _within_forward_root(block: nn.Module, recompute) -> Iterator[None]:
+    """Recompute `block` as its forward ran: inside FSDP's forward root. Selective AC replays the
+    forward's ops and refuses any it did not record (torch 2.13 counts them all). A unit nested
+    in the block (the routed experts under EP) saw the model's root claimed in the forward; in a
+    pipeline's backward the root's forward is long over, so the nested unit would claim it and
+    run the root's start-up ops (profiler ranges, stream waits, input copies) the forward never
+    ran. The block's own FSDP state stands in as the root while it recomputes."""
+    get_state = getattr(block, "_get_fsdp_state", None)
+    context = get_state()._state_ctx if get_state is not None else None
+    claimed = context is not None and context.iter_forward_root is None
+    if claimed:
+        context.iter_forward_root = get_state()
+    for unit in block.modules():
+        if unit is not block and isinstance(unit, FSDPModule):
+            unit.unshard()  # gathered here, outside the replay, as the forward's prefetch did
+    try:
+        with recompute:
+            yield
+    finally:
+        if claimed:
+            context.iter_forward_root = None
 
 
 class CheckpointedBlock(nn.Module):
@@ -51,7 +81,7 @@ class CheckpointedBlock(nn.Module):
         self.register_load_state_dict_pre_hook(_add_wrapper_name)
 
     def forward(self, *args, **kwargs):
-        extra = {"context_fn": _op_level_context} if self.op_level else {}
+        extra = {"context_fn": functools.partial(_op_level_context, self)} if self.op_level else {}
         return checkpoint(self._checkpoint_wrapped_module, *args, use_reentrant=False,
                           preserve_rng_state=False, **extra, **kwargs)
 

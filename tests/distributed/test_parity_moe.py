@@ -50,6 +50,9 @@ LAYOUTS = {
     "EP 2 x FSDP 2": (4, {**MOE, "parallel.ep": "2", "parallel.dp_shard": "4"}),
     "EP 2 x TP 2 + SP": (4, {**EP2, "parallel.tp": "2"}),
     "PP 2 x EP 2": (4, {**EP2, "parallel.pp": "2"}),
+    # Selective AC recomputes each block inside the pipeline's backward, after the stage's forward
+    # root is over: the experts' own FSDP unit must not start a root of its own (forja/parallel/ac.py).
+    "PP 2 x EP 2 + selective AC": (4, {**EP2, "parallel.pp": "2", "parallel.ac": '"selective"'}),
     # TP splits each MoE layer's tokens over its ranks and spreads the experts over them.
     "TP 2 + SP (MoE tokens split)": (2, {**MOE, "parallel.tp": "2", "parallel.dp_shard": "1"}),
     # Without FSDP, a TP model holds plain and DTensor parameters side by side in one optimizer
