@@ -174,11 +174,9 @@ def test_rows_are_padded_on_cuda_only():
 def test_the_first_call_under_selective_checkpointing_keeps_its_matmuls_in_order():
     """Op-level selective AC keeps each `_grouped_mm` output and hands them back in order on
     recomputation: the kernel probe of a process's first call must not be one of them."""
-    from torch.utils.checkpoint import checkpoint
-
     from forja.models.common.moe import MoE, MoEArgs
     from forja.ops import grouped_mm as module
-    from forja.parallel.ac import _op_level_context
+    from forja.parallel.ac import CheckpointedBlock
 
     torch.manual_seed(0)
     moe = MoE(16, MoEArgs(n_experts=4, top_k=2, moe_ffn_dim=8))
@@ -187,7 +185,7 @@ def test_the_first_call_under_selective_checkpointing_keeps_its_matmuls_in_order
             p.normal_(0, 0.3)
     x = torch.randn(1, 12, 16, requires_grad=True)
     module._grouped_supported.cache_clear()  # this call is the process's first: it probes
-    checkpoint(moe, x, use_reentrant=False, context_fn=_op_level_context).sum().backward()
+    CheckpointedBlock(moe, op_level=True)(x).sum().backward()
     checkpointed, x.grad = x.grad, None
     moe(x).sum().backward()
     torch.testing.assert_close(checkpointed, x.grad, rtol=0, atol=0)
