@@ -41,8 +41,12 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _op_level_context(block: nn.Module):
-    forward, recompute = create_selective_checkpoint_contexts(_save_matmuls)
+def _op_level_context():
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def _eager_op_level_context(block: nn.Module):
+    forward, recompute = _op_level_context()
     return forward, _within_forward_root(block, recompute)
 
 
@@ -81,7 +85,12 @@ class CheckpointedBlock(nn.Module):
         self.register_load_state_dict_pre_hook(_add_wrapper_name)
 
     def forward(self, *args, **kwargs):
-        extra = {"context_fn": functools.partial(_op_level_context, self)} if self.op_level else {}
+        extra = {}
+        if self.op_level:
+            # Compiled, the checkpoint is traced from the policy's two modes (all torch.compile
+            # takes); eager, the replay also runs inside FSDP's forward root (`_within_forward_root`).
+            compiled = torch.compiler.is_compiling()
+            extra["context_fn"] = _op_level_context if compiled else functools.partial(_eager_op_level_context, self)
         return checkpoint(self._checkpoint_wrapped_module, *args, use_reentrant=False,
                           preserve_rng_state=False, **extra, **kwargs)
 
