@@ -75,11 +75,12 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
 def check_writable(folder: str | os.PathLike[str], *, what: str, fix: str, rank: int = 0) -> None:
     """Create `folder` and prove a file can be written there, before any long work starts.
 
-    Raises ForjaError("{what} {folder} cannot be written (reason); {fix}"). Each rank writes
-    its own probe file, so one rank's cleanup cannot remove another's probe mid-check.
+    Raises ForjaError("{what} {folder} cannot be written (reason); {fix}"). Each process writes
+    its own probe file (its rank and pid: replica groups share a checkpoint folder and each has
+    a rank 0), so one process's cleanup cannot remove another's probe mid-check.
     """
     folder = Path(folder)
-    probe = folder / f".write-test-{rank}"
+    probe = folder / f".write-test-{rank}-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
