@@ -58,11 +58,11 @@ def _within_forward_root(block: nn.Module, recompute) -> Iterator[None]:
     pipeline's backward the root's forward is long over, so the nested unit would claim it and
     run the root's start-up ops (profiler ranges, stream waits, input copies) the forward never
     ran. The block's own FSDP state stands in as the root while it recomputes."""
-    get_state = getattr(block, "_get_fsdp_state", None)
-    context = get_state()._state_ctx if get_state is not None else None
+    state = block._get_fsdp_state() if isinstance(block, FSDPModule) else None
+    context = state._state_ctx if state is not None else None
     claimed = context is not None and context.iter_forward_root is None
     if claimed:
-        context.iter_forward_root = get_state()
+        context.iter_forward_root = state
     for unit in block.modules():
         if unit is not block and isinstance(unit, FSDPModule):
             unit.unshard()  # gathered here, outside the replay, as the forward's prefetch did
