@@ -35,6 +35,7 @@ from forja import storage
 from forja.checkpoint import remote
 from forja.checkpoint.manager import read_meta
 from forja.checkpoint.states import ModelState
+from forja.checkpoint.trust import refusal_in
 from forja.checkpoint.verify import damage, newest_intact
 from forja.errors import ForjaError
 from forja.models import build_from_args, get_family, save_hf_checkpoint
@@ -113,6 +114,8 @@ def load_checkpoint_model(src: str | os.PathLike, *, device: str | torch.device 
             dcp.load({"model": ModelState(model)}, no_dist=not dist.is_initialized(),
                      **remote.dcp_target(ckpt, write=False))
         except (CheckpointException, OSError, EOFError, pickle.UnpicklingError) as exc:
+            if (refusal := refusal_in(exc)) is not None:
+                raise refusal from None
             # Damage that the sizes alone do not show (bytes overwritten in place) can surface here.
             raise ForjaError(f"{ckpt} could not be read ({type(exc).__name__}), so it is likely damaged; give "
                              "another checkpoint of the run") from None

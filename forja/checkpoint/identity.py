@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from forja.checkpoint import remote
 from forja.checkpoint.manager import read_meta
 from forja.checkpoint.states import ModelState, with_tied_copies
 from forja.errors import ForjaError
@@ -97,7 +98,7 @@ def initial_weights(source: str | None, identity: dict) -> Callable[[nn.Module],
     if is_forja_source(source):
         _, ckpt = resolve_checkpoint(source)
         check_model_identity(read_meta(ckpt), identity)
-        return lambda part: dcp.load({"model": ModelState(part)}, checkpoint_id=str(ckpt))
+        return lambda part: dcp.load({"model": ModelState(part)}, **remote.dcp_target(ckpt, write=False))
     hf_state: dict = {}  # read on first use, then shared by this rank's pipeline stages
 
     def load_hf(part: nn.Module) -> None:

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from forja import storage
 from forja.checkpoint import remote
 from forja.checkpoint.config import CheckpointConfig
+from forja.checkpoint.trust import refusal_in
 from forja.checkpoint.verify import (
     MANIFEST_KEY,
     META_FILE,
@@ -382,7 +383,12 @@ class CheckpointManager:
         meta = read_meta(path)
         if check is not None:
             check(meta)
-        dcp.load(state, **remote.dcp_target(path, write=False))
+        try:
+            dcp.load(state, **remote.dcp_target(path, write=False))
+        except CheckpointException as exc:
+            if (refusal := refusal_in(exc)) is not None:
+                raise refusal from None
+            raise
         return meta
 
 

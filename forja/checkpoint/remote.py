@@ -51,25 +51,26 @@ def _options(url: str) -> dict[str, Any]:
 
 
 def reader(path: str | os.PathLike[str]):
-    """DCP's storage reader for a checkpoint on disk or in a store."""
-    import torch.distributed.checkpoint as dcp
+    """DCP's storage reader for a checkpoint on disk or in a store, reading only what forja
+    trusts (trust.py): every checkpoint forja reads goes through here."""
+    from forja.checkpoint import trust
 
     if not is_remote(path):
-        return dcp.FileSystemReader(str(path))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # torch 2.11 and 2.13
-
-    return FsspecReader(str(path), **_options(str(path)))
+        return trust.TrustedFileSystemReader(str(path))
+    return trust.fsspec_reader(str(path), **_options(str(path)))
 
 
 def dcp_target(path: str | os.PathLike[str], *, write: bool) -> dict[str, Any]:
     """The keyword arguments of dcp.save / dcp.load / dcp.async_save for `path`: its
     checkpoint_id on disk (DCP picks its file system storage), an fsspec storage in a store.
     (A store's storage is not given a checkpoint_id as well: DCP would rebuild its filesystem
-    from the id alone, without forja's options.)"""
+    from the id alone, without forja's options.) A load reads only what forja trusts (trust.py)."""
+    if not write:
+        from forja.checkpoint.trust import TrustedLoadPlanner
+
+        return {"storage_reader": reader(path), "planner": TrustedLoadPlanner(str(path))}
     if not is_remote(path):
         return {"checkpoint_id": str(path)}
-    if not write:
-        return {"storage_reader": reader(path)}
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # torch 2.11 and 2.13
 
     # sync_files: an fsync of a store's stream falls back to a machine-wide os.sync(); an
@@ -190,10 +191,14 @@ def metadata_damage(path: str | os.PathLike[str]):
     the Metadata when it reads)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from forja.checkpoint.trust import UntrustedCheckpoint
+
     try:
         metadata = reader(path).read_metadata()
     except FileNotFoundError:
         return ".metadata is missing", None
+    except UntrustedCheckpoint as exc:
+        return f"its .metadata {exc.reason}", None
     except Exception as exc:  # unpickling garbage raises any kind of error (EOF, KeyError, ...)
         return f"its .metadata cannot be read ({type(exc).__name__}): cut short or overwritten", None
     if not isinstance(metadata, Metadata):

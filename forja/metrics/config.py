@@ -26,6 +26,33 @@ SINKS: dict[str, str] = {
     "comet": "forja.metrics.trackers:CometSink",
 }
 WANDB_MODES = ("offline", "online", "disabled")
+# The package each tracker imports, and the extra that installs it (pyproject.toml).
+PACKAGES: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow"),
+    "comet": ("comet_ml", "comet"),
+}
+
+
+def missing_package(sink: str) -> ForjaError:
+    module, extra = PACKAGES[sink]
+    return ForjaError(f"metrics.sinks includes '{sink}', which needs the {module} package: "
+                      f"pip install 'forja[{extra}]' (or remove '{sink}' from metrics.sinks)")
+
+
+def check_sink_packages(sinks: Sequence[str]) -> None:
+    """Every tracker package the sinks need is installed (the preflight's check: found, not
+    imported, so that a launch without the package stops before its run directory is written)."""
+    import importlib.util
+
+    for sink in (s for s in sinks if s in PACKAGES):
+        try:
+            found = importlib.util.find_spec(PACKAGES[sink][0]) is not None
+        except ImportError:  # an import hook that refuses the name
+            found = False
+        if not found:
+            raise missing_package(sink)
 
 # What every tracker accepts as a run tag: W&B takes 1 to 64 characters (wandb_settings.py); MLflow
 # stores each tag as a tag key (trackers.py), which may hold only letters, digits, _ - . / : and spaces

@@ -23,18 +23,17 @@ from typing import Any
 from forja import metric_names as names
 from forja.errors import ForjaError
 from forja.files import write_atomic
-from forja.metrics.config import MetricsConfig
+from forja.metrics.config import MetricsConfig, missing_package
 from forja.metrics.sinks import Metrics, Sink, tracker_key
 
 TRACKING_FILE = "tracking.json"
 
 
-def _require(module: str, sink: str, extra: str) -> Any:
+def _require(module: str, sink: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise ForjaError(f"metrics.sinks includes '{sink}', which needs the {extra} package: "
-                         f"pip install 'forja[{extra}]' (or remove '{sink}' from metrics.sinks)") from exc
+        raise missing_package(sink) from exc
 
 
 def load_tracking(run_dir: Path) -> dict[str, str]:
@@ -86,7 +85,7 @@ class TensorBoardSink(Sink):
 
     @classmethod
     def from_config(cls, cfg: MetricsConfig, *, run_dir: Path, run_name: str, config: dict) -> Sink:
-        _require("torch.utils.tensorboard", "tensorboard", "tensorboard")
+        _require("torch.utils.tensorboard", "tensorboard")
         return cls(Path(cfg.tensorboard_dir) if cfg.tensorboard_dir else Path(run_dir) / "tensorboard", cfg.tags)
 
     def start(self, *, total_steps: int, start_step: int, purge: bool = True) -> None:
@@ -127,7 +126,7 @@ class WandbSink(Sink):
 
     @classmethod
     def from_config(cls, cfg: MetricsConfig, *, run_dir: Path, run_name: str, config: dict) -> Sink:
-        _require("wandb", "wandb", "wandb")
+        _require("wandb", "wandb")
         return cls(cfg, run_dir=run_dir, run_name=run_name, config=config)
 
     def start(self, *, total_steps: int, start_step: int, purge: bool = True) -> None:
@@ -189,7 +188,7 @@ class MLflowSink(Sink):
 
     @classmethod
     def from_config(cls, cfg: MetricsConfig, *, run_dir: Path, run_name: str, config: dict) -> Sink:
-        _require("mlflow", "mlflow", "mlflow")
+        _require("mlflow", "mlflow")
         return cls(cfg, run_dir=run_dir, run_name=run_name, config=config)
 
     def _open_run(self) -> str:
@@ -258,7 +257,7 @@ _COMET_QUIET = dict(log_code=False, log_graph=False, auto_param_logging=False, a
 def _import_comet() -> Any:
     for key, value in _COMET_IMPORT_ENV.items():
         os.environ.setdefault(key, value)
-    return _require("comet_ml", "comet", "comet")
+    return _require("comet_ml", "comet")
 
 
 class CometSink(Sink):

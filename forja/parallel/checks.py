@@ -56,6 +56,10 @@ class LayoutRequest:
     ft: bool = False
     """The run's replicas are torchft replica groups ([ft]); global_batch_size is then one
     group's share."""
+    check_interval: int = 0
+    """ft.check_interval: every this many steps, replicas compare their weights."""
+    ft_replicas: int = 1
+    """[ft] replica groups holding the same weights after every step (hsdp's; DiLoCo's differ)."""
 
 
 Check = Callable[[LayoutRequest, ParallelDims], None]
@@ -230,6 +234,16 @@ def _check_replica_groups(r: LayoutRequest, dims: ParallelDims) -> None:
                          "number of replicas")
 
 
+def _check_fingerprints(r: LayoutRequest, dims: ParallelDims) -> None:
+    """ft.check_interval compares replicas that should hold the same weights: without any it would
+    check nothing, silently."""
+    if r.check_interval > 0 and dims.dp_replicate == 1 and r.ft_replicas == 1:
+        raise ForjaError(f"ft.check_interval = {r.check_interval} compares the weights of replicas, but this layout "
+                         "has none (parallel.dp_replicate = 1 and no [ft] hsdp groups): give it replicas "
+                         "(parallel.dp_replicate > 1, or ft.groups > 1 with ft.mode = \"hsdp\") or set "
+                         "ft.check_interval = 0")
+
+
 def _check_grad_sync(r: LayoutRequest, dims: ParallelDims) -> None:
     """What reducing once a step (a distributed optimizer) asks: the gathered parameters kept
     between micro-batches (ZeRO-2), on the device, and no pipeline (whose schedule already does it)."""
@@ -252,7 +266,8 @@ def _check_grad_sync(r: LayoutRequest, dims: ParallelDims) -> None:
 # several problems hears of each (a planner's table shows the first).
 CHECKS: tuple[Check, ...] = (_check_tp, _check_vocab, _check_sequence_parallel, _check_float8, _check_ep,
                              _check_moe_tp, _check_cp, _check_mixers, _check_batch, _check_pipeline, _check_precision,
-                             _check_mtp, _check_max_logits, _check_replica_groups, _check_grad_sync)
+                             _check_mtp, _check_max_logits, _check_replica_groups, _check_fingerprints,
+                             _check_grad_sync)
 
 
 def layout_errors(r: LayoutRequest) -> list[str]:

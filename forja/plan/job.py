@@ -64,6 +64,10 @@ class Job:
     """optim.max_logit_metric."""
     ft: bool = False
     """[ft] is on: the replicas are torchft replica groups, not parallel.dp_replicate."""
+    check_interval: int = 0
+    """ft.check_interval: replicas compare their weights (the validator asks for replicas)."""
+    ft_replicas: int = 1
+    """Replica groups that hold the same weights after every step: ft.groups under [ft] hsdp, else 1."""
     fla: bool = False
     """flash-linear-attention is installed: on a GPU Gated DeltaNet blocks run its kernel
     (which keeps far less for backward than the PyTorch chunked reference)."""
@@ -100,4 +104,6 @@ def job_from_config(cfg: Config, *, gpu: bool, args: TransformerArgs | None = No
                compiled=p.compile and p.compile_backend == "inductor", async_tp=gpu and p.async_tp and p.compile,
                parallel=p, document_mask=cfg.model.document_mask, float8_recipe=t.float8, precision=t.precision,
                qk_clip_tau=cfg.optim.qk_clip_tau, max_logit_metric=cfg.optim.max_logit_metric, ft=cfg.ft.enabled,
+               check_interval=cfg.ft.check_interval,
+               ft_replicas=cfg.ft.groups if cfg.ft.enabled and cfg.ft.mode == "hsdp" else 1,
                fla=gpu and importlib.util.find_spec("fla") is not None)

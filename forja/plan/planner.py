@@ -75,7 +75,7 @@ def layout_request(job: Job, device_type: str, world_size: int, layout: Layout |
                          global_batch_size=job.global_batch_size, micro_batch_size=micro, device_type=device_type,
                          document_mask=job.document_mask, float8=job.float8_recipe, precision=job.precision,
                          seq_lens=job.seq_lens, qk_clip_tau=job.qk_clip_tau, max_logit_metric=job.max_logit_metric,
-                         ft=job.ft)
+                         ft=job.ft, check_interval=job.check_interval, ft_replicas=job.ft_replicas)
 
 
 def device_type_of(hw: Hardware) -> str:

@@ -41,6 +41,8 @@ from forja.parallel.process_group import DistInfo, init_distributed, shutdown_di
 from forja.train.build import ModelParts, build_model_parts
 from forja.train.callbacks import Callback, StepRecord, default_callbacks
 from forja.train.evaluation import EvalCallback
+from forja.train.ft.checks import checkpoint_rounding
+from forja.train.ft.config import checkpoint_due
 from forja.train.ft.replicas import LeaderOnly, build_replicas, checkpoint_dir, group_dir, group_of
 from forja.train.launch.data import data, decay_window, loaders, stages
 from forja.train.launch.finished import finished
@@ -216,9 +218,13 @@ class Trainer:
                                 if self.dims.dp_replicate > 1 else None,
                                 across_groups=r.gather if r is not None and r.every_step else None)
 
-    def _saves_at(self, step: int) -> bool:
+    def _checkpoint_due(self, step: int) -> bool:
+        """Whether `step` takes an interval's checkpoint (under DiLoCo, at the sync that follows it)."""
         k = self.cfg.checkpoint
-        return k.enabled and ((k.interval and step % k.interval == 0) or step == self.cfg.train.steps)
+        return k.enabled and checkpoint_due(step, k.interval, self.cfg.ft.sync_period)
+
+    def _saves_at(self, step: int) -> bool:
+        return self._checkpoint_due(step) or (self.cfg.checkpoint.enabled and step == self.cfg.train.steps)
 
     def checkpoints_match(self, meta: dict) -> None:
         check_model_identity(meta, self.checkpoints.meta)
@@ -230,6 +236,8 @@ class Trainer:
         self.sinks.start(total_steps=self.cfg.train.steps, start_step=self.counters.step,
                          purge=self.replicas is None or self.replicas.purges_records)
         self._call("on_train_start")
+        if self.rank == 0 and self._leads() and (line := checkpoint_rounding(self.cfg)):
+            print(f"forja: {line}", flush=True)
         self.watchdog.start()
 
     def fit(self) -> None:
@@ -244,7 +252,7 @@ class Trainer:
             if cfg.train.val_interval and self._leads() and (step % cfg.train.val_interval == 0
                                                                or step == cfg.train.steps):
                 self.validate()  # [ft]: by the first live group alone
-            if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and self._checkpoints_here():
+            if self._checkpoint_due(step) and self._checkpoints_here():
                 self.save_checkpoint()
                 last_saved = step
         if self.counters.step != last_saved and self._checkpoints_here():

@@ -1,14 +1,19 @@
 """Drills: a damaged checkpoint (a .distcp file cut short, .metadata overwritten, forja.json cut)
 is named in one sentence by `forja train`, `generate`, `export` and `eval`; a run directory's
 newest intact checkpoint is used instead, and a damaged checkpoint given by name stops with
-exit code 2. One short run is trained; each test damages a copy of it."""
+exit code 2. A crafted checkpoint (its checksums rewritten to match) is refused before anything
+in it is unpickled. One short run is trained; each test damages a copy of it."""
 
 from __future__ import annotations
 
+import io
+import json
+import pickle
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from forja.cli import main
 
@@ -120,3 +125,77 @@ def test_a_damaged_checkpoint_given_by_name_stops(damaged_run, tmp_path, capsys,
     line = one_line(capsys.readouterr().err)
     assert line.startswith(f"forja {command}: error: {ckpt} is damaged (") and why in line
     assert not (tmp_path / "hf").exists()
+
+
+# -- a checkpoint from elsewhere: checksums that match prove integrity, not origin --------------
+
+class _Payload:
+    """Unpickled, it would create `marker`: what a crafted checkpoint could do instead."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def _rehash(ckpt: Path) -> None:
+    """forja.json's sizes and checksums rewritten to match the files, as a crafter would."""
+    from forja.checkpoint.verify import digests
+
+    meta = json.loads((ckpt / "forja.json").read_text())
+    meta["files"] = digests(ckpt, sorted(meta["files"]))
+    (ckpt / "forja.json").write_text(json.dumps(meta))
+
+
+def craft_metadata(ckpt: Path, marker: Path) -> None:
+    """.metadata replaced by a pickle that opens a file."""
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    _rehash(ckpt)
+
+
+def craft_value(ckpt: Path, marker: Path, key: str = "trainer.step") -> None:
+    """One non-tensor value replaced by a torch.save blob that opens a file; .metadata (genuine
+    records) pointed at it."""
+    from forja.checkpoint.trust import read_metadata
+
+    metadata = read_metadata((ckpt / ".metadata").read_bytes(), "test")
+    index = next(i for i in metadata.storage_data if i.fqn == key)
+    info = metadata.storage_data[index]
+    blob = io.BytesIO()
+    torch.save(_Payload(marker), blob)
+    shard = ckpt / info.relative_path
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(blob.getvalue())
+    info.offset, info.length = offset, len(blob.getvalue())
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    _rehash(ckpt)
+
+
+def test_a_crafted_metadata_is_refused_naming_what_it_calls(trained, train_data, tmp_path, capsys):
+    run, _ = damaged_copy(trained, tmp_path, "cut forja.json")  # a copy, undamaged (no names given)
+    marker = tmp_path / "ran"
+    craft_metadata(run / "checkpoints" / NEWEST, marker)
+    ckpt = run / "checkpoints" / NEWEST
+    assert main(["export", str(ckpt), "--hf", str(tmp_path / "hf")]) == 2  # checksums checked, and match
+    line = one_line(capsys.readouterr().err)
+    assert f"{ckpt} is damaged (its .metadata names io.open, which a forja checkpoint never holds" in line
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+    # A resume passes over it as over any damage, names it, and keeps it aside.
+    assert main(train_args(run, train_data, **CHANGES)) == 0
+    line = one_line(capsys.readouterr().err)
+    assert "names io.open" in line and f"resuming from {PREVIOUS}" in line
+    assert not marker.exists()
+
+
+def test_a_crafted_value_stops_the_load_naming_it(trained, train_data, tmp_path, capsys):
+    run, _ = damaged_copy(trained, tmp_path, "cut forja.json")
+    marker = tmp_path / "ran"
+    craft_value(run / "checkpoints" / NEWEST, marker)
+    assert main(train_args(run, train_data, **{**CHANGES, "train.steps": "6"})) == 2  # resumes: loads it
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"forja train: error: {run / 'checkpoints' / NEWEST}: its value trainer.step is not "
+                           "plain data (it names io.open)")
+    assert "forja does not load it" in line
+    assert not marker.exists()

@@ -192,3 +192,30 @@ def test_prepare_and_tokenizer_on_a_full_disk(tmp_path: Path, monkeypatch: pytes
         "no space left on device writing tok.json (File too large): nothing is half-written (the previous "
         "tok.json is kept whole); free some space on that disk and run again")
     assert (tmp_path / "tok.json").read_bytes() == tok_before
+
+
+# A child whose import system refuses comet_ml, as a machine without the package would.
+_WITHOUT_COMET = """
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "comet_ml":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Refuse())
+from forja.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_settings_a_worker_would_refuse_leave_no_run_directory(work: Path) -> None:
+    """Two launches the preflight refuses before anything is written: context parallelism with the
+    attention-logit metric (the layout validator), and a tracker whose package is missing."""
+    sets = quickstart(**{"run.dir": '"runs/cp"', "parallel.cp": "2", "optim.max_logit_metric": "true"})
+    done = forja("train", "--nproc", "2", *(a for item in sets for a in ("--set", item)), cwd=work)
+    assert "optim.qk_clip_tau / optim.max_logit_metric cannot be used with parallel.cp > 1" in error_line(
+        done, "train")
+    sets = quickstart(**{"run.dir": '"runs/comet"', "metrics.sinks": '["jsonl", "comet"]'})
+    done = python("-c", _WITHOUT_COMET, "train", *(a for item in sets for a in ("--set", item)), cwd=work)
+    assert error_line(done, "train") == ("metrics.sinks includes 'comet', which needs the comet_ml package: "
+                                         "pip install 'forja[comet]' (or remove 'comet' from metrics.sinks)")
+    assert not (work / "runs" / "cp").exists() and not (work / "runs" / "comet").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from forja.errors import ForjaError
+from forja.train.ft.config import checkpoint_due
 
 
 def check_ft(cfg) -> None:
@@ -46,13 +47,23 @@ def check_lighthouse(address: str, timeout_s: float) -> None:
 def _check_diloco(cfg) -> None:
     """A fragment's sync must have landed wherever the run saves or ends: nothing in flight is
     checkpointed (forja/train/ft/diloco.py)."""
-    ft, t, ck = cfg.ft, cfg.train, cfg.checkpoint
+    ft, t = cfg.ft, cfg.train
     period = ft.inner_steps // ft.fragments
     every = f"every ft.inner_steps / ft.fragments = {period} steps" if ft.fragments > 1 else \
         f"every ft.inner_steps = {period} steps"
     if t.steps % period:
         raise ForjaError(f"train.steps = {t.steps} with ft.mode = {ft.mode!r}: a sync lands {every}; make "
                          f"train.steps a multiple of {period} so the run ends on one")
-    if ck.enabled and ck.interval and ck.interval % period:
-        raise ForjaError(f"checkpoint.interval = {ck.interval} with ft.mode = {ft.mode!r}: a sync lands {every}; "
-                         f"make checkpoint.interval a multiple of {period} so no checkpoint holds a sync in flight")
+
+
+def checkpoint_rounding(cfg) -> str | None:
+    """The one line saying that DiLoCo takes the checkpoints at sync boundaries, when
+    checkpoint.interval is not a whole number of sync periods (None otherwise)."""
+    ck, period = cfg.checkpoint, cfg.ft.sync_period
+    if not (ck.enabled and ck.interval) or ck.interval % period == 0:
+        return None
+    steps = [s for s in range(period, min(cfg.train.steps, 4 * ck.interval) + 1, period)
+             if checkpoint_due(s, ck.interval, period)][:3]
+    at = ", ".join(map(str, steps)) + (", ..." if steps else "")
+    return (f"checkpoint.interval = {ck.interval} with ft.mode = {cfg.ft.mode!r}: a sync lands every {period} "
+            f"steps, so each checkpoint is taken at the first sync at or after its interval (steps {at})")

@@ -79,6 +79,12 @@ class FTConfig:
             raise ForjaError(f"ft.check_interval = {self.check_interval}: give 0 (off) or a step interval")
 
     @property
+    def sync_period(self) -> int:
+        """Steps from one sync to the next: a DiLoCo fragment's; 1 when every step syncs."""
+        return self.inner_steps // self.fragments if self.enabled and self.mode != "hsdp" else 1
+
+
+    @property
     def lighthouse_join_timeout_s(self) -> float:
         """How long the lighthouse holds a quorum for a group that is alive but not asking for one.
         Under diloco the live groups ask only at their syncs, so a restarted group must be held
@@ -88,3 +94,10 @@ class FTConfig:
     def group_batch(self, global_batch_size: int) -> int:
         """Samples one group trains per step: its share of the job's global batch (all of it without [ft])."""
         return global_batch_size // self.groups if self.enabled else global_batch_size
+
+
+def checkpoint_due(step: int, interval: int, period: int) -> bool:
+    """Whether `step` takes the checkpoint of every `interval` steps: the first sync boundary (a
+    multiple of `period`) at or after each multiple of `interval`, so that no checkpoint holds a
+    sync in flight. With period 1, every multiple of `interval`."""
+    return interval > 0 and step % period == 0 and step // interval > (step - period) // interval

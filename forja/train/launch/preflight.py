@@ -4,7 +4,8 @@ computed, and with `--nproc`/`--nnodes` in the launcher before torchrun starts.
     pre = Preflight(cfg, world_size=8, device_type="cuda").run()   # raises ForjaError
     cfg = pre.cfg                                                    # parallel.auto's layout applied
 
-It checks, in this order: the run directory (writable, not another run's), the eval task
+It checks, in this order: the run directory (writable, not another run's), the tracker
+packages the metric sinks need, the eval task
 files and the data source and tokenizer exist, the data stages name data that exists (and,
 resumed, that the stages begun are as they were trained), the layout (the one validator, forja/parallel/checks.py;
 `parallel.auto` chooses among the layouts it accepts), the layout's predicted peak memory
@@ -28,6 +29,7 @@ from forja.config import Config
 from forja.errors import ForjaError
 from forja.eval.tasks import check_tasks
 from forja.files import write_atomic
+from forja.metrics.config import check_sink_packages
 from forja.models import build_from_args
 from forja.models.common.transformer import TransformerArgs
 from forja.models.config import run_model_args
@@ -113,6 +115,7 @@ class Preflight:
         """Every check; raises the first failure as one ForjaError. Writes nothing."""
         RunDir(self.cfg, rank=self.rank).check()
         check_ft(self.cfg)  # replica groups: a setting torchft cannot serve (a layout: check_layout below)
+        check_sink_packages(self.cfg.metrics.sinks)
         check_tasks(self.cfg.eval.tasks)
         tokenizer = check_data(self.cfg)
         check_stages(self.cfg)

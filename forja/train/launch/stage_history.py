@@ -39,13 +39,13 @@ def recorded_stages(cfg: Config) -> tuple[list[dict], int] | None:
     if newest is None:
         return None
     state = {"dataloader": {"stages": "", "steps": 0}}
-    reader = remote.reader(newest)
+    target = remote.dcp_target(newest, write=False)
     try:
-        if "dataloader.stages" not in reader.read_metadata().state_dict_metadata:
+        if "dataloader.stages" not in target["storage_reader"].read_metadata().state_dict_metadata:
             return None  # saved by a forja from before data stages
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming ... a single process": each rank reads it alone, on purpose
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            dcp.load(state, no_dist=True, **target)
     except (Exception, CheckpointException):  # noqa: BLE001 -- damaged after all: the resume says what is wrong
         return None
     return json.loads(state["dataloader"]["stages"]), int(state["dataloader"]["steps"])
