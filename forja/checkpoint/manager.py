@@ -168,11 +168,12 @@ class CheckpointManager:
         found = complete_checkpoints(self.folder)
         return found[-1][1] if found else None
 
-    def resume_point(self) -> Path | None:
+    def resume_point(self, *, tidy: bool = True) -> Path | None:
         """The newest intact checkpoint (sizes and checksums checked, the files shared out among
         the ranks; all ranks call it), or None when there is none yet. Newer, damaged ones are
         named on rank 0 in one line and set aside as `<name>.damaged`; when every checkpoint is
-        damaged the run stops with one sentence."""
+        damaged the run stops with one sentence. `tidy=False` (a folder another replica group
+        writes, tidied by the launcher): damaged ones are passed over and left where they are."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         pick = newest_intact(self.folder, checksums=True, rank=self.rank, world=world)
         if not pick.damaged:
@@ -180,6 +181,10 @@ class CheckpointManager:
         if pick.path is None:
             raise ForjaError(f"{pick.none_intact(self.folder)}; restore them from a copy, or pass --start-over "
                              "to begin the run afresh")
+        if not tidy:
+            if self.rank == 0:
+                print(f"forja: {pick.notice('resuming from')}", file=sys.stderr, flush=True)
+            return pick.path
         if self.rank == 0:
             names = ", ".join(f"{remote.name_of(p)}.damaged" for p, _ in pick.damaged)
             what = "one is" if len(pick.damaged) == 1 else "ones are"

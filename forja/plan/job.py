@@ -105,5 +105,5 @@ def job_from_config(cfg: Config, *, gpu: bool, args: TransformerArgs | None = No
                parallel=p, document_mask=cfg.model.document_mask, float8_recipe=t.float8, precision=t.precision,
                qk_clip_tau=cfg.optim.qk_clip_tau, max_logit_metric=cfg.optim.max_logit_metric, ft=cfg.ft.enabled,
                check_interval=cfg.ft.check_interval,
-               ft_replicas=cfg.ft.groups if cfg.ft.enabled and cfg.ft.mode == "hsdp" else 1,
+               ft_replicas=cfg.ft.groups if cfg.ft.shares_checkpoints else 1,
                fla=gpu and importlib.util.find_spec("fla") is not None)

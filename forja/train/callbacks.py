@@ -244,7 +244,7 @@ class FallbackCallback(Callback):
         if self._done:
             return
         self._done = True  # every rank passes here at its first step: the gather is collective
-        report_fallbacks(trainer.run_dir, rank=trainer.rank, group=trainer.dims.cpu_group)
+        report_fallbacks(trainer.own_dir, rank=trainer.rank, group=trainer.dims.cpu_group)
 
 
 def default_callbacks(cfg: Config, *, flops_per_token: int, num_devices: int, device: torch.device,

@@ -27,6 +27,7 @@ from forja import host
 from forja.checkpoint.identity import check_model_identity, initial_weights, model_identity
 from forja.checkpoint.manager import CheckpointManager, loadable_state
 from forja.checkpoint.states import ModelState, OptimizerState, RNGState, TrainerCounters
+from forja.checkpoint.verify import complete_checkpoints
 from forja.config import Config
 from forja.fallbacks import clear as clear_fallbacks
 from forja.generate import SamplingConfig, generate
@@ -63,6 +64,7 @@ class Trainer:
         self.cfg = cfg
         self.extra_callbacks = list(callbacks)
         self.stop_reason: str | None = None
+        self.finished_by_another: int | None = None  # [ft]: the step another group finished the run at
         self.counters = TrainerCounters()
         self.activation_sizes: dict[str, float] = {}  # of the last validation (forja/train/probes.py)
 
@@ -78,9 +80,8 @@ class Trainer:
         self._build_step(built, identity, dataset)
         self._build_records(info, evaluation)
         self._resume()
-        if self.replicas is not None:  # a group behind the live ones heals here, before any record
-            self.replicas.resume_at(self.counters.step)
-            self.replicas.join()
+        self.replicas.resume_at(self.counters.step)  # [ft]: a group behind the live ones heals here,
+        self.replicas.join()  # before any record
 
     def _start_process(self) -> tuple[DistInfo, list[Callback]]:
         """This process's settings and process group: (the group's info, the [eval] callback or none)."""
@@ -101,11 +102,11 @@ class Trainer:
         # Every check that can fail the launch, before anything is written or computed.
         preflight = Preflight(c, world_size=info.world_size, device_type=self.device.type, rank=self.rank).run()
         c = self.cfg = preflight.cfg  # with parallel.auto's layout
-        self.directory = RunDir(c, rank=self.rank)  # run.dir in a store: self.run_dir is its local mirror
-        self.run_dir: Path = self.directory.prepare()
-        preflight.write_plan(self.run_dir)
         self.group = group_of(c)  # the torchft replica group, or None
+        self.directory = RunDir(c, rank=self.rank)  # run.dir in a store: self.run_dir is its local mirror
+        self.run_dir: Path = self.directory.prepare(group=self.group)
         own = self.own_dir = group_dir(self.run_dir, self.group)  # [ft]: G groups, G rank 0s, G folders
+        preflight.write_plan(own)
         self.goodput = Goodput(own, rank=self.rank)
         self.goodput.start(launched)
         self.drills = Drills(c.debug.inject, rank=self.rank, run_dir=own, group=self.group)
@@ -131,7 +132,7 @@ class Trainer:
                                   load_weights=initial_weights(c.model.init_from, identity), seq_len=c.train.seq_len,
                                   float8=c.train.float8, float8_min_features=c.train.float8_min_features)
         self.parts = built.parts
-        report_fallbacks(self.run_dir, rank=self.rank, group=self.dims.cpu_group)  # one line each, and run.json
+        report_fallbacks(self.own_dir, rank=self.rank, group=self.dims.cpu_group)  # one line each, and run.json
         return identity, built
 
     def _build_step(self, built: ModelParts, identity: dict, dataset: Any) -> None:
@@ -176,7 +177,7 @@ class Trainer:
                  "scheduler": self.scheduler, "dataloader": self.loader, "trainer": self.counters,
                  "health": self.recovery.detector, f"rng.rank{self.rank}": RNGState()}
         state |= self.engine.stateful()  # fp16: the loss scale the run has found ("scaler")
-        if getattr(self, "replicas", None) is not None and self.replicas.outer is not None:
+        if getattr(self, "replicas", None) is not None and self.replicas.outer is not None:  # built yet?
             state["outer"] = self.replicas.outer  # diloco: the global weights and outer momenta
         return state
 
@@ -185,10 +186,14 @@ class Trainer:
         return {k: v for k, v in self.checkpoint_state().items() if not k.startswith("rng.")}
 
     def _resume(self) -> None:
+        # [ft] hsdp: the groups share one checkpoint folder, which its launcher tidies before any group
+        # starts (ft_groups.py); a group restarted alone must not delete or move what the leader writes.
+        tidy = not self.cfg.ft.shares_checkpoints  # (before the groups are built)
         if self.cfg.checkpoint.enabled:
             self.checkpoints.check_writable()
-            self.checkpoints.clean_partial()
-        latest = self.checkpoints.resume_point()  # the newest intact one; damaged newer ones are named, set aside
+            if tidy:
+                self.checkpoints.clean_partial()
+        latest = self.checkpoints.resume_point(tidy=tidy)  # the newest intact one; damaged newer ones are named
         if latest is None:
             return
         self._load(latest)
@@ -207,16 +212,14 @@ class Trainer:
     def _reload(self, path: Path) -> None:
         """A rollback's reload: under [ft] every group goes back to the same step, and says so."""
         self._load(path)
-        if self.replicas is not None:
-            self.replicas.resume_at(self.counters.step)
+        self.replicas.resume_at(self.counters.step)
 
     def _fingerprints(self) -> FingerprintCheck:
         """Silent data corruption: who compares weights with whom (forja/train/resilience/fingerprint.py)."""
-        r = self.replicas
         return FingerprintCheck(self.cfg.ft.check_interval,
                                 replicate_group=self.dims.mesh["dp_replicate"].get_group()
                                 if self.dims.dp_replicate > 1 else None,
-                                across_groups=r.gather if r is not None and r.every_step else None)
+                                across_groups=self.replicas.fingerprint_peers())
 
     def _checkpoint_due(self, step: int) -> bool:
         """Whether `step` takes an interval's checkpoint (under DiLoCo, at the sync that follows it)."""
@@ -234,7 +237,7 @@ class Trainer:
         """What comes before the first step: the sinks, the callbacks' start, the watchdog. A
         caller stepping with train_one_step itself (bench/peers_forja.py) calls it once too."""
         self.sinks.start(total_steps=self.cfg.train.steps, start_step=self.counters.step,
-                         purge=self.replicas is None or self.replicas.purges_records)
+                         purge=self.replicas.purges_records)
         self._call("on_train_start")
         if self.rank == 0 and self._leads() and (line := checkpoint_rounding(self.cfg)):
             print(f"forja: {line}", flush=True)
@@ -255,28 +258,30 @@ class Trainer:
             if self._checkpoint_due(step) and self._checkpoints_here():
                 self.save_checkpoint()
                 last_saved = step
+        if self.finished_by_another is not None:
+            self._stand_down()
+            return
         if self.counters.step != last_saved and self._checkpoints_here():
             self.save_checkpoint()
         self.checkpoints.wait()
         self.watchdog.stop()
-        if self.replicas is not None:  # each group's steps, heals and final weights' digest
-            self.replicas.write_summary(self.own_dir, self.parts, self.counters.step)
+        self.replicas.write_summary(self.own_dir, self.parts, self.counters.step)  # [ft]: steps, heals, digest
         self._finish()
         self.directory.sync()  # a store's run.dir: its files as they end (metrics.jsonl is flushed per line)
 
     def train_one_step(self) -> bool:
         """One optimizer step (or a rollback); False when the ranks agreed to stop before it."""
-        share = self.replicas.begin_step() if self.replicas is not None else None  # [ft]: may heal
+        share = self.replicas.begin_step()  # [ft]: the quorum, which may heal this group
         step = self.counters.step + 1
         self.watchdog.beat("step", step)
         start = time.perf_counter()
         fault = self.drills.before_step(step)
         corrupt_weights(fault, self.parts, self.rank)  # a bitflip drill
         waited = self.loader.data_wait_s
-        batches = self.loader.next_step(share.index, share.count) if share else self.loader.next_step()
+        batches = self.loader.next_step(share.index, share.count)
         data_wait = self.loader.data_wait_s - waited
         agreed = time.perf_counter()
-        if self._should_stop():
+        if self._should_stop() or self._finished_elsewhere(share):
             self.loader.rewind_step()  # not taken: a resume must train on it
             return False
         sync_wait = time.perf_counter() - agreed  # waiting for slower ranks (forja/train/resilience/stragglers.py)
@@ -290,8 +295,7 @@ class Trainer:
             return True  # the counters are the checkpoint's now
         self.counters.step = step
         self.counters.tokens_seen += out.tokens
-        if self.replicas is not None:  # diloco: a fragment's sync starts or lands (a restarted group heals)
-            self.replicas.end_step(step)
+        self.replicas.end_step(step)  # diloco: a fragment's sync starts or lands (a restarted group heals)
         if self.fingerprints.due(step, saves=self._saves_at(step)) and not self.recovery.is_replay(step):
             mismatch = self.fingerprints.compare(self.parts)  # replicas whose weights should be equal
             if mismatch is not None and self.recovery.corrupted(step, mismatch) is Outcome.ROLLED_BACK:
@@ -384,12 +388,12 @@ class Trainer:
     def _leads(self) -> bool:
         """Whether this process's group records and validates the step (the first live replica
         group under [ft]; always without)."""
-        return self.replicas is None or self.replicas.leads
+        return self.replicas.leads
 
     def _checkpoints_here(self) -> bool:
         """Whether this group saves checkpoints: the first live one under hsdp (the groups hold the
         same state), every group under diloco (each its own weights and inner optimizer)."""
-        return self._leads() or not self.replicas.every_step
+        return self.replicas.saves_checkpoints
 
     def _should_stop(self) -> bool:
         """Whether any rank was asked to stop; all ranks agree, so they stop at the same step."""
@@ -400,6 +404,32 @@ class Trainer:
         if flag.item() and self.stop_reason is None:
             self.stop_reason = "another rank's signal"
         return bool(flag.item())
+
+    def _finished_elsewhere(self, share) -> bool:
+        """[ft] hsdp, a group training alone (restarted while the others ran on): whether another
+        group has finished the run meanwhile (its final checkpoint is in the folder they share), so
+        this one stops instead of training those steps again. The ranks of the group agree."""
+        if not self.replicas.shares_checkpoints or share.count >= self.cfg.ft.groups:
+            return False
+        found = complete_checkpoints(self.checkpoints.folder)
+        step = torch.tensor([found[-1][0] if found else 0], dtype=torch.int64)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.dims.cpu_group)
+        if step.item() < self.cfg.train.steps:
+            return False
+        self.finished_by_another = int(step.item())
+        return True
+
+    def _stand_down(self) -> None:
+        """The end of a group that found the run finished by another: it writes no checkpoint and
+        no record (the finishing group wrote them), only its own summary."""
+        self.checkpoints.wait()
+        self.watchdog.stop()
+        self.goodput.end()
+        self.replicas.write_summary(self.own_dir, self.parts, self.counters.step)
+        if self.rank == 0:
+            print(f"forja: replica group {self.group} stops at step {self.counters.step}: another group finished "
+                  f"the run (its checkpoint of step {self.finished_by_another} is in the shared folder)", flush=True)
 
     def beat(self, phase: str, step: int) -> None:
         """Tell the hang watchdog that `phase` of `step` is under way (a long callback's work)."""

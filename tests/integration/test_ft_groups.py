@@ -1,5 +1,6 @@
 """Fault-tolerant replica groups (torchft, [ft]) on this machine: two groups of one Gloo rank and
-their lighthouse, started by `forja train --ft-groups 2`; a group killed and the lighthouse lost."""
+their lighthouse, started by `forja train --ft-groups 2`; a group killed and the lighthouse lost;
+a group back after the leader finished."""
 
 from __future__ import annotations
 
@@ -85,3 +86,25 @@ def test_an_unreachable_lighthouse_stops_the_launch_before_anything_is_written(t
     assert proc.returncode == 2, out[-3000:]
     assert "the torchft lighthouse at http://localhost:9 cannot be reached" in out, out[-3000:]
     assert not run.exists()
+
+
+def test_a_group_back_after_the_leader_finished_trains_nothing_again(tmp_path, train_data):
+    """Group 1 killed at step 12 and restarted by its torchrun; group 0 trains steps 12-24 alone and
+    finishes. Group 1 finds the run finished (as it starts, or while it trains alone) and stops:
+    every step is recorded once, no checkpoint is written over the leader's, the launcher exits 0.
+    The launcher alone wrote run.json (one launch, both groups) and config.toml; each group's
+    launches are in its own ft/group<g>/run.json."""
+    run = tmp_path / "late"
+    changes = {**FT, "train.steps": "24", "checkpoint.interval": "8", "debug.inject": json.dumps(["kill@12:group=1"])}
+    proc = forja_process(train_args(run, train_data, **changes) + ["--ft-groups", "2", "--nproc", "1",
+                                                                   "--max-restarts", "2"])
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0 and "ended with exit code" not in out, out[-5000:]
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 25))  # each step once
+    assert ("is complete at step 24" in out or "replica group 1 stops at step" in out), out[-5000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-{s:08d}" for s in (8, 16, 24)]
+    (launch,) = json.loads((run / "run.json").read_text())["launches"]
+    assert launch["ft_groups"] == [0, 1]
+    # Group 1's restart records a launch of its own unless it found the run complete before starting.
+    assert len(json.loads((run / "ft" / "group1" / "run.json").read_text())["launches"]) in (1, 2)
+    assert len(json.loads((run / "ft" / "group0" / "run.json").read_text())["launches"]) == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from forja import storage
 from forja.errors import ForjaError
 from forja.train.ft.config import checkpoint_due
 
@@ -18,6 +19,11 @@ def check_ft(cfg) -> None:
         import torchft  # noqa: F401
     except ImportError as exc:
         raise ForjaError("ft.enabled needs torchft: pip install -e '.[ft]'") from exc
+    if storage.is_url(cfg.run.dir):
+        raise ForjaError(f"ft.enabled with run.dir = {cfg.run.dir} in an object store: the replica groups share one "
+                         "run directory, and a group restarted alone would pull the store's copy over the files the "
+                         "others are writing; give run.dir a local or shared-filesystem path (copy the checkpoints "
+                         "to the store when the run is done)")
     if t.global_batch_size % ft.groups:
         raise ForjaError(f"train.global_batch_size = {t.global_batch_size} does not divide into ft.groups = "
                          f"{ft.groups} equal shares: each group trains global_batch_size / groups samples per step")

@@ -79,6 +79,12 @@ class FTConfig:
             raise ForjaError(f"ft.check_interval = {self.check_interval}: give 0 (off) or a step interval")
 
     @property
+    def shares_checkpoints(self) -> bool:
+        """Whether the replica groups write one checkpoint folder (hsdp: they hold the same state;
+        DiLoCo's groups each keep their own)."""
+        return self.enabled and self.mode == "hsdp"
+
+    @property
     def sync_period(self) -> int:
         """Steps from one sync to the next: a DiLoCo fragment's; 1 when every step syncs."""
         return self.inner_steps // self.fragments if self.enabled and self.mode != "hsdp" else 1

@@ -29,7 +29,6 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,19 +41,12 @@ from forja.errors import ForjaError
 from forja.files import write_atomic
 from forja.train.ft.config import FTConfig
 from forja.train.resilience.watchdog import restart_attempt
+from forja.train.step.groups import ReplicaGroups, Share
 
 GROUP_ENV = "FORJA_FT_GROUP"
 """The replica group this process belongs to (set by the launcher or the SLURM template)."""
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 QUORUM_RETRIES = 20
-
-
-@dataclass(frozen=True)
-class Share:
-    """This group's part of a step: share `index` of the `count` the live groups train."""
-
-    index: int = 0
-    count: int = 1
 
 
 def group_of(cfg) -> int | None:
@@ -82,20 +74,20 @@ def as_url(address: str) -> str:
     return address if "://" in address else f"http://{address}"
 
 
-class Replicas:
+class TorchftGroups(ReplicaGroups):
     """This process's torchft manager and what the step engine asks of it. `state()` returns
     the run's Stateful pieces by name (a healing peer's are loaded into them); `identity` is what
-    every group must share (model, layout, batch), checked when a group joins."""
+    every group must share (model, layout, batch), checked when a group joins. Its two kinds:
+    HsdpGroups and DilocoGroups, below."""
 
     def __init__(self, cfg: FTConfig, *, group: int, state: Callable[[], dict[str, Any]], identity: dict[str, Any],
                  device: torch.device):
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
+        super().__init__()
         self.cfg, self.group, self.state, self.identity = cfg, group, state, identity
         self._device = device
-        self.share = Share()
-        self.outer = None  # diloco's OuterLoop, attached by build_replicas
         self._preparing: int | None = None  # the fragment whose sync this quorum starts (sent to a healer)
         self._join_sync: tuple[int, int] | None = None  # (fragment, step) of the peers' sync a heal joined
         self.steps_trained, self.uncommitted = 0, 0
@@ -114,12 +106,6 @@ class Replicas:
             hostname=socket.gethostname(), heartbeat_interval=timedelta(milliseconds=100),
             quorum_retries=QUORUM_RETRIES)  # a lost lighthouse: asked again while it is restarted
         self._joined = False
-
-    @property
-    def every_step(self) -> bool:
-        """Whether the groups average gradients and commit every step (hsdp), or only sync now and
-        then (diloco)."""
-        return self.outer is None
 
     # -- the step ---------------------------------------------------------------------------
     def resume_at(self, step: int) -> None:
@@ -148,28 +134,6 @@ class Replicas:
             self._join_sync = None
             self.outer.start(fragment, step, self.manager.allreduce)
             self._apply(step)
-
-    def end_step(self, step: int) -> None:
-        """diloco: after `step`, start the sync of the fragment due (a quorum first), and apply
-        the sync in flight when its step has come. Nothing under hsdp."""
-        if self.outer is None:
-            return
-        self.steps_trained += 1
-        fragment = self.outer.due(step)
-        if fragment is not None:
-            self._set_quorum_step(2 * step)
-            self._preparing = fragment
-            try:
-                self._quorum()
-            finally:
-                self._preparing = None
-            self.outer.start(fragment, step, self.manager.allreduce)
-        self._apply(step)
-
-    def _apply(self, step: int) -> None:
-        applied = self.outer.apply_if_due(step, self.manager.should_commit)
-        if applied is False:
-            self.uncommitted += 1  # under diloco: a sync that did not commit
 
     def begin_step(self) -> Share:
         """The quorum of the next step (the join's, for the first one)."""
@@ -260,6 +224,51 @@ class Replicas:
         self.heals.append({"step": step, "time": time.time()})
 
 
+class HsdpGroups(TorchftGroups):
+    """ft.mode = "hsdp": the live groups average gradients and commit every step, hold the same
+    state, and share one checkpoint folder (written by the leading group)."""
+
+    every_step = True
+    shares_checkpoints = True
+
+    def fingerprint_peers(self):
+        return self.gather
+
+
+class DilocoGroups(TorchftGroups):
+    """ft.mode = "diloco" / "streaming-diloco": each group trains alone and syncs a fragment of
+    the model every inner_steps / fragments steps (forja/train/ft/diloco.py); each keeps its own
+    weights, inner optimizer and checkpoints."""
+
+    every_step = False
+
+    def __init__(self, cfg: FTConfig, *, parts: list[torch.nn.Module], **kwargs: Any):
+        from forja.train.ft.diloco import OuterLoop
+
+        super().__init__(cfg, **kwargs)
+        self.outer = OuterLoop(cfg, parts)
+
+    def end_step(self, step: int) -> None:
+        """After `step`, start the sync of the fragment due (a quorum first), and apply the sync
+        in flight when its step has come."""
+        self.steps_trained += 1
+        fragment = self.outer.due(step)
+        if fragment is not None:
+            self._set_quorum_step(2 * step)
+            self._preparing = fragment
+            try:
+                self._quorum()
+            finally:
+                self._preparing = None
+            self.outer.start(fragment, step, self.manager.allreduce)
+        self._apply(step)
+
+    def _apply(self, step: int) -> None:
+        applied = self.outer.apply_if_due(step, self.manager.should_commit)
+        if applied is False:
+            self.uncommitted += 1  # under diloco: a sync that did not commit
+
+
 def _stepped(state: dict[str, Any]) -> dict[str, Any]:
     """`state` less an optimizer that holds no state yet (step 0): asking torch for its state dict
     would initialize it with a step of lr 0, and Adam's bias correction would count that step."""
@@ -323,26 +332,22 @@ def _from_local(tree: Any, template: Any) -> Any:
 
 
 def build_replicas(cfg, *, group: int | None, state: Callable[[], dict[str, Any]], model: dict[str, Any],
-                   parts: list[torch.nn.Module], device: torch.device) -> Replicas | None:
-    """The run's Replicas for replica group `group` (None without [ft]): `model` is the checkpoint
-    identity of the model, and with it every group must share its layout and batch. Under diloco
-    it holds the outer loop over `parts` (this rank's model parts)."""
+                   parts: list[torch.nn.Module], device: torch.device) -> ReplicaGroups:
+    """The run's replica groups as replica group `group` sees them (the single group without
+    [ft]): `model` is the checkpoint identity of the model, and with it every group must share
+    its layout and batch. Under diloco the outer loop runs over `parts` (this rank's model parts)."""
     if group is None:
-        return None
+        return ReplicaGroups()
     p, t, ft = cfg.parallel, cfg.train, cfg.ft
     identity = {"model": model, "train.global_batch_size": t.global_batch_size, "train.seq_len": t.seq_len,
                 "train.micro_batch_size": t.micro_batch_size, "ft.groups": ft.groups, "ft.mode": ft.mode,
                 "ranks per group": dist.get_world_size(),
                 **{f"parallel.{k}": getattr(p, k) for k in ("dp_shard", "tp", "pp", "cp", "ep")}}
-    if ft.mode != "hsdp":
-        identity |= {f"ft.{k}": getattr(ft, k) for k in ("inner_steps", "fragments", "fragment_sync_delay",
-                                                          "outer_lr", "outer_momentum")}
-    replicas = Replicas(ft, group=group, state=state, identity=identity, device=device)
-    if ft.mode != "hsdp":
-        from forja.train.ft.diloco import OuterLoop
-
-        replicas.outer = OuterLoop(ft, parts)
-    return replicas
+    if ft.mode == "hsdp":
+        return HsdpGroups(ft, group=group, state=state, identity=identity, device=device)
+    identity |= {f"ft.{k}": getattr(ft, k) for k in ("inner_steps", "fragments", "fragment_sync_delay",
+                                                      "outer_lr", "outer_momentum")}
+    return DilocoGroups(ft, parts=parts, group=group, state=state, identity=identity, device=device)
 
 
 def group_dir(run_dir: Path, group: int | None) -> Path:

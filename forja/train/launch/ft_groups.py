@@ -6,8 +6,11 @@ child process too; if it dies it is started again on the same port and the group
 quorum finds it. On a cluster each group is a job of its own (scripts/ft_groups.sbatch):
 `forja train RECIPE --ft-groups G --ft-group g --ft-lighthouse HOST:PORT --nproc N`.
 
-The launcher prepares the run directory once (so G groups do not race to create or wipe it)
-and writes <run.dir>/ft/lighthouse.json: the lighthouse's address, pid and restarts.
+The launcher of group 0 prepares the run directory once (so G groups do not race to create or
+wipe it, nor to write config.toml and run.json), tidies the checkpoint folder the groups share,
+and writes <run.dir>/ft/lighthouse.json: the lighthouse's address, pid and restarts. Each group
+writes only files of its own (ft/group<g>/: its launches, goodput, summary), and its leader the
+run's metrics and checkpoints.
 """
 
 from __future__ import annotations
@@ -81,7 +84,6 @@ def launch_groups(args: argparse.Namespace, cfg, *, launcher_preflight, torchrun
     """Prepare the run directory, start (or reach) the lighthouse, run the groups asked for here
     under torchrun (`torchrun_command` and `launcher_preflight` are `forja train`'s own), and wait
     for all of them; returns the worst exit code."""
-    from forja.storage import is_url
     from forja.train.ft.checks import check_lighthouse
     from forja.train.launch.run_dir import RunDir
 
@@ -97,8 +99,11 @@ def launch_groups(args: argparse.Namespace, cfg, *, launcher_preflight, torchrun
     if args.ft_lighthouse:
         address = as_url(args.ft_lighthouse)
         check_lighthouse(address, cfg.ft.timeout_s)
-    run_dir = None if is_url(cfg.run.dir) else Path(RunDir(cfg).prepare())
-    record = run_dir / "ft" / "lighthouse.json" if run_dir else None
+    directory = RunDir(cfg)
+    if 0 in here:  # one launcher prepares the directory and tidies the shared checkpoints: group 0's
+        directory.prepare(launch={"ft_groups": here})
+        tidy_checkpoints(cfg, directory.checkpoints)
+    record = directory.path / "ft" / "lighthouse.json"
     lighthouse = None if args.ft_lighthouse else Lighthouse(cfg, record)
     address = lighthouse.address if lighthouse else address
     env = {**os.environ, LIGHTHOUSE_ENV: address, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -106,6 +111,19 @@ def launch_groups(args: argparse.Namespace, cfg, *, launcher_preflight, torchrun
     procs = {g: subprocess.Popen(cmd, env={**env, GROUP_ENV: str(g)}) for g in here}
     print(f"forja: {len(here)} of {groups} replica groups started here, lighthouse {address}", flush=True)
     return _supervise(procs, lighthouse)
+
+
+def tidy_checkpoints(cfg, folder: Path) -> None:
+    """What a run's start does to its checkpoint folder, done here once for all the groups that
+    share it ([ft] hsdp): partial checkpoints removed, damaged ones named and set aside. A group's
+    workers then only read the folder, so a group restarted alone never deletes or moves a
+    checkpoint the leading group is writing."""
+    from forja.checkpoint.manager import CheckpointManager
+
+    if cfg.ft.shares_checkpoints and cfg.checkpoint.enabled:
+        manager = CheckpointManager(cfg.checkpoint, folder)
+        manager.clean_partial()
+        manager.resume_point()
 
 
 def _threads(processes: int) -> dict[str, str]:

@@ -5,6 +5,7 @@
     <run.dir>/tokenizer.json    the tokenizer, so the run can be exported or sampled alone
     <run.dir>/checkpoints/      see forja/checkpoint/manager.py
     <run.dir>/metrics.jsonl     one line per logged step
+    <run.dir>/ft/group<g>/      under [ft], each replica group's own files (its run.json, goodput, summary)
 
 A run.dir in an object store (`s3://bucket/runs/x`, any fsspec URL) is worked on through a
 local mirror, its checkpoints written to the store directly (run_store.py).
@@ -140,11 +141,23 @@ class RunDir:
                                  f"{changed[0]}{more}. Choose another "
                                  "run.dir, or pass --start-over to delete that run and begin afresh")
 
-    def prepare(self) -> Path:
+    def prepare(self, *, group: int | None = None, launch: dict | None = None) -> Path:
         """Record this launch (rank 0), after the preflight's `check` passed; returns the
-        directory. With run.start_over, what the directory held is deleted first."""
+        directory. With run.start_over, what the directory held is deleted first.
+
+        A replica group's worker (`group`, under [ft]) writes neither config.toml nor run.json:
+        its launcher prepared the directory once for all groups, and the group records its own
+        launches (torchrun's restarts of it) in ft/group<g>/run.json, a file it alone writes.
+        `launch`: what the launcher adds to its launch's record (the groups it started)."""
         self.check(reach=False)
         check_writable(self.path, what="run.dir", fix="choose a writable directory", rank=self.rank)
+        if group is not None:
+            if self.rank == 0:
+                own = self.path / "ft" / f"group{group}"
+                own.mkdir(parents=True, exist_ok=True)
+                _record_launch(own / "run.json")
+            barrier()
+            return self.path
         saved = self.path / "config.toml"
         if self.store is not None:
             if self.cfg.run.start_over and self.rank == 0 and self.store.has_run():
@@ -161,7 +174,7 @@ class RunDir:
             kept = dataclasses.replace(self.cfg, run=dataclasses.replace(self.cfg.run, start_over=False),
                                        debug=DebugConfig())
             write_atomic(saved, dump_toml(kept))
-            self._record_launch()
+            _record_launch(self.path / "run.json", launch)
             self.sync()  # the launch is recorded in the store before any training
         barrier()
         return self.path
@@ -172,11 +185,12 @@ class RunDir:
             for child in self.path.iterdir():
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
 
-    def _record_launch(self) -> None:
-        info_path = self.path / "run.json"
-        info = json.loads(info_path.read_text()) if info_path.is_file() else {"launches": []}
-        info["launches"].append(environment())
-        write_atomic(info_path, json.dumps(info, indent=2) + "\n")
+
+def _record_launch(info_path: Path, extra: dict | None = None) -> None:
+    """Append this launch's environment to `info_path` (a run.json; one writer per file)."""
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {"launches": []}
+    info["launches"].append({**environment(), **(extra or {})})
+    write_atomic(info_path, json.dumps(info, indent=2) + "\n")
 
 
 def _git_revision() -> dict[str, object] | None:

@@ -51,7 +51,6 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,6 +68,7 @@ from forja.parallel.fsdp import hold_gradients
 from forja.parallel.pp import Pipeline
 from forja.train.step.attention_logits import AttentionLogits
 from forja.train.step.experts import ExpertBalance
+from forja.train.step.groups import ReplicaGroups
 from forja.train.step.hooks import Reduce, ReduceGroups, StepDone, StepHook, StepShare, Tally
 from forja.train.step.mtp import MTPLosses
 from forja.train.step.scaler import LossScaler, LossScaling, unscale_
@@ -124,11 +124,12 @@ class StepEngine:
 
     def __init__(self, parts: list[Transformer], optimizers: OptimizerGroup, scheduler: SchedulerGroup,
                  dims: ParallelDims, *, device: torch.device, compute_dtype: torch.dtype | None,
-                 grad_clip: float, document_mask: bool, scaler: LossScaler | None = None, replicas: Any = None,
+                 grad_clip: float, document_mask: bool, scaler: LossScaler | None = None,
+                 replicas: ReplicaGroups | None = None,
                  grad_sync: str = "micro-batch"):
         self.parts, self.optimizers, self.scheduler, self.dims = parts, optimizers, scheduler, dims
         self.grad_sync = grad_sync  # parallel.grad_sync: FSDP reduces each micro-batch, or once a step
-        self.replicas = replicas  # torchft replica groups (forja/train/ft/replicas.py), or None
+        self.replicas = replicas or ReplicaGroups()  # [ft]'s groups (forja/train/ft/replicas.py), or the one
         self.device, self.compute_dtype = device, compute_dtype
         self.grad_clip, self.document_mask = grad_clip, document_mask
         # context parallelism: each micro-batch's rows split over the cp group
@@ -170,7 +171,7 @@ class StepEngine:
         finally:
             self._scales, self._share = StepScales(), StepShare()
         self.sync_tied_copies()
-        together = self.replicas is not None and self.replicas.every_step  # [ft] hsdp; diloco syncs apart
+        together = self.replicas.every_step  # [ft] hsdp; diloco syncs apart, one group has nobody to average with
         if together:  # the live replica groups' mean gradient (each shard alike)
             self.replicas.average(self._local_grads())
         if share.loss_scale != 1.0:  # unscaled before the norm: it, clipping and the guard see true values
@@ -181,7 +182,7 @@ class StepEngine:
         refused = [hook for hook in self.hooks if hook.refuses(loss_value, norm_value)]  # fp16's overflow
         vetoed = bool(guard(loss_value, norm_value)) if guard is not None and not refused else False
         skipped = bool(refused) or vetoed or not (math.isfinite(loss_value) and math.isfinite(norm_value))
-        groups = 1 if self.replicas is None else self.replicas.share.count
+        groups = self.replicas.share.count
         if together and not self.replicas.commit():  # a group failed mid-step
             self.optimizers.zero_grad(set_to_none=True)
             return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=0, lr=lr, skipped=True,
@@ -465,7 +466,7 @@ def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 def build_engine(parts: list[Transformer], pipeline: Pipeline | None, optimizers: OptimizerGroup,
                  scheduler: SchedulerGroup, dims: ParallelDims, *, device: torch.device, precision: str,
                  grad_clip: float, document_mask: bool, scaler: LossScaler | None = None,
-                 replicas: Any = None, grad_sync: str = "micro-batch") -> StepEngine:
+                 replicas: ReplicaGroups | None = None, grad_sync: str = "micro-batch") -> StepEngine:
     """The engine for this layout: a pipeline's when the parts are pipeline stages. `scaler`
     scales the loss (train.precision = "fp16"); `replicas` averages over torchft replica groups."""
     kwargs = dict(device=device, compute_dtype=compute_dtype(precision, device), grad_clip=grad_clip,

@@ -17,6 +17,8 @@ from forja.train.launch.preflight import Preflight
     (["ft.mode=\"diloco\"", "ft.inner_steps=4", "train.steps=10"],
      "train.steps = 10 with ft.mode = 'diloco': a sync lands every ft.inner_steps = 4 steps"),
     (["train.on_nonfinite=\"rollback\""], "heals a restarted one instead"),
+    (["run.dir=\"s3://bucket/runs/x\""], "ft.enabled with run.dir = s3://bucket/runs/x in an object store: the "
+                                         "replica groups share one run directory"),
     (["train.seq_len=64", "train.seq_len_schedule=[[0, 32], [4, 64]]"], "train.seq_len_schedule with ft.enabled"),
 ])
 def test_settings_replica_groups_cannot_serve_are_refused(overrides, words):
