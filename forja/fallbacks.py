@@ -5,7 +5,8 @@ PyTorch, grouped GEMM that becomes a per-expert loop, float8 that converts no la
 speed or memory the planner counted on, and nobody finds out. So each place that decides
 not to take a requested fast path calls `record(...)` once, with what was asked, what runs
 instead, why, and how to get the fast path. The trainer prints each entry as one line at
-start (rank 0) and keeps them all in the launch's entry of run.json.
+start (rank 0) and keeps them all in the launch's entry of run.json; one first recorded later
+(a kernel declining on the tensors of some later step) is printed and added at the next step.
 
 Any layer may import this module (like `forja.errors`): the decision is made in ops,
 models or parallel, far from the trainer that reports it.
@@ -37,6 +38,7 @@ class Fallback:
 _lock = threading.Lock()
 _record: dict[str, Fallback] = {}
 _reported: set[str] = set()
+_shared: set[str] = set()  # the keys this process has handed to the report (every rank's own)
 
 
 def record(key: str, *, asked: str, instead: str, why: str, fix: str = "") -> Fallback:
@@ -62,8 +64,22 @@ def unreported() -> list[Fallback]:
         return new
 
 
+def pending() -> bool:
+    """Whether this process recorded a fallback since it last handed its record to the report
+    (a fast path that declined after step 1: the trainer reports it at the next step)."""
+    with _lock:
+        return any(k not in _shared for k in _record)
+
+
+def shared(keys) -> None:
+    """The report has these keys of this process."""
+    with _lock:
+        _shared.update(keys)
+
+
 def clear() -> None:
     """Forget every entry (a new run in the same process, or a test)."""
     with _lock:
         _record.clear()
         _reported.clear()
+        _shared.clear()

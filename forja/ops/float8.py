@@ -21,6 +21,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from forja import fallbacks
 from forja.errors import ForjaError
 
 
@@ -47,6 +48,9 @@ def apply_float8(model: nn.Module, recipe: str, *, device: torch.device, min_fea
     config = Float8LinearConfig.from_recipe_name(recipe)
     if device.type != "cuda":
         config = dataclasses.replace(config, emulate=True)
+        fallbacks.record("float8.emulated", asked=f"train.float8 = '{recipe}'", instead="float8 emulated in high "
+                         "precision (slower than without float8)", why=f"{device.type} has no float8 matmul",
+                         fix="train on a GPU with float8 matmuls (H100 or newer), or set train.float8 = 'none'")
     before = sum(isinstance(m, nn.Linear) for m in model.modules())
     convert_to_float8_training(model, config=config, module_filter_fn=float8_filter(min_features))
     return before - sum(type(m) is nn.Linear for m in model.modules())

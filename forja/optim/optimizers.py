@@ -71,25 +71,39 @@ def _sgd(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.betas[0], **flags)
 
 
+def _not_offered(cfg: OptimConfig, instead: str, why: str) -> None:
+    """optim.implementation asked for a kernel this optimizer does not have: the fallback record."""
+    fallbacks.record("optim.implementation", asked=f"optim.implementation = '{cfg.implementation}' ({cfg.name})",
+                     instead=instead, why=why, fix="leave optim.implementation = 'auto' for this optimizer")
+
+
 def _adafactor(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     # torch's Adafactor has no fused kernel; its lr caps the relative step size (min(lr, 1/sqrt(t))
     # times the parameter's RMS), and its weight decay is decoupled (p *= 1 - lr * wd).
+    if cfg.implementation == "fused":
+        _not_offered(cfg, "the foreach step", "torch's Adafactor has no fused kernel")
     foreach = cfg.implementation in ("auto", "fused", "foreach")
     a = cfg.adafactor
     return Adafactor(groups, lr=cfg.lr, beta2_decay=a.beta2_decay, eps=(None, a.eps2), d=a.d, foreach=foreach)
 
 
 def _lion(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    if cfg.implementation != "auto":
+        _not_offered(cfg, "its own step", "forja's Lion has one implementation")
     return Lion(groups, lr=cfg.lr, betas=tuple(cfg.lion.betas))
 
 
 def _soap(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    if cfg.implementation != "auto":
+        _not_offered(cfg, "its own step", "forja's SOAP has one implementation")
     s = cfg.soap
     return Soap(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, shampoo_beta=s.shampoo_beta,
                 precondition_frequency=s.precondition_frequency, max_precond_dim=s.max_precond_dim)
 
 
 def _muon(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    if cfg.implementation != "auto":
+        _not_offered(cfg, "its own step", "forja's Muon has one implementation")
     m = cfg.muon  # groups: from muon_param_groups (GROUPINGS), each with its use_muon flag and lr
     return Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
                 ns_steps=m.ns_steps, ns_coefficients=tuple(m.ns_coefficients), update_scale=m.update_scale,

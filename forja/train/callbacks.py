@@ -62,6 +62,10 @@ class TrainerView(Protocol):
     tokenizer: Any
     dims: ParallelDims
     max_seq_len: int
+    own_dir: Path
+    """Where this rank's group keeps its own files (the run directory without [ft])."""
+    fallbacks_pending: bool
+    """Whether a rank recorded a fallback not reported yet (agreed by every rank at each step)."""
 
     def log(self, step: int, metrics: dict[str, Any]) -> None: ...
     def log_text(self, step: int, name: str, text: str) -> None: ...
@@ -234,17 +238,17 @@ class StragglerCallback(Callback):
 
 class FallbackCallback(Callback):
     """The fallbacks first recorded while the launch's first step ran (a fused op deciding at
-    its first call, on the tensors it gets) are printed and added to run.json right after it;
-    the ones recorded while the model was built were reported by the trainer before step 1."""
+    its first call, on the tensors it gets) are printed and added to run.json right after it,
+    and any recorded later after the step whose agreement found them (`fallbacks_pending`, the
+    same on every rank); those recorded while the model was built were reported before step 1."""
 
     def __init__(self) -> None:
-        self._done = False
+        self._first = True
 
     def on_step_end(self, trainer: TrainerView, record: StepRecord) -> None:
-        if self._done:
-            return
-        self._done = True  # every rank passes here at its first step: the gather is collective
-        report_fallbacks(trainer.own_dir, rank=trainer.rank, group=trainer.dims.cpu_group)
+        if self._first or trainer.fallbacks_pending:  # every rank alike: the gather is collective
+            self._first = False
+            report_fallbacks(trainer.own_dir, rank=trainer.rank, group=trainer.dims.cpu_group)
 
 
 def default_callbacks(cfg: Config, *, flops_per_token: int, num_devices: int, device: torch.device,

@@ -23,13 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from forja import host
+from forja import fallbacks, host
 from forja.checkpoint.identity import check_model_identity, initial_weights, model_identity
 from forja.checkpoint.manager import CheckpointManager, loadable_state
 from forja.checkpoint.states import ModelState, OptimizerState, RNGState, TrainerCounters
 from forja.checkpoint.verify import complete_checkpoints
 from forja.config import Config
-from forja.fallbacks import clear as clear_fallbacks
 from forja.generate import SamplingConfig, generate
 from forja.metrics.sinks import build_sinks
 from forja.models import build_from_args
@@ -65,6 +64,7 @@ class Trainer:
         self.extra_callbacks = list(callbacks)
         self.stop_reason: str | None = None
         self.finished_by_another: int | None = None  # [ft]: the step another group finished the run at
+        self.fallbacks_pending = False  # a rank recorded a fallback the report has not seen (this step's agreement)
         self.counters = TrainerCounters()
         self.activation_sizes: dict[str, float] = {}  # of the last validation (forja/train/probes.py)
 
@@ -86,7 +86,7 @@ class Trainer:
     def _start_process(self) -> tuple[DistInfo, list[Callback]]:
         """This process's settings and process group: (the group's info, the [eval] callback or none)."""
         c = self.cfg
-        clear_fallbacks()  # this run's decisions only, not those of an earlier run in this process
+        fallbacks.clear()  # this run's decisions only, not those of an earlier run in this process
         host.prepare_training_process(c.train.host_malloc)  # malloc policy and intra-op threads, before any work
         evaluation = [EvalCallback(c)] if c.eval.tasks else []  # bad task files stop before any work
         # Collectives wait a grace longer than the watchdog, so that a hang is reported (every
@@ -396,14 +396,15 @@ class Trainer:
         return self.replicas.saves_checkpoints
 
     def _should_stop(self) -> bool:
-        """Whether any rank was asked to stop; all ranks agree, so they stop at the same step."""
-        if dist.get_world_size() == 1:
-            return self.stop_reason is not None
-        flag = torch.tensor([self.stop_reason is not None], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dims.cpu_group)
-        if flag.item() and self.stop_reason is None:
+        """Whether any rank was asked to stop; all ranks agree, so they stop at the same step. The
+        same agreement says whether any rank recorded a new fallback (reported after this step)."""
+        flags = torch.tensor([self.stop_reason is not None, fallbacks.pending()], dtype=torch.int32)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dims.cpu_group)
+        stop, self.fallbacks_pending = (bool(f) for f in flags.tolist())
+        if stop and self.stop_reason is None:
             self.stop_reason = "another rank's signal"
-        return bool(flag.item())
+        return stop
 
     def _finished_elsewhere(self, share) -> bool:
         """[ft] hsdp, a group training alone (restarted while the others ran on): whether another

@@ -238,6 +238,7 @@ def report_fallbacks(run_dir: Path, *, rank: int, group: dist.ProcessGroup | Non
     ("fallbacks": a list of {key, asked, instead, why, fix}). A collective over `group` when
     several ranks run: every rank calls it at the same point. Returns rank 0's full list."""
     mine = [f.as_json() for f in fallbacks.recorded()]
+    fallbacks.shared(f["key"] for f in mine)
     gathered = [mine]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         # A pipeline's last stage or an expert-parallel rank may take decisions rank 0 never sees.

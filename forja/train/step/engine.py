@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from forja import fallbacks
 from forja.checkpoint.states import stored_names
 from forja.models.common.mtp import IGNORE
 from forja.models.common.step_context import StepContext, share_context
@@ -135,6 +136,7 @@ class StepEngine:
         # context parallelism: each micro-batch's rows split over the cp group
         self.context = ContextParallel(dims.cp_mesh.get_group(), dims.cp_kind, device) if dims.cp > 1 else None
         self._norm_params = _each_weight_once(parts)
+        _note_plain_flex(parts[0].args, document_mask)
         self._pp_group, self._reduce_groups = dims.pp_group, ReduceGroups.of(dims)  # looked up once
         attention = AttentionLogits(parts, dims, optimizers.cfg)  # attn/ metrics, QK-clip
         candidates = [ExpertBalance(parts, device), attention, MTPLosses(parts, device)]
@@ -461,6 +463,16 @@ def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     for p in params:
         groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
     return list(groups.values())
+
+
+def _note_plain_flex(args, document_mask: bool) -> None:
+    """FlexAttention asked for rows it has nothing to mask in (no document ids, no window, no
+    sinks): every mask is plain causal and SDPA's causal kernel runs it. Said in the fallback record."""
+    windows = any(args.layer_type(i) == "sliding_attention" for i in range(args.n_layers))
+    if args.attention == "flex" and not (document_mask or windows or args.attention_sinks):
+        fallbacks.record("attention.flex.causal", asked='model.attention = "flex"', instead="SDPA's causal kernel",
+                         why="no document masks (model.document_mask = false), windows or sinks to apply",
+                         fix="set model.document_mask = true for FlexAttention's document masks")
 
 
 def build_engine(parts: list[Transformer], pipeline: Pipeline | None, optimizers: OptimizerGroup,

@@ -121,3 +121,16 @@ def test_float8_styles_run_forward_and_backward_under_sequence_parallelism():
     assert [f.key for f in fallbacks.recorded()] == []  # the float8 styles, not the Gloo fallback
     w2 = model.layers["0"].feed_forward.w2
     assert isinstance(w2, Float8Linear) and isinstance(w2.weight.grad, DTensor)
+
+
+def test_float8_emulated_off_a_gpu_is_in_the_fallback_record():
+    """On a CPU torchao emulates float8 (slower than high precision): said, not silent."""
+    from forja import fallbacks
+
+    fallbacks.clear()
+    apply_float8(build_model("llama", "debug", device="meta"), "tensorwise", device=torch.device("cpu"),
+                 min_features=0)
+    (entry,) = fallbacks.recorded()
+    assert entry.key == "float8.emulated" and entry.asked == "train.float8 = 'tensorwise'"
+    assert entry.why == "cpu has no float8 matmul"
+    fallbacks.clear()

@@ -235,3 +235,19 @@ def test_adafactors_whole_tensor_update_is_torchs():
             _update(p, g, st, lr=1e-2, d=1.5, beta2_decay=-0.7, weight_decay=0.1, eps1=None, eps2=1e-3)
     for p, q in zip(ours, theirs):
         assert (p - q.detach()).abs().max().item() < 1e-6
+
+
+@pytest.mark.parametrize("name, implementation, instead", [
+    ("adafactor", "fused", "the foreach step"), ("lion", "foreach", "its own step"),
+    ("soap", "fused", "its own step"), ("muon", "for-loop", "its own step")])
+def test_an_implementation_the_optimizer_lacks_is_in_the_fallback_record(name, implementation, instead):
+    from forja import fallbacks
+
+    fallbacks.clear()
+    build_optimizer(build_model("llama", "debug"), OptimConfig(name=name, implementation=implementation))
+    (entry,) = fallbacks.recorded()
+    assert (entry.key, entry.asked, entry.instead) == (
+        "optim.implementation", f"optim.implementation = '{implementation}' ({name})", instead)
+    fallbacks.clear()
+    build_optimizer(build_model("llama", "debug"), OptimConfig(name=name))  # auto: nothing to say
+    assert fallbacks.recorded() == []
