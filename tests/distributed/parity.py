@@ -35,6 +35,12 @@ COMMON = {"train.steps": str(PARITY_STEPS), "train.global_batch_size": "8", "tra
           "train.val_interval": "0", "train.sample_tokens": "0", "checkpoint.interval": "0",
           "parallel.timeout_s": "180", "train.seq_len": "64"}
 
+# The mixture of experts of the MoE layouts (qwen3 debug-moe, with its auxiliary losses), and
+# its experts sharded by EP 2 within FSDP 2.
+MOE = {"model.family": '"qwen3"', "model.flavor": '"debug-moe"',
+       "model.overrides": "{aux_loss_weight=0.01, z_loss_weight=0.001}"}
+EP2 = {**MOE, "parallel.ep": "2", "parallel.dp_shard": "2"}
+
 # Pipeline layouts and their reference also validate (forward-only through the stages) and
 # keep the halfway checkpoint to resume from under another layout. The debug model ties its
 # output projection to the embedding, so the pipeline's two copies are tested throughout.
