@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from forja import fallbacks
+from forja.eager import eager_only
 
 GROUPED_MM_IMPLS = ("auto", "grouped", "loop")
 
@@ -175,7 +176,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str
     return grouped_mm_loop(x, w, counts)
 
 
-@torch.compiler.disable  # a host-side record, once per process: not part of any graph
+@eager_only  # a host-side record, once per process: not part of any graph
 def _record_loop(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> None:
     fallbacks.record(
         "ops.grouped_mm", asked="model.overrides.moe_impl = 'grouped'", instead="a per-expert loop of F.linear",

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from forja.eager import before_compile
+
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
+    before_compile()  # the functions marked eager_only, disabled before any block is traced
     for block in model.layers.values():
         block.compile(fullgraph=False, backend=backend)

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard, distribute_tensor
 
+from forja.eager import eager_only
 from forja.models.common.moe import GroupedExperts, moe_layers
 from forja.parallel.dims import ParallelDims
 
@@ -72,7 +73,7 @@ class ExpertDispatch:
         experts.register_forward_pre_hook(self.dispatch)
         experts.register_forward_hook(self.combine)
 
-    @torch.compiler.disable  # data-dependent split sizes: run eagerly inside compiled blocks
+    @eager_only  # data-dependent split sizes: run eagerly inside compiled blocks
     def dispatch(self, module: nn.Module, inputs: tuple) -> tuple:
         x, counts = inputs  # (M, D) sorted by global expert; (E,) rows per global expert
         device = x.device.type
@@ -98,7 +99,7 @@ class ExpertDispatch:
         received (ep, local) rows each rank sends here; `rows` this rank's, their sum."""
         return sending.sum(1).tolist(), received.sum(1).tolist()
 
-    @torch.compiler.disable
+    @eager_only
     def combine(self, module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
         order, send, recv = self._pending.pop()
         back = torch.empty_like(out).index_copy(0, order, out)  # undo the regrouping

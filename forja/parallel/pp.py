@@ -28,17 +28,10 @@ the training schedule's microbatch shapes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
 
 from forja.errors import ForjaError
 from forja.models.common.transformer import Transformer, TransformerArgs
@@ -55,13 +48,23 @@ from forja.parallel.pp_split import (
 )
 from forja.versions import torch_version
 
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "zero-bubble": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
+def _schedule(name: str):
+    """torch's schedule class of parallel.pp_schedule `name`. (torch.distributed.pipelining is
+    imported here, when a pipeline is built: it imports torch._dynamo, 0.7 s of every process's
+    start that a run without a pipeline never needs.)"""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleDualPipeV,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleZBVZeroBubble,
+    )
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+            "zero-bubble": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[name]
 
 
 def microbatch_error(schedule: str, pp: int, n: int, local_batch: int, source: str) -> str | None:
@@ -165,6 +168,7 @@ class Pipeline:
         into the first, hidden states (m, T / sequence split, dim) between stages, the loss (0-dim)
         out of the last. Given both, the library builds its buffers from them instead of running
         every stage once on empty inputs to find out, a forward whose values nobody should see."""
+        from torch.distributed.pipelining import PipelineStage  # see _schedule
         hidden = torch.empty(m, T // self.sequence_split, self.parts[0].args.dim, dtype=self.hidden_dtype,
                              device="meta", requires_grad=True)  # its gradient travels back
         tokens, loss = torch.empty(m, T, dtype=torch.int64, device="meta"), torch.empty((), device="meta")
@@ -190,7 +194,7 @@ class Pipeline:
             # The last stage's forward already returns the microbatch's loss (labels are
             # among its inputs); the schedule's target, the microbatch's labels, tells how
             # many of them it trains on (padding).
-            self._schedules[T] = SCHEDULES[self.cfg.pp_schedule](
+            self._schedules[T] = _schedule(self.cfg.pp_schedule)(
                 stages if len(stages) > 1 else stages[0], n_microbatches=n,
                 loss_fn=lambda out, target: loss_fn(out, n, target), scale_grads=False)
         return self._schedules[T]

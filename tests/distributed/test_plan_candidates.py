@@ -55,11 +55,12 @@ def candidates(data, tmp_path, model: str) -> list[Layout]:
 
 
 def _kept(model: str, kinds: tuple) -> bool:
-    """Ten candidates that cover every mechanism at about 6 s each: the MoE model's with
-    experts sharded, under TP x PP, or alone; the dense model's pipelines (a tied embedding)."""
+    """Nine candidates that cover every mechanism at about 6 s each: the MoE model's with
+    experts sharded, under TP x PP, or in a pipeline alone; the dense model's pipelines beside
+    data parallelism (a tied embedding). (FSDP alone trains in every parity test.)"""
     if model == "llama":
-        return "pp" in kinds and "tp" not in kinds
-    return "ep" in kinds or {"tp", "pp"} <= set(kinds) or kinds in (("pp",), ("dp_shard",))
+        return "pp" in kinds and "tp" not in kinds and len(kinds) > 1
+    return "ep" in kinds or {"tp", "pp"} <= set(kinds) or kinds == ("pp",)
 
 
 def _train_each(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> dict[str, dict]:
@@ -81,7 +82,7 @@ def test_every_kind_of_candidate_the_planner_prints_trains_two_steps(tmp_path, t
             run = tmp_path / f"{model}-{i}"
             runs.append((str(run), _overrides(run, train_data, model, layout)))
             described.append(f"{model}: {' x '.join(_kinds(layout))}")
-    assert len(runs) >= 9, described
+    assert len(runs) >= 8, described
     assert any("tp" in d and "pp" in d and "moe" in d for d in described)  # the combination that crashed
     trained = run_distributed(_train_each, WORLD, runs, timeout_s=600)[0]
     for (run, _), what in zip(runs, described):

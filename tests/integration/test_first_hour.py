@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from forja.checkpoint.export import export_hf
+from forja.cli import main
 from forja.config import load_config
 from forja.data import cache_key, load_tokenizer, open_prepared, train_tokenizer
 from forja.errors import ForjaError
@@ -194,28 +195,30 @@ def test_prepare_and_tokenizer_on_a_full_disk(tmp_path: Path, monkeypatch: pytes
     assert (tmp_path / "tok.json").read_bytes() == tok_before
 
 
-# A child whose import system refuses comet_ml, as a machine without the package would.
-_WITHOUT_COMET = """
-import sys
-class Refuse:
+class _RefuseComet:
+    """An import hook that refuses comet_ml, as a machine without the package would."""
+
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] == "comet_ml":
             raise ModuleNotFoundError(f"No module named {name!r}")
-sys.meta_path.insert(0, Refuse())
-from forja.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
 
 
-def test_settings_a_worker_would_refuse_leave_no_run_directory(work: Path) -> None:
+def test_settings_a_worker_would_refuse_leave_no_run_directory(work: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture) -> None:
     """Two launches the preflight refuses before anything is written: context parallelism with the
-    attention-logit metric (the layout validator), and a tracker whose package is missing."""
+    attention-logit metric (the layout validator, in the launcher before torchrun starts), and a
+    tracker whose package is missing."""
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("FORJA_CACHE", str(work / "cache"))  # the quickstart's (the fixture's children used it)
     sets = quickstart(**{"run.dir": '"runs/cp"', "parallel.cp": "2", "optim.max_logit_metric": "true"})
-    done = forja("train", "--nproc", "2", *(a for item in sets for a in ("--set", item)), cwd=work)
-    assert "optim.qk_clip_tau / optim.max_logit_metric cannot be used with parallel.cp > 1" in error_line(
-        done, "train")
+    assert main(["train", "--nproc", "2", *(a for item in sets for a in ("--set", item))]) == 2
+    assert "optim.qk_clip_tau / optim.max_logit_metric cannot be used with parallel.cp > 1" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "meta_path", [_RefuseComet(), *sys.meta_path])
+    for name in [m for m in sys.modules if m.split(".")[0] == "comet_ml"]:
+        monkeypatch.delitem(sys.modules, name)
     sets = quickstart(**{"run.dir": '"runs/comet"', "metrics.sinks": '["jsonl", "comet"]'})
-    done = python("-c", _WITHOUT_COMET, "train", *(a for item in sets for a in ("--set", item)), cwd=work)
-    assert error_line(done, "train") == ("metrics.sinks includes 'comet', which needs the comet_ml package: "
-                                         "pip install 'forja[comet]' (or remove 'comet' from metrics.sinks)")
+    assert main(["train", *(a for item in sets for a in ("--set", item))]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "forja train: error: metrics.sinks includes 'comet', which needs the comet_ml package: "
+        "pip install 'forja[comet]' (or remove 'comet' from metrics.sinks)")
     assert not (work / "runs" / "cp").exists() and not (work / "runs" / "comet").exists()

@@ -11,8 +11,10 @@ from forja.train.step.scaler import LossScaler
 
 from .conftest import forja_process, read_metrics, train_args
 
+# Half the usual batch (2 micro-batches of 2): float16 autocast on a CPU is slow, and what is
+# tested (overflows, the scale, the pipeline's agreement) does not need more.
 COMMON = {"train.precision": '"fp16"', "train.val_interval": "0", "train.sample_tokens": "0",
-          "checkpoint.interval": "4"}
+          "checkpoint.interval": "4", "train.global_batch_size": "4", "train.micro_batch_size": "2"}
 
 
 def _steps(run) -> list[dict]:

@@ -30,8 +30,8 @@ from forja import host
 taken = host.apply_malloc(sys.argv[1])
 torch.set_num_threads(1)  # one thread allocates: the same sequence of blocks however busy the machine
 torch.manual_seed(0)
-w = (torch.randn(8192, 256) * 0.02).requires_grad_()  # logits of init scale: no denormal gradients
-h, y = torch.randn(2048, 256), torch.randint(0, 8192, (2048,))
+w = (torch.randn(8192, 128) * 0.02).requires_grad_()  # logits of init scale: no denormal gradients
+h, y = torch.randn(2048, 128), torch.randint(0, 8192, (2048,))  # a narrow hidden size: the faults, not the FLOPs
 faults = []
 for _ in range(16):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -17,7 +17,7 @@ import pytest
 import forja
 
 ROOT = Path(forja.__file__).parent
-BASE = {"forja", "forja.errors", "forja.versions", "forja.files", "forja.names", "forja.fallbacks",
+BASE = {"forja", "forja.errors", "forja.versions", "forja.files", "forja.names", "forja.fallbacks", "forja.eager",
         "forja.host", "forja.metric_names"}  # metric_names: made by train, read by metrics and report
 
 # What each part of forja may import besides itself and BASE, lowest layer first.

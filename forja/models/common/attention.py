@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forja import fallbacks
+from forja.eager import before_compile
 from forja.models.common.max_logit import MaxLogitTracking
 from forja.models.common.norms import RMSNorm
 from forja.models.common.rope import apply_rope
@@ -148,6 +149,7 @@ def _block_mask_builder(device: torch.device):
         return create_block_mask
     global _compiled_block_mask
     if _compiled_block_mask is None:
+        before_compile()
         _compiled_block_mask = torch.compile(create_block_mask, dynamic=False)
     return _compiled_block_mask
 
@@ -163,6 +165,7 @@ def _flex_attention(q, k, v, block_mask, scale=None, with_lse: bool = False):
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     if _compiled_flex is None:
+        before_compile()
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     aux = AuxRequest(lse=True) if with_lse else None
     out = _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],

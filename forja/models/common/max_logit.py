@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from forja.eager import eager_only
 from forja.models.common.step_context import OUTSIDE_A_STEP, StepContext
 
 MAX_LOGIT_CHUNK = 2**24  # scores (elements) one chunk of max_logits holds at a time
@@ -72,7 +73,7 @@ class MaxLogitTracking:
         if self.track_max_logit and self.training:  # validation does not count
             self._record_max_logit(q, k, mask, scale)
 
-    @torch.compiler.disable  # state kept across forwards: eager, outside compiled graphs
+    @eager_only  # state kept across forwards: eager, outside compiled graphs
     def _record_max_logit(self, q: torch.Tensor, k: torch.Tensor, mask, scale: float) -> None:
         new = max_logits(q.detach(), k.detach(), mask, scale)
         self.max_logit = new if self.max_logit is None else torch.maximum(self.max_logit, new)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from forja import fallbacks
+from forja.eager import eager_only
 from forja.models.common.attention import AttentionMask, attend, build_mask, rescale_for_sinks
 from forja.parallel.cp.comm import RingExchange, heads_to_sequence, sequence_to_heads
 from forja.parallel.cp.layout import SequenceLayout
@@ -124,7 +125,7 @@ class UlyssesMixing:
         self.shards, self.whole = shards, whole
         self.group, self.cp, self.rank = shards.cp.group, shards.cp.cp, shards.cp.rank
 
-    @torch.compiler.disable
+    @eager_only
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                sinks: torch.Tensor | None) -> torch.Tensor:
         if k.shape[1] % self.cp:  # fewer key/value heads than ranks: each rank gets one
@@ -136,7 +137,7 @@ class UlyssesMixing:
         out = attend(q, k, v, self.whole, scale=scale, sinks=sinks)  # (B, H / cp, T, dv)
         return heads_to_sequence(out, self.group)  # (B, H, Tl, dv)
 
-    @torch.compiler.disable
+    @eager_only
     def gated_delta(self, mixer: nn.Module, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
                     g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         dk, dv = mixer.head_k_dim, mixer.head_v_dim
@@ -171,13 +172,13 @@ class RingMixing:
     def __init__(self, shards: ContextShards, plan: RingPlan):
         self.shards, self.plan = shards, plan
 
-    @torch.compiler.disable
+    @eager_only
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                sinks: torch.Tensor | None) -> torch.Tensor:
         out, lse = ring_attention(q, k, v, self.plan, scale, sinks=sinks is not None)  # (B, H, Tl, dv), (B, H, Tl)
         return out if sinks is None else rescale_for_sinks(out, lse, _local(sinks))
 
-    @torch.compiler.disable
+    @eager_only
     def gated_delta(self, mixer: nn.Module, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
                     g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         shards = self.shards
