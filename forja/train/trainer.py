@@ -245,6 +245,10 @@ class Trainer:
 
     def fit(self) -> None:
         cfg = self.cfg
+        if self.replicas.shares_checkpoints and self.counters.step >= cfg.train.steps:
+            self.finished_by_another = self.counters.step  # a group restarted after the leader's last save
+            self._stand_down()  # before the sinks start: it records nothing
+            return
         self.begin()
         last_saved = self.counters.step if self.checkpoints.latest() else -1
         while self.counters.step < cfg.train.steps and self.train_one_step():

@@ -90,7 +90,8 @@ def test_an_unreachable_lighthouse_stops_the_launch_before_anything_is_written(t
 
 def test_a_group_back_after_the_leader_finished_trains_nothing_again(tmp_path, train_data):
     """Group 1 killed at step 12 and restarted by its torchrun; group 0 trains steps 12-24 alone and
-    finishes. Group 1 finds the run finished (as it starts, or while it trains alone) and stops:
+    finishes. Group 1 finds the run finished (as it starts, as it resumes from the leader's last
+    checkpoint, or while it trains alone, as the leader's last save lands) and stops:
     every step is recorded once, no checkpoint is written over the leader's, the launcher exits 0.
     The launcher alone wrote run.json (one launch, both groups) and config.toml; each group's
     launches are in its own ft/group<g>/run.json."""

@@ -100,7 +100,7 @@ def launch_groups(args: argparse.Namespace, cfg, *, launcher_preflight, torchrun
         address = as_url(args.ft_lighthouse)
         check_lighthouse(address, cfg.ft.timeout_s)
     directory = RunDir(cfg)
-    if 0 in here:  # one launcher prepares the directory and tidies the shared checkpoints: group 0's
+    if _prepares(here, args.nnodes):  # one launcher prepares the directory and tidies the shared checkpoints
         directory.prepare(launch={"ft_groups": here})
         tidy_checkpoints(cfg, directory.checkpoints)
     record = directory.path / "ft" / "lighthouse.json"
@@ -111,6 +111,13 @@ def launch_groups(args: argparse.Namespace, cfg, *, launcher_preflight, torchrun
     procs = {g: subprocess.Popen(cmd, env={**env, GROUP_ENV: str(g)}) for g in here}
     print(f"forja: {len(here)} of {groups} replica groups started here, lighthouse {address}", flush=True)
     return _supervise(procs, lighthouse)
+
+
+def _prepares(here: list[int], nnodes: int) -> bool:
+    """Whether this launcher is the one that prepares the run directory: group 0's, and of a group
+    on several machines the first machine's (SLURM_NODEID 0 in its job step, as
+    scripts/ft_groups.sbatch starts them)."""
+    return 0 in here and (nnodes == 1 or os.environ.get("SLURM_NODEID", "0") == "0")
 
 
 def tidy_checkpoints(cfg, folder: Path) -> None:
