@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import io
 import pickle
 import re
@@ -115,16 +116,20 @@ class TrustedFileSystemReader(_TrustedReading, FileSystemReader):
     """DCP's reader of a checkpoint on disk, with `.metadata` read as above."""
 
 
-def fsspec_reader(path: str, **options: Any):
-    """DCP's reader of a checkpoint in a store, with `.metadata` read as above."""
+@functools.cache
+def _fsspec_reader_class() -> type:
+    """DCP's store reader with `.metadata` read as above (fsspec imported only for a store)."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # torch 2.11 and 2.13
 
-    class TrustedFsspecReader(_TrustedReading, FsspecReader):
-        pass
-
-    return TrustedFsspecReader(path, **options)
+    return type("TrustedFsspecReader", (_TrustedReading, FsspecReader), {})
 
 
+def fsspec_reader(path: str, **options: Any):
+    """DCP's reader of a checkpoint in a store, with `.metadata` read as above."""
+    return _fsspec_reader_class()(path, **options)
+
+
+@functools.cache
 def _numpy_globals() -> list:
     """What a numpy array's pickle names (numpy's RNG state holds one): array reconstruction only."""
     import numpy as np

@@ -51,6 +51,7 @@ from forja.versions import torch_version
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
 
+
 def _schedule(name: str):
     """torch's schedule class of parallel.pp_schedule `name`. (torch.distributed.pipelining is
     imported here, when a pipeline is built: it imports torch._dynamo, 0.7 s of every process's

@@ -27,7 +27,6 @@ from forja import fallbacks, host
 from forja.checkpoint.identity import check_model_identity, initial_weights, model_identity
 from forja.checkpoint.manager import CheckpointManager, loadable_state
 from forja.checkpoint.states import ModelState, OptimizerState, RNGState, TrainerCounters
-from forja.checkpoint.verify import complete_checkpoints
 from forja.config import Config
 from forja.generate import SamplingConfig, generate
 from forja.metrics.sinks import build_sinks
@@ -140,16 +139,17 @@ class Trainer:
         c = self.cfg
         self.optimizers = OptimizerGroup(self.parts, c.optim)
         self.scheduler = SchedulerGroup(self.optimizers.optimizers, c.schedule, c.train.steps, decay=decay_window(c))
+        folder = checkpoint_dir(self.directory.checkpoints, c, self.group)
         self.replicas = build_replicas(c, group=self.group, state=self._shared_state, model=identity,  # [ft]
-                                       parts=self.parts, device=self.device)
+                                       parts=self.parts, device=self.device, checkpoints=folder,
+                                       cpu_group=self.dims.cpu_group)
         self.engine = build_engine(self.parts, built.pipeline, self.optimizers, self.scheduler, self.dims,
                                    device=self.device, precision=c.train.precision, grad_clip=c.train.grad_clip,
                                    document_mask=c.model.document_mask, scaler=loss_scaler(c.train),
                                    replicas=self.replicas, grad_sync=c.parallel.grad_sync)
         self.loader, self.val_loader = loaders(c, dataset, dp_rank=self.dims.dp_rank, dp_size=self.dims.dp,
                                                later=stages(c, self.tokenizer, rank=self.rank))
-        self.checkpoints = CheckpointManager(c.checkpoint, checkpoint_dir(self.directory.checkpoints, c, self.group),
-                                             rank=self.rank, meta=identity, device=self.device)
+        self.checkpoints = CheckpointManager(c.checkpoint, folder, rank=self.rank, meta=identity, device=self.device)
 
     def _build_records(self, info: DistInfo, evaluation: list[Callback]) -> None:
         """What watches and records the steps: sinks, callbacks, the watchdog, recovery, fingerprints."""
@@ -188,7 +188,7 @@ class Trainer:
     def _resume(self) -> None:
         # [ft] hsdp: the groups share one checkpoint folder, which its launcher tidies before any group
         # starts (ft_groups.py); a group restarted alone must not delete or move what the leader writes.
-        tidy = not self.cfg.ft.shares_checkpoints  # (before the groups are built)
+        tidy = not self.replicas.shares_checkpoints
         if self.cfg.checkpoint.enabled:
             self.checkpoints.check_writable()
             if tidy:
@@ -245,8 +245,7 @@ class Trainer:
 
     def fit(self) -> None:
         cfg = self.cfg
-        if self.replicas.shares_checkpoints and self.counters.step >= cfg.train.steps:
-            self.finished_by_another = self.counters.step  # a group restarted after the leader's last save
+        if self._finished_by_another():  # [ft]: restarted after the leader's last save
             self._stand_down()  # before the sinks start: it records nothing
             return
         self.begin()
@@ -285,7 +284,7 @@ class Trainer:
         batches = self.loader.next_step(share.index, share.count)
         data_wait = self.loader.data_wait_s - waited
         agreed = time.perf_counter()
-        if self._should_stop() or self._finished_elsewhere(share):
+        if self._should_stop() or self._finished_by_another():
             self.loader.rewind_step()  # not taken: a resume must train on it
             return False
         sync_wait = time.perf_counter() - agreed  # waiting for slower ranks (forja/train/resilience/stragglers.py)
@@ -410,20 +409,10 @@ class Trainer:
             self.stop_reason = "another rank's signal"
         return stop
 
-    def _finished_elsewhere(self, share) -> bool:
-        """[ft] hsdp, a group training alone (restarted while the others ran on): whether another
-        group has finished the run meanwhile (its final checkpoint is in the folder they share), so
-        this one stops instead of training those steps again. The ranks of the group agree."""
-        if not self.replicas.shares_checkpoints or share.count >= self.cfg.ft.groups:
-            return False
-        found = complete_checkpoints(self.checkpoints.folder)
-        step = torch.tensor([found[-1][0] if found else 0], dtype=torch.int64)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.dims.cpu_group)
-        if step.item() < self.cfg.train.steps:
-            return False
-        self.finished_by_another = int(step.item())
-        return True
+    def _finished_by_another(self) -> bool:
+        """[ft]: whether another replica group has finished the run this one is behind on."""
+        self.finished_by_another = self.replicas.finished_by_another(self.counters.step, self.cfg.train.steps)
+        return self.finished_by_another is not None
 
     def _stand_down(self) -> None:
         """The end of a group that found the run finished by another: it writes no checkpoint and

@@ -54,7 +54,7 @@ def _check_diloco(cfg) -> None:
     """A fragment's sync must have landed wherever the run saves or ends: nothing in flight is
     checkpointed (forja/train/ft/diloco.py)."""
     ft, t = cfg.ft, cfg.train
-    period = ft.inner_steps // ft.fragments
+    period = ft.sync_period
     every = f"every ft.inner_steps / ft.fragments = {period} steps" if ft.fragments > 1 else \
         f"every ft.inner_steps = {period} steps"
     if t.steps % period:

@@ -89,7 +89,6 @@ class FTConfig:
         """Steps from one sync to the next: a DiLoCo fragment's; 1 when every step syncs."""
         return self.inner_steps // self.fragments if self.enabled and self.mode != "hsdp" else 1
 
-
     @property
     def lighthouse_join_timeout_s(self) -> float:
         """How long the lighthouse holds a quorum for a group that is alive but not asking for one.

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from forja.checkpoint.verify import complete_checkpoints
 from forja.errors import ForjaError
 from forja.files import write_atomic
 from forja.train.ft.config import FTConfig
@@ -231,6 +232,23 @@ class HsdpGroups(TorchftGroups):
     every_step = True
     shares_checkpoints = True
 
+    def __init__(self, cfg: FTConfig, *, checkpoints: Path | str, cpu_group, **kwargs: Any):
+        super().__init__(cfg, **kwargs)
+        self.checkpoints, self.cpu_group = checkpoints, cpu_group  # the shared folder; the group's ranks
+
+    def finished_by_another(self, step: int, steps: int) -> int | None:
+        """Resumed from the leader's last checkpoint, or training alone (restarted while the others
+        ran on) when the leader's last save lands in the shared folder. The group's ranks agree."""
+        if step >= steps:
+            return step
+        if self.share.count >= self.cfg.groups:
+            return None
+        found = complete_checkpoints(self.checkpoints)
+        newest = torch.tensor([found[-1][0] if found else 0], dtype=torch.int64)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return int(newest.item()) if newest.item() >= steps else None
+
     def fingerprint_peers(self):
         return self.gather
 
@@ -332,10 +350,12 @@ def _from_local(tree: Any, template: Any) -> Any:
 
 
 def build_replicas(cfg, *, group: int | None, state: Callable[[], dict[str, Any]], model: dict[str, Any],
-                   parts: list[torch.nn.Module], device: torch.device) -> ReplicaGroups:
+                   parts: list[torch.nn.Module], device: torch.device, checkpoints: Path | str,
+                   cpu_group=None) -> ReplicaGroups:
     """The run's replica groups as replica group `group` sees them (the single group without
     [ft]): `model` is the checkpoint identity of the model, and with it every group must share
-    its layout and batch. Under diloco the outer loop runs over `parts` (this rank's model parts)."""
+    its layout and batch. Under diloco the outer loop runs over `parts` (this rank's model parts);
+    under hsdp the groups share the folder `checkpoints` (`cpu_group`: this group's ranks)."""
     if group is None:
         return ReplicaGroups()
     p, t, ft = cfg.parallel, cfg.train, cfg.ft
@@ -344,7 +364,8 @@ def build_replicas(cfg, *, group: int | None, state: Callable[[], dict[str, Any]
                 "ranks per group": dist.get_world_size(),
                 **{f"parallel.{k}": getattr(p, k) for k in ("dp_shard", "tp", "pp", "cp", "ep")}}
     if ft.mode == "hsdp":
-        return HsdpGroups(ft, group=group, state=state, identity=identity, device=device)
+        return HsdpGroups(ft, checkpoints=checkpoints, cpu_group=cpu_group, group=group, state=state,
+                          identity=identity, device=device)
     identity |= {f"ft.{k}": getattr(ft, k) for k in ("inner_steps", "fragments", "fragment_sync_delay",
                                                       "outer_lr", "outer_momentum")}
     return DilocoGroups(ft, parts=parts, group=group, state=state, identity=identity, device=device)

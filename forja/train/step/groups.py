@@ -75,6 +75,11 @@ class ReplicaGroups:
     def end_step(self, step: int) -> None:
         """After `step`: what the groups do between steps (DiLoCo's syncs)."""
 
+    def finished_by_another(self, step: int, steps: int) -> int | None:
+        """The step another group finished the run at, when this group (restarted late, at `step`
+        of `steps`) should stand down rather than train those steps again; None: train on."""
+        return None
+
     def fingerprint_peers(self) -> Callable[[int], list[int] | None] | None:
         """How the fingerprint check gathers each group's value ([ft] hsdp), or None: no peers."""
         return None
