@@ -51,7 +51,7 @@ from forja.optim.config import OptimConfig, ScheduleConfig  # noqa: E402
 from forja.parallel import ParallelConfig, ParallelDims  # noqa: E402
 from forja.parallel.process_group import init_distributed, shutdown_distributed  # noqa: E402
 from forja.train.build import build_model_parts  # noqa: E402
-from forja.train.step.engine import build_engine  # noqa: E402
+from forja.train.step.build import build_engine  # noqa: E402
 
 VARIANTS = {  # name -> (parallel.compile, model.fused_ops, train.float8)
     "eager": (False, False, "none"),

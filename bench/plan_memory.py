@@ -110,7 +110,7 @@ def _build(world_size: int, family: str, flavor: str, parallel: dict, micro: int
     from forja.parallel.checks import LayoutRequest, check_layout
     from forja.train.build import build_model_parts
     from forja.train.config import TrainConfig
-    from forja.train.step.engine import build_engine
+    from forja.train.step.build import build_engine
 
     train = TrainConfig(seed=SEED, seq_len=seq_len, global_batch_size=global_batch, micro_batch_size=micro,
                         precision="fp32")

@@ -40,6 +40,9 @@ class DistInfo:
     owned: bool = True
     """Whether this call created the process group (and so its caller destroys it); a host
     program's group (a test, a notebook training several runs) outlives each run."""
+    attempt: int = 0
+    """Which of its launcher's restarts this process belongs to: the launcher counts them
+    (torchrun's TORCHELASTIC_RESTART_COUNT), 0 outside torchrun or in its first attempt."""
 
 
 def device_type(choice: str) -> str:
@@ -67,14 +70,23 @@ def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0) -> D
     global _timeout
     _timeout = timeout = datetime.timedelta(seconds=timeout_s)
     if dist.is_initialized():  # the host program's world group keeps the timeout it chose
-        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, owned=False)
+        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, owned=False,
+                        attempt=restart_attempt())
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if "MASTER_ADDR" in os.environ and world_size > 1:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, attempt=restart_attempt())
+
+
+def restart_attempt() -> int:
+    """Which restart of its launcher this process belongs to (0 outside torchrun)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
 
 
 def shutdown_distributed() -> None:

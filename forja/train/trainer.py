@@ -48,12 +48,13 @@ from forja.train.launch.finished import finished
 from forja.train.launch.preflight import Preflight
 from forja.train.launch.run_dir import RunDir, report_fallbacks
 from forja.train.probes import ActivationSizes
-from forja.train.resilience.drills import Drills, corrupt_weights, loss_factor
+from forja.train.resilience.drills import Drills, corrupt_weights, flipped, loss_factor
 from forja.train.resilience.fingerprint import FingerprintCheck
 from forja.train.resilience.goodput import Goodput
 from forja.train.resilience.recovery import Outcome, Recovery
 from forja.train.resilience.watchdog import Watchdog, grace_s
-from forja.train.step.engine import StepScales, build_engine
+from forja.train.step.build import build_engine
+from forja.train.step.engine import StepScales
 from forja.train.step.scaler import loss_scaler
 
 
@@ -92,7 +93,7 @@ class Trainer:
         # rank's stack, the culprit named) before a timed-out collective ends the process.
         info = init_distributed(c.train.device, c.parallel.timeout_s + grace_s(c.parallel.timeout_s))
         self.rank, self.device = info.rank, info.device
-        self.owns_process_group = info.owned
+        self.owns_process_group, self.attempt = info.owned, info.attempt  # the launcher counts restarts
         return info, evaluation
 
     def _preflight_and_run_dir(self, info: DistInfo, launched: float) -> Preflight:
@@ -142,7 +143,7 @@ class Trainer:
         folder = checkpoint_dir(self.directory.checkpoints, c, self.group)
         self.replicas = build_replicas(c, group=self.group, state=self._shared_state, model=identity,  # [ft]
                                        parts=self.parts, device=self.device, checkpoints=folder,
-                                       cpu_group=self.dims.cpu_group)
+                                       cpu_group=self.dims.cpu_group, attempt=self.attempt)
         self.engine = build_engine(self.parts, built.pipeline, self.optimizers, self.scheduler, self.dims,
                                    device=self.device, precision=c.train.precision, grad_clip=c.train.grad_clip,
                                    document_mask=c.model.document_mask, scaler=loss_scaler(c.train),
@@ -160,7 +161,7 @@ class Trainer:
                                            device=self.device, compute_dtype=self.engine.compute_dtype)
         self.callbacks += evaluation + self.extra_callbacks
         self.watchdog = Watchdog(self.own_dir, rank=self.rank, world_size=info.world_size,
-                                 timeout_s=c.parallel.timeout_s)
+                                 timeout_s=c.parallel.timeout_s, attempt=self.attempt)
         self.recovery = Recovery(c.train, checkpoints=self.checkpoints, counters=self.counters, loader=self.loader,
                                  sinks=LeaderOnly(self.sinks, self._leads),  # [ft]: one record per event
                                  reload=self._reload, beat=self.watchdog.beat,
@@ -288,8 +289,10 @@ class Trainer:
             self.loader.rewind_step()  # not taken: a resume must train on it
             return False
         sync_wait = time.perf_counter() - agreed  # waiting for slower ranks (forja/train/resilience/stragglers.py)
-        scales = StepScales(fault=loss_factor(fault), lr=self.recovery.lr_scale(step))
-        out = self.engine.train_step(batches, guard=self.recovery.guard(), scales=scales)
+        scales = StepScales(fault=loss_factor(fault), lr=self.recovery.lr_scale(step), flip=flipped(fault))
+        rerun = bool(every := self.cfg.ft.rerun_interval) and step % every == 0  # corruption a gradient carries
+        out = self.engine.train_step(batches, guard=self.recovery.guard(), scales=scales, rerun=rerun,
+                                     replica_share=share)
         if not out.committed:  # a replica group failed mid-step: trained again by the groups left
             self.loader.rewind_step()
             return True

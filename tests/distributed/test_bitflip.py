@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from forja.files import read_records
 from tests.distributed.parity import COMMON
 from tests.integration.conftest import forja_process, losses, read_metrics, train_args
 
@@ -59,3 +60,22 @@ def test_a_flipped_bit_in_one_replica_group_is_caught_and_rolled_back(tmp_path, 
     summaries = [json.loads((run / "ft" / f"group{g}" / "summary-rank0.json").read_text()) for g in (0, 1)]
     assert summaries[0]["weights_sha256"] == summaries[1]["weights_sha256"]
     assert [r["step"] for r in read_metrics(run) if "loss" in r][-1] == 8
+
+
+@pytest.mark.slow
+def test_a_flipped_bit_in_one_ranks_gradient_and_in_its_activations_is_caught_by_the_rerun(tmp_path, train_data):
+    """DDP over 2 ranks, every second step run again (ft.rerun_interval = 2): rank 1's gradient
+    flips a bit in step 2's first run, its first block's output in step 4's. Each rerun differs,
+    a third run agrees with it, and rank 1 is named (its gradients, then its forward): the
+    weights of both ranks never saw the fault, so no replica check is needed to catch it."""
+    ddp = {**COMMON, "train.steps": "4", "checkpoint.interval": "4", "metrics.interval": "1", "train.val_interval": "0",
+           "parallel.dp_replicate": "2", "parallel.dp_shard": "1", "ft.rerun_interval": "2",
+           "debug.inject": json.dumps(["gradflip@2:rank=1", "actflip@4:rank=1"])}
+    run = tmp_path / "rerun"
+    _train(run, train_data, ddp, "--nproc", "2")
+    events = [r for r in read_metrics(run) if r.get("event") == "rerun"]
+    assert [(e["step"], e["action"]) for e in events] == [(2, "go on"), (4, "go on")]
+    texts = [r["text"] for r in read_records(run / "samples.jsonl") if r["name"] == "health"]
+    assert texts[0].startswith("step 2: the gradients of rank 1 differed between the step and its rerun"), texts
+    assert texts[1].startswith("step 4: the forward (its blocks' outputs) of rank 1 differed"), texts
+    assert sorted(losses(run)) == [1, 2, 3, 4]

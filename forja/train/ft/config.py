@@ -51,6 +51,10 @@ class FTConfig:
     check_interval: int = 0
     """Every this many steps, replicas that should hold the same weights compare a fingerprint of
     them (silent data corruption); 0: never. Also applies without [ft], to the replicas of DDP/HSDP."""
+    rerun_interval: int = 0
+    """Every this many steps, the step's forward and backward run a second time on the same data and
+    each rank compares the two results bit for bit (silent data corruption a gradient carries,
+    forja/train/step/rerun.py); 0: never. Costs one more forward and backward per sampled step."""
 
     def __post_init__(self) -> None:
         if self.groups < 1:
@@ -75,8 +79,9 @@ class FTConfig:
         if self.mode == "diloco" and (self.fragments != 1 or self.fragment_sync_delay):
             raise ForjaError("ft.fragments and ft.fragment_sync_delay are streaming-diloco's: set "
                              "ft.mode = \"streaming-diloco\" or leave them at 1 and 0")
-        if self.check_interval < 0:
-            raise ForjaError(f"ft.check_interval = {self.check_interval}: give 0 (off) or a step interval")
+        for key in ("check_interval", "rerun_interval"):
+            if getattr(self, key) < 0:
+                raise ForjaError(f"ft.{key} = {getattr(self, key)}: give 0 (off) or a step interval")
 
     @property
     def shares_checkpoints(self) -> bool:

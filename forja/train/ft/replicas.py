@@ -41,7 +41,6 @@ from forja.checkpoint.verify import complete_checkpoints
 from forja.errors import ForjaError
 from forja.files import write_atomic
 from forja.train.ft.config import FTConfig
-from forja.train.resilience.watchdog import restart_attempt
 from forja.train.step.groups import ReplicaGroups, Share
 
 GROUP_ENV = "FORJA_FT_GROUP"
@@ -82,12 +81,13 @@ class TorchftGroups(ReplicaGroups):
     HsdpGroups and DilocoGroups, below."""
 
     def __init__(self, cfg: FTConfig, *, group: int, state: Callable[[], dict[str, Any]], identity: dict[str, Any],
-                 device: torch.device):
+                 device: torch.device, attempt: int = 0):
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         super().__init__()
         self.cfg, self.group, self.state, self.identity = cfg, group, state, identity
+        self.attempt = attempt  # which restart of its torchrun this group is (DistInfo.attempt)
         self._device = device
         self._preparing: int | None = None  # the fragment whose sync this quorum starts (sent to a healer)
         self._join_sync: tuple[int, int] | None = None  # (fragment, step) of the peers' sync a heal joined
@@ -160,7 +160,7 @@ class TorchftGroups(ReplicaGroups):
         first group does, when every group met there (none can have recorded further) or at a
         fresh launch. A group restarted alone that met only some leaves them: the absent ones
         may be live and recording."""
-        return self.leads and (self.share.count == self.cfg.groups or restart_attempt() == 0)
+        return self.leads and (self.share.count == self.cfg.groups or self.attempt == 0)
 
     def average(self, tensors: list[torch.Tensor]) -> None:
         """Each tensor (a gradient's local shard, the loss) averaged in place over the live groups.
@@ -351,11 +351,12 @@ def _from_local(tree: Any, template: Any) -> Any:
 
 def build_replicas(cfg, *, group: int | None, state: Callable[[], dict[str, Any]], model: dict[str, Any],
                    parts: list[torch.nn.Module], device: torch.device, checkpoints: Path | str,
-                   cpu_group=None) -> ReplicaGroups:
+                   cpu_group=None, attempt: int = 0) -> ReplicaGroups:
     """The run's replica groups as replica group `group` sees them (the single group without
     [ft]): `model` is the checkpoint identity of the model, and with it every group must share
     its layout and batch. Under diloco the outer loop runs over `parts` (this rank's model parts);
-    under hsdp the groups share the folder `checkpoints` (`cpu_group`: this group's ranks)."""
+    under hsdp the groups share the folder `checkpoints` (`cpu_group`: this group's ranks);
+    `attempt`: which restart of its launcher this group is (DistInfo.attempt)."""
     if group is None:
         return ReplicaGroups()
     p, t, ft = cfg.parallel, cfg.train, cfg.ft
@@ -365,10 +366,11 @@ def build_replicas(cfg, *, group: int | None, state: Callable[[], dict[str, Any]
                 **{f"parallel.{k}": getattr(p, k) for k in ("dp_shard", "tp", "pp", "cp", "ep")}}
     if ft.mode == "hsdp":
         return HsdpGroups(ft, checkpoints=checkpoints, cpu_group=cpu_group, group=group, state=state,
-                          identity=identity, device=device)
+                          identity=identity, device=device, attempt=attempt)
     identity |= {f"ft.{k}": getattr(ft, k) for k in ("inner_steps", "fragments", "fragment_sync_delay",
                                                       "outer_lr", "outer_momentum")}
-    return DilocoGroups(ft, parts=parts, group=group, state=state, identity=identity, device=device)
+    return DilocoGroups(ft, parts=parts, group=group, state=state, identity=identity, device=device,
+                        attempt=attempt)
 
 
 def group_dir(run_dir: Path, group: int | None) -> Path:

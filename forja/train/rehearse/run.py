@@ -35,7 +35,7 @@ from forja.train.rehearse.kernels import device_checked_targets, flex_attention_
 from forja.train.rehearse.pipeline import static_stage_votes
 from forja.train.rehearse.routing import balanced_routing
 from forja.train.rehearse.tracker import AllocationTracker
-from forja.train.step.engine import build_engine
+from forja.train.step.build import build_engine
 
 EAGER_NOTE = ("rehearsed in eager mode on the CPU path: compiled graphs (async TP among them) and Triton kernels "
               "cannot run on fake tensors (FlexAttention as a stand-in holding what its kernel holds; one document "

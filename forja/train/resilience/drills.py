@@ -9,6 +9,9 @@ Each drill is `KIND@STEP[:rank=R][:group=G][:repeat][:seconds=S]`:
     slow@12          from step 12 on, every step sleeps `seconds` (default 0.2) first: a straggler
     bitflip@12       one bit of one weight flips as step 12 begins (default rank 0): silent data
                      corruption, for the fingerprint check (ft.check_interval) to catch
+    gradflip@12      one bit of one gradient flips in step 12's first run (default rank 0), and
+    actflip@12       one bit of the first block's output does: transient faults a gradient
+                     carries, for the rerun of a sampled step (ft.rerun_interval) to catch
     :rank=R          only on rank R (nan and spike default to every rank)
     :group=G         only in fault-tolerant replica group G ([ft]; kill@12:group=1 is rank 0 of group 1)
     :repeat          nan/spike fire every time step 12 is trained, replays included: a bad batch.
@@ -76,6 +79,11 @@ def corrupt_weights(fault: str | None, parts: list, rank: int) -> None:
         from forja.train.resilience.fingerprint import flip_one_bit
 
         _say(f"drill bitflip: rank {rank} flips {flip_one_bit(parts)}")
+
+
+def flipped(fault: str | None) -> str | None:
+    """What a gradflip or actflip fault flips a bit of in the step's first run (StepScales.flip)."""
+    return {"gradflip": "gradient", "actflip": "activation"}.get(fault)
 
 
 def loss_factor(fault: str | None) -> float:

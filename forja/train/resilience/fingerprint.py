@@ -25,10 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-_AS_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-FLIPPED_BIT = 10
-"""The bit a `bitflip` drill flips: a low mantissa bit of a float32 weight (a change of about 1e-4
-of its value: silent, the loss moves by far less than a spike)."""
+from forja.train.step.rerun import FLIPPED_BIT, fingerprint, flip_bit
 
 
 def _held(parts: list[nn.Module]) -> list[torch.Tensor]:
@@ -43,20 +40,13 @@ def _held(parts: list[nn.Module]) -> list[torch.Tensor]:
 def weights_fingerprint(parts: list[nn.Module]) -> int:
     """The sum of the bit patterns of this rank's weights, each tensor's sum weighted by its
     position (so two swapped tensors differ too), modulo 2**64."""
-    held = _held(parts)
-    total = torch.zeros((), dtype=torch.int64, device=held[0].device if held else "cpu")
-    for index, w in enumerate(held):
-        bits = w.contiguous().view(_AS_INT[w.element_size()])
-        total += bits.sum(dtype=torch.int64) * (2 * index + 1)  # int64 wraps: exact modulo 2**64
-    return int(total)  # the one host sync
+    return int(fingerprint(_held(parts)))  # the one host sync
 
 
 def flip_one_bit(parts: list[nn.Module]) -> str:
     """The `bitflip` drill: bit FLIPPED_BIT of the first element of this rank's first weight."""
     w = _held(parts)[0]
-    with torch.no_grad():
-        flat = w.view(-1)[:1].view(_AS_INT[w.element_size()])
-        flat.bitwise_xor_(1 << FLIPPED_BIT)
+    flip_bit(w)
     return f"bit {FLIPPED_BIT} of the first element of its first weight, {tuple(w.shape)}"
 
 

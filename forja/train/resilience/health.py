@@ -40,7 +40,8 @@ class Anomaly:
     """What was wrong with a step."""
 
     kind: str
-    """"nonfinite", "spike" or "mismatch" (replicas' weights differ: forja/train/resilience/fingerprint.py)."""
+    """"nonfinite", "spike", "mismatch" (replicas' weights differ: forja/train/resilience/fingerprint.py)
+    or "rerun" (a sampled step's rerun differed: forja/train/step/rerun.py)."""
     metric: str
     """"loss" or "grad_norm" ("weights" for a mismatch)."""
     value: float
@@ -48,14 +49,14 @@ class Anomaly:
     """Rolling mean and standard deviation it was judged against (spikes only)."""
     std: float | None = None
     text: str = ""
-    """A mismatch: which ranks differ."""
+    """A mismatch or a rerun: which ranks differ."""
 
     @property
     def sigmas(self) -> float | None:
         return None if self.std is None else (self.value - self.mean) / self.std
 
     def describe(self) -> str:
-        if self.kind == "mismatch":
+        if self.kind in ("mismatch", "rerun"):
             return self.text
         if self.kind == "nonfinite":
             return f"the {self.metric} is {self.value}"

@@ -38,6 +38,7 @@ from forja.metrics.sinks import Sink
 from forja.train.config import TrainConfig
 from forja.train.resilience.health import Anomaly, Health
 from forja.train.step.engine import StepOutput
+from forja.train.step.rerun import RerunVerdict
 
 
 class Outcome(enum.Enum):
@@ -95,8 +96,11 @@ class Recovery:
 
     def step(self, step: int, out: StepOutput) -> Outcome:
         """Act on the engine's step `step` and the guard's verdict on it: record a good one (and
-        replay's verdict at the replayed bad step), skip, roll back, or stop with a ForjaError."""
+        replay's verdict at the replayed bad step), skip, roll back, or stop with a ForjaError.
+        A sampled step's rerun that differed is recorded first (`rerun_differed`)."""
         anomaly, self._anomaly = self._anomaly, None
+        if out.rerun is not None:  # a sampled step's runs differed: recorded, or the run stops
+            self.rerun_differed(step, out.rerun)
         if anomaly is not None:
             return self._on_anomaly(step, anomaly)
         if out.skipped:
@@ -122,6 +126,16 @@ class Recovery:
         raise ForjaError(f"step {step}: silent data corruption: {text}, and {why}: training stopped; {self._kept()}. "
                          "Check that rank's device (memory errors, a faulty unit), and keep train.rollback.max > 0 "
                          "so that the run goes back to its last checkpoint")
+
+    def rerun_differed(self, step: int, verdict: RerunVerdict) -> None:
+        """A sampled step's rerun differed from its first run (forja/train/step/rerun.py): a
+        transient fault is recorded and the step goes on with the result a third run agreed with;
+        a rank that never gives the same result twice stops the run (a rollback would meet it again)."""
+        anomaly = Anomaly("rerun", "step", 1.0, text=verdict.text)
+        self._event(step, anomaly, "go on" if verdict.reproducible else "stop")
+        if not verdict.reproducible:
+            raise ForjaError(f"step {step}: silent data corruption: {verdict.text}: training stopped; {self._kept()}. "
+                             "Take that rank's device out of the job (memory errors, a faulty unit) and resume")
 
     # -- anomalies: skip, stop or roll back ----------------------------------------------------
     def _on_anomaly(self, step: int, anomaly: Anomaly) -> Outcome:

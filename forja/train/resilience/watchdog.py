@@ -70,14 +70,6 @@ def grace_s(timeout_s: float) -> float:
     return min(60.0, max(5.0, timeout_s / 4))
 
 
-def restart_attempt() -> int:
-    """Which torchelastic restart this process belongs to (0 outside torchrun)."""
-    try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    except ValueError:
-        return 0
-
-
 def _under(path: str, folder: str) -> bool:
     return path.startswith(folder + os.sep)
 
@@ -219,13 +211,13 @@ class Watchdog:
     normal exit could run); tests pass a hook that records the code instead.
     """
 
-    def __init__(self, run_dir: Path | str, *, rank: int, world_size: int, timeout_s: float,
+    def __init__(self, run_dir: Path | str, *, rank: int, world_size: int, timeout_s: float, attempt: int = 0,
                  exit: Callable[[int], Any] = os._exit) -> None:
         if timeout_s <= 0:
             raise ValueError(f"Watchdog timeout_s = {timeout_s} must be > 0")
         self.hang_dir = Path(run_dir) / "hang"
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        self.attempt = restart_attempt()
+        self.attempt = attempt  # the launcher's restart count (DistInfo.attempt): reports of other attempts are old
         self._exit = exit
         self._interval = min(1.0, timeout_s / 10)
         self._last: tuple[str, int | None, float] = ("start", None, time.monotonic())

@@ -11,7 +11,7 @@ The trainer then makes two calls and never asks how the model is laid out:
     engine.logits(tokens)     -> (B, T, V) | None   forward only, for downstream evaluation
 
 `StepEngine` runs a whole model per rank (one process, DDP/FSDP/HSDP, TP, CP);
-`PipelineEngine` runs this rank's pipeline stages through the schedule.
+`PipelineEngine` (pipelined.py) runs this rank's pipeline stages through the schedule.
 
 The loss of a step is the mean next-token cross-entropy over every token of the global
 batch. Every micro-batch has the same number of tokens (packed sequences, no padding), so
@@ -66,12 +66,12 @@ from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.parallel import ParallelDims, local_value, loss_context
 from forja.parallel.cp import ContextParallel, LocalPart
 from forja.parallel.fsdp import hold_gradients
-from forja.parallel.pp import Pipeline
 from forja.train.step.attention_logits import AttentionLogits
 from forja.train.step.experts import ExpertBalance
-from forja.train.step.groups import ReplicaGroups
+from forja.train.step.groups import ReplicaGroups, Share
 from forja.train.step.hooks import Reduce, ReduceGroups, StepDone, StepHook, StepShare, Tally
 from forja.train.step.mtp import MTPLosses
+from forja.train.step.rerun import Rerun, RerunVerdict, flip_bit, flipped_activation
 from forja.train.step.scaler import LossScaler, LossScaling, unscale_
 
 
@@ -85,6 +85,9 @@ class StepScales:
     guard sees it."""
     lr: float = 1.0
     """Multiplies every learning rate for this step (the schedule sets them afresh at its next step)."""
+    flip: str | None = None
+    """A drill's flipped bit in this rank's first run of the step: "gradient" (one value of its
+    gradients after the backward) or "activation" (one value of its first block's output)."""
 
 
 @dataclass
@@ -105,6 +108,8 @@ class StepOutput:
     committed: bool = True
     """False when a fault-tolerant replica group did not finish the step (forja/train/ft): nothing
     stepped, not even the schedule, and the step is to be trained again by the groups left."""
+    rerun: RerunVerdict | None = None
+    """A sampled step whose rerun differed from its first run (forja/train/step/rerun.py)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Further figures of the step (a mixture of experts' load and auxiliary losses, multi-token
     prediction's per-depth losses `mtp/loss_{k}`; under fp16
@@ -162,14 +167,23 @@ class StepEngine:
 
     # -- one step ----------------------------------------------------------------------------
     def train_step(self, batches: Sequence, *, guard: Callable[[float, float], bool] | None = None,
-                   scales: StepScales | None = None) -> StepOutput:
+                   scales: StepScales | None = None, rerun: bool = False,
+                   replica_share: Share = Share()) -> StepOutput:
         """Forward and backward of `batches` (this rank's micro-batches of one step), then
         the optimizer step unless the loss or gradient norm is not finite or `guard(loss,
         grad_norm)` refuses them (returns True). Under fp16 an overflow skips the step without
-        asking `guard`."""
-        share = self._begin(len(batches), scales or StepScales())
+        asking `guard`. With `rerun`, the forward and backward run again and the two results
+        are compared (silent data corruption, forja/train/step/rerun.py). `replica_share`: the
+        part of the job's batch `batches` are, under [ft] (the groups' begin_step said it)."""
+        scales = scales or StepScales()
+        share = self._begin(len(batches), scales)
         try:
-            loss = self.forward_backward(batches)
+            if rerun:
+                blocks = [block for part in self.parts for block in part.layers.values()]
+                loss, verdict = Rerun(lambda first: self._run(batches, share, first), self._local_grads, blocks,
+                                      self.device).run()
+            else:
+                loss, verdict = self._run(batches, share, True), None
         finally:
             self._scales, self._share = StepScales(), StepShare()
         self.sync_tied_copies()
@@ -184,7 +198,7 @@ class StepEngine:
         refused = [hook for hook in self.hooks if hook.refuses(loss_value, norm_value)]  # fp16's overflow
         vetoed = bool(guard(loss_value, norm_value)) if guard is not None and not refused else False
         skipped = bool(refused) or vetoed or not (math.isfinite(loss_value) and math.isfinite(norm_value))
-        groups = self.replicas.share.count
+        skipped = skipped or (verdict is not None and not verdict.reproducible)  # no good result to step with
         if together and not self.replicas.commit():  # a group failed mid-step
             self.optimizers.zero_grad(set_to_none=True)
             return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=0, lr=lr, skipped=True,
@@ -193,23 +207,33 @@ class StepEngine:
         metrics: dict[str, float] = {}
         for hook in self.hooks:  # after the optimizer step: the router's bias and QK-clip follow it
             metrics |= hook.end(StepDone(stepped=not skipped))
-        tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp * groups
+        tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp * replica_share.count
         return StepOutput(loss=loss_value, grad_norm=norm_value, tokens=tokens, lr=lr, skipped=skipped,
-                          metrics=metrics)
+                          rerun=verdict, metrics=metrics)
 
     def _begin(self, n: int, scales: StepScales) -> StepShare:
         """The step's share, told to the hooks and the modules' context; the learning rates' factor."""
-        self.optimizers.zero_grad(set_to_none=True)
         if scales.lr != 1.0:
             for opt in self.optimizers.optimizers:
                 for group in opt.param_groups:
                     group["lr"] = group["lr"] * scales.lr
         share = StepShare(n, loss_scale=math.prod((hook.loss_scale for hook in self.hooks), start=1.0))
+        self._scales, self._share = scales, share
+        return share
+
+    def _run(self, batches: Sequence, share: StepShare, first: bool) -> torch.Tensor:
+        """One run of the step's forwards and backwards from zeroed gradients and fresh hooks; a
+        flip drill acts in the first run only (a transient fault)."""
+        self.optimizers.zero_grad(set_to_none=True)
         self.step_context.begin_step(share.aux_loss_share)
         for hook in self.hooks:
             hook.begin(share)
-        self._scales, self._share = scales, share
-        return share
+        flip = self._scales.flip if first else None
+        with flipped_activation(self.parts[0] if flip == "activation" else None):
+            loss = self.forward_backward(batches)
+        if flip == "gradient" and (grads := self._local_grads()):
+            flip_bit(grads[0])
+        return loss
 
     def _tally(self, loss: torch.Tensor, norm: torch.Tensor, together: bool) -> tuple[float, float]:
         """The loss's mean over the data ranks (the norm is already global) and every hook's values,
@@ -365,86 +389,6 @@ class StepEngine:
         return loss_context(self.dims.tp)
 
 
-class PipelineEngine(StepEngine):
-    """Steps of this rank's pipeline stages, run by the schedule."""
-
-    def __init__(self, parts: list[Transformer], optimizers: OptimizerGroup, scheduler: SchedulerGroup,
-                 dims: ParallelDims, *, pipeline: Pipeline, **kwargs):
-        super().__init__(parts, optimizers, scheduler, dims, **kwargs)
-        self.pipeline = pipeline
-        # The distinct Parameters holding a tied embedding here: the first stage's embedding
-        # and the last stage's copy (both, on a V schedule's rank 0).
-        held = {id(p): p for part in parts for name, p in part.named_parameters() if name in part.tied_parameters()}
-        self._tied = list(held.values())
-        if self.context is not None:  # each stage makes its micro-batch's part of the rows
-            for part in parts:
-                part.register_forward_pre_hook(self.context.stage_hook, with_kwargs=True)
-
-    @property
-    def model(self) -> Transformer | None:
-        return None  # no rank holds every layer
-
-    def forward_backward(self, batches: Sequence) -> torch.Tensor:
-        inputs = [self._inputs(b) for b in batches]
-        tokens = torch.cat([t for t, _, _ in inputs])  # (local batch, T)
-        labels = torch.cat([y for _, y, _ in inputs])
-        doc_ids = torch.cat([d for _, _, d in inputs]) if self.document_mask else None
-        rows = None
-        if self.context is not None:  # this rank's part of each row; the stages get the rows' documents
-            tokens, labels, rows = self.context.split_rows(tokens, labels, doc_ids)
-            doc_ids = None
-        # The schedule interleaves forwards and backwards, so backwards run inside autocast too;
-        # autograd gives each backward op its forward op's dtype either way.
-        # The schedule keeps the loss function of its first step: the step's labels are read from here.
-        self._step_labels = batches[0].step_labels if self._padded(batches) else 0
-        with self.autocast(), self._loss_context():
-            losses = self.pipeline.step(tokens, labels, doc_ids, n_batches=len(batches), loss_fn=self._pipeline_loss,
-                                        cp_rows=rows)
-        total = torch.zeros((), device=self.device)
-        for loss in losses:  # the last stage's; train_step's sum over the stages passes it on
-            total += local_value(loss.detach())
-        return total
-
-    def _pipeline_loss(self, out: torch.Tensor, n: int, labels: torch.Tensor) -> torch.Tensor:
-        """A schedule micro-batch's part of the step's loss: with padding, weighed by its labels."""
-        if self._step_labels:
-            out = out * self._label_share(labels, self._step_labels, n)
-        return self.microbatch_loss(out, n)
-
-    @torch.no_grad()
-    def eval_loss(self, batch) -> torch.Tensor:
-        """Mean loss of one micro-batch, forward through the stages, the same on every pp rank."""
-        tokens, labels, doc_ids = self._inputs(batch)
-        with self.autocast(), self._loss_context():
-            loss = self.pipeline.forward(tokens, labels, doc_ids)
-        value = local_value(loss) if loss is not None else torch.zeros((), device=self.device)
-        return self.pipeline.from_last_stage(value.float())
-
-    def _logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        return self.pipeline.forward(tokens, labels=None, document_ids=None)
-
-    def sync_tied_copies(self) -> None:
-        """Sum the gradients of a tied embedding's copies (first and last stage), so both
-        copies take the same optimizer step and stay equal: together they get the gradient
-        the one shared weight gets in the whole model."""
-        held = [p for p in self._tied if p.grad is not None]
-        if not held:
-            return  # a middle stage, or an untied model
-        for p in held:
-            # TP leaves the embedding's gradient replicated; lay it out as the weight is, so
-            # both ends hold the same shard (a local slice, no communication).
-            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in held]
-        total = local[0]  # summed in place: no copy of an embedding-sized gradient per step
-        for g in local[1:]:  # a V schedule's rank 0 holds both copies
-            total.add_(g)
-        if not self.pipeline.ends_on_one_rank:
-            dist.all_reduce(total, group=self.dims.pp_ends_group)
-        for g in local[1:]:
-            g.copy_(total)
-
-
 def _each_weight_once(parts: list[Transformer]) -> list[nn.Parameter]:
     """The parameters the gradient norm counts: a pipeline stage's copy of a tied embedding
     (stored under the embedding's name) is a second holder of one weight, not a second weight."""
@@ -473,16 +417,3 @@ def _note_plain_flex(args, document_mask: bool) -> None:
         fallbacks.record("attention.flex.causal", asked='model.attention = "flex"', instead="SDPA's causal kernel",
                          why="no document masks (model.document_mask = false), windows or sinks to apply",
                          fix="set model.document_mask = true for FlexAttention's document masks")
-
-
-def build_engine(parts: list[Transformer], pipeline: Pipeline | None, optimizers: OptimizerGroup,
-                 scheduler: SchedulerGroup, dims: ParallelDims, *, device: torch.device, precision: str,
-                 grad_clip: float, document_mask: bool, scaler: LossScaler | None = None,
-                 replicas: ReplicaGroups | None = None, grad_sync: str = "micro-batch") -> StepEngine:
-    """The engine for this layout: a pipeline's when the parts are pipeline stages. `scaler`
-    scales the loss (train.precision = "fp16"); `replicas` averages over torchft replica groups."""
-    kwargs = dict(device=device, compute_dtype=compute_dtype(precision, device), grad_clip=grad_clip,
-                  document_mask=document_mask, scaler=scaler, replicas=replicas)
-    if pipeline is None:
-        return StepEngine(parts, optimizers, scheduler, dims, grad_sync=grad_sync, **kwargs)
-    return PipelineEngine(parts, optimizers, scheduler, dims, pipeline=pipeline, **kwargs)

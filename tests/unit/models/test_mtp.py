@@ -194,7 +194,7 @@ def _engine(dims, depth: int, parallel=None):
     from forja.optim.config import OptimConfig, ScheduleConfig
     from forja.parallel import ParallelConfig
     from forja.train.build import build_model_parts
-    from forja.train.step.engine import build_engine
+    from forja.train.step.build import build_engine
 
     args = model_args("deepseek_v3", "debug", **_TINY, mtp_depth=depth)
     parts = build_model_parts(args, dims, parallel or ParallelConfig(), device=torch.device("cpu"), seed=0).parts

@@ -20,7 +20,7 @@ from forja.optim.qk_clip import clip_factors, row_factors, scale_rows
 from forja.parallel import ParallelConfig, ParallelDims
 from forja.train.build import build_model_parts
 from forja.train.step.attention_logits import head_rows
-from forja.train.step.engine import build_engine
+from forja.train.step.build import build_engine
 from tests.integration.conftest import (
     read_metrics,
     train_args,

@@ -95,15 +95,14 @@ def test_it_never_fires_before_start(tmp_path):
     assert recorder.codes == []
 
 
-def test_start_removes_a_stale_report_of_the_same_attempt_only(tmp_path, monkeypatch):
+def test_start_removes_a_stale_report_of_the_same_attempt_only(tmp_path):
     hang = tmp_path / "hang"
     hang.mkdir()
     (hang / "rank0.txt").write_text(json.dumps({"rank": 0, "attempt": 2}) + "\n\nstacks\n")
     (hang / "rank1.txt").write_text(json.dumps({"rank": 1, "attempt": 1}) + "\n\nstacks\n")
     (hang / "summary.txt").write_text("forja hang watchdog: ... (attempt 2, 2 ranks)\n")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    for rank in (0, 1):
-        dog = Watchdog(tmp_path, rank=rank, world_size=2, timeout_s=60, exit=ExitRecorder())
+    for rank in (0, 1):  # the launcher's restart 2 (DistInfo.attempt)
+        dog = Watchdog(tmp_path, rank=rank, world_size=2, timeout_s=60, attempt=2, exit=ExitRecorder())
         dog.start()
         dog.stop()
     assert sorted(p.name for p in hang.iterdir()) == ["rank1.txt"]  # attempt 1's: another restart's hang

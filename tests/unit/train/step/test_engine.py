@@ -13,7 +13,8 @@ from forja.optim import OptimizerGroup, SchedulerGroup
 from forja.optim.config import OptimConfig, ScheduleConfig
 from forja.parallel import ParallelConfig
 from forja.train.build import build_model_parts
-from forja.train.step.engine import StepEngine, build_engine
+from forja.train.step.build import build_engine
+from forja.train.step.engine import StepEngine
 
 
 @dataclass

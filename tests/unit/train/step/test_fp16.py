@@ -18,7 +18,8 @@ from forja.parallel import ParallelConfig
 from forja.parallel.checks import LayoutRequest, check_layout
 from forja.train.build import build_model_parts
 from forja.train.config import TrainConfig
-from forja.train.step.engine import StepScales, build_engine
+from forja.train.step.build import build_engine
+from forja.train.step.engine import StepScales
 from forja.train.step.scaler import LossScaler, loss_scaler
 
 from .test_engine import _batches

@@ -20,7 +20,7 @@ from forja.optim.config import OptimConfig, ScheduleConfig
 from forja.parallel import ParallelConfig, ParallelDims
 from forja.train.build import build_model_parts
 from forja.train.step.attention_logits import AttentionLogits
-from forja.train.step.engine import build_engine
+from forja.train.step.build import build_engine
 from forja.train.step.experts import ExpertBalance
 from forja.train.step.hooks import Reduce, ReduceGroups, StepShare, Tally
 from forja.train.step.mtp import MTPLosses
