@@ -162,6 +162,8 @@ class CheckpointManager:
         """Seconds the last `save()` blocked its caller (None before the first save)."""
         self.last_total_s: float | None = None
         """Seconds from the start of the last finalized save to its finalization."""
+        self.slow_write_s = 0.0
+        """A drill's (slowsave): the next save's write takes this much longer, in the writing thread."""
 
     # -- finding ----------------------------------------------------------------------------
     def latest(self) -> Path | None:
@@ -224,10 +226,12 @@ class CheckpointManager:
             self._remove(partial)
         barrier()
         try:
+            slow, self.slow_write_s = self.slow_write_s, 0.0
             if self.cfg.async_save:
-                self._pending = self._start_async(state, partial, meta, start)
+                self._pending = self._start_async(state, partial, meta, start, slow)
             else:
                 dcp.save(state, **remote.dcp_target(partial, write=True))
+                time.sleep(slow)
                 files = self._files(partial)
         except (OSError, CheckpointException) as exc:
             self._abandon(partial, exc)
@@ -261,7 +265,8 @@ class CheckpointManager:
             return remote.sizes(partial, self.rank)
         return digests(partial, own_files(partial, self.rank))
 
-    def _start_async(self, state: dict[str, Any], partial: Path | str, meta: dict, start: float) -> _PendingSave:
+    def _start_async(self, state: dict[str, Any], partial: Path | str, meta: dict, start: float,
+                     slow: float = 0.0) -> _PendingSave:
         # torch's default staging, made here so that it can be closed when the write is done
         # (torch 2.11 never closes the one it makes, and its cached copy of the whole state
         # then lives until a full garbage collection).
@@ -272,15 +277,17 @@ class CheckpointManager:
         except BaseException:
             stager.close()
             raise
-        return _PendingSave(self._then_hash(future, partial), stager, partial, meta, start)
+        return _PendingSave(self._then_hash(future, partial, slow), stager, partial, meta, start)
 
-    def _then_hash(self, write: concurrent.futures.Future, partial: Path | str) -> concurrent.futures.Future:
+    def _then_hash(self, write: concurrent.futures.Future, partial: Path | str,
+                   slow: float = 0.0) -> concurrent.futures.Future:
         """A future of this rank's digests, computed by the writing thread once `write` is done
         (the files are then in the page cache, and the main thread keeps training)."""
         hashed: concurrent.futures.Future = concurrent.futures.Future()
 
         def hash_files(done: concurrent.futures.Future) -> None:
             try:
+                time.sleep(slow)  # a slowsave drill: the write is in flight this much longer
                 if (error := done.exception()) is not None:
                     hashed.set_exception(error)
                 else:

@@ -76,7 +76,7 @@ class RollbackConfig:
 
 # The grammar of a debug.inject entry (forja/train/resilience/drills.py acts the drills out). It is
 # parsed here, at the config's floor, so [debug] refuses a bad entry at load time.
-DRILL_KINDS = ("nan", "spike", "kill", "hang", "slow", "bitflip", "gradflip", "actflip")
+DRILL_KINDS = ("nan", "spike", "kill", "hang", "slow", "bitflip", "gradflip", "actflip", "slowsave")
 _DRILL_SPEC = re.compile(r"(?P<kind>[a-z]+)@(?P<step>\d+)(?P<opts>(:[a-z]+(=[0-9.]+)?)*)")
 _DRILL_GRAMMAR = "KIND@STEP[:rank=R][:group=G][:repeat][:seconds=S] with KIND one of " + ", ".join(DRILL_KINDS)
 
@@ -122,7 +122,7 @@ class DebugConfig:
 
     inject: list[str] = field(default_factory=list)
     """Faults to inject, each KIND@STEP[:rank=R][:group=G][:repeat][:seconds=S] with KIND nan, spike,
-    kill, hang, slow, bitflip, gradflip or actflip (forja/train/resilience/drills.py); empty: none."""
+    kill, hang, slow, bitflip, gradflip, actflip or slowsave (forja/train/resilience/drills.py); empty: none."""
 
     def __post_init__(self) -> None:
         for spec in self.inject:

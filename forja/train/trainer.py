@@ -48,7 +48,7 @@ from forja.train.launch.finished import finished
 from forja.train.launch.preflight import Preflight
 from forja.train.launch.run_dir import RunDir, report_fallbacks
 from forja.train.probes import ActivationSizes
-from forja.train.resilience.drills import Drills, corrupt_weights, flipped, loss_factor
+from forja.train.resilience.drills import Drills, flipped, loss_factor
 from forja.train.resilience.fingerprint import FingerprintCheck
 from forja.train.resilience.goodput import Goodput
 from forja.train.resilience.recovery import Outcome, Recovery
@@ -251,11 +251,12 @@ class Trainer:
             return
         self.begin()
         last_saved = self.counters.step if self.checkpoints.latest() else -1
+        acted = self.counters.step  # the last step the loop validated and saved after
         while self.counters.step < cfg.train.steps and self.train_one_step():
-            step = self.counters.step
+            step, fresh, acted = self.counters.step, self.counters.step != acted, self.counters.step
             self.checkpoints.poll()  # an async save every rank finished becomes the latest checkpoint
-            if self.recovery.is_replay(step):
-                continue  # validated and saved the first time round
+            if not fresh or self.recovery.is_replay(step):  # [ft]: a step not committed is trained again;
+                continue  # a replayed one was validated and saved the first time round
             if cfg.train.val_interval and self._leads() and (step % cfg.train.val_interval == 0
                                                                or step == cfg.train.steps):
                 self.validate()  # [ft]: by the first live group alone
@@ -280,7 +281,7 @@ class Trainer:
         self.watchdog.beat("step", step)
         start = time.perf_counter()
         fault = self.drills.before_step(step)
-        corrupt_weights(fault, self.parts, self.rank)  # a bitflip drill
+        self.drills.act_on_state(fault, self.parts, self.checkpoints)  # a bitflip or slowsave drill
         waited = self.loader.data_wait_s
         batches = self.loader.next_step(share.index, share.count)
         data_wait = self.loader.data_wait_s - waited

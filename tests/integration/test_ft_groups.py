@@ -8,9 +8,11 @@ import json
 import os
 import signal
 import time
+from datetime import datetime
 
 import pytest
 
+from forja.checkpoint.verify import damage
 from tests.integration.conftest import forja_process, read_metrics, train_args
 
 # Their drills order a kill, a heal and a quorum by sleeps of about a second: run alone (Makefile).
@@ -37,18 +39,21 @@ def _wait_for_step(run, step: int, proc, timeout: float = 120) -> None:
 
 @pytest.mark.slow
 def test_a_killed_group_and_a_lost_lighthouse_leave_the_run_going(tmp_path, train_data):
-    """Group 1 dies by SIGKILL as step 5 begins; group 0 trains on (alone while group 1 is away),
-    group 1 is restarted by its torchrun, heals from group 0 and rejoins. Later the lighthouse is killed; the launcher
-    starts it
-    again on its port and both groups go on. Every step is recorded once, and the groups end with
-    the same weights."""
+    """Group 1 dies by SIGKILL as step 5 begins, while group 0's async save of step 4 is in flight
+    (the slowsave drill holds its write 6 s); group 0 trains on (alone while group 1 is away),
+    group 1 is restarted by its torchrun, heals from group 0 and rejoins. The restart touches no
+    checkpoint: the save in flight completes, intact. Later the lighthouse is killed; the launcher
+    starts it again on its port and both groups go on. Every step is recorded once, and the
+    groups end with the same weights."""
     run = tmp_path / "ft"
-    drills = json.dumps(["kill@5:group=1", "slow@1:seconds=0.3"])
+    drills = json.dumps(["kill@5:group=1", "slow@1:seconds=0.3", "slowsave@4:group=0:seconds=6"])
     # The lighthouse drops the silent group after 1 s, before its torchrun can have it heartbeating
     # again (a restart imports torch: 2 s or more); with the default 3 s a quick restart is back in
     # time for step 5's retry, and group 0 never trains alone.
-    proc = forja_process(train_args(run, train_data, **FT, **{"debug.inject": drills, "ft.heartbeat_timeout_s": "1"})
-                         + ["--ft-groups", "2", "--nproc", "1", "--max-restarts", "1"])
+    changes = {**FT, "debug.inject": drills, "ft.heartbeat_timeout_s": "1", "checkpoint.interval": "4",
+               "checkpoint.keep": "0", "checkpoint.async_save": "true"}
+    proc = forja_process(train_args(run, train_data, **changes) + ["--ft-groups", "2", "--nproc", "1",
+                                                                   "--max-restarts", "1"])
     _wait_for_step(run, 12, proc)
     lighthouse = json.loads((run / "ft" / "lighthouse.json").read_text())
     os.kill(lighthouse["pid"], signal.SIGKILL)
@@ -75,6 +80,13 @@ def test_a_killed_group_and_a_lost_lighthouse_leave_the_run_going(tmp_path, trai
     # machine can leave it out of the quorum as the lighthouse comes back).
     missed = sum(1 for r in records if r["step"] > healed[0] and r["ft/groups"] == 1)
     assert summaries[1]["steps_trained"] == STEPS - healed[0] - missed
+    # The save of step 4 was still in flight when group 1's restart began, and completed intact.
+    folder = run / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == [f"step-{s:08d}" for s in (4, 8, 12, 16, 20)]
+    restarted = datetime.fromisoformat(json.loads((run / "ft" / "group1" / "run.json").read_text())
+                                       ["launches"][1]["time"]).timestamp()
+    assert (folder / "step-00000004" / "forja.json").stat().st_mtime > restarted
+    assert damage(folder / "step-00000004", checksums=True) is None
 
 
 def test_an_unreachable_lighthouse_stops_the_launch_before_anything_is_written(tmp_path, train_data):
@@ -96,7 +108,9 @@ def test_a_group_back_after_the_leader_finished_trains_nothing_again(tmp_path, t
     The launcher alone wrote run.json (one launch, both groups) and config.toml; each group's
     launches are in its own ft/group<g>/run.json."""
     run = tmp_path / "late"
-    changes = {**FT, "train.steps": "24", "checkpoint.interval": "8", "debug.inject": json.dumps(["kill@12:group=1"])}
+    # The silent group is dropped after 1 s, so that the leader finishes well before its restart is back.
+    changes = {**FT, "train.steps": "24", "checkpoint.interval": "8", "debug.inject": json.dumps(["kill@12:group=1"]),
+               "ft.heartbeat_timeout_s": "1"}
     proc = forja_process(train_args(run, train_data, **changes) + ["--ft-groups", "2", "--nproc", "1",
                                                                    "--max-restarts", "2"])
     out = proc.communicate(timeout=300)[0]

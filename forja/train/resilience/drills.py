@@ -12,6 +12,8 @@ Each drill is `KIND@STEP[:rank=R][:group=G][:repeat][:seconds=S]`:
     gradflip@12      one bit of one gradient flips in step 12's first run (default rank 0), and
     actflip@12       one bit of the first block's output does: transient faults a gradient
                      carries, for the rerun of a sampled step (ft.rerun_interval) to catch
+    slowsave@12      the checkpoint saved after step 12 takes `seconds` longer to write (default
+                     rank 0): a save in flight, for a restart to meet
     :rank=R          only on rank R (nan and spike default to every rank)
     :group=G         only in fault-tolerant replica group G ([ft]; kill@12:group=1 is rank 0 of group 1)
     :repeat          nan/spike fire every time step 12 is trained, replays included: a bad batch.
@@ -47,6 +49,7 @@ class Drills:
         self.drills = [d for d in map(parse_drill, specs) if d.applies(rank, group)]
         self.ledger = Path(run_dir) / "drills" / f"rank{rank}.json"
         self.fired: set[str] = set(json.loads(self.ledger.read_text())) if self.ledger.is_file() else set()
+        self.seconds = 0.0  # of the drill that fired last
 
     def before_step(self, step: int) -> str | None:
         """Act out the drills of `step`; returns the fault the step's loss gets ("nan",
@@ -64,7 +67,7 @@ class Drills:
             if d.kind == "hang":
                 _say(f"drill {d.spec}: rank {self.rank} stops answering at the start of step {step}")
                 hang_forever()
-            fault = d.kind
+            fault, self.seconds = d.kind, d.seconds
         return fault
 
     def _mark(self, drill: Drill) -> None:
@@ -73,12 +76,16 @@ class Drills:
         write_atomic(self.ledger, json.dumps(sorted(self.fired)))
 
 
-def corrupt_weights(fault: str | None, parts: list, rank: int) -> None:
-    """Act out a `bitflip` fault returned by `Drills.before_step` on this rank's weights."""
-    if fault == "bitflip":
-        from forja.train.resilience.fingerprint import flip_one_bit
+    def act_on_state(self, fault: str | None, parts: list, checkpoints) -> None:
+        """Act out a fault of `before_step` on the run's state: `bitflip` on this rank's weights,
+        `slowsave` on the checkpoint manager's next save (forja/checkpoint/manager.py)."""
+        if fault == "bitflip":
+            from forja.train.resilience.fingerprint import flip_one_bit
 
-        _say(f"drill bitflip: rank {rank} flips {flip_one_bit(parts)}")
+            _say(f"drill bitflip: rank {self.rank} flips {flip_one_bit(parts)}")
+        if fault == "slowsave":
+            checkpoints.slow_write_s = self.seconds
+            _say(f"drill slowsave: rank {self.rank}'s next checkpoint takes {self.seconds:g} s longer to write")
 
 
 def flipped(fault: str | None) -> str | None:
