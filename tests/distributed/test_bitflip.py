@@ -33,8 +33,15 @@ def test_a_flipped_bit_in_one_ddp_replica_is_caught_and_rolled_back(tmp_path, tr
     """DDP over 2 ranks: rank 1's weight changes as step 5 begins; the check after step 6 finds the
     replicas apart, the run rolls back to step 4 and trains 5-8 again, and then every check agrees
     (the checks after steps 6 and 8, the one before the last checkpoint included). The replayed
-    steps equal a clean run's bit for bit (measured once by hand: bench/RESULTS.md)."""
-    ddp = {**CHECKED, "parallel.dp_replicate": "2", "parallel.dp_shard": "1"}
+    steps equal a clean run's bit for bit (measured once by hand: bench/RESULTS.md).
+
+    The same run reruns every second step (ft.rerun_interval = 2): rank 1's gradient flips a bit
+    in step 2's first run, its first block's output in step 4's. The weights never see those
+    faults (the replicas agree at the checks after steps 2 and 4); each rerun differs, a third run
+    agrees with it, and rank 1 is named: its gradients, then its forward."""
+    drills = ["bitflip@5:rank=1", "gradflip@2:rank=1", "actflip@4:rank=1"]
+    ddp = {**CHECKED, "parallel.dp_replicate": "2", "parallel.dp_shard": "1", "ft.rerun_interval": "2",
+           "debug.inject": json.dumps(drills)}
     run = tmp_path / "flipped"
     out = _train(run, train_data, ddp, "--nproc", "2")
     assert "drill bitflip: rank 1 flips bit 10" in out, out[-3000:]
@@ -44,6 +51,11 @@ def test_a_flipped_bit_in_one_ddp_replica_is_caught_and_rolled_back(tmp_path, tr
     assert sorted(losses(run)) == list(range(1, 9))
     replay = [r for r in read_metrics(run) if r.get("event") == "replay"]
     assert [r["verdict"] for r in replay] == ["transient"]  # the fault did not come back on replay
+    reruns = [r for r in read_metrics(run) if r.get("event") == "rerun"]
+    assert [(e["step"], e["action"]) for e in reruns] == [(2, "go on"), (4, "go on")]
+    texts = [r["text"] for r in read_records(run / "samples.jsonl") if r["name"] == "health"]
+    assert texts[0].startswith("step 2: the gradients of rank 1 differed between the step and its rerun"), texts
+    assert texts[1].startswith("step 4: the forward (its blocks' outputs) of rank 1 differed"), texts
 
 
 @pytest.mark.slow
@@ -61,21 +73,3 @@ def test_a_flipped_bit_in_one_replica_group_is_caught_and_rolled_back(tmp_path, 
     assert summaries[0]["weights_sha256"] == summaries[1]["weights_sha256"]
     assert [r["step"] for r in read_metrics(run) if "loss" in r][-1] == 8
 
-
-@pytest.mark.slow
-def test_a_flipped_bit_in_one_ranks_gradient_and_in_its_activations_is_caught_by_the_rerun(tmp_path, train_data):
-    """DDP over 2 ranks, every second step run again (ft.rerun_interval = 2): rank 1's gradient
-    flips a bit in step 2's first run, its first block's output in step 4's. Each rerun differs,
-    a third run agrees with it, and rank 1 is named (its gradients, then its forward): the
-    weights of both ranks never saw the fault, so no replica check is needed to catch it."""
-    ddp = {**COMMON, "train.steps": "4", "checkpoint.interval": "4", "metrics.interval": "1", "train.val_interval": "0",
-           "parallel.dp_replicate": "2", "parallel.dp_shard": "1", "ft.rerun_interval": "2",
-           "debug.inject": json.dumps(["gradflip@2:rank=1", "actflip@4:rank=1"])}
-    run = tmp_path / "rerun"
-    _train(run, train_data, ddp, "--nproc", "2")
-    events = [r for r in read_metrics(run) if r.get("event") == "rerun"]
-    assert [(e["step"], e["action"]) for e in events] == [(2, "go on"), (4, "go on")]
-    texts = [r["text"] for r in read_records(run / "samples.jsonl") if r["name"] == "health"]
-    assert texts[0].startswith("step 2: the gradients of rank 1 differed between the step and its rerun"), texts
-    assert texts[1].startswith("step 4: the forward (its blocks' outputs) of rank 1 differed"), texts
-    assert sorted(losses(run)) == [1, 2, 3, 4]

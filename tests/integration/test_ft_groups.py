@@ -1,12 +1,14 @@
 """Fault-tolerant replica groups (torchft, [ft]) on this machine: two groups of one Gloo rank and
 their lighthouse, started by `forja train --ft-groups 2`; a group killed and the lighthouse lost;
-a group back after the leader finished."""
+a group back after the leader finished; two launchers started at once."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from datetime import datetime
 
@@ -100,26 +102,43 @@ def test_an_unreachable_lighthouse_stops_the_launch_before_anything_is_written(t
     assert not run.exists()
 
 
-def test_a_group_back_after_the_leader_finished_trains_nothing_again(tmp_path, train_data):
-    """Group 1 killed at step 12 and restarted by its torchrun; group 0 trains steps 12-24 alone and
-    finishes. Group 1 finds the run finished (as it starts, as it resumes from the leader's last
-    checkpoint, or while it trains alone, as the leader's last save lands) and stops:
-    every step is recorded once, no checkpoint is written over the leader's, the launcher exits 0.
-    The launcher alone wrote run.json (one launch, both groups) and config.toml; each group's
-    launches are in its own ft/group<g>/run.json."""
+def test_two_launchers_at_once_and_a_group_back_after_the_leader_finished(tmp_path, train_data, monkeypatch):
+    """As scripts/ft_groups.sbatch starts them: a lighthouse of its own, then one launcher per
+    group (`--ft-group g --ft-lighthouse ADDR`), group 1's first. Group 1's launcher waits until
+    group 0's has prepared the run directory for this launch (ft/prepared.json). Group 1 is killed
+    at step 12 and restarted by its torchrun; group 0 trains steps 12-24 alone and finishes.
+    Group 1 finds the run finished (as it starts, as it resumes from the leader's last checkpoint,
+    or while it trains alone, as the leader's last save lands) and stops: every step is recorded
+    once, no checkpoint is written over the leader's, both launchers exit 0. Group 0's launcher
+    alone wrote run.json and config.toml; each group's launches are in its own ft/group<g>/run.json."""
     run = tmp_path / "late"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two launchers on one machine's 2 cores, one thread each
     # The silent group is dropped after 1 s, so that the leader finishes well before its restart is back.
-    changes = {**FT, "train.steps": "24", "checkpoint.interval": "8", "debug.inject": json.dumps(["kill@12:group=1"]),
-               "ft.heartbeat_timeout_s": "1"}
-    proc = forja_process(train_args(run, train_data, **changes) + ["--ft-groups", "2", "--nproc", "1",
-                                                                   "--max-restarts", "2"])
-    out = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0 and "ended with exit code" not in out, out[-5000:]
-    assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 25))  # each step once
-    assert ("is complete at step 24" in out or "replica group 1 stops at step" in out), out[-5000:]
+    lighthouse = subprocess.Popen([sys.executable, "-m", "forja.train.ft.lighthouse", "--port=0", "--min-groups=1",
+                                   "--join-timeout-s=10", "--heartbeat-timeout-s=1"], stdout=subprocess.PIPE, text=True)
+    try:
+        address = lighthouse.stdout.readline().strip()
+        changes = {**FT, "train.steps": "24", "checkpoint.interval": "8", "ft.heartbeat_timeout_s": "1",
+                   "debug.inject": json.dumps(["kill@12:group=1"])}
+        procs = []
+        for g in (1, 0):
+            procs.append(forja_process(train_args(run, train_data, **changes) + [
+                "--ft-groups", "2", "--ft-group", str(g), "--ft-lighthouse", address, "--nproc", "1",
+                "--max-restarts", "2"]))
+            time.sleep(0.5)
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=10)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    records = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 25))  # each step once
+    assert {r["ft/groups"] for r in records if r["step"] < 12} == {2}  # they started together
+    assert "is complete at step 24" in outs[0] or "replica group 1 stops at step" in outs[0], outs[0][-5000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-{s:08d}" for s in (8, 16, 24)]
+    assert json.loads((run / "ft" / "prepared.json").read_text())["launch"] == address
     (launch,) = json.loads((run / "run.json").read_text())["launches"]
-    assert launch["ft_groups"] == [0, 1]
+    assert launch["ft_groups"] == [0]
     # Group 1's restart records a launch of its own unless it found the run complete before starting.
     assert len(json.loads((run / "ft" / "group1" / "run.json").read_text())["launches"]) in (1, 2)
     assert len(json.loads((run / "ft" / "group0" / "run.json").read_text())["launches"]) == 1

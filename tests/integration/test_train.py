@@ -32,12 +32,13 @@ def test_short_run_learns_and_leaves_a_readable_run_dir(tmp_path, train_data):
 
 
 def test_kill_9_then_resume_gives_bit_identical_losses(tmp_path, train_data):
-    steps = {"train.steps": "40", "checkpoint.interval": "8"}
+    # Killed as step 4's checkpoint lands: 12 steps (about a second) before the run would end.
+    steps = {"train.steps": "16", "checkpoint.interval": "4"}
     reference = tmp_path / "uninterrupted"
     assert main(train_args(reference, train_data, **steps)) == 0
 
     run = tmp_path / "killed"
-    kill_then_resume(run, train_args(run, train_data, **steps), kill_at=8, last=40)
+    kill_then_resume(run, train_args(run, train_data, **steps), kill_at=4, last=16)
     assert losses(run) == losses(reference)  # every step, bit for bit (floats compare exactly)
 
 

@@ -7,8 +7,11 @@ quorum finds it. On a cluster each group is a job of its own (scripts/ft_groups.
 `forja train RECIPE --ft-groups G --ft-group g --ft-lighthouse HOST:PORT --nproc N`.
 
 The launcher of group 0 prepares the run directory once (so G groups do not race to create or
-wipe it, nor to write config.toml and run.json), tidies the checkpoint folder the groups share,
-and writes <run.dir>/ft/lighthouse.json: the lighthouse's address, pid and restarts. Each group
+wipe it, nor to write config.toml, run.json and the tokenizer, nor to prepare the data into the
+cache), tidies the checkpoint folder the groups share,
+and writes <run.dir>/ft/lighthouse.json: the lighthouse's address, pid and restarts, then
+ft/prepared.json, which the other launchers of the launch (other groups', other machines') wait
+for before they start their groups: none writes into the directory before it is ready. Each group
 writes only files of its own (ft/group<g>/: its launches, goodput, summary), and its leader the
 run's metrics and checkpoints.
 """
@@ -100,12 +103,19 @@ def launch_groups(args: argparse.Namespace, cfg, *, launcher_preflight, torchrun
         address = as_url(args.ft_lighthouse)
         check_lighthouse(address, cfg.ft.timeout_s)
     directory = RunDir(cfg)
-    if _prepares(here, args.nnodes):  # one launcher prepares the directory and tidies the shared checkpoints
+    prepares = _prepares(here, args.nnodes)
+    if prepares:  # one launcher prepares the directory, the data and the shared checkpoints
         directory.prepare(launch={"ft_groups": here})
         tidy_checkpoints(cfg, directory.checkpoints)
+        prepare_data(cfg, directory.path)
     record = directory.path / "ft" / "lighthouse.json"
     lighthouse = None if args.ft_lighthouse else Lighthouse(cfg, record)
     address = lighthouse.address if lighthouse else address
+    if prepares:  # the other launchers of this launch start their groups once this is written
+        (directory.path / PREPARED).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(directory.path / PREPARED, json.dumps({"launch": launch_key(address), "time": time.time()}))
+    else:
+        wait_for_preparer(directory.path, launch_key(address), cfg.ft.quorum_timeout_s)
     env = {**os.environ, LIGHTHOUSE_ENV: address, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            "RUST_LOG": os.environ.get("RUST_LOG", "warn"), **_threads(len(here) * (args.nproc or 1))}
     procs = {g: subprocess.Popen(cmd, env={**env, GROUP_ENV: str(g)}) for g in here}
@@ -118,6 +128,44 @@ def _prepares(here: list[int], nnodes: int) -> bool:
     on several machines the first machine's (SLURM_NODEID 0 in its job step, as
     scripts/ft_groups.sbatch starts them)."""
     return 0 in here and (nnodes == 1 or os.environ.get("SLURM_NODEID", "0") == "0")
+
+
+PREPARED = "ft/prepared.json"
+"""Written by the launcher that prepared the run directory, last: which launch it prepared."""
+
+
+def launch_key(lighthouse: str) -> str:
+    """What names one launch of the run to all its launchers: the SLURM job they are steps of, or
+    else the lighthouse they share (its address as group 0's launcher printed it)."""
+    return f"slurm job {os.environ['SLURM_JOB_ID']}" if "SLURM_JOB_ID" in os.environ else as_url(lighthouse)
+
+
+def wait_for_preparer(run_dir: Path, key: str, timeout_s: float) -> None:
+    """A launcher that does not prepare the run directory (another group's, or a later machine of
+    group 0's) waits until the one that does has done it for this launch: a group started before
+    would write into a directory that is about to be wiped (--start-over) or tidied."""
+    path = Path(run_dir) / PREPARED
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(path.read_text()).get("launch") == key:
+                return
+        except (OSError, ValueError):  # not there yet, or an earlier launch's
+            pass
+        time.sleep(POLL_S)
+    raise ForjaError(f"run.dir {run_dir} was not prepared for this launch ({key}) within ft.quorum_timeout_s = "
+                     f"{timeout_s:g} s: start replica group 0's launcher (on its first machine), which prepares it "
+                     "for every group, and give the others --ft-lighthouse as it printed it")
+
+
+def prepare_data(cfg, run_dir: Path) -> None:
+    """What a run's rank 0 does on first use of its data, done once here for every group: the
+    tokenizer trained, the sources prepared into the cache, the tokenizer kept in the run
+    directory. The groups' ranks then only read them (G rank 0s would each write them).
+    (data.stages are refused under [ft].)"""
+    from forja.train.launch.data import data
+
+    data(cfg, rank=0, run_dir=run_dir)
 
 
 def tidy_checkpoints(cfg, folder: Path) -> None:
