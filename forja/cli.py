@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 import forja
@@ -45,13 +46,26 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _unrecognized(extra: list[str]) -> str:
+    """argparse's message for arguments no option takes; when they are files, most likely an
+    unquoted pattern (`--source dir/*.txt`) that the shell expanded before forja saw it."""
+    files = [a for a in extra if not a.startswith("-") and os.path.exists(a)]
+    if len(files) < 2:
+        return f"unrecognized arguments: {' '.join(extra)}"
+    shown = " ".join(files[:3]) + (f" ... ({len(files)} in all)" if len(files) > 3 else "")
+    return (f"unrecognized arguments: {shown}: the shell expanded an unquoted pattern into file names; "
+            "quote the pattern so that forja expands it, e.g. --source 'data/*.txt'")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Import only the module of the command asked for: importing torch for `--help` is slow.
     # `--version` needs none of them ("" matches no command); `forja --help` imports them all.
     only = argv[0] if argv and argv[0] in _COMMANDS else ("" if "--version" in argv else None)
     parser = build_parser(only)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.error(_unrecognized(extra))
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -77,6 +77,22 @@ def test_existing_output_is_refused(work: Path) -> None:
     assert "already exists" in error_line(done, "prepare")
 
 
+def test_an_existing_tokenizer_is_not_overwritten_without_overwrite(work: Path) -> None:
+    before = (work / "tok.json").read_bytes()
+    done = forja("tokenizer", "train", "--source", "corpus", "--vocab-size", "300", "--out", "tok.json", cwd=work)
+    assert "tok.json already exists; pass --overwrite to replace it" in error_line(done, "tokenizer")
+    assert (work / "tok.json").read_bytes() == before
+
+
+def test_an_unquoted_pattern_expanded_by_the_shell_gets_a_hint(work: Path) -> None:
+    # What `--source corpus/*.txt` becomes in a shell: the first file, then the others as stray arguments.
+    files = sorted(str(p.relative_to(work)) for p in (work / "corpus").glob("gen0*.txt"))
+    done = forja("prepare", "--source", *files, "--tokenizer", "tok.json", "--out", "globbed", cwd=work)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"({len(files) - 1} in all): the shell expanded an unquoted pattern" in done.stderr
+    assert "quote the pattern" in done.stderr and not (work / "globbed").exists()
+
+
 def test_empty_source_writes_nothing(work: Path) -> None:
     (work / "empty").mkdir()
     (work / "empty" / "x.txt").write_text("")

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
+
+from forja.errors import ForjaError
 
 
 def add_tokenizer_cli(subparsers: Any) -> None:
@@ -24,6 +27,7 @@ def add_tokenizer_cli(subparsers: Any) -> None:
     train.add_argument("--out", required=True, help="tokenizer.json to write (or a directory to write it in)")
     train.add_argument("--min-frequency", type=int, default=2, help="least count of a pair to merge (default 2)")
     train.add_argument("--skip-bad-lines", action="store_true", help="skip and count bad JSONL lines or records")
+    train.add_argument("--overwrite", action="store_true", help="replace the tokenizer.json at --out if there is one")
     train.set_defaults(func=_tokenizer_train)
 
     info = commands.add_parser("info", help="print a tokenizer's vocabulary size, special tokens, fingerprint",
@@ -58,6 +62,11 @@ def add_prepare_cli(subparsers: Any) -> None:
 def _tokenizer_train(args: argparse.Namespace) -> int:
     from forja.data.corpus.tokenizer import train_tokenizer
 
+    out = Path(args.out).expanduser()
+    target = out / "tokenizer.json" if out.is_dir() else out
+    if target.exists() and not args.overwrite:  # data prepared with it would no longer match it
+        raise ForjaError(f"--out {args.out}: {target} already exists; pass --overwrite to replace it "
+                         "(data prepared with it then needs preparing again), or give another --out")
     started = time.perf_counter()
     tok = train_tokenizer(args.source, vocab_size=args.vocab_size, out=args.out,
                           min_frequency=args.min_frequency, skip_bad_lines=args.skip_bad_lines)
