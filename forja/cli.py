@@ -46,6 +46,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+INTERRUPTED = 130
+"""The exit code of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
+
 def _unrecognized(extra: list[str]) -> str:
     """argparse's message for arguments no option takes; when they are files, most likely an
     unquoted pattern (`--source dir/*.txt`) that the shell expanded before forja saw it."""
@@ -74,3 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     except ForjaError as exc:
         print(f"forja {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a Ctrl-C before training's own handler is set, or a second one
+        print(f"forja {args.command}: interrupted (Ctrl-C); what was written is kept whole (files are written "
+              "to a temporary name first): run the same command again to go on", file=sys.stderr)
+        return INTERRUPTED

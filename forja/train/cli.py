@@ -122,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
         launcher_preflight(cfg, nproc=args.nproc or 1, nnodes=args.nnodes)
         return launch(cmd, worker, (cfg, list(sys.argv)), server_env=server_env, restarts=args.max_restarts > 0)
-    train(cfg)
-    return 0
+    stopped_by = train(cfg)  # Ctrl-C in the loop: the step ends, a checkpoint is saved, one line says so
+    return 128 + signal.SIGINT if stopped_by == "SIGINT" else 0
 
 
 def train(cfg) -> str | None:

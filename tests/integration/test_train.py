@@ -54,6 +54,24 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, train_data):
     assert len(saved) == 1 and int(saved[0].name.split("-")[1]) == max(losses(run))
 
 
+def test_ctrl_c_in_setup_or_in_the_loop_prints_one_line_and_exits_130(tmp_path, train_data):
+    """Ctrl-C while the run sets up (after its directory is written, before a step): one line, no
+    traceback. The same command again, Ctrl-C during training: the step ends, a checkpoint is
+    saved, one line says so. Both exit 130, as a shell reports a Ctrl-C."""
+    run = tmp_path / "run"
+    args = train_args(run, train_data, **{"train.steps": "100000", "checkpoint.interval": "0"})
+    for ready in (lambda: (run / "config.toml").is_file(),
+                  lambda: (run / "metrics.jsonl").is_file() and len(read_metrics(run)) >= 3):
+        proc = forja_process(args)
+        wait_for(ready, proc)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 130 and "Traceback" not in out, out
+        said = [line for line in out.splitlines() if "interrupted (Ctrl-C)" in line or "stopped by SIGINT" in line]
+        assert len(said) == 1, out
+    assert "checkpoint saved" in said[0] and len(list((run / "checkpoints").iterdir())) == 1
+
+
 def test_resume_with_more_steps_continues(tmp_path, train_data, capsys):
     run = tmp_path / "run"
     assert main(train_args(run, train_data, **{"train.steps": "8"})) == 0
