@@ -9,6 +9,7 @@ through each other.
 from __future__ import annotations
 
 import gc
+import shlex
 import signal
 import statistics
 import sys
@@ -201,6 +202,42 @@ class PreemptionCallback(Callback):
         self.previous.clear()
 
 
+class RunSummaryCallback(Callback):
+    """The last lines of a run that finished: its last losses, where its model is, and the next
+    commands to run on it, each ready to paste (printed by the process that logged the steps)."""
+
+    def __init__(self) -> None:
+        self.loss: float | None = None
+        self.val_loss: float | None = None
+        self.checkpoint: Path | None = None
+
+    def on_step_end(self, trainer: TrainerView, record: StepRecord) -> None:
+        self.loss = record.loss
+
+    def on_validation_end(self, trainer: TrainerView, step: int, val_loss: float) -> None:
+        self.val_loss = val_loss
+
+    def on_checkpoint(self, trainer: TrainerView, step: int, path: Path) -> None:
+        self.checkpoint = path
+
+    def on_train_end(self, trainer: TrainerView) -> None:
+        if trainer.rank != 0 or self.loss is None:  # [ft]: a group that recorded no step says nothing
+            return
+        run = shlex.quote(str(trainer.cfg.run.dir))
+        losses = f"loss {self.loss:.4f}" + (f", val_loss {self.val_loss:.4f}" if self.val_loss is not None else "")
+        lines = [f"forja: done at step {trainer.counters.step} ({losses}); the run is in {run}"]
+        if self.checkpoint is None:
+            lines.append("  no checkpoint was saved (checkpoint.enabled = false): there is no model to export")
+        else:
+            steps = [(f"forja generate {run} --prompt 'def '", "continue a prompt"),
+                     (f"forja export {run} --hf {run}/hf", "a Hugging Face model directory"),
+                     (f"forja report {run}", "its curves and figures")]
+            width = max(len(command) for command, _ in steps)
+            lines += [f"  its model: {self.checkpoint}", "  next:"]
+            lines += [f"    {command.ljust(width)}  # {why}" for command, why in steps]
+        print("\n".join(lines), flush=True)
+
+
 class StragglerCallback(Callback):
     """Names the ranks that make the others wait (forja/train/resilience/stragglers.py says how)."""
 
@@ -258,7 +295,7 @@ def default_callbacks(cfg: Config, *, flops_per_token: int, num_devices: int, de
                               compute_dtype=compute_dtype or torch.float32, interval=cfg.metrics.interval,
                               peak_tflops=cfg.metrics.peak_tflops)
     callbacks: list[Callback] = [metrics, SampleCallback(), GCCallback(cfg.train.gc_interval), PreemptionCallback(),
-                                 FallbackCallback()]
+                                 FallbackCallback(), RunSummaryCallback()]
     if num_devices > 1 and cfg.metrics.straggler_factor > 0:
         callbacks.append(StragglerCallback(interval=cfg.metrics.interval, factor=cfg.metrics.straggler_factor))
     if cfg.train.profile_at > 0:

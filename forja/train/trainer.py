@@ -260,13 +260,13 @@ class Trainer:
             if cfg.train.val_interval and self._leads() and (step % cfg.train.val_interval == 0
                                                                or step == cfg.train.steps):
                 self.validate()  # [ft]: by the first live group alone
-            if self._checkpoint_due(step) and self._checkpoints_here():
+            if self._checkpoint_due(step) and self.replicas.saves_checkpoints:
                 self.save_checkpoint()
                 last_saved = step
         if self.finished_by_another is not None:
             self._stand_down()
             return
-        if self.counters.step != last_saved and self._checkpoints_here():
+        if self.counters.step != last_saved and self.replicas.saves_checkpoints:
             self.save_checkpoint()
         self.checkpoints.wait()
         self.watchdog.stop()
@@ -396,11 +396,6 @@ class Trainer:
         """Whether this process's group records and validates the step (the first live replica
         group under [ft]; always without)."""
         return self.replicas.leads
-
-    def _checkpoints_here(self) -> bool:
-        """Whether this group saves checkpoints: the first live one under hsdp (the groups hold the
-        same state), every group under diloco (each its own weights and inner optimizer)."""
-        return self.replicas.saves_checkpoints
 
     def _should_stop(self) -> bool:
         """Whether any rank was asked to stop; all ranks agree, so they stop at the same step. The

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 
 from forja import host
@@ -76,7 +77,13 @@ def test_resume_with_more_steps_continues(tmp_path, train_data, capsys):
     run = tmp_path / "run"
     assert main(train_args(run, train_data, **{"train.steps": "8"})) == 0
     assert main(train_args(run, train_data, **{"train.steps": "14"})) == 0
-    assert "resumed from" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "resumed from" in out
+    # The run's last lines: where it is, its model, and next commands that run as printed.
+    assert f"forja: done at step 14 (loss {losses(run)[14]:.4f}, val_loss " in out
+    assert f"its model: {run / 'checkpoints' / 'step-00000014'}" in out
+    export = next(line.split("#")[0] for line in out.splitlines() if line.strip().startswith("forja export"))
+    assert main(shlex.split(export)[1:]) == 0 and (run / "hf" / "config.json").is_file()
     assert sorted(losses(run)) == list(range(1, 15))
     assert (run / "checkpoints" / "step-00000014").is_dir()
 
