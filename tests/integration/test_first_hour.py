@@ -187,7 +187,7 @@ def test_prepare_and_tokenizer_on_a_full_disk(tmp_path: Path, monkeypatch: pytes
     assert list((tmp_path / "cache" / "prepared").iterdir()) == []
 
     tok_before = (tmp_path / "tok.json").read_bytes()
-    done = forja("tokenizer", "train", "--source", "code", "--vocab-size", "300", "--out", "tok.json",
+    done = forja("tokenizer", "train", "--source", "code", "--vocab-size", "300", "--out", "tok.json", "--overwrite",
                  cwd=tmp_path, file_limit=4096)
     assert error_line(done, "tokenizer") == (
         "no space left on device writing tok.json (File too large): nothing is half-written (the previous "

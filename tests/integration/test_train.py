@@ -63,10 +63,14 @@ def test_ctrl_c_in_setup_or_in_the_loop_prints_one_line_and_exits_130(tmp_path, 
     args = train_args(run, train_data, **{"train.steps": "100000", "checkpoint.interval": "0"})
     for ready in (lambda: (run / "config.toml").is_file(),
                   lambda: (run / "metrics.jsonl").is_file() and len(read_metrics(run)) >= 3):
-        proc = forja_process(args)
-        wait_for(ready, proc)
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
+        # As from a terminal: a test runner's worker may ignore SIGINT, and a child inherits that.
+        proc = forja_process(args, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            wait_for(ready, proc)
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
         assert proc.returncode == 130 and "Traceback" not in out, out
         said = [line for line in out.splitlines() if "interrupted (Ctrl-C)" in line or "stopped by SIGINT" in line]
         assert len(said) == 1, out
