@@ -13,7 +13,7 @@ import os
 import sys
 
 import forja
-from forja.errors import ForjaError
+from forja.errors import INTERRUPTED, ForjaError
 
 # subcommand -> "module:function" that adds its parser. The function sets `func` on
 # its parser; `func(args)` returns an exit code.
@@ -44,10 +44,6 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         module_name, func_name = target.split(":")
         getattr(importlib.import_module(module_name), func_name)(sub)
     return parser
-
-
-INTERRUPTED = 130
-"""The exit code of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it)."""
 
 
 def _unrecognized(extra: list[str]) -> str:

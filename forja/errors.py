@@ -13,6 +13,10 @@ class ForjaError(Exception):
     """Bad input or state that a user can fix; the message says how."""
 
 
+INTERRUPTED = 130
+"""The exit code of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
+
 def unknown_key(key: str, valid: list[str], where: str = "") -> ForjaError:
     """The error for a config key `key` (dotted) that is none of `valid`, with the closest one."""
     close = difflib.get_close_matches(key.split(".")[-1], valid, n=1)

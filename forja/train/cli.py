@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from forja.errors import ForjaError
+from forja.errors import INTERRUPTED, ForjaError
 from forja.train.launch.agent import enter_worker, launch, start_server
 from forja.train.rehearse.cli import add_train_args, train_rehearsal
 
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         launcher_preflight(cfg, nproc=args.nproc or 1, nnodes=args.nnodes)
         return launch(cmd, worker, (cfg, list(sys.argv)), server_env=server_env, restarts=args.max_restarts > 0)
     stopped_by = train(cfg)  # Ctrl-C in the loop: the step ends, a checkpoint is saved, one line says so
-    return 128 + signal.SIGINT if stopped_by == "SIGINT" else 0
+    return INTERRUPTED if stopped_by == "SIGINT" else 0
 
 
 def train(cfg) -> str | None:

@@ -251,12 +251,11 @@ class Trainer:
             return
         self.begin()
         last_saved = self.counters.step if self.checkpoints.latest() else -1
-        acted = self.counters.step  # the last step the loop validated and saved after
-        while self.counters.step < cfg.train.steps and self.train_one_step():
-            step, fresh, acted = self.counters.step, self.counters.step != acted, self.counters.step
+        while (before := self.counters.step) < cfg.train.steps and self.train_one_step():
+            step = self.counters.step
             self.checkpoints.poll()  # an async save every rank finished becomes the latest checkpoint
-            if not fresh or self.recovery.is_replay(step):  # [ft]: a step not committed is trained again;
-                continue  # a replayed one was validated and saved the first time round
+            if step == before or self.recovery.is_replay(step):  # [ft]: not committed, trained again;
+                continue  # replayed: validated and saved the first time round
             if cfg.train.val_interval and self._leads() and (step % cfg.train.val_interval == 0
                                                                or step == cfg.train.steps):
                 self.validate()  # [ft]: by the first live group alone

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 from typing import Any
 
 from forja.errors import ForjaError
@@ -60,10 +59,9 @@ def add_prepare_cli(subparsers: Any) -> None:
 
 
 def _tokenizer_train(args: argparse.Namespace) -> int:
-    from forja.data.corpus.tokenizer import train_tokenizer
+    from forja.data.corpus.tokenizer import tokenizer_file, train_tokenizer
 
-    out = Path(args.out).expanduser()
-    target = out / "tokenizer.json" if out.is_dir() else out
+    target = tokenizer_file(args.out)
     if target.exists() and not args.overwrite:  # data prepared with it would no longer match it
         raise ForjaError(f"--out {args.out}: {target} already exists; pass --overwrite to replace it "
                          "(data prepared with it then needs preparing again), or give another --out")

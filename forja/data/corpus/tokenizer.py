@@ -61,7 +61,7 @@ class Tokenizer:
                 raise ForjaError(f"tokenizer {path} does not exist (nor a tokenizer.json below it); train one "
                                  "with `forja tokenizer train` or give a tokenizer.json") from None
         given = Path(path).expanduser()
-        file = given / "tokenizer.json" if given.is_dir() else given
+        file = tokenizer_file(given)
         if not file.is_file():
             where = f"{given} has no tokenizer.json" if given.is_dir() else f"tokenizer {given} does not exist"
             raise ForjaError(f"{where}; train one with `forja tokenizer train` or give a tokenizer.json")
@@ -102,9 +102,7 @@ class Tokenizer:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write tokenizer.json atomically; a directory gets a tokenizer.json inside."""
-        target = Path(path).expanduser()
-        if target.is_dir():
-            target = target / "tokenizer.json"
+        target = tokenizer_file(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(target, self.backend.to_str(pretty=True))
         return target
@@ -112,6 +110,12 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id}, "
                 f"pad_id={self.pad_id}, fingerprint={self.fingerprint[:12]})")
+
+
+def tokenizer_file(path: str | os.PathLike[str]) -> Path:
+    """The tokenizer.json that `path` names: itself, or the one inside it when it is a directory."""
+    given = Path(path).expanduser()
+    return given / "tokenizer.json" if given.is_dir() else given
 
 
 def load_tokenizer(path: str | os.PathLike[str] | Tokenizer) -> Tokenizer:
