@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -30,7 +32,10 @@ def add_cli(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--gpu", default=None, metavar="KIND",
                    help="a kind of forja/plan/hardware.toml (default h100; with --check, the run's own device)")
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="the device's memory, decimal GB")
-    p.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table (default 10)")
+    p.add_argument("--top", type=int, default=10, metavar="K", help="the K fastest layouts that run and fit (default 10)")
+    p.add_argument("--wide", action="store_true",
+                   help="spell the layouts out, print every key of the best, and say why the others do not fit "
+                        "or run (about 200 columns)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--layout", default=None, metavar="KEY=V,...",
                    help="hold these keys and search the rest, e.g. 'parallel.dp_shard=2,parallel.ac=full' "
@@ -143,7 +148,7 @@ def _run_cli(args: argparse.Namespace) -> int:
                           "usable_memory_bytes": round(usable_memory(hw)),
                           "candidates": [c.as_json() for c in candidates]}, indent=1))
         return 0
-    print_plan(candidates, hw, args.gpus, args.top, job)
+    print_plan(candidates, hw, args.gpus, args.top, job, wide=args.wide, base=(args.config, args.overrides, cfg))
     return 0
 
 
@@ -188,7 +193,7 @@ def goodput_cli(args: argparse.Namespace, m, candidates=None, hw=None, job=None)
         print(json.dumps(out, indent=1))
         return 0
     if candidates is not None:
-        print_plan(candidates, hw, args.gpus, args.top, job)
+        print_plan(candidates, hw, args.gpus, args.top, job, wide=args.wide)
     print_goodput(m, rows)
     return 0
 
@@ -203,34 +208,101 @@ def set_line(layout) -> str:
     return " ".join(f"--set {item}" for item in set_items(layout))
 
 
-def print_plan(candidates, hw, gpus: int, top: int, job, console: Console | None = None) -> None:
+def changed_items(layout, cfg) -> list[str]:
+    """The `--set` values (KEY=VALUE) of `layout` that differ from `cfg`'s: what to add to the
+    recipe's command line to run it."""
+    items = []
+    for key, item in zip(layout.overrides(), set_items(layout)):
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) != layout.overrides()[key]:
+            items.append(item)
+    return items
+
+
+def train_lines(recipe: str, overrides: list[str], items: list[str], width: int = 100) -> list[str]:
+    """`forja train RECIPE --set ...` as shell lines of at most `width` columns, each but the
+    last ending in a backslash: pasted whole, one command."""
+    keys = {i.split("=")[0] for i in items}  # the layout's value of a key replaces the user's
+    kept = [o for o in overrides if o.split("=")[0].strip() not in keys]
+    words = [f"forja train {shlex.quote(recipe)}"] + [f"--set {shlex.quote(i)}" for i in [*kept, *items]]
+    lines, line = [], ""
+    for word in words:
+        if line and len(line) + len(word) + 3 > width:
+            lines.append(line + " \\")
+            line = "   "
+        line += (" " if line.strip() else "") + word
+    return lines + [line]
+
+
+def print_plan(candidates, hw, gpus: int, top: int, job, console: Console | None = None, *, wide: bool = False,
+               base: tuple[str, list[str], object] | None = None) -> None:
+    """The table of the `top` fastest layouts that run and fit, a line counting the rest, and the
+    best one as the `forja train` command to run it (`base`: the recipe, its --set values and its
+    config; without it, the --set line alone). At most 100 columns, unless `wide` (the layouts
+    spelled out, every key on one line, and why the others do not fit or run)."""
     from forja.plan.planner import usable_memory
 
-    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    console = console or Console(width=None if sys.stdout.isatty() and not wide else 100 + 100 * wide)
     fits = [c for c in candidates if c.fits]
-    table = Table(title=f"{job.shape.n_params / 1e9:.2f}B parameters on {gpus} x {hw.name} "
-                        f"({hw.memory_bytes / GB:.1f} GB, {usable_memory(hw) / GB:.1f} GB usable per device): "
-                        f"{len(fits)} of {len(candidates)} layouts run and fit", title_justify="left")
-    for col in ("#", "layout", "peak GB", "step s", "tokens/s", "tok/s/dev", "MFU", "fits"):
-        table.add_column(col, justify="left" if col in ("layout", "fits") else "right", no_wrap=col != "fits")
-    shown = fits[:top] + [c for c in candidates if not c.fits][: max(0, min(3, top - len(fits[:top])) or 3)]
+    usable = usable_memory(hw) / GB
+    console.print(f"{job.shape.n_params / 1e9:.2f}B parameters on {gpus} x {hw.name} ({usable:.1f} GB usable "
+                  f"each): {len(fits):,} of {len(candidates):,} layouts fit", highlight=False)
+    shown = fits[:top] or [c for c in candidates if c.runs][:top]  # none fits: the closest that run
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, title=None if fits else "none fits; the closest that run:",
+                  title_justify="left")
+    for col in ("#", "layout", "peak GB", "step s", "tokens/s", "tok/s/dev", "MFU"):
+        table.add_column(col, justify="left" if col == "layout" else "right", overflow="fold",
+                         no_wrap=col != "layout")
     for i, c in enumerate(shown, 1):
-        table.add_row(str(i), c.layout.describe(), f"{c.memory.total / GB:.1f}", f"{c.time.total:.3f}",
-                      f"{c.tokens_per_sec:,.0f}", f"{c.tokens_per_sec_per_device:,.0f}", f"{c.mfu:.1%}",
-                      "yes" if c.fits else c.why_not.split(";")[0])
-    console.print(table)
+        table.add_row(str(i), c.layout.describe() if wide else c.layout.short(), f"{c.memory.total / GB:.1f}",
+                      f"{c.time.total:.3f}", f"{c.tokens_per_sec:,.0f}", f"{c.tokens_per_sec_per_device:,.0f}",
+                      f"{c.mfu:.1%}")
+    if shown:
+        console.print(table)
+    console.print(rest_line(candidates, fits, len(shown) if fits else 0, usable, wide), highlight=False)
+    if wide:
+        for count, why in why_not(candidates):
+            console.print(f"  {count:>7,} {why}", highlight=False)
     if candidates:
-        best = candidates[0]
-        # One line, never wrapped, whatever the terminal's width, so that it can be copied whole.
-        console.file.flush()
-        if best.runs:
-            print(f"{'best' if best.fits else 'closest'}: " + set_line(best.layout), flush=True)
-        else:
-            print(f"no layout of these runs in forja train: {best.why_not}", flush=True)
-        mem = ", ".join(f"{k} {v / GB:.2f}" for k, v in best.memory.as_dict().items() if v)
-        times = ", ".join(f"{k} {v:.3f}" for k, v in best.time.as_dict().items() if v)
-        console.print(f"memory at its peak ({best.memory.phase}, GB): {mem}", highlight=False)
-        console.print(f"step time (s): {times}", highlight=False)
+        print_best(candidates[0], console, wide=wide, base=base)
+
+
+def rest_line(candidates, fits, shown: int, usable: float, wide: bool) -> str:
+    """One line counting the layouts the table does not show."""
+    memory = sum(c.runs and not c.fits for c in candidates)
+    refused = sum(not c.runs for c in candidates)
+    line = f"{len(fits) - shown:,} more fit; {memory:,} need over {usable:.1f} GB; {refused:,} refused by forja train"
+    return line + (":" if wide else " (--wide says why)")
+
+
+def why_not(candidates, most: int = 8) -> list[tuple[int, str]]:
+    """The commonest reasons layouts do not run or fit, with their counts (memory as one)."""
+    reasons: dict[str, int] = {}
+    for c in candidates:
+        if not c.fits:
+            why = "need more memory than usable" if c.runs else c.why_not.split(";")[0]
+            reasons[why] = reasons.get(why, 0) + 1
+    return sorted(((n, why) for why, n in reasons.items()), reverse=True)[:most]
+
+
+def print_best(best, console: Console, *, wide: bool, base) -> None:
+    """The best layout as the command that runs it; its memory and time, term by term."""
+    console.file.flush()
+    if not best.runs:
+        print(f"no layout of these runs in forja train: {best.why_not}", flush=True)
+        return
+    label = "best" if best.fits else "closest"
+    if wide or base is None:  # one line, never wrapped, whatever the terminal's width: copied whole
+        print(f"{label}: " + set_line(best.layout), flush=True)
+    else:
+        recipe, overrides, cfg = base
+        print(f"{label}, as a command (add --nproc / --nnodes to launch it):", flush=True)
+        print("\n".join("  " + line for line in train_lines(recipe, overrides, changed_items(best.layout, cfg), 98)),
+              flush=True)
+    mem = ", ".join(f"{k} {v / GB:.2f}" for k, v in best.memory.as_dict().items() if v)
+    times = ", ".join(f"{k} {v:.3f}" for k, v in best.time.as_dict().items() if v)
+    console.print(f"memory at its peak ({best.memory.phase}, GB): {mem}", highlight=False)
+    console.print(f"step time (s): {times}", highlight=False)
 
 
 # -- --check: a finished run against its prediction ---------------------------------------------

@@ -121,9 +121,28 @@ def run(args: argparse.Namespace) -> int:
         if finished(cfg):  # complete already: say so here rather than start torchrun to say it
             return 0
         launcher_preflight(cfg, nproc=args.nproc or 1, nnodes=args.nnodes)
-        return launch(cmd, worker, (cfg, list(sys.argv)), server_env=server_env, restarts=args.max_restarts > 0)
+        code = launch(cmd, worker, (cfg, list(sys.argv)), server_env=server_env, restarts=args.max_restarts > 0)
+        if code > 128:
+            print(stopped_line(cfg, signal.Signals(code - 128)), file=sys.stderr, flush=True)
+        return code
     stopped_by = train(cfg)  # Ctrl-C in the loop: the step ends, a checkpoint is saved, one line says so
     return INTERRUPTED if stopped_by == "SIGINT" else 0
+
+
+def stopped_line(cfg, sig: signal.Signals) -> str:
+    """The one line a launch stopped by `sig` ends with: what stopped, what the run kept (its
+    latest complete checkpoint, which the workers saved on their way out), how to go on."""
+    from forja.checkpoint.verify import complete_checkpoints
+    from forja.train.launch.stage_history import checkpoints_of
+
+    what = "Ctrl-C (SIGINT)" if sig == signal.SIGINT else sig.name
+    found = complete_checkpoints(checkpoints_of(cfg))
+    if not found:
+        return (f"forja train: stopped by {what} before a checkpoint was saved; rerun the same command to "
+                "start the run")
+    step, path = found[-1]
+    return (f"forja train: stopped by {what}; every process stopped, the run keeps step {step} ({path}); "
+            "rerun the same command to resume")
 
 
 def train(cfg) -> str | None:
@@ -150,6 +169,8 @@ def worker(cfg, launcher_argv: list[str], changes) -> None:
     except ForjaError as exc:
         print(f"forja train: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # the agent passed a Ctrl-C on before the loop's handler was set
+        stopped_by = "SIGINT"
     if stopped_by is not None:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -15,6 +15,7 @@ sampling, GC, profiling and preemption are callbacks (callbacks.py).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +44,7 @@ from forja.train.evaluation import EvalCallback
 from forja.train.ft.checks import checkpoint_rounding
 from forja.train.ft.config import checkpoint_due
 from forja.train.ft.replicas import LeaderOnly, build_replicas, checkpoint_dir, group_dir, group_of
+from forja.train.launch.agent import LAUNCHED_ENV
 from forja.train.launch.data import data, decay_window, loaders, stages
 from forja.train.launch.finished import finished
 from forja.train.launch.preflight import Preflight
@@ -360,7 +362,7 @@ class Trainer:
                   f"{figures['checkpoint_stall_s']:.1f} s of checkpoint stalls)", flush=True)
         if self.stop_reason is None:
             self._call("on_train_end")
-        elif self.rank == 0:
+        elif self.rank == 0 and LAUNCHED_ENV not in os.environ:  # else the launcher says it
             print(f"forja: stopped by {self.stop_reason} at step {self.counters.step}; checkpoint saved, "
                   "rerun the same command to resume", flush=True)
 

@@ -49,8 +49,8 @@ def test_sigterm_to_the_launcher_saves_and_stops_every_process(tmp_path, train_d
     assert len(below) >= 2, below  # the two workers at least
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
-    assert "stopped by SIGTERM" in out and "checkpoint saved" in out, out[-5000:]
     step = max(r["step"] for r in read_metrics(run) if "loss" in r)
+    assert f"stopped by SIGTERM; every process stopped, the run keeps step {step} " in out, out[-5000:]
     assert (run / "checkpoints" / f"step-{step:08d}").is_dir()
     # The fork server and multiprocessing's resource tracker leave when they read the launcher's
     # end of their pipes, a moment after it exits; a worker left training would stay.

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 
 import pytest
 
 from forja.cli import main
+from forja.config import load_config
 from forja.files import read_records
 
 from .conftest import train_args
@@ -29,11 +32,33 @@ def test_json_lists_candidates_best_first(capsys):
 
 
 def test_table_and_one_layout(capsys):
-    assert main(["plan", "llama3-8b", "--gpus", "16", "--top", "3"]) == 0
-    out = capsys.readouterr().out
-    assert "layouts run and fit" in out and "GB usable per device" in out
-    best = next(line for line in out.splitlines() if line.startswith("best: "))
+    """The table fits 100 columns and has exactly --top rows, all layouts that fit, then one line
+    counting the rest; the best layout is a `forja train` command (backslash-continued lines)
+    whose --set values select it; --wide spells the layouts out with every key on one line."""
+    assert main(["plan", "llama3-8b", "--gpus", "16", "--top", "3", "--set", "train.seed=7"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 100, "\n".join(lines)
+    assert "layouts fit" in lines[0] and "GB usable each" in lines[0]
+    rows = [line for line in lines if line.split(" ", 1)[0].isdigit() and "%" in line]
+    assert [int(r.split()[0]) for r in rows] == [1, 2, 3]
+    (rest,) = [line for line in lines if "more fit;" in line]
+    fit, total = (int(n.replace(",", "")) for n in re.findall(r"([\d,]+) (?:of|layouts)", lines[0])[:2])
+    counts = [int(n.replace(",", "")) for n in re.findall(r"[\d,]+(?= more| need| refused)", rest)]
+    assert counts[0] == fit - 3 and sum(counts) == total - 3
+    at = lines.index(next(line for line in lines if line.startswith("best, as a command")))
+    command = " ".join(line.strip().removesuffix("\\") for line in lines[at + 1:at + 6]
+                       if line.startswith("  ")).split(" memory")[0]
+    words = shlex.split(command)
+    assert words[:3] == ["forja", "train", "llama3-8b"] and "train.seed=7" in words
+    cfg = load_config("llama3-8b", words[4::2])
+    assert main(["plan", "llama3-8b", "--gpus", "16", "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["candidates"][0]["layout"]
+    assert {k: getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) for k in best} == best
+    assert main(["plan", "llama3-8b", "--gpus", "16", "--top", "3", "--wide"]) == 0
+    wide = capsys.readouterr().out
+    best = next(line for line in wide.splitlines() if line.startswith("best: "))
     assert best.count("--set ") == 16 and "--set parallel.dp_shard=" in best  # the whole line, unwrapped
+    assert "| zero-3 |" in wide and "refused by forja train:" in wide  # spelled out, and the reasons listed
     every_key = "parallel.dp_replicate=1,parallel.dp_shard=8,parallel.tp=2,parallel.pp=1,parallel.cp=1,parallel.ep=1," \
                 "parallel.reshard_after_forward=true,parallel.cpu_offload=false,parallel.ac=full,train.micro_batch_size=1"
     assert main(["plan", "llama3-8b", "--gpus", "16", "--json", "--layout", every_key]) == 0

@@ -17,6 +17,7 @@ only the agent stops them.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -31,14 +32,34 @@ PRELOADED = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor.parall
              "torch.distributed.pipelining", "forja.train.trainer", "forja.train.cli"]
 
 
+LAUNCHED_ENV = "FORJA_LAUNCHED"
+"""Set in a worker of `forja train --nproc`: its launcher tells the user how the launch stopped."""
+
+
 def start_server() -> dict[str, str]:
     """Start the fork server (it imports PRELOADED meanwhile); return the environment it
     started with, so that a worker gets what the launcher set since (`launch`)."""
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload(PRELOADED)
-    forkserver.ensure_running()
+    # A Ctrl-C in the terminal reaches the server too (it is in the terminal's process group):
+    # started with SIGINT ignored, it never prints a traceback of the imports it was in. Its
+    # children inherit the ignoring; each worker sets Python's handler back (enter_worker).
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return dict(os.environ)
+
+
+def threads_per_process(processes: int) -> dict[str, str]:
+    """OMP_NUM_THREADS for `processes` ranks sharing this machine's cores, unless the user set
+    it. torchrun would set 1 (with a five-line banner), leaving a many-core CPU idle; G replica
+    groups of one rank each would each take every core and fight over them."""
+    if "OMP_NUM_THREADS" in os.environ or processes < 2:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
 
 
 def launch(cmd: list[str], worker: Callable, worker_args: tuple, *, server_env: dict[str, str],
@@ -46,7 +67,7 @@ def launch(cmd: list[str], worker: Callable, worker_args: tuple, *, server_env: 
     """Run torchrun's launch of `cmd` (`python -m torch.distributed.run [options] -m forja
     ...`) in this process, each worker calling `worker(*worker_args, environment_changes)`;
     return the exit code torchrun would (0; 1 when a worker failed; 128 + the signal that
-    stopped the launch).
+    stopped the launch: the caller says what the run kept).
 
     With `restarts`, the workers' store is made afresh by each attempt's rank 0: the store
     the agent shares with its workers by default outlives an attempt, and the process groups
@@ -67,8 +88,6 @@ def launch(cmd: list[str], worker: Callable, worker_args: tuple, *, server_env: 
         print(exc.format_msg(), file=sys.stderr)
         return 1
     except SignalException as exc:
-        print(f"forja train: stopped by {signal.Signals(exc.sigval).name}; every process was asked to stop first",
-              file=sys.stderr)
         return 128 + int(exc.sigval)
     return 0
 
@@ -79,18 +98,35 @@ def _config(torchrun, cmd: list[str]):
     args = torchrun.parse_args(cmd[3:])  # after `python -m torch.distributed.run`
     if args.standalone:  # torchrun's run(): a rendezvous on a free local port, a fresh id
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    os.environ.update(threads_per_process(int(args.nproc_per_node)))  # torchrun_command writes a number
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "forkserver"
+    for name in _STOP_NOTES_FROM:
+        logging.getLogger(name).addFilter(_drop_stop_notes)
     return config
+
+
+# The agent's notes on a stop it was asked for ("Received 2 death signal", one line per worker
+# closed) are no news to whoever pressed Ctrl-C: the launcher says it in one line. Its other
+# warnings (rendezvous, restarts) pass.
+_STOP_NOTES = ("Received %s death signal", "Closing process %s via signal")
+_STOP_NOTES_FROM = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+
+
+def _drop_stop_notes(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_STOP_NOTES)
 
 
 def enter_worker(launcher_argv: list[str], changes: tuple[dict[str, str], list[str]]) -> None:
     """A worker's first step: a session of its own (as torchrun's workers: signals come from
     the agent only), the environment the launcher has now (the fork server's is from its
-    start), and the launcher's command line as its own (run.json records it)."""
+    start), the launcher's command line as its own (run.json records it), and LAUNCHED_ENV
+    set: the launcher, not the worker, says why the launch stopped."""
     os.setsid()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the fork server's children ignore it
     changed, removed = changes
     for key in removed:
         os.environ.pop(key, None)
     os.environ.update(changed)
     sys.argv = list(launcher_argv)
+    os.environ[LAUNCHED_ENV] = "1"

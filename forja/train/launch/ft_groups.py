@@ -31,6 +31,7 @@ from pathlib import Path
 from forja.errors import ForjaError
 from forja.files import write_atomic
 from forja.train.ft.replicas import GROUP_ENV, LIGHTHOUSE_ENV, as_url
+from forja.train.launch.agent import threads_per_process
 
 POLL_S = 0.2
 
@@ -117,7 +118,7 @@ def launch_groups(args: argparse.Namespace, cfg, *, launcher_preflight, torchrun
     else:
         wait_for_preparer(directory.path, launch_key(address), cfg.ft.quorum_timeout_s)
     env = {**os.environ, LIGHTHOUSE_ENV: address, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "RUST_LOG": os.environ.get("RUST_LOG", "warn"), **_threads(len(here) * (args.nproc or 1))}
+           "RUST_LOG": os.environ.get("RUST_LOG", "warn"), **threads_per_process(len(here) * (args.nproc or 1))}
     procs = {g: subprocess.Popen(cmd, env={**env, GROUP_ENV: str(g)}) for g in here}
     print(f"forja: {len(here)} of {groups} replica groups started here, lighthouse {address}", flush=True)
     return _supervise(procs, lighthouse)
@@ -179,15 +180,6 @@ def tidy_checkpoints(cfg, folder: Path) -> None:
         manager = CheckpointManager(cfg.checkpoint, folder)
         manager.clean_partial()
         manager.resume_point()
-
-
-def _threads(processes: int) -> dict[str, str]:
-    """OMP_NUM_THREADS for `processes` ranks sharing this machine's cores. torchrun sets 1 only
-    for its own several processes; G groups of one rank each would otherwise each take every
-    core and, on a CPU run, fight over them."""
-    if "OMP_NUM_THREADS" in os.environ or processes < 2:
-        return {}
-    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
 
 
 def _supervise(procs: dict[int, subprocess.Popen], lighthouse: Lighthouse | None) -> int:

@@ -39,7 +39,7 @@ def _plan(args: argparse.Namespace, plain) -> int:
 
     out = _json_path(args.rehearse)
     cfg, hw, job, candidates = planned(args)
-    print_plan(candidates, hw, args.gpus, args.top, job)
+    print_plan(candidates, hw, args.gpus, args.top, job, wide=args.wide, base=(args.config, args.overrides, cfg))
     best = candidates[0]
     if not best.runs:
         raise ForjaError(f"no layout of {args.gpus} ranks runs in forja train ({best.why_not}): nothing to rehearse")

@@ -213,7 +213,7 @@ def test_the_table_and_the_set_line_name_the_kind(capsys):
     assert held and {c.layout.cp_kind for c in held} == {"all-to-all"}
     console = Console(file=io.StringIO(), width=300)
     print_plan([evaluate(j, Layout.of(dp_shard=2, cp=4, cp_kind=k), H100) for k in ("all-to-all", "ring")], H100, 8, 5,
-               j, console=console)
+               j, console=console, wide=True)
     table = console.file.getvalue()
     assert "dp_shard 2 x cp 4 all-to-all |" in table and "dp_shard 2 x cp 4 ring |" in table
     assert "--set parallel.cp_kind=" in capsys.readouterr().out
