@@ -32,7 +32,8 @@ def add_cli(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--gpu", default=None, metavar="KIND",
                    help="a kind of forja/plan/hardware.toml (default h100; with --check, the run's own device)")
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="the device's memory, decimal GB")
-    p.add_argument("--top", type=int, default=10, metavar="K", help="the K fastest layouts that run and fit (default 10)")
+    p.add_argument("--top", type=int, default=10, metavar="K",
+                   help="the K fastest layouts that run and fit (default 10)")
     p.add_argument("--wide", action="store_true",
                    help="spell the layouts out, print every key of the best, and say why the others do not fit "
                         "or run (about 200 columns)")
@@ -248,8 +249,8 @@ def print_plan(candidates, hw, gpus: int, top: int, job, console: Console | None
     console.print(f"{job.shape.n_params / 1e9:.2f}B parameters on {gpus} x {hw.name} ({usable:.1f} GB usable "
                   f"each): {len(fits):,} of {len(candidates):,} layouts fit", highlight=False)
     shown = fits[:top] or [c for c in candidates if c.runs][:top]  # none fits: the closest that run
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, title=None if fits else "none fits; the closest that run:",
-                  title_justify="left")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, title_justify="left",
+                  title=None if fits else "none fits; the closest that run:")
     for col in ("#", "layout", "peak GB", "step s", "tokens/s", "tok/s/dev", "MFU"):
         table.add_column(col, justify="left" if col == "layout" else "right", overflow="fold",
                          no_wrap=col != "layout")

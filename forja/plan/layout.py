@@ -129,12 +129,13 @@ class Layout(WithDegrees):
         r, s = self.dp_replicate, self.dp_shard
         parts = [f"hsdp {r}x{s}" if r > 1 and s > 1 else f"fsdp {s}" if s > 1 else f"ddp {r}" if r > 1 else ""]
         parts.append(f"tp {self.tp}" + ("" if self.sequence_parallel else " nosp") if self.tp > 1 else "")
-        parts.append(f"cp {self.cp} " + ("a2a" if self.cp_kind == "all-to-all" else self.cp_kind) if self.cp > 1 else "")
+        kind = "a2a" if self.cp_kind == "all-to-all" else self.cp_kind
+        parts.append(f"cp {self.cp} {kind}" if self.cp > 1 else "")
         parts += [f"pp {self.pp}" if self.pp > 1 else "", f"ep {self.ep}" if self.ep > 1 else ""]
         if self.fsdp > 1:  # sharded: ZeRO-3 or ZeRO-2
             parts.append(("z3" if self.reshard_after_forward else "z2") + ("/step" if self.grad_sync == "step" else ""))
         parts.append("offload" if self.cpu_offload else "")
-        parts.append(f"ac {self.ac[:3]}" + (f"/{self.ac_every}" if self.ac_every else "") if self.ac != "none" else "")
+        parts.append(f"ac {_AC_SHORT.get(self.ac, self.ac)}" + (f"/{self.ac_every}" if self.ac_every else "") if self.ac != "none" else "")
         parts.append(f"mb {self.micro_batch_size}")
         if self.pp > 1:
             parts.append(_SCHEDULE_SHORT.get(self.pp_schedule, self.pp_schedule)
@@ -143,6 +144,7 @@ class Layout(WithDegrees):
 
 
 _SCHEDULE_SHORT = {"interleaved-1f1b": "i1f1b", "zero-bubble": "zbv"}
+_AC_SHORT = {"selective": "sel"}
 
 
 def parse_layout(text: str, base: Layout) -> Layout:
