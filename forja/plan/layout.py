@@ -135,7 +135,8 @@ class Layout(WithDegrees):
         if self.fsdp > 1:  # sharded: ZeRO-3 or ZeRO-2
             parts.append(("z3" if self.reshard_after_forward else "z2") + ("/step" if self.grad_sync == "step" else ""))
         parts.append("offload" if self.cpu_offload else "")
-        parts.append(f"ac {_AC_SHORT.get(self.ac, self.ac)}" + (f"/{self.ac_every}" if self.ac_every else "") if self.ac != "none" else "")
+        every = f"/{self.ac_every}" if self.ac_every else ""
+        parts.append(f"ac {_AC_SHORT.get(self.ac, self.ac)}{every}" if self.ac != "none" else "")
         parts.append(f"mb {self.micro_batch_size}")
         if self.pp > 1:
             parts.append(_SCHEDULE_SHORT.get(self.pp_schedule, self.pp_schedule)
