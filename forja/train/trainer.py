@@ -45,7 +45,7 @@ from forja.train.ft.checks import checkpoint_rounding
 from forja.train.ft.config import checkpoint_due
 from forja.train.ft.replicas import LeaderOnly, build_replicas, checkpoint_dir, group_dir, group_of
 from forja.train.launch.agent import LAUNCHED_ENV
-from forja.train.launch.data import data, decay_window, loaders, stages
+from forja.train.launch.data import data, decay_window, keep_tokenizer, loaders, stages
 from forja.train.launch.finished import finished
 from forja.train.launch.preflight import Preflight
 from forja.train.launch.run_dir import RunDir, report_fallbacks
@@ -76,10 +76,9 @@ class Trainer:
         layout and every rank, and the run resumes from its latest complete checkpoint last."""
         launched = time.time()
         info, evaluation = self._start_process()
-        preflight = self._preflight_and_run_dir(info, launched)
-        dataset, args = self._open_data(preflight, info)
+        preflight, args = self._preflight_and_run_dir(info, launched)
         identity, built = self._build_model(args, info)
-        self._build_step(built, identity, dataset)
+        self._build_step(built, identity, self.dataset)
         self._build_records(info, evaluation)
         self._resume()
         self.replicas.resume_at(self.counters.step)  # [ft]: a group behind the live ones heals here,
@@ -98,30 +97,28 @@ class Trainer:
         self.owns_process_group, self.attempt = info.owned, info.attempt  # the launcher counts restarts
         return info, evaluation
 
-    def _preflight_and_run_dir(self, info: DistInfo, launched: float) -> Preflight:
-        """The preflight, then the run directory and what keeps its records from the start."""
+    def _preflight_and_run_dir(self, info: DistInfo, launched: float) -> tuple[Preflight, TransformerArgs]:
+        """The preflight and the data, then the run directory and what keeps its records from the
+        start: (the preflight, the model's args the tokenizer fixes)."""
         c = self.cfg
         # Every check that can fail the launch, before anything is written or computed.
         preflight = Preflight(c, world_size=info.world_size, device_type=self.device.type, rank=self.rank).run()
         c = self.cfg = preflight.cfg  # with parallel.auto's layout
+        # A source is prepared (into the cache) and its splits checked before run.dir is written.
+        self.tokenizer, self.dataset = data(c, rank=self.rank)
+        args = run_model_args(c.model, self.tokenizer.vocab_size)
+        if args != preflight.args:  # a tokenizer trained just now may hold fewer tokens than asked
+            check_layout(preflight.request(args))
         self.group = group_of(c)  # the torchft replica group, or None
         self.directory = RunDir(c, rank=self.rank)  # run.dir in a store: self.run_dir is its local mirror
         self.run_dir: Path = self.directory.prepare(group=self.group)
+        keep_tokenizer(self.tokenizer, self.run_dir, self.rank)
         own = self.own_dir = group_dir(self.run_dir, self.group)  # [ft]: G groups, G rank 0s, G folders
         preflight.write_plan(own)
         self.goodput = Goodput(own, rank=self.rank)
         self.goodput.start(launched)
         self.drills = Drills(c.debug.inject, rank=self.rank, run_dir=own, group=self.group)
-        return preflight
-
-    def _open_data(self, preflight: Preflight, info: DistInfo) -> tuple[Any, TransformerArgs]:
-        """The tokenizer and the dataset, and the model's args the tokenizer fixes: (dataset, args)."""
-        c = self.cfg
-        self.tokenizer, dataset = data(c, rank=self.rank, run_dir=self.run_dir)
-        args = run_model_args(c.model, self.tokenizer.vocab_size)
-        if args != preflight.args:  # a tokenizer trained just now may hold fewer tokens than asked
-            check_layout(preflight.request(args))
-        return dataset, args
+        return preflight, args
 
     def _build_model(self, args: TransformerArgs, info: DistInfo) -> tuple[dict, ModelParts]:
         """The mesh, then the model in the one build order (forja/train/build.py): (identity, built)."""

@@ -8,6 +8,7 @@ finished run (says so, appends nothing), an export readable by others (0644), an
 from __future__ import annotations
 
 import errno
+import json
 import os
 import resource
 import shutil
@@ -100,6 +101,23 @@ def test_a_handful_of_files_gets_a_validation_split(work: Path) -> None:
     ds = open_prepared(work / "data")
     assert (ds.num_documents("train"), ds.num_documents("val")) == (5, 1)
     assert f"code: 6 documents (train 5 documents / {ds.num_tokens('train'):,} tokens, val 1 / " in done.stdout
+
+
+def test_a_source_too_small_for_validation_stops_before_the_run_is_written(tmp_path: Path) -> None:
+    """A source whose validation split holds no sample of train.seq_len + 1 tokens is refused
+    before run.dir is written (it is prepared into the cache first, then checked), so the fix
+    the sentence suggests (a larger data.val_fraction) is not refused as another run's directory,
+    and no launch or restart was recorded."""
+    write_code(tmp_path / "code")
+    longer = {"train.seq_len": "96"}
+    refused = forja("train", *(a for item in quickstart(**longer) for a in ("--set", item)), cwd=tmp_path)
+    assert "the validation split of code/*.py has" in error_line(refused, "train")
+    assert "data.val_fraction" in refused.stderr and not (tmp_path / "runs").exists()
+    fixed = forja("train", *(a for item in quickstart(**longer, **{"data.val_fraction": "0.5"}) for a in ("--set", item)),
+                  cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stderr
+    launches = json.loads((tmp_path / "runs" / "mine" / "run.json").read_text())["launches"]
+    assert len(launches) == 1
 
 
 def test_a_finished_run_says_so_and_appends_nothing(work: Path) -> None:

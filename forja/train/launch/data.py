@@ -127,25 +127,31 @@ def check_data(cfg: Config) -> Tokenizer | None:
 
 def check_splits(cfg: Config, tokenizer: Tokenizer | None) -> None:
     """Prepared data opens with its tokenizer (the fingerprints agree), and each split the run
-    reads holds at least one sample of train.seq_len + 1 tokens. (A source string is checked
-    when it is prepared: forja/data keeps a validation document whenever there are two.)"""
+    reads holds at least one sample of train.seq_len + 1 tokens. (A source is checked as soon as
+    it is prepared, by `data`, still before the run directory is written.)"""
+    if tokenizer is None or not _is_prepared(_where(cfg.data.path)):
+        return  # prepared data always has its tokenizer (check_data stops otherwise)
+    _check_samples(cfg, open_dataset(cfg.data.path, tokenizer), f"data.path {cfg.data.path}: ")
+
+
+def _check_samples(cfg: Config, dataset: Any, prefix: str = "") -> None:
+    """Each split the run reads holds at least one sample of train.seq_len + 1 tokens."""
     from forja.data.load.batch import as_mixture
     from forja.data.load.windows import Samples
 
-    if tokenizer is None or not _is_prepared(_where(cfg.data.path)):
-        return  # prepared data always has its tokenizer (check_data stops otherwise)
-    dataset = open_dataset(cfg.data.path, tokenizer)
     t = cfg.train
     splits = ["train"] + (["val"] if t.val_interval > 0 and t.val_batches > 0 else [])
     for split in splits:
         try:
             Samples(as_mixture(dataset, None), split, t.seq_len)
         except ForjaError as exc:
-            raise ForjaError(f"data.path {cfg.data.path}: {exc}") from None
+            raise ForjaError(f"{prefix}{exc}") from None
 
 
-def data(cfg: Config, *, rank: int, run_dir: Path) -> tuple[Tokenizer, Any]:
-    """(tokenizer, dataset) of the run; the tokenizer is also saved into the run directory."""
+def data(cfg: Config, *, rank: int) -> tuple[Tokenizer, Any]:
+    """(tokenizer, dataset) of the run. Sources are prepared on first use by rank 0 (into the
+    cache: the run directory is not written yet), and their splits checked as prepared data's
+    are in the preflight, so that a corpus too small for the run stops before run.dir exists."""
     path = _where(cfg.data.path)
     prepared = _is_prepared(path)
     if not prepared:
@@ -158,11 +164,13 @@ def data(cfg: Config, *, rank: int, run_dir: Path) -> tuple[Tokenizer, Any]:
         tokenizer = load_tokenizer(tok_path)
         dataset = open_dataset(cfg.data.path, tokenizer, val_fraction=cfg.data.val_fraction,
                                workers=cfg.data.workers or None)
-    _keep_tokenizer(tokenizer, run_dir, rank)
+    if not prepared:
+        _check_samples(cfg, dataset)
     return tokenizer, dataset
 
 
-def _keep_tokenizer(tokenizer: Tokenizer, run_dir: Path, rank: int) -> None:
+def keep_tokenizer(tokenizer: Tokenizer, run_dir: Path, rank: int) -> None:
+    """The run's tokenizer, saved into its directory (a resumed run's must be the same one)."""
     saved = run_dir / "tokenizer.json"
     if saved.is_file() and load_tokenizer(saved).fingerprint != tokenizer.fingerprint:
         raise ForjaError(f"{saved} differs from the tokenizer of data.path; this run.dir was trained with "

@@ -164,9 +164,9 @@ def prepare_data(cfg, run_dir: Path) -> None:
     tokenizer trained, the sources prepared into the cache, the tokenizer kept in the run
     directory. The groups' ranks then only read them (G rank 0s would each write them).
     (data.stages are refused under [ft].)"""
-    from forja.train.launch.data import data
+    from forja.train.launch.data import data, keep_tokenizer
 
-    data(cfg, rank=0, run_dir=run_dir)
+    keep_tokenizer(data(cfg, rank=0)[0], run_dir, rank=0)
 
 
 def tidy_checkpoints(cfg, folder: Path) -> None:
