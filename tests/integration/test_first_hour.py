@@ -113,8 +113,8 @@ def test_a_source_too_small_for_validation_stops_before_the_run_is_written(tmp_p
     refused = forja("train", *(a for item in quickstart(**longer) for a in ("--set", item)), cwd=tmp_path)
     assert "the validation split of code/*.py has" in error_line(refused, "train")
     assert "data.val_fraction" in refused.stderr and not (tmp_path / "runs").exists()
-    fixed = forja("train", *(a for item in quickstart(**longer, **{"data.val_fraction": "0.5"}) for a in ("--set", item)),
-                  cwd=tmp_path)
+    fix = quickstart(**longer, **{"data.val_fraction": "0.5"})
+    fixed = forja("train", *(a for item in fix for a in ("--set", item)), cwd=tmp_path)
     assert fixed.returncode == 0, fixed.stderr
     launches = json.loads((tmp_path / "runs" / "mine" / "run.json").read_text())["launches"]
     assert len(launches) == 1
