@@ -262,8 +262,11 @@ def plot_data(runs: list[Run], out_dir: Path, Figure) -> Path | None:
             tokens.axvline(step, color="grey", linestyle=":", linewidth=1)
             tokens.annotate(f"stage {stage}", (step, 1), xycoords=("data", "axes fraction"), fontsize=8,
                             va="top", ha="left")
-        _plot_line(shares, run.series("data/padding"), "-", f"C{i % 10}", f"{run.name}: padding")
-        _plot_line(shares, run.series("data/cut_docs"), "--", f"C{i % 10}", f"{run.name}: documents cut")
+        for key, style, label in share_lines(run):
+            _plot_line(shares, run.series(key), style, f"C{i % 10}", label)
+    notes = [note for run in runs for note in flat_notes(run)]
+    if notes:  # a line that never moves says less than a sentence
+        shares.annotate("\n".join(notes), (0.01, 0.03), xycoords="axes fraction", fontsize=8, va="bottom")
     tokens.set(title="tokens given by each source (dotted: a data stage begins)", ylabel="tokens")
     shares.set(title="share of padding (solid) and of documents cut (dashed)", xlabel="step", ylim=(0, 1.05))
     for ax in (tokens, shares):
@@ -272,6 +275,29 @@ def plot_data(runs: list[Run], out_dir: Path, Figure) -> Path | None:
     path = out_dir / "data.png"
     _save(fig, path)
     return path
+
+
+SHARES = (("data/padding", "-", "padding"), ("data/cut_docs", "--", "documents cut"))
+
+
+def share_lines(run: Run) -> list[tuple[str, str, str]]:
+    """(key, line style, label) of data.png's shares that change over the run; a share that
+    stays put (documents cut = 1.0 at every step under window packing, which cuts every
+    document longer than a window by design) is said in a note instead (`flat_notes`)."""
+    return [(key, style, f"{run.name}: {what}") for key, style, what in SHARES
+            if (values := run.series(key)[1]) and max(values) - min(values) > 1e-9]
+
+
+def flat_notes(run: Run) -> list[str]:
+    """One sentence per share that stays put over the run."""
+    notes = []
+    for key, _, what in SHARES:
+        values = run.series(key)[1]
+        if values and max(values) - min(values) <= 1e-9:
+            cut_all = key == "data/cut_docs" and values[0] > 0.99
+            why = " (window packing cuts documents at the windows' edges)" if cut_all else ""
+            notes.append(f"{run.name}: {what} {values[0]:.0%} at every step{why}")
+    return notes
 
 
 def expert_panels(runs: list[Run]) -> dict[str, dict[str, list[str]]]:

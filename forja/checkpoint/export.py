@@ -18,6 +18,7 @@ transformers can load (it needs config.json) is always whole.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pickle
@@ -232,5 +233,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def _run_cli(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else None
     out = export_hf(args.source, args.hf, overwrite=args.overwrite, dtype=dtype)
-    print(f"forja: wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+    hint = "" if _installed("transformers") else (
+        "; transformers is not installed here (make train leaves it out): pip install -e '.[hf]' in forja's clone")
+    print(f"forja: wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained{hint})")
     return 0
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # in sys.modules as None: an import of it would fail
+        return False

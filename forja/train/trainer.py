@@ -52,7 +52,7 @@ from forja.train.launch.run_dir import RunDir, report_fallbacks
 from forja.train.probes import ActivationSizes
 from forja.train.resilience.drills import Drills, flipped, loss_factor
 from forja.train.resilience.fingerprint import FingerprintCheck
-from forja.train.resilience.goodput import Goodput
+from forja.train.resilience.goodput import Goodput, goodput_line
 from forja.train.resilience.recovery import Outcome, Recovery
 from forja.train.resilience.watchdog import Watchdog, grace_s
 from forja.train.step.build import build_engine
@@ -249,6 +249,7 @@ class Trainer:
             self._stand_down()  # before the sinks start: it records nothing
             return
         self.begin()
+        self.goodput.ready()
         last_saved = self.counters.step if self.checkpoints.latest() else -1
         while (before := self.counters.step) < cfg.train.steps and self.train_one_step():
             step = self.counters.step
@@ -354,9 +355,7 @@ class Trainer:
         if self._leads():
             self.log(self.counters.step, figures)
         if self.rank == 0:
-            print(f"forja: goodput {figures['goodput']:.1%} ({figures['productive_s']:.1f} s of productive steps "
-                  f"in {figures['wall_s']:.1f} s; {figures['restarts']} restarts, {figures['rollbacks']} rollbacks, "
-                  f"{figures['checkpoint_stall_s']:.1f} s of checkpoint stalls)", flush=True)
+            print(goodput_line(figures), flush=True)
         if self.stop_reason is None:
             self._call("on_train_end")
         elif self.rank == 0 and LAUNCHED_ENV not in os.environ:  # else the launcher says it

@@ -57,3 +57,24 @@ def test_export_then_transformers_loads_model_and_tokenizer(trained_run, tmp_pat
 def test_export_of_something_else_is_refused(tmp_path, capsys):
     assert main(["export", str(tmp_path), "--hf", str(tmp_path / "out")]) == 2
     assert "is neither a forja run directory" in capsys.readouterr().err
+
+
+def test_export_without_transformers_says_how_to_get_it(trained_run, tmp_path, capsys, monkeypatch):
+    """After `make train` alone transformers is not installed: the export still writes, and its
+    line says which extra brings transformers (the [hf] extra, which holds it)."""
+    import sys
+    from pathlib import Path
+
+    import tomllib
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed: its import fails
+    assert main(["export", str(trained_run), "--hf", str(tmp_path / "hf")]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"forja: wrote {tmp_path / 'hf'} (load it with transformers.") and \
+        "transformers is not installed here (make train leaves it out): pip install -e '.[hf]'" in line
+    monkeypatch.delitem(sys.modules, "transformers")
+    assert main(["export", str(trained_run), "--hf", str(tmp_path / "hf2")]) == 0
+    assert "not installed" not in capsys.readouterr().out  # installed (make test): the plain line
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert any(req.startswith("transformers") for req in extras["hf"])

@@ -185,3 +185,27 @@ def test_in_loop_evaluation_is_charted(tmp_path, capsys):
     plain = write_run(tmp_path / "plain")
     assert main(["report", str(plain)]) == 0
     assert (plain / "loss.png").is_file() and not (plain / "eval.png").exists()
+
+
+def test_data_chart_says_a_share_that_never_moves_instead_of_drawing_it(tmp_path):
+    """Window packing cuts every document longer than a window: documents cut = 1.0 at every
+    step is one sentence on data.png, not a flat line; a share that moves is drawn."""
+    from forja.report import flat_notes, load_run, share_lines
+
+    runs = []
+    for name, cut in (("window", lambda i: 1.0), ("best-fit", lambda i: 0.1 * i)):
+        sink = JsonlSink(tmp_path / name)
+        sink.start(total_steps=40, start_step=0)
+        for i in range(1, 5):
+            sink.log(10 * i, {"loss": 5.0 / i, "data/padding": 0.02 * i, "data/cut_docs": cut(i),
+                              "tokens/stdlib:json": 1000 * i})
+        sink.close()
+        runs.append(load_run(tmp_path / name))
+    window, best_fit = runs
+    assert [key for key, _, _ in share_lines(window)] == ["data/padding"]
+    assert flat_notes(window) == ["window: documents cut 100% at every step (window packing cuts documents at "
+                                  "the windows' edges)"]
+    assert [key for key, _, _ in share_lines(best_fit)] == ["data/padding", "data/cut_docs"]
+    assert flat_notes(best_fit) == []
+    assert main(["report", str(tmp_path / "window")]) == 0
+    assert_png(tmp_path / "window" / "data.png")

@@ -9,6 +9,9 @@ recorded by rank 0 in <run.dir>/goodput.json): setup, compilation, validation, c
 stalls, replays, and, after a launch that died, the time until the next one began (a
 restart). The gap after a launch that ended cleanly is not counted: training the run
 further next week does not make this week's goodput worse.
+
+Each launch's start-up (process group, data, model build, resume: up to the first step) is
+recorded apart, so that the end-of-run line can show it beside the steps.
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ class Goodput:
         now = time.time()
         self.segments.append({"start": at or now, "last": now, "clean": False, "checkpoint_s": 0.0, "rollbacks": 0})
         self._write()
+
+    def ready(self) -> None:
+        """The launch's setup is over (the first step is next): its start-up is recorded apart."""
+        if self.segments:
+            self.segments[-1]["startup_s"] = time.time() - self.segments[-1]["start"]
+            self._write()
 
     def beat(self, *, checkpoint_s: float = 0.0, rollback: bool = False) -> None:
         """The launch is alive at this moment (called at each checkpoint, rollback and the end),
@@ -72,8 +81,27 @@ class Goodput:
         restarts = sum(1 for seg in self.segments[:-1] if not seg["clean"])
         return {"goodput": productive_s / wall if wall > 0 else 0.0, "productive_s": productive_s, "wall_s": wall,
                 "restarts": restarts, "rollbacks": sum(s["rollbacks"] for s in self.segments),
-                "checkpoint_stall_s": sum(s["checkpoint_s"] for s in self.segments)}
+                "checkpoint_stall_s": sum(s["checkpoint_s"] for s in self.segments),
+                "startup_s": sum(s.get("startup_s", 0.0) for s in self.segments)}
 
     def _write(self) -> None:
         if self.rank == 0:
             write_atomic(self.path, json.dumps({"segments": self.segments}, indent=1))
+
+
+def goodput_line(figures: dict[str, float]) -> str:
+    """The end-of-run line: what goodput counts, and where the rest of the wall time went, with
+    start-up apart (paid once per launch, it is most of a short run's loss)."""
+    wall, steps, startup = figures["wall_s"], figures["productive_s"], figures.get("startup_s", 0.0)
+    stalls = figures["checkpoint_stall_s"]
+    other = max(0.0, wall - steps - startup - stalls)
+    line = (f"forja: goodput {figures['goodput']:.1%} ({steps:.1f} s of {wall:.1f} s in steps that count; start-up "
+            f"{startup:.1f} s, checkpoint stalls {stalls:.1f} s, other {other:.1f} s; {figures['restarts']} restarts, "
+            f"{figures['rollbacks']} rollbacks)")
+    if wall > 0 and startup / wall >= SHORT_RUN_STARTUP:
+        line += "\n  (start-up is paid once per launch: a run of a few seconds of steps reads low, as expected)"
+    return line
+
+
+SHORT_RUN_STARTUP = 0.2
+"""Start-up's share of the wall time from which the line says a low goodput is a short run's."""

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from forja.train.resilience.goodput import Goodput
+from forja.train.resilience.goodput import Goodput, goodput_line
 from forja.train.resilience.stragglers import stragglers
 
 
@@ -39,6 +39,29 @@ def test_a_new_launch_is_recorded_and_ends_clean(tmp_path):
     follower = Goodput(other, rank=1)
     follower.start()
     assert not follower.path.exists()  # rank 0 keeps the ledger
+
+
+def test_start_up_is_recorded_apart_and_a_short_run_is_told_why_it_reads_low(tmp_path, monkeypatch):
+    """Each launch's start-up (to its first step) is summed apart; the end-of-run line says what
+    goodput counts and splits the rest of the wall time; a run whose start-up weighs a fifth or
+    more of it is told this is expected, a long one is not."""
+    clock = iter([100.0, 103.0, 110.0, 200.0, 201.0, 205.0, 205.0])  # each call of time.time() in turn
+    monkeypatch.setattr("forja.train.resilience.goodput.time.time", lambda: next(clock))
+    ledger = Goodput(tmp_path, rank=0)
+    ledger.start()  # at 100, start-up to 103, ended clean at 110
+    ledger.ready()
+    ledger.end()
+    ledger.start()  # a second launch at 200: start-up 1 s, ends at 205
+    ledger.ready()
+    ledger.end()
+    summary = ledger.summary(productive_s=9.0)
+    assert summary["startup_s"] == pytest.approx(4.0) and summary["wall_s"] == pytest.approx(15.0)
+    line = goodput_line(summary)
+    assert line.startswith("forja: goodput 60.0% (9.0 s of 15.0 s in steps that count; start-up 4.0 s, "
+                           "checkpoint stalls 0.0 s, other 2.0 s; 0 restarts, 0 rollbacks)")
+    assert "as expected" in line  # 4 s of 15: a short run
+    long_run = {**summary, "wall_s": 1000.0, "productive_s": 990.0, "goodput": 0.99}
+    assert "\n" not in goodput_line(long_run) and "other 6.0 s" in goodput_line(long_run)
 
 
 def test_stragglers_are_named_against_the_median():
