@@ -271,7 +271,8 @@ def plot_data(runs: list[Run], out_dir: Path, Figure) -> Path | None:
     shares.set(title="share of padding (solid) and of documents cut (dashed)", xlabel="step", ylim=(0, 1.05))
     for ax in (tokens, shares):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # every share flat: notes only, no legend
+            ax.legend(fontsize=8)
     path = out_dir / "data.png"
     _save(fig, path)
     return path

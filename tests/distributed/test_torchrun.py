@@ -4,6 +4,7 @@ model on the same global batches as one process, so the losses match."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -18,9 +19,13 @@ def test_two_processes_match_one(tmp_path, train_data):
     single = tmp_path / "single"
     assert main(train_args(single, train_data, **steps)) == 0
     double = tmp_path / "fsdp2"
-    proc = forja_process(train_args(double, train_data, **steps) + ["--nproc", "2"])
+    # OMP_NUM_THREADS unset, as in a user's shell: each of the 2 processes gets half the cores,
+    # although torch read its count in the fork server, before the launch set it.
+    proc = forja_process(train_args(double, train_data, **steps) + ["--nproc", "2"], drop_env=["OMP_NUM_THREADS"])
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
+    launch = json.loads((double / "run.json").read_text())["launches"][-1]
+    assert launch["hardware"]["threads"] == max(1, (os.cpu_count() or 1) // 2)
     a, b = losses(single), losses(double)
     assert sorted(a) == sorted(b) == list(range(1, 9))
     diff = max(abs(a[s] - b[s]) for s in a)

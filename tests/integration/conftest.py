@@ -54,8 +54,8 @@ def train_args(run_dir: Path, data: Path, **changes) -> list[str]:
     return args
 
 
-def forja_process(args: list[str], **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def forja_process(args: list[str], *, drop_env: tuple[str, ...] | list[str] = (), **kwargs) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in drop_env} | {"PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "forja", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, **kwargs)
 

@@ -1,6 +1,7 @@
 """`forja report` end to end: metrics written by the JSONL sink in, PNG charts and a summary out."""
 
 import json
+import warnings
 
 import pytest
 from matplotlib.image import imread
@@ -193,19 +194,22 @@ def test_data_chart_says_a_share_that_never_moves_instead_of_drawing_it(tmp_path
     from forja.report import flat_notes, load_run, share_lines
 
     runs = []
-    for name, cut in (("window", lambda i: 1.0), ("best-fit", lambda i: 0.1 * i)):
+    shares = (("window", lambda i: 1.0, lambda i: 0.0), ("best-fit", lambda i: 0.1 * i, lambda i: 0.02 * i))
+    for name, cut, padding in shares:
         sink = JsonlSink(tmp_path / name)
         sink.start(total_steps=40, start_step=0)
         for i in range(1, 5):
-            sink.log(10 * i, {"loss": 5.0 / i, "data/padding": 0.02 * i, "data/cut_docs": cut(i),
+            sink.log(10 * i, {"loss": 5.0 / i, "data/padding": padding(i), "data/cut_docs": cut(i),
                               "tokens/stdlib:json": 1000 * i})
         sink.close()
         runs.append(load_run(tmp_path / name))
     window, best_fit = runs
-    assert [key for key, _, _ in share_lines(window)] == ["data/padding"]
-    assert flat_notes(window) == ["window: documents cut 100% at every step (window packing cuts documents at "
-                                  "the windows' edges)"]
+    assert share_lines(window) == []
+    assert flat_notes(window) == ["window: padding 0% at every step", "window: documents cut 100% at every step "
+                                  "(window packing cuts documents at the windows' edges)"]
     assert [key for key, _, _ in share_lines(best_fit)] == ["data/padding", "data/cut_docs"]
     assert flat_notes(best_fit) == []
-    assert main(["report", str(tmp_path / "window")]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels" when nothing is drawn
+        assert main(["report", str(tmp_path / "window")]) == 0
     assert_png(tmp_path / "window" / "data.png")

@@ -128,5 +128,10 @@ def enter_worker(launcher_argv: list[str], changes: tuple[dict[str, str], list[s
     for key in removed:
         os.environ.pop(key, None)
     os.environ.update(changed)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit():  # torch read its thread count when the fork server imported it, before the launch set it
+        import torch
+
+        torch.set_num_threads(int(threads))
     sys.argv = list(launcher_argv)
     os.environ[LAUNCHED_ENV] = "1"

@@ -218,7 +218,8 @@ def _versions() -> dict[str, str]:
 
 def _hardware() -> dict[str, object]:
     hw: dict[str, object] = {"host": socket.gethostname(), "platform": platform.platform(),
-                             "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+                             "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+                             "threads": torch.get_num_threads()}  # the training thread's intra-op threads
     if torch.cuda.is_available():
         hw["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         hw["cuda"] = torch.version.cuda
