@@ -16,7 +16,7 @@ $(VENV)/.installed-train: pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned, so the project's `torch>=2.10` range never pulls a CUDA build.
 	$(PY) -m pip install --quiet --no-compile $(TORCH)
-	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e .
+	$(EDITABLE) $(PY) -m pip install --quiet --no-compile -c constraints.txt -e .
 	$(COMPILE)
 	touch $@
 
@@ -28,8 +28,12 @@ $(VENV)/.installed-train: pyproject.toml constraints.txt
 SITE    = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 COMPILE = $(PY) -m compileall -qq -j 0 "$(SITE)" || true
 
+# setuptools prints a boxed note on every editable install ("be careful with folders ... with the
+# same name as your package"): no news to a clone's own install, and the only box it printed.
+EDITABLE = PYTHONWARNINGS=ignore::UserWarning
+
 $(VENV)/.installed-test: $(VENV)/.installed-train
-	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e ".[test]"
+	$(EDITABLE) $(PY) -m pip install --quiet --no-compile -c constraints.txt -e ".[test]"
 	$(COMPILE)
 	touch $@
 

@@ -8,7 +8,8 @@ this venv's `forja` first on PATH). The README's output lines that do not depend
 (`step ...`, `forja...`, `wrote ...` lines, with every number read as "a number") must appear in
 what the command printed. The `make` lines at the top are checked with `make -n` in the clone
 (running them is the install and the whole suite). A `$` line of any other kind fails: the
-README may show only commands this test runs.
+README may show only commands this test runs. The ```python blocks run last, in the same
+directory (the API block reads the export and the prepared data the commands made).
 """
 
 from __future__ import annotations
@@ -52,6 +53,20 @@ def code_blocks(text: str) -> list[list[str]]:
     return blocks
 
 
+def python_blocks(text: str) -> list[str]:
+    """The ```python blocks of the README, each as one program."""
+    blocks, current = [], None
+    for line in text.splitlines():
+        if current is None and line.strip() == "```python":
+            current = []
+        elif current is not None and line.startswith("```"):
+            blocks.append("\n".join(current))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
 def readme_commands(text: str) -> list[Command]:
     """The `$ ` lines of the README (a trailing backslash joins the next line), each with the
     lines printed under it."""
@@ -87,9 +102,13 @@ def shape(line: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def ran(tmp_path_factory) -> list[subprocess.CompletedProcess]:
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("readme")
+
+
+@pytest.fixture(scope="module")
+def ran(work) -> list[subprocess.CompletedProcess]:
     """Every README command, run once, in order, in one directory."""
-    work = tmp_path_factory.mktemp("readme")
     (work / ".venv").symlink_to(VENV)
     # One thread: a 2-core machine shared with other jobs runs forja's small models several
     # times slower when two threads per process fight them for the cores.
@@ -132,6 +151,31 @@ def test_readme_command(ran, index):
         f"\n--- it printed:\n{printed[-3000:]}"
 
 
+@pytest.mark.parametrize("index", range(len(python_blocks(README.read_text()))))
+def test_readme_python_block(ran, work, index):
+    """The Python API block runs as printed, in the directory the commands above it left (it
+    reads their export and prepared data)."""
+    code = python_blocks(README.read_text())[index]
+    done = subprocess.run([sys.executable, "-c", code], cwd=work, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, f"{code}\n--- printed:\n{(done.stdout + done.stderr)[-3000:]}"
+
+
+WRITES = re.compile(r"(?:run\.dir=|--hf |--out )(\S+)")
+
+
+def test_what_the_readme_writes_is_ignored_by_git():
+    """A user who follows the README inside the clone finds `git status` clean: every directory
+    its commands and its Python block write (run.dir, --hf, --out, the block's save) is ignored."""
+    paths = {m.group(1) for c in COMMANDS for m in WRITES.finditer(c.text)}
+    code = "\n".join(python_blocks(README.read_text()))
+    paths |= set(re.findall(r'save_hf_checkpoint\(\w+, "([^"]+)"\)', code)) | {"report/loss.png"}  # forja report's default
+    assert {"runs/quickstart", "hf/quickstart", "data/json", "hf/copy"} <= paths
+    done = subprocess.run(["git", "check-ignore", "--no-index", *sorted(paths)], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert sorted(done.stdout.split()) == sorted(paths), done.stderr
+
+
 @pytest.mark.parametrize("target", make_targets(README.read_text()))
 def test_readme_make_target(target):
     dry = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -141,6 +185,7 @@ def test_readme_make_target(target):
 
 def test_the_parser_reads_commands_and_their_output():
     text = "x\n```\n$ forja a \\\n    --b 1\nstep 1 | loss 2.5\n$ forja c\n```\n```python\n$ no\n```\n"
+    assert python_blocks(text) == ["$ no"]
     commands = readme_commands(text)
     assert [(c.text, c.output) for c in commands] == [("forja a --b 1", ["step 1 | loss 2.5"]), ("forja c", [])]
     assert shape("step 10/40 | lr 2.02e-03 | 1,290 tok/s") == shape("step 20/40 | lr 3.00e-04 | 15 tok/s")
