@@ -106,7 +106,7 @@ def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple
     cfg = load_config(size["recipe"], [*size["sets"], *sets, f"train.seq_len={size['seq_len']}",
                                         f"train.global_batch_size={size['batch']}",
                                         f"train.micro_batch_size={size['batch']}"])
-    tokenizer, dataset = data(cfg, rank=0, run_dir=out)
+    tokenizer, dataset = data(cfg, rank=0)
     args = run_model_args(cfg.model, tokenizer.vocab_size)
     loader, _ = loaders(cfg, dataset, dp_rank=0, dp_size=1)
     taken, documents = [], []
