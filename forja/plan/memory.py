@@ -250,7 +250,11 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
                                optimizer_temporaries=temps, buffers=buffers + staged, pp_rank=rm.pp_rank,
                                phase=phase)
 
-    output_grad = (root * FP32) if rm.last else 0.0
+    # The root's gradients made before the first block's backward: the output projection's and
+    # the final norm's. An untied embedding's comes last (its backward ends the step), and the
+    # root's unit keeps them all until then (measured by the rehearsal, forja/train/rehearse/).
+    made_early = root - (job.shape.embedding / lay.tp if rm.first and not job.args.tie_embeddings else 0.0)
+    output_grad = made_early * FP32 if rm.last else 0.0
     moments = [
         snap("loss backward", acts=kept, logits=loss_kept + loss_backward, grads_now=accumulated),
         snap("first block backward", acts=kept + working,
