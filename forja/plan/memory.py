@@ -261,6 +261,19 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
              grads_now=accumulated + output_grad + unsharded_grad, staged=in_block),
         snap("optimizer step", acts=0.0, grads_now=max(grads, accumulated), temps=optimizer_temps),
     ]
+    if fsdp_on and lay.pp == 1:
+        # The backward's end, the embedding's: every activation freed, but the blocks' sharded
+        # gradients made (the root's and the block just done not yet: their reduce-scatters are
+        # to come or in flight, with fp32 buffers), the root's whole ones, and that block still
+        # gathered (DeepSeek-V3 671B's peak with experts sharded over few ranks; measured by the
+        # rehearsal, forja/train/rehearse/).
+        pending = (root + largest) / shard * FP32 if micro == 1 else 0.0
+        # HSDP: torch keeps each block's all-reduce input (its sharded fp32 gradient) until the
+        # backward ends, so that the allocator cannot hand it to a later reduce-scatter early.
+        all_reduce_inputs = (held - root / shard) * FP32 if lay.dp_replicate > 1 and shard > 1 else 0.0
+        moments.append(snap("embedding backward", acts=0.0, grads_now=max(grads, accumulated) - pending + root * FP32,
+                            gathered_now=(root + largest) * gathered_width,
+                            staged=2 * largest * FP32 + all_reduce_inputs))
     if fsdp_on and lay.pp > 1:
         # Under TP the embedding's backward makes its gradient whole (DTensor has no vocabulary-
         # split strategy for it): V x D in fp32 for a moment, beside its own 1/tp share.

@@ -33,6 +33,10 @@ GRADS_PER_STEP = ["parallel.dp_shard=8", "parallel.reshard_after_forward=false",
                   "parallel.mixed_precision=bf16", "parallel.ac=full"]
 PP2 = ["parallel.pp=2", "parallel.dp_shard=4"]
 FSDP2_TP4 = ["parallel.dp_shard=2", "parallel.tp=4", "parallel.ac=selective"]
+# Full AC and an untied embedding under HSDP: the peak is the backward's end (the embedding's
+# gradient made last, beside the root's others; every block's all-reduce input held until then).
+HSDP_END = ["parallel.dp_shard=2", "parallel.dp_replicate=4", "parallel.ac=full",
+            "model.overrides={tie_embeddings = false}"]
 
 
 @pytest.mark.parametrize("layout", [
@@ -45,8 +49,9 @@ FSDP2_TP4 = ["parallel.dp_shard=2", "parallel.tp=4", "parallel.ac=selective"]
     PP2,
     ["parallel.pp=2", "parallel.dp_shard=4", "parallel.pp_schedule=interleaved-1f1b", "parallel.mixed_precision=bf16"],
     ["model.family=gpt2", "model.flavor=124m", "parallel.dp_shard=4", "parallel.tp=2"],
+    HSDP_END,
 ], ids=["fsdp8", "hsdp-selective-ac", "fsdp2-tp4-sp", "fsdp4-cp2-a2a", "deepseek-v3-ep4",
-        "fsdp8-grads-per-step", "pp2-1f1b", "pp2-interleaved-bf16", "gpt2-tp2-sp"])
+        "fsdp8-grads-per-step", "pp2-1f1b", "pp2-interleaved-bf16", "gpt2-tp2-sp", "hsdp-full-ac-untied"])
 def test_the_planners_peak_agrees_with_the_rehearsal(layout):
     r = _rehearsed(tuple(layout))
     assert len(r.ranks) == (2 if "parallel.pp=2" in layout else 1)  # a pipeline's first and last stage
@@ -57,6 +62,14 @@ def test_the_planners_peak_agrees_with_the_rehearsal(layout):
         by = rank.by_category
         assert by["optimizer_state"] == pytest.approx(2 * by["parameters"], rel=0.02)
         assert by["activations"] > 0 and rank.checkpoint_bytes >= 3 * by["parameters"] * 0.98
+
+
+def test_the_backwards_end_is_a_moment_of_its_own():
+    """Where activations are few (full AC) the rank peaks as the embedding's backward ends the
+    step: the walk names that moment, and agrees with the rehearsal there (above)."""
+    r = _rehearsed(tuple(HSDP_END))
+    assert r.predicted[0].phase == "embedding backward" and r.ranks[0].peak_phase == "backward"
+    assert r.ranks[0].by_category["communication"] > r.ranks[0].by_category["parameters"] / 2  # the held inputs
 
 
 @functools.lru_cache(maxsize=None)
