@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import platform
 import threading
 
@@ -115,3 +116,12 @@ def confine_intra_op_threads() -> int:
         helper.start()
         helper.join()
     return n
+
+
+def threads_per_process(processes: int) -> dict[str, str]:
+    """OMP_NUM_THREADS for `processes` processes sharing this machine's cores (ranks of a
+    launch, replica groups, sweep trials), unless the user set it: each would otherwise take
+    every core and fight the others for them (torchrun would set 1, leaving a many-core CPU idle)."""
+    if "OMP_NUM_THREADS" in os.environ or processes < 2:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}

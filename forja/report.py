@@ -285,20 +285,27 @@ def share_lines(run: Run) -> list[tuple[str, str, str]]:
     """(key, line style, label) of data.png's shares that change over the run; a share that
     stays put (documents cut = 1.0 at every step under window packing, which cuts every
     document longer than a window by design) is said in a note instead (`flat_notes`)."""
-    return [(key, style, f"{run.name}: {what}") for key, style, what in SHARES
-            if (values := run.series(key)[1]) and max(values) - min(values) > 1e-9]
+    return [(key, style, f"{run.name}: {what}") for key, style, what, values in _shares(run)
+            if max(values) - min(values) > _FLAT]
 
 
 def flat_notes(run: Run) -> list[str]:
     """One sentence per share that stays put over the run."""
     notes = []
-    for key, _, what in SHARES:
-        values = run.series(key)[1]
-        if values and max(values) - min(values) <= 1e-9:
+    for key, _, what, values in _shares(run):
+        if max(values) - min(values) <= _FLAT:
             cut_all = key == "data/cut_docs" and values[0] > 0.99
             why = " (window packing cuts documents at the windows' edges)" if cut_all else ""
             notes.append(f"{run.name}: {what} {values[0]:.0%} at every step{why}")
     return notes
+
+
+_FLAT = 1e-9
+
+
+def _shares(run: Run) -> list[tuple[str, str, str, list[float]]]:
+    """(key, line style, what, values) of each share the run logged."""
+    return [(key, style, what, values) for key, style, what in SHARES if (values := run.series(key)[1])]
 
 
 def expert_panels(runs: list[Run]) -> dict[str, dict[str, list[str]]]:

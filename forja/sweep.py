@@ -36,6 +36,7 @@ from rich.table import Table
 from forja.config import load_config, parse_override
 from forja.errors import ForjaError
 from forja.files import read_records, write_atomic
+from forja.host import threads_per_process
 
 STATE = "sweep.json"
 PLOT = "sweep.png"
@@ -154,10 +155,7 @@ def check_configs(recipe: str, sweep_dir: Path, state: dict[str, Any], common: l
 def _child_env(parallel: int) -> dict[str, str]:
     """K trials at once share the machine's cores: each gets cores/K threads (unless the user
     set OMP_NUM_THREADS), so K trials do not oversubscribe the CPU and slow each other down."""
-    env = dict(os.environ)
-    if parallel > 1 and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // parallel))
-    return env
+    return {**os.environ, **threads_per_process(parallel)}
 
 
 def _launch(recipe: str, sweep_dir: Path, trial: dict[str, Any], common: list[str],

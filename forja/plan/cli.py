@@ -212,12 +212,9 @@ def set_line(layout) -> str:
 def changed_items(layout, cfg) -> list[str]:
     """The `--set` values (KEY=VALUE) of `layout` that differ from `cfg`'s: what to add to the
     recipe's command line to run it."""
-    items = []
-    for key, item in zip(layout.overrides(), set_items(layout)):
-        section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) != layout.overrides()[key]:
-            items.append(item)
-    return items
+    values = layout.overrides()
+    return [item for (key, value), item in zip(values.items(), set_items(layout))
+            if getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) != value]
 
 
 def train_lines(recipe: str, overrides: list[str], items: list[str], width: int = 100) -> list[str]:

@@ -196,22 +196,40 @@ def rank_peak(job: Job, lay: Layout, rm: RankModel) -> MemoryBreakdown:
     return max(rank_moments(job, lay, rm), key=lambda m: m.total)
 
 
-def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
-    """What one rank holds at each candidate moment of its peak: the loss's backward, the
-    first block's backward, the optimizer step, and under a pipeline the end of a stage's
-    backward (each `phase` names its own)."""
+@dataclass(frozen=True)
+class _Held:
+    """What a rank's FSDP units hold, in elements: the root's, the largest block's, every
+    block's, this rank's shard of them all (`held`), and FSDP's sharding degree."""
+
+    root: float
+    largest: float
+    blocks: float
+    held: float
+    shard: int
+    fsdp_on: bool
+    gathered_width: int
+    """Bytes per element of a gathered parameter (and of its unsharded gradient)."""
+
+
+def _held(job: Job, lay: Layout, rm: RankModel) -> _Held:
     fsdp_on = lay.fsdp * lay.dp_replicate > 1 or job.bf16_params or lay.cpu_offload
     shard = lay.fsdp if fsdp_on else 1
     root, largest, blocks, experts = rank_elements(job, lay, rm)
-    elements = root + blocks
     # Routed experts are already split over ep ranks; FSDP shards them over the rest (dp_shard / ep).
-    held = (elements - experts) / shard + experts / max(1, shard // lay.ep)
+    held = (root + blocks - experts) / shard + experts / max(1, shard // lay.ep)
+    return _Held(root, largest, blocks, held, shard, fsdp_on, 2 if job.bf16_params else FP32)
+
+
+def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
+    """What one rank holds at each candidate moment of its peak: the loss's backward, the
+    first block's backward, the optimizer step, without a pipeline the backward's end, and
+    under a pipeline the end of a stage's backward (each `phase` names its own)."""
+    h = _held(job, lay, rm)
     on_host = lay.cpu_offload and job.gpu  # offloaded state lives in host memory
-    params = 0.0 if on_host else held * FP32
-    state, optimizer_temps = optimizer_memory(job, lay, rm, held, elements)
+    params = 0.0 if on_host else h.held * FP32
+    state, optimizer_temps = optimizer_memory(job, lay, rm, h.held, h.root + h.blocks)
     state = 0.0 if on_host else state
-    grads = 0.0 if on_host else held * FP32
-    gathered_width = 2 if job.bf16_params else FP32
+    grads = 0.0 if on_host else h.held * FP32
     tokens = lay.sequences_per_microbatch(job.global_batch_size) * job.seq_len / lay.cp
     micro = lay.microbatches(job.global_batch_size)
     kept, working = _kept_activations(job, lay, rm, tokens, micro)
@@ -222,26 +240,18 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
     in_block = max((cp_buffers(job, lay, b, tokens) for b, _ in rm.groups), default=0.0)
     inflight = inflight_chunks(lay, rm.pp_rank, micro)
     order = stage_order(lay, rm, micro, inflight)
-    # FSDP: the root stays gathered through forward and backward; ZeRO-3 regathers each block
-    # (itself and the prefetched next), ZeRO-2 keeps every block gathered until its backward.
-    gathered = 0.0
-    if fsdp_on:
-        blocks_gathered = 2 * largest if lay.reshard_after_forward else blocks + largest
-        if order == "together" and lay.reshard_after_forward:
-            # A rank's other stage keeps its blocks gathered from its last backward (the schedule
-            # reshards a stage only after its last micro-batch) while this one's backward begins.
-            blocks_gathered += blocks * (rm.stages - 1) / rm.stages
-        gathered = (root + blocks_gathered) * gathered_width
-        in_block += 2 * largest / shard * FP32  # all-gather copy-in, reduce-scatter output
-    output_root = root - (job.shape.embedding / lay.tp if rm.first else 0.0)  # the final norm and output's
-    accumulated = _accumulated_gradients(lay, grads, micro, elements * FP32 if fsdp_on else None)
-    if fsdp_on and order == "one at a time":  # only the stage nearest the loss has run a backward
-        accumulated = (output_root + blocks / rm.stages) * FP32
+    gathered = _gathered(lay, rm, h, order)
+    if h.fsdp_on:
+        in_block += 2 * h.largest / h.shard * FP32  # all-gather copy-in, reduce-scatter output
+    output_root = h.root - (job.shape.embedding / lay.tp if rm.first else 0.0)  # the final norm and output's
+    accumulated = _accumulated_gradients(lay, grads, micro, (h.root + h.blocks) * FP32 if h.fsdp_on else None)
+    if h.fsdp_on and order == "one at a time":  # only the stage nearest the loss has run a backward
+        accumulated = (output_root + h.blocks / rm.stages) * FP32
     elif order == "all first":
         accumulated = 0.0  # no backward before the first one
     # A block's unsharded gradient before its reduce-scatter, unless the whole ones are held anyway.
     holds_whole = (lay.pp > 1 and lay.pp_schedule != "gpipe") or (lay.grad_sync == "step" and micro > 1)
-    unsharded_grad = largest * gathered_width if fsdp_on and not holds_whole else 0.0
+    unsharded_grad = h.largest * h.gathered_width if h.fsdp_on and not holds_whole else 0.0
 
     def snap(phase: str, *, acts: float, logits: float = 0.0, grads_now: float, temps: float = 0.0,
              staged: float = 0.0, gathered_now: float = gathered) -> MemoryBreakdown:
@@ -251,39 +261,56 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
                                phase=phase)
 
     # The root's gradients made before the first block's backward: the output projection's and
-    # the final norm's. An untied embedding's comes last (its backward ends the step), and the
-    # root's unit keeps them all until then (measured by the rehearsal, forja/train/rehearse/).
-    made_early = root - (job.shape.embedding / lay.tp if rm.first and not job.args.tie_embeddings else 0.0)
-    output_grad = made_early * FP32 if rm.last else 0.0
+    # the final norm's, or a tied embedding's with them. An untied embedding's comes last (its
+    # backward ends the step), and the root's unit keeps them all until then (measured by the
+    # rehearsal, forja/train/rehearse/).
+    output_grad = ((h.root if job.args.tie_embeddings else output_root) * FP32) if rm.last else 0.0
     moments = [
         snap("loss backward", acts=kept, logits=loss_kept + loss_backward, grads_now=accumulated),
         snap("first block backward", acts=kept + working,
              grads_now=accumulated + output_grad + unsharded_grad, staged=in_block),
         snap("optimizer step", acts=0.0, grads_now=max(grads, accumulated), temps=optimizer_temps),
     ]
-    if fsdp_on and lay.pp == 1:
-        # The backward's end, the embedding's: every activation freed, but the blocks' sharded
-        # gradients made (the root's and the block just done not yet: their reduce-scatters are
-        # to come or in flight, with fp32 buffers), the root's whole ones, and that block still
-        # gathered (DeepSeek-V3 671B's peak with experts sharded over few ranks; measured by the
-        # rehearsal, forja/train/rehearse/).
-        pending = (root + largest) / shard * FP32 if micro == 1 else 0.0
-        # HSDP: torch keeps each block's all-reduce input (its sharded fp32 gradient) until the
-        # backward ends, so that the allocator cannot hand it to a later reduce-scatter early.
-        all_reduce_inputs = (held - root / shard) * FP32 if lay.dp_replicate > 1 and shard > 1 else 0.0
-        moments.append(snap("embedding backward", acts=0.0, grads_now=max(grads, accumulated) - pending + root * FP32,
-                            gathered_now=(root + largest) * gathered_width,
-                            staged=2 * largest * FP32 + all_reduce_inputs))
-    if fsdp_on and lay.pp > 1:
+    if h.fsdp_on and lay.pp == 1:
+        moments.append(_backward_end(snap, lay, h, max(grads, accumulated), micro))
+    if h.fsdp_on and lay.pp > 1:
         # Under TP the embedding's backward makes its gradient whole (DTensor has no vocabulary-
         # split strategy for it): V x D in fp32 for a moment, beside its own 1/tp share.
         whole_embedding = job.shape.embedding * (1 - 1 / lay.tp) * FP32 if rm.first and lay.tp > 1 else 0.0
-        for acts, whole, others, embedding in _stage_backward_ends(order, rm, kept, inflight, micro, root,
-                                                                    output_root, blocks):
-            moments.append(snap("stage backward end", acts=acts + working, gathered_now=whole * gathered_width,
+        for acts, whole, others, embedding in _stage_backward_ends(order, rm, kept, inflight, micro, h.root,
+                                                                    output_root, h.blocks):
+            moments.append(snap("stage backward end", acts=acts + working, gathered_now=whole * h.gathered_width,
                                 grads_now=whole * FP32 + others * grads + output_grad
                                 + (whole_embedding if embedding else 0.0)))
     return moments
+
+
+def _gathered(lay: Layout, rm: RankModel, h: _Held, order: str) -> float:
+    """Bytes of gathered parameters through forward and backward: FSDP's root stays gathered;
+    ZeRO-3 regathers each block (itself and the prefetched next), ZeRO-2 keeps every block
+    gathered until its backward."""
+    if not h.fsdp_on:
+        return 0.0
+    blocks_gathered = 2 * h.largest if lay.reshard_after_forward else h.blocks + h.largest
+    if order == "together" and lay.reshard_after_forward:
+        # A rank's other stage keeps its blocks gathered from its last backward (the schedule
+        # reshards a stage only after its last micro-batch) while this one's backward begins.
+        blocks_gathered += h.blocks * (rm.stages - 1) / rm.stages
+    return (h.root + blocks_gathered) * h.gathered_width
+
+
+def _backward_end(snap, lay: Layout, h: _Held, sharded_grads: float, micro: int) -> MemoryBreakdown:
+    """The backward's end, the embedding's, without a pipeline: every activation freed, but the
+    blocks' sharded gradients made (the root's and the block just done not yet: their
+    reduce-scatters are to come or in flight, with fp32 buffers), the root's whole ones, and
+    that block still gathered (DeepSeek-V3 671B's peak with experts sharded over few ranks;
+    measured by the rehearsal, forja/train/rehearse/)."""
+    pending = (h.root + h.largest) / h.shard * FP32 if micro == 1 else 0.0
+    # HSDP: torch keeps each block's all-reduce input (its sharded fp32 gradient) until the
+    # backward ends, so that the allocator cannot hand it to a later reduce-scatter early.
+    all_reduce_inputs = (h.held - h.root / h.shard) * FP32 if lay.dp_replicate > 1 and h.shard > 1 else 0.0
+    return snap("embedding backward", acts=0.0, grads_now=sharded_grads - pending + h.root * FP32,
+                gathered_now=(h.root + h.largest) * h.gathered_width, staged=2 * h.largest * FP32 + all_reduce_inputs)
 
 
 def stage_order(lay: Layout, rm: RankModel, micro: int, inflight: float) -> str:

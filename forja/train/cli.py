@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ft_groups is not None or args.ft_group is not None:
         return _launch_ft(args, overrides)
     # The workers' server imports torch and forja on another core while this process does too.
-    server_env = start_server() if launch_needed(args) else None
+    server_env = start_server(args.nproc or 1) if launch_needed(args) else None
     from forja.config import load_config
 
     cfg = load_config(args.config, overrides)  # errors surface before any process starts

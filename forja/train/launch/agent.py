@@ -36,11 +36,16 @@ LAUNCHED_ENV = "FORJA_LAUNCHED"
 """Set in a worker of `forja train --nproc`: its launcher tells the user how the launch stopped."""
 
 
-def start_server() -> dict[str, str]:
-    """Start the fork server (it imports PRELOADED meanwhile); return the environment it
-    started with, so that a worker gets what the launcher set since (`launch`)."""
+def start_server(processes: int) -> dict[str, str]:
+    """Start the fork server for `processes` workers on this machine (it imports PRELOADED
+    meanwhile); return the environment it started with, so that a worker gets what the
+    launcher set since (`launch`). Each worker's thread count is set first: torch reads it when
+    the server imports it (torchrun would set it later, after that import)."""
     from multiprocessing import forkserver
 
+    from forja.host import threads_per_process
+
+    os.environ.update(threads_per_process(processes))
     multiprocessing.set_forkserver_preload(PRELOADED)
     # A Ctrl-C in the terminal reaches the server too (it is in the terminal's process group):
     # started with SIGINT ignored, it never prints a traceback of the imports it was in. Its
@@ -51,15 +56,6 @@ def start_server() -> dict[str, str]:
     finally:
         signal.signal(signal.SIGINT, previous)
     return dict(os.environ)
-
-
-def threads_per_process(processes: int) -> dict[str, str]:
-    """OMP_NUM_THREADS for `processes` ranks sharing this machine's cores, unless the user set
-    it. torchrun would set 1 (with a five-line banner), leaving a many-core CPU idle; G replica
-    groups of one rank each would each take every core and fight over them."""
-    if "OMP_NUM_THREADS" in os.environ or processes < 2:
-        return {}
-    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
 
 
 def launch(cmd: list[str], worker: Callable, worker_args: tuple, *, server_env: dict[str, str],
@@ -98,7 +94,6 @@ def _config(torchrun, cmd: list[str]):
     args = torchrun.parse_args(cmd[3:])  # after `python -m torch.distributed.run`
     if args.standalone:  # torchrun's run(): a rendezvous on a free local port, a fresh id
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    os.environ.update(threads_per_process(int(args.nproc_per_node)))  # torchrun_command writes a number
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "forkserver"
     for name in _STOP_NOTES_FROM:
@@ -128,10 +123,5 @@ def enter_worker(launcher_argv: list[str], changes: tuple[dict[str, str], list[s
     for key in removed:
         os.environ.pop(key, None)
     os.environ.update(changed)
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit():  # torch read its thread count when the fork server imported it, before the launch set it
-        import torch
-
-        torch.set_num_threads(int(threads))
     sys.argv = list(launcher_argv)
     os.environ[LAUNCHED_ENV] = "1"

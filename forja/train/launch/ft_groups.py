@@ -30,8 +30,8 @@ from pathlib import Path
 
 from forja.errors import ForjaError
 from forja.files import write_atomic
+from forja.host import threads_per_process
 from forja.train.ft.replicas import GROUP_ENV, LIGHTHOUSE_ENV, as_url
-from forja.train.launch.agent import threads_per_process
 
 POLL_S = 0.2
 
