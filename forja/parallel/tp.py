@@ -3,7 +3,8 @@
 A family's plan (its ModelSpec's: models/<family>/parallelize.py, or the dense default of
 models/common/tp_plan.py) maps module names to torch's parallel styles; this file applies
 it to a model or a pipeline stage. The output projection stays vocabulary-sharded and the loss is computed under
-`loss_parallel()`: full (tokens, vocab) logits never exist on one rank.
+`loss_parallel()`: full (tokens, vocab) logits never exist on one rank. The token embedding's
+lookup is forja's own (vocab_embedding.py), so that its gradient is never whole either.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from torch.distributed.tensor.parallel import PrepareModuleInput, loss_parallel,
 from forja import fallbacks
 from forja.models.common.moe import moe_layers
 from forja.models.common.tp_plan import TPPlan, float8_styles
+from forja.parallel.vocab_embedding import vocab_parallel_styles
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
     """Apply `plan.root` to the model's own modules (those it has: a pipeline stage may
     lack the embedding) and `plan.block` to every block."""
     float8 = plan.float8 and _float8_styles_run(plan, tp_mesh)
-    present = {k: v for k, v in plan.root.items() if _has(model, k)}
+    present = vocab_parallel_styles({k: v for k, v in plan.root.items() if _has(model, k)}, model)
     parallelize_module(model, tp_mesh, float8_styles(present, model) if float8 else present)
     for name, block in model.layers.items():
         block_plan = plan.block_plan(moe=bool(moe_layers(block)), kind=model.args.layer_type(int(name)))

@@ -31,7 +31,8 @@ def add_cli(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="G", help="default: the hardware table's")
     p.add_argument("--gpu", default=None, metavar="KIND",
                    help="a kind of forja/plan/hardware.toml (default h100; with --check, the run's own device)")
-    p.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="the device's memory, decimal GB")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                   help="the device's memory in GiB as it reports it (nvidia-smi's total MiB / 1024)")
     p.add_argument("--top", type=int, default=10, metavar="K",
                    help="the K fastest layouts that run and fit (default 10)")
     p.add_argument("--wide", action="store_true",
@@ -127,7 +128,7 @@ def hardware_for(args: argparse.Namespace):
 
     from forja.plan.hardware import get_hardware
 
-    hw = get_hardware(args.gpu or "h100", memory_gb=args.gpu_memory)
+    hw = get_hardware(args.gpu or "h100", memory_gib=args.gpu_memory)
     return replace(hw, gpus_per_node=args.gpus_per_node) if args.gpus_per_node else hw
 
 

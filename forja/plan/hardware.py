@@ -1,7 +1,7 @@
 """The devices `forja plan` knows: memory, peak FLOP/s and link bandwidths, in SI units.
 
     hw = get_hardware("h100")                      # packaged table (hardware.toml)
-    hw = get_hardware("h100", memory_gb=94)        # same chip, another memory size
+    hw = get_hardware("h100", memory_gib=93.6)     # same chip, another memory size
     table = load_hardware("my_cluster.toml")       # packaged table + your rows
 
 Your own rows live in a TOML file named by `path` or by the FORJA_HARDWARE environment
@@ -27,12 +27,12 @@ from forja.errors import ForjaError
 
 PACKAGED = Path(__file__).with_name("hardware.toml")
 ENV_VAR = "FORJA_HARDWARE"
-_GIGA, _TERA = 1e9, 1e12
+_GIGA, _TERA, _GIB = 1e9, 1e12, 2.0 ** 30
 # TOML field -> (Hardware field, scale to SI). The TOML keeps the datasheets' units so each
 # figure can be checked against its source by eye.
 _FIELDS = {
     "name": ("name", None),
-    "memory_gb": ("memory_bytes", _GIGA),
+    "memory_gib": ("memory_bytes", _GIB),
     "bf16_tflops": ("bf16_flops", _TERA),
     "fp8_tflops": ("fp8_flops", _TERA),
     "fp32_tflops": ("fp32_flops", _TERA),
@@ -54,7 +54,7 @@ class Hardware:
     name: str
     """Readable name, e.g. "NVIDIA H100 SXM5 80GB"."""
     memory_bytes: float
-    """Device memory in bytes (vendor figure read as decimal GB)."""
+    """Device memory in bytes, as the device reports it (torch's total_memory)."""
     bf16_flops: float
     """Dense bfloat16 tensor-core peak, FLOP/s."""
     fp8_flops: float
@@ -95,6 +95,9 @@ def _check(kind: str, row: dict, path: Path, *, new: bool) -> None:
     """Unknown fields always fail; a new kind must also set every required field."""
     where = f"hardware file {path}, device [{kind}]"
     for field in row:
+        if field == "memory_gb":
+            raise ForjaError(f"{where} sets `memory_gb`, which is now `memory_gib`: the GiB the device reports "
+                             "(nvidia-smi's total MiB / 1024; an H100 80GB reports 79.2).")
         if field not in _FIELDS:
             raise ForjaError(f"{where} has unknown field `{field}`; remove it or use one of {sorted(_FIELDS)}.")
     missing = sorted(set(_FIELDS) - _OPTIONAL - set(row)) if new else []
@@ -159,7 +162,7 @@ def unknown_device(name: str, memory_bytes: float) -> Hardware:
 
 
 UNKNOWN_FIX = (f"add a [kind] row with its peaks and bandwidths to a TOML file named by ${ENV_VAR} (fields as in "
-               "forja/plan/hardware.toml), or plan a known kind with --gpu KIND --gpu-memory GB")
+               "forja/plan/hardware.toml), or plan a known kind with --gpu KIND --gpu-memory GIB")
 
 
 def hardware_for_device(device_name: str, memory_bytes: float, *, path: str | Path | None = None) -> Hardware:
@@ -177,15 +180,16 @@ def hardware_for_device(device_name: str, memory_bytes: float, *, path: str | Pa
     return replace(table[kind], memory_bytes=float(memory_bytes))
 
 
-def get_hardware(kind: str, *, memory_gb: float | None = None, path: str | Path | None = None) -> Hardware:
-    """The device `kind` (case-insensitive); `memory_gb` replaces its memory (decimal GB)."""
+def get_hardware(kind: str, *, memory_gib: float | None = None, path: str | Path | None = None) -> Hardware:
+    """The device `kind` (case-insensitive); `memory_gib` replaces its memory (GiB, as the
+    device reports it: torch's total_memory / 2**30, nvidia-smi's total MiB / 1024)."""
     table = load_hardware(path)
     hw = table.get(kind.lower())
     if hw is None:
         raise ForjaError(f"unknown hardware kind {kind!r}: unknown peak; use one of {', '.join(sorted(table))}, "
                          f"or {UNKNOWN_FIX}.")
-    if memory_gb is not None:
-        if not memory_gb > 0:
-            raise ForjaError(f"memory_gb must be a positive number of GB, got {memory_gb!r}.")
-        hw = replace(hw, memory_bytes=float(memory_gb) * _GIGA)
+    if memory_gib is not None:
+        if not memory_gib > 0:
+            raise ForjaError(f"memory_gib must be a positive number of GiB, got {memory_gib!r}.")
+        hw = replace(hw, memory_bytes=float(memory_gib) * _GIB)
     return hw

@@ -274,14 +274,10 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
     if h.fsdp_on and lay.pp == 1:
         moments.append(_backward_end(snap, lay, h, max(grads, accumulated), micro))
     if h.fsdp_on and lay.pp > 1:
-        # Under TP the embedding's backward makes its gradient whole (DTensor has no vocabulary-
-        # split strategy for it): V x D in fp32 for a moment, beside its own 1/tp share.
-        whole_embedding = job.shape.embedding * (1 - 1 / lay.tp) * FP32 if rm.first and lay.tp > 1 else 0.0
-        for acts, whole, others, embedding in _stage_backward_ends(order, rm, kept, inflight, micro, h.root,
-                                                                    output_root, h.blocks):
+        for acts, whole, others in _stage_backward_ends(order, rm, kept, inflight, micro, h.root, output_root,
+                                                        h.blocks):
             moments.append(snap("stage backward end", acts=acts + working, gathered_now=whole * h.gathered_width,
-                                grads_now=whole * FP32 + others * grads + output_grad
-                                + (whole_embedding if embedding else 0.0)))
+                                grads_now=whole * FP32 + others * grads + output_grad))
     return moments
 
 
@@ -331,20 +327,18 @@ def stage_order(lay: Layout, rm: RankModel, micro: int, inflight: float) -> str:
 
 
 def _stage_backward_ends(order: str, rm: RankModel, kept: float, inflight: float, micro: int, root: float,
-                         output_root: float, blocks: float) -> list[tuple[float, float, float, bool]]:
-    """(activations in flight, elements whole, share of the rank's sharded gradients held,
-    whether the embedding's backward is among them) at the end of a stage's first backward, when
-    a schedule keeps each stage gathered with whole fp32 gradients from its first backward to its
-    last: one micro-batch fewer is in flight."""
+                         output_root: float, blocks: float) -> list[tuple[float, float, float]]:
+    """(activations in flight, elements whole, share of the rank's sharded gradients held) at
+    the end of a stage's first backward, when a schedule keeps each stage gathered with whole
+    fp32 gradients from its first backward to its last: one micro-batch fewer is in flight."""
     if order == "together" or rm.stages == 1:
-        return [(kept * (inflight - 1) / inflight, root + blocks, 0.0, True)]
+        return [(kept * (inflight - 1) / inflight, root + blocks, 0.0)]
     per_stage = blocks / rm.stages
     # The stage nearest the loss (holding the output on the last rank) runs its backwards first,
     # every other stage's micro-batches still in flight; the lowest (the embedding's, on the
     # first rank) runs last, its own m - 1 later micro-batches in flight, the others reduced.
-    return [(kept * (inflight - 1) / inflight, output_root + per_stage, 0.0, False),
-            (kept * (micro - 1) / inflight / rm.stages, root - output_root + per_stage,
-             (rm.stages - 1) / rm.stages, True)]
+    return [(kept * (inflight - 1) / inflight, output_root + per_stage, 0.0),
+            (kept * (micro - 1) / inflight / rm.stages, root - output_root + per_stage, (rm.stages - 1) / rm.stages)]
 
 
 def _kept_activations(job: Job, lay: Layout, rm: RankModel, tokens: float, micro: int) -> tuple[float, float]:

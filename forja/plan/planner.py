@@ -19,8 +19,13 @@ from forja.plan.layout import Layout, SearchSpace, enumerate_layouts
 from forja.plan.memory import MemoryBreakdown, predict_memory
 from forja.plan.speed import TimeBreakdown, predict_time, throughput
 
-# A GPU's torch allocator cannot use it all: the CUDA context and NCCL's buffers sit outside
-# it, and the caching allocator's blocks fragment. CPU ranks share the host's memory.
+# A GPU's torch allocator cannot use all the memory the device reports (hardware.toml's
+# memory_gib): the CUDA context, NCCL's buffers and cuBLAS's workspaces sit outside it
+# (GPU_RESERVED_BYTES), and what the allocator reserves exceeds the live tensors the model
+# and a rehearsal count, by its rounding and fragmentation (live = reserved x FRAGMENTATION).
+# torchtitan's published peaks are reserved bytes; the 8B at 32k reserved 84.2-84.9 GiB on
+# a 96 GB H100 (95 GiB reported), under the (95 - 2.8) GiB these terms leave it.
+# CPU ranks share the host's memory.
 GPU_RESERVED_BYTES = 3e9
 FRAGMENTATION = 0.95
 

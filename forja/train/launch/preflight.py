@@ -92,7 +92,7 @@ def device_hardware(device_type: str, *, ranks_here: int | None = None, in_worke
         return hardware_for_device(name, memory)  # an unknown GPU: its memory, "unknown peak"
     ranks = ranks_here or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return get_hardware("cpu", memory_gb=ram / ranks / GB)
+    return get_hardware("cpu", memory_gib=ram / ranks / 2 ** 30)
 
 
 @dataclasses.dataclass

@@ -37,7 +37,7 @@ def test_packaged_table_loads_in_si_units():
     assert set(DEVICE_NAMES) | {"cpu"} <= set(table)
     h100 = table["h100"]
     assert isinstance(h100, Hardware) and h100.kind == "h100"
-    assert h100.memory_bytes == 80e9
+    assert h100.memory_bytes == 79.2 * 2 ** 30
     assert h100.intra_node_bytes_per_s == 450e9 and h100.inter_node_bytes_per_s == 50e9
     assert h100.gpus_per_node == 8 and h100.source
     assert table["a100"].fp8_flops == 0
@@ -57,10 +57,23 @@ def test_h100_bf16_peak_is_throughputs():
 
 
 def test_memory_override_and_case():
-    hw = get_hardware("H100", memory_gb=94)
-    assert hw.memory_bytes == 94e9 and hw.bf16_flops == get_hardware("h100").bf16_flops
-    with pytest.raises(ForjaError, match="memory_gb"):
-        get_hardware("h100", memory_gb=0)
+    hw = get_hardware("H100", memory_gib=94)
+    assert hw.memory_bytes == 94 * 2 ** 30 and hw.bf16_flops == get_hardware("h100").bf16_flops
+    with pytest.raises(ForjaError, match="memory_gib"):
+        get_hardware("h100", memory_gib=0)
+
+
+def test_memory_is_what_the_device_reports():
+    """An H100 80GB reports 79.2 GiB to torch (81,082-81,090 MiB): the table holds that, so
+    `forja plan --gpu h100` and a run on the device (which reads total_memory) agree."""
+    assert get_hardware("h100").memory_bytes / 2 ** 30 == pytest.approx(79.2)
+
+
+def test_an_old_memory_gb_row_says_the_new_name(tmp_path):
+    path = tmp_path / "hw.toml"
+    path.write_text("[h100]\nmemory_gb = 80\n")
+    with pytest.raises(ForjaError, match=r"`memory_gb`, which is now `memory_gib`.*79.2"):
+        load_hardware(path)
 
 
 def test_unknown_kind_lists_the_known_ones():
@@ -74,7 +87,7 @@ def test_user_file_overrides_fields_and_adds_devices(tmp_path, monkeypatch):
 inter_node_gbps = 25
 [my-gpu]
 name = "Mine"
-memory_gb = 24
+memory_gib = 24
 bf16_tflops = 100
 fp8_tflops = 0
 fp32_tflops = 10
@@ -87,7 +100,7 @@ gpus_per_node = 2
     assert table["h100"].inter_node_bytes_per_s == 25e9
     assert table["h100"].bf16_flops == 989.4e12  # untouched fields keep the packaged figure
     assert "inter_node_gbps" in table["h100"].source and str(path) in table["h100"].source
-    assert table["my-gpu"].memory_bytes == 24e9 and table["my-gpu"].gpus_per_node == 2
+    assert table["my-gpu"].memory_bytes == 24 * 2 ** 30 and table["my-gpu"].gpus_per_node == 2
     assert "h200" in table
     assert load_hardware()["h100"].inter_node_bytes_per_s == 50e9  # no file, no override
     monkeypatch.setenv(ENV_VAR, str(path))
@@ -96,8 +109,8 @@ gpus_per_node = 2
 
 @pytest.mark.parametrize(("text", "match"), [
     ("[h100]\nnvlink = 1\n", r"\[h100\] has unknown field `nvlink`"),
-    ("[new]\nname = 'x'\nmemory_gb = 1\n", r"\[new\] is a new device and lacks field `bf16_tflops`"),
-    ("[h100]\nmemory_gb = -1\n", r"\[h100\] has a bad value -1 for `memory_gb`"),
+    ("[new]\nname = 'x'\nmemory_gib = 1\n", r"\[new\] is a new device and lacks field `bf16_tflops`"),
+    ("[h100]\nmemory_gib = -1\n", r"\[h100\] has a bad value -1 for `memory_gib`"),
     ("[h100]\ngpus_per_node = 2.5\n", r"bad value 2.5 for `gpus_per_node`"),
     ("h100 = 3\n", r"`h100` must be a table"),
     ("[h100\n", "not valid TOML"),
@@ -135,7 +148,7 @@ def test_a_user_row_is_found_by_its_device_name(tmp_path):
     path = write(tmp_path, """
 [rtx6000]
 name = "NVIDIA RTX 6000 Ada Generation"
-memory_gb = 48
+memory_gib = 48
 bf16_tflops = 364
 fp8_tflops = 728
 fp32_tflops = 91

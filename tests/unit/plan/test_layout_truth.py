@@ -50,7 +50,7 @@ def test_what_the_planner_ranks_is_what_train_accepts(name):
     args = run_model_args(base.model, base.data.vocab_size)
     checked = 0
     for kind, worlds in WORLDS.items():
-        hw = get_hardware(kind, memory_gb=80 if kind == "h100" else 64)
+        hw = get_hardware(kind, memory_gib=80 if kind == "h100" else 64)
         device_type = "cpu" if kind == "cpu" else "cuda"
         job = job_from_config(base, gpu=kind != "cpu", args=args)
         space = dataclasses.replace(default_space(hw), pp_schedules=PP_SCHEDULES)  # every schedule
