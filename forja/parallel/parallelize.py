@@ -22,7 +22,7 @@ from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
 from forja.parallel.ep import apply_ep, expert_layout
 from forja.parallel.fsdp import apply_fsdp, wants_fsdp
-from forja.parallel.tp import apply_tp, enable_async_tp, wait_for_embedding_output
+from forja.parallel.tp import apply_tp, enable_async_tp, regather_sequence_inputs, wait_for_embedding_output
 
 
 def parallelize(model: Transformer, plan: TPPlan, dims: ParallelDims, cfg: ParallelConfig,
@@ -39,6 +39,8 @@ def parallelize(model: Transformer, plan: TPPlan, dims: ParallelDims, cfg: Paral
     if experts is not None:
         apply_ep(model, *experts)
     apply_ac(model, cfg)
+    if dims.tp > 1 and plan.sequence_parallel and not cfg.compile and not plan.float8:
+        regather_sequence_inputs(model, dims.tp_mesh, plan)
     if cfg.compile:
         apply_compile(model, cfg.compile_backend)
     if wants_fsdp(dims, cfg):

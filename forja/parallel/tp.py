@@ -21,6 +21,8 @@ from torch.distributed.tensor.parallel import PrepareModuleInput, loss_parallel,
 from forja import fallbacks
 from forja.models.common.moe import moe_layers
 from forja.models.common.tp_plan import TPPlan, float8_styles
+from forja.parallel.ac import CheckpointedBlock
+from forja.parallel.regather import gathers_sequence, regather_in_backward
 from forja.parallel.vocab_embedding import vocab_parallel_styles
 
 
@@ -30,12 +32,29 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
     float8 = plan.float8 and _float8_styles_run(plan, tp_mesh)
     present = vocab_parallel_styles({k: v for k, v in plan.root.items() if _has(model, k)}, model)
     parallelize_module(model, tp_mesh, float8_styles(present, model) if float8 else present)
-    for name, block in model.layers.items():
-        block_plan = plan.block_plan(moe=bool(moe_layers(block)), kind=model.args.layer_type(int(name)))
+    for block, block_plan in _block_plans(model, plan):
         parallelize_module(block, tp_mesh, float8_styles(block_plan, block) if float8 else block_plan)
     model.tie_weights()  # both halves of a tied pair are sharded alike; make them one again
     if plan.sequence_parallel and model.tok_embeddings is None:  # a later pipeline stage
         mark_sequence_split_input(model, tp_mesh)
+
+
+def _block_plans(model: nn.Module, plan: TPPlan):
+    """(block, its plan) for every block of `model`."""
+    for name, block in model.layers.items():
+        yield block, plan.block_plan(moe=bool(moe_layers(block)), kind=model.args.layer_type(int(name)))
+
+
+def regather_sequence_inputs(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
+    """Under sequence parallelism, keep each gathered sublayer input split until backward
+    (regather.py) in the blocks activation checkpointing left whole. Called after AC wraps
+    the blocks; the caller rules out compiled blocks and float8's gathers."""
+    for block, block_plan in _block_plans(model, plan):
+        if isinstance(block, CheckpointedBlock):
+            continue
+        for name, style in block_plan.items():
+            if gathers_sequence(style):
+                regather_in_backward(block.get_submodule(name), tp_mesh)
 
 
 def _float8_styles_run(plan: TPPlan, tp_mesh: DeviceMesh) -> bool:

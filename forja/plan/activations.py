@@ -22,7 +22,7 @@ T per token per head.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from forja.models.common.mla import LatentAttentionArgs
 from forja.plan.context_parallel import cp_saved_extra, mixer_length, replicas
@@ -41,10 +41,21 @@ class Widths:
     """Matmul inputs/outputs: bf16 under autocast or bf16 parameters, else fp32."""
     res: int
     """Residual stream: bf16 only when the parameters themselves are bf16 (autocast keeps fp32)."""
+    gathered: float = 1.0
+    """The share of a sequence-gathered sublayer input its matmuls keep: 1/tp where it is
+    gathered again in backward (`regathered`), else the whole sequence's."""
 
 
 def widths(job: Job) -> Widths:
     return Widths(lin=2 if job.bf16 else FP32, res=2 if job.bf16_params else FP32)
+
+
+def regathered(job: Job, lay: Layout, w: Widths) -> bool:
+    """Whether a block activation checkpointing leaves whole keeps its sublayers' gathered
+    inputs split until backward (forja/parallel/regather.py): under sequence parallelism, in
+    eager mode, without float8, where the matmuls read the gathered tensor itself."""
+    return (lay.tp > 1 and lay.sequence_parallel and not job.parallel.compile and not job.float8
+            and w.lin == w.res)
 
 
 def _sp(lay: Layout) -> float:
@@ -64,7 +75,7 @@ def _input_copies(job: Job, w: Widths, readers: int) -> float:
     """Bytes per token the `readers` matmuls reading one fp32 tensor keep of it: under
     autocast each casts it to bf16 itself and keeps its own copy (autocast caches only the
     weights' casts); otherwise they all keep the one tensor."""
-    return (readers if w.lin != w.res else 1) * job.args.dim * w.lin
+    return (readers if w.lin != w.res else w.gathered) * job.args.dim * w.lin
 
 
 def post_norm_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> float:
@@ -180,7 +191,7 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
         # Under autocast the router keeps the fp32 input itself, and the shared experts' w1, w3
         # and their gate each their own bf16 cast (the routed rows are gathered copies, below).
         shared_readers = (2 + block.shared_expert_gate) if a.n_shared_experts else 0
-        norm = _sublayer_input(job, lay, block, w, 1)
+        norm = _sublayer_input(job, lay, block, replace(w, gathered=1.0), 1)  # SplitTokens: no gather
         norm += (shared_readers * a.dim * w.lin + a.dim * (w.res - w.lin)) if autocast else 0.0
     else:
         norm = _sublayer_input(job, lay, block, w, 1 if block.ffn == "gelu" else 2)  # w1 (, w3)
@@ -230,8 +241,12 @@ def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> t
     ffn_width /= lay.tp  # the dense FFN's columns, or the MoE layer's tokens, split over TP
     working = (3 * ffn_width + 2 * job.args.dim) * w.lin  # d(product), d(gate), d(up); d(x) twice
     if lay.ac == "full" or (lay.ac == "selective" and lay.ac_every and index % lay.ac_every == 0):
-        return block_input, full + working
+        return block_input, full + working  # recomputed as the forward ran: inputs gathered whole
     if lay.ac == "selective" and not lay.ac_every:
         kept = block_input + attn_mm + ffn_mm
         return kept, (full - kept) + working
+    if regathered(job, lay, w):
+        split = replace(w, gathered=1 / lay.tp)
+        kept = attention_saved(job, lay, block, split)[0] + ffn_saved(job, lay, block, split)[0] + (full - attn - ffn)
+        return kept, working + job.args.dim * w.lin  # backward gathers the input whole again
     return full, working

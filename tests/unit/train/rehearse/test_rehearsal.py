@@ -37,6 +37,9 @@ FSDP2_TP4 = ["parallel.dp_shard=2", "parallel.tp=4", "parallel.ac=selective"]
 # gradient made last, beside the root's others; every block's all-reduce input held until then).
 HSDP_END = ["parallel.dp_shard=2", "parallel.dp_replicate=4", "parallel.ac=full",
             "model.overrides={tie_embeddings = false}"]
+# Sequence parallelism without AC in bf16: each sublayer's gathered input kept split until
+# backward (forja/parallel/regather.py), as Megatron-LM keeps it.
+SP_REGATHERED = ["parallel.dp_shard=4", "parallel.tp=2", "parallel.ac=none", "parallel.mixed_precision=bf16"]
 
 
 @pytest.mark.parametrize("layout", [
@@ -50,8 +53,10 @@ HSDP_END = ["parallel.dp_shard=2", "parallel.dp_replicate=4", "parallel.ac=full"
     ["parallel.pp=2", "parallel.dp_shard=4", "parallel.pp_schedule=interleaved-1f1b", "parallel.mixed_precision=bf16"],
     ["model.family=gpt2", "model.flavor=124m", "parallel.dp_shard=4", "parallel.tp=2"],
     HSDP_END,
+    SP_REGATHERED,
 ], ids=["fsdp8", "hsdp-selective-ac", "fsdp2-tp4-sp", "fsdp4-cp2-a2a", "deepseek-v3-ep4",
-        "fsdp8-grads-per-step", "pp2-1f1b", "pp2-interleaved-bf16", "gpt2-tp2-sp", "hsdp-full-ac-untied"])
+        "fsdp8-grads-per-step", "pp2-1f1b", "pp2-interleaved-bf16", "gpt2-tp2-sp", "hsdp-full-ac-untied",
+        "fsdp4-tp2-sp-regathered"])
 def test_the_planners_peak_agrees_with_the_rehearsal(layout):
     r = _rehearsed(tuple(layout))
     assert len(r.ranks) == (2 if "parallel.pp=2" in layout else 1)  # a pipeline's first and last stage
