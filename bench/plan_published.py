@@ -263,10 +263,19 @@ for precision, tps in (("none", 9500), ("tensorwise", 12500)):
     RUNS.append(Run(f"Llama 3 8B, HSDP, {'bf16' if precision == 'none' else 'bf16/float8'}", "olmo-core", 64, tps,
                     {**L8, "data.vocab_size": 100352}, 4096, 1024,
                     dict(dp_replicate=8, dp_shard=8, micro_batch_size=2), float8=precision, assumed=OLMO_ASSUMED))
+# OLMo-2: the scripts' rank micro-batches (src/scripts/train/OLMo2-1B.py 8 x 4096 tokens, OLMo2-13B.py
+# 1 x 4096; OLMo2-7B.py 2 sequences), read at later commits than the README's: the scripts of its
+# own commit are not at hand.
+OLMO2_MBS = {"1B": 8, "7B": 2, "13B": 1}
+OLMO2_ASSUMED = OLMO_ASSUMED.replace("2 sequences per rank micro-batch", "{mbs} per rank micro-batch "
+                                     "(the scripts at later commits)")
 for size, tps in (("1B", 55000), ("7B", 10000), ("13B", 4600)):
-    for precision, value in (("bf16", tps), ("bf16/float8", {"1B": 65000, "7B": 13000, "13B": 5500}[size])):
-        RUNS.append(Run(f"OLMo-2 {size}, {precision}", "olmo-core", 64, value, {}, 4096, 1024, {},
-                        inexpressible="forja has no OLMo-2 family (post-norm blocks with QK-norm)"))
+    for precision, value in (("none", tps), ("tensorwise", {"1B": 65000, "7B": 13000, "13B": 5500}[size])):
+        mbs = OLMO2_MBS[size]
+        RUNS.append(Run(f"OLMo-2 {size}, {'bf16' if precision == 'none' else 'bf16/float8'}", "olmo-core", 64, value,
+                        {"model.family": "olmo2", "model.flavor": size.lower(), "data.vocab_size": 100352}, 4096,
+                        1024, dict(dp_replicate=8, dp_shard=8, micro_batch_size=mbs), float8=precision,
+                        assumed=OLMO2_ASSUMED.format(mbs=f"{mbs} sequence{'s' if mbs > 1 else ''}")))
 
 
 # -- MaxText: Llama 2 7B on A3 (8 x H100 80 GB per VM), TFLOP/s per chip -------------------------

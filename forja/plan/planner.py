@@ -23,8 +23,8 @@ from forja.plan.speed import TimeBreakdown, predict_time, throughput
 # memory_gib): the CUDA context, NCCL's buffers and cuBLAS's workspaces sit outside it
 # (GPU_RESERVED_BYTES), and what the allocator reserves exceeds the live tensors the model
 # and a rehearsal count, by its rounding and fragmentation (live = reserved x FRAGMENTATION).
-# torchtitan's published peaks are reserved bytes; the 8B at 32k reserved 84.2-84.9 GiB on
-# a 96 GB H100 (95 GiB reported), under the (95 - 2.8) GiB these terms leave it.
+# torchtitan's published peaks are reserved bytes, up to 84.9 GiB (the 405B at 256k tokens)
+# on H100s of 96 GB (95 GiB reported), under the 95 - 2.8 GiB these terms leave them.
 # CPU ranks share the host's memory.
 GPU_RESERVED_BYTES = 3e9
 FRAGMENTATION = 0.95

@@ -108,6 +108,11 @@ CASES = (
                   "layers.1.attention.wk.weight", "layers.2.post_attention_norm.weight",
                   "layers.0.feed_forward.w2.weight"),
            grad_atol=2e-6),
+    # OLMo 3's plan, every block full attention.
+    TPCase(id="olmo2", family="olmo2",
+           grads=("layers.0.attention.q_norm.weight", "layers.1.attention.wk.weight",
+                  "layers.3.post_ffn_norm.weight"),
+           grad_atol=2e-6),
     # Heads split over 2 ranks, the per-head QK-norms' and the sandwich norms' gradients
     # summed where needed (to the rounding of the ranks' partial sums).
     TPCase(id="gemma3", family="gemma3",
