@@ -7,8 +7,9 @@ rounds so that a busy machine slows them all alike.
 
 Reports, per optimizer: the median time of a whole step (forward, backward, clip, optimizer
 step) and of the optimizer step alone, each as a ratio to AdamW measured in the same rounds.
-SOAP runs with max_precond_dim = 1024 (the vocabulary side of the embeddings unrotated), as
-in bench/optimizers.py.
+SOAP runs with max_precond_dim = 1024, as in bench/optimizers.py (the same as its default here,
+now that SOAP leaves the embeddings and the output to Adam). First steps and optimizer state:
+bench/optim_cost.py.
 """
 
 from __future__ import annotations

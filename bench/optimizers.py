@@ -36,9 +36,11 @@ LRS = {
     "adafactor": ["3e-3", "1e-2", "3e-2"],
     "soap": ["1e-3", "3e-3", "1e-2"],
 }
-# SOAP's default max_precond_dim (10,000) would rotate the 8,192-token vocabulary side of the
-# embeddings: an 8,192^2 eigendecomposition and 0.5 GB of factors each, 16 s a step here. Below
-# the vocabulary (as docs/training.md advises) only the model's own matrices are rotated.
+# When SOAP preconditioned every matrix, its default max_precond_dim (10,000) rotated the
+# 8,192-token vocabulary side of the embeddings: an 8,192^2 eigendecomposition and 0.5 GB of
+# factors each, 16 s a step here; this cap kept only the model's own matrices rotated. SOAP now
+# leaves embeddings and the output to Adam (forja/optim/params.py), so on this model the cap
+# changes nothing; it stays so that the recorded sweeps resume with their own config.
 EXTRA = {"soap": ["optim.soap.max_precond_dim=1024"]}
 # Where phase 1's best was the grid's largest lr, one more lr above it (run after the grids).
 EDGE_LRS = {"lion": ["3e-3"], "adafactor": ["1e-1"]}

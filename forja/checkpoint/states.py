@@ -100,14 +100,15 @@ class ModelState(Stateful):
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-# A parameter group's name (forja/optim: "matrices", "muon", ...) says which schedule the
-# group follows; it comes from the code and the config, not from training, so checkpoints
-# leave it out (and checkpoints written before groups had names still load).
-_GROUP_NAME = ".name"
+# What a parameter group is comes from the code and the config, not from training: its name
+# (forja/optim: "matrices", "muon", ...: which schedule it follows) and which update it takes
+# (Muon's `use_muon`, SOAP's `precondition`). Checkpoints leave these out and a load takes them
+# from the live optimizer, so a checkpoint written before a group had one still loads.
+_GROUP_KEYS = (".name", ".use_muon", ".precondition")
 
 
 def _is_group_name(key: str) -> bool:
-    return key.startswith("param_groups.") and key.endswith(_GROUP_NAME)
+    return key.startswith("param_groups.") and key.endswith(_GROUP_KEYS)
 
 
 class OptimizerState(Stateful):

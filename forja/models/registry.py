@@ -18,8 +18,8 @@ from forja.errors import ForjaError
 from forja.models.common.transformer import Transformer, TransformerArgs
 from forja.models.spec import ModelSpec
 
-FAMILY_PACKAGES = ("llama", "gpt2", "deepseek_v3", "qwen3", "qwen3_5", "qwen3_next", "mixtral", "gpt_oss", "olmo2", "olmo3",
-                   "olmo_hybrid", "gemma3")
+FAMILY_PACKAGES = ("llama", "gpt2", "deepseek_v3", "qwen3", "qwen3_5", "qwen3_next", "mixtral", "gpt_oss", "olmo2",
+                   "olmo3", "olmo_hybrid", "gemma3")
 """The family packages under forja/models, each named as its family."""
 
 

@@ -75,14 +75,30 @@ class AdafactorConfig:
 
 @dataclass(kw_only=True)
 class SoapConfig:
-    """[optim.soap]: SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's preconditioner."""
+    """[optim.soap]: SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's preconditioner,
+    for the 2-D hidden matrices; every other parameter (embeddings, output projection, norms,
+    biases, MoE routers) takes a plain AdamW step, as with Muon (forja/optim/params.py)."""
 
     shampoo_beta: float = 0.95
     """Decay of the Kronecker factors' running averages."""
     precondition_frequency: int = 10
     """Steps between eigenbasis updates."""
     max_precond_dim: int = 10_000
-    """A dimension larger than this is left unrotated (identity factor)."""
+    """A dimension larger than this gets no factor and is left unrotated (SOAP's reference cap)."""
+    adamw_patterns: list[str] = field(default_factory=list)
+    """Parameter-name patterns (fnmatch, e.g. "*.attention.wo.weight") sent to AdamW though 2-D."""
+    soap_patterns: list[str] = field(default_factory=list)
+    """Parameter-name patterns preconditioned though the rule sends them to AdamW (e.g. "output.weight")."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.shampoo_beta < 1:
+            raise ForjaError(f"optim.soap.shampoo_beta = {self.shampoo_beta} must be in [0, 1), e.g. 0.95")
+        if self.precondition_frequency < 1:
+            raise ForjaError(f"optim.soap.precondition_frequency = {self.precondition_frequency} must be >= 1, "
+                             "e.g. 10 (steps between eigenbasis updates)")
+        if self.max_precond_dim < 1:
+            raise ForjaError(f"optim.soap.max_precond_dim = {self.max_precond_dim} must be >= 1, e.g. 10000 "
+                             "(a dimension above it is not preconditioned)")
 
 
 @dataclass(kw_only=True)

@@ -19,7 +19,7 @@ from forja.optim.config import OptimConfig
 from forja.optim.lion import Lion
 from forja.optim.muon import Muon
 from forja.optim.mup import apply_mup
-from forja.optim.params import muon_param_groups
+from forja.optim.params import muon_param_groups, soap_param_groups
 from forja.optim.soap import Soap
 
 
@@ -96,7 +96,7 @@ def _lion(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
 def _soap(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     if cfg.implementation != "auto":
         _not_offered(cfg, "its own step", "forja's SOAP has one implementation")
-    s = cfg.soap
+    s = cfg.soap  # groups: from soap_param_groups (GROUPINGS), each with its precondition flag
     return Soap(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, shampoo_beta=s.shampoo_beta,
                 precondition_frequency=s.precondition_frequency, max_precond_dim=s.max_precond_dim)
 
@@ -127,6 +127,7 @@ OPTIMIZERS: dict[str, Callable[[list[dict], OptimConfig], torch.optim.Optimizer]
 # Optimizers whose groups depend on parameter names, not only on shapes: their grouping.
 GROUPINGS: dict[str, Callable[[nn.Module, OptimConfig], list[dict]]] = {
     "muon": muon_param_groups,
+    "soap": soap_param_groups,
 }
 
 

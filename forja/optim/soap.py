@@ -25,9 +25,13 @@ Choices (where the paper leaves room):
   of it; V' is kept as is across a refresh, as in the paper.
 - A parameter with 3+ dimensions is viewed as 2-D by merging its leading dimensions
   ((a, b, c) -> (a*b, c)); a dimension above max_precond_dim gets the identity (no factor,
-  no rotation on that side); 1-D parameters (norms, biases) get plain Adam.
+  no rotation on that side; the reference's cap); 1-D parameters (norms, biases) get plain Adam.
+- Embeddings, the output projection and MoE routers get plain Adam too (groups with
+  `precondition=False`, from forja.optim.params, the rule Muon follows): the usual practice, and
+  a vocabulary side under the cap would otherwise cost a vocab x vocab factor and its `eigh`
+  (8,192^2 on the default recipe: a 119 s first step on a CPU, bench/RESULTS.md).
 
-State per matrix parameter (fp32): M and V' (2 x mn), L and Q_L (2 x m^2), R and Q_R (2 x n^2).
+State per preconditioned matrix (fp32): M and V' (2 x mn), L and Q_L (2 x m^2), R and Q_R (2 x n^2).
 
 DTensor parameters (FSDP2/TP shards): the rotation needs the whole matrix, so the gradient
 is gathered (`full_tensor()`), the state is kept whole (identical on every rank, stored as
@@ -59,7 +63,7 @@ class Soap(torch.optim.Optimizer):
             raise ValueError("SOAP: precondition_frequency and max_precond_dim must be >= 1")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "shampoo_beta": shampoo_beta, "precondition_frequency": precondition_frequency,
-                    "max_precond_dim": max_precond_dim}
+                    "max_precond_dim": max_precond_dim, "precondition": True}
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -69,14 +73,15 @@ class Soap(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.dim() >= 2:
+                if p.dim() >= 2 and group["precondition"]:
                     self._matrix_step(p, group)
                 else:
                     self._adam_step(p, group)
         return loss
 
     def _adam_step(self, p: torch.Tensor, group: dict) -> None:
-        """Plain Adam (decoupled decay) on a 1-D parameter: elementwise, DTensors as they are."""
+        """Plain Adam (decoupled decay) on a 1-D parameter or a group with `precondition=False`
+        (embeddings, output, routers: forja.optim.params): elementwise, DTensors as they are."""
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)

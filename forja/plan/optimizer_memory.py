@@ -2,9 +2,11 @@
 
 - AdamW / Adam (2 fp32 moments), Lion and SGD (1): elementwise state, sharded as the
   parameters are: `k x 4` bytes per parameter of the rank's shard.
-- SOAP (soap.py): every matrix's state is kept whole and identical on every rank, whatever
-  the sharding: M and V' (2 m n), L and Q_L (2 m^2), R and Q_R (2 n^2), a side above
-  max_precond_dim (10,000) getting no factor; vectors take sharded Adam. Its step gathers each
+- SOAP (soap.py): every block matrix's state is kept whole and identical on every rank,
+  whatever the sharding: M and V' (2 m n), L and Q_L (2 m^2), R and Q_R (2 n^2), a side above
+  max_precond_dim (10,000) getting no factor; vectors, embeddings and the output take sharded
+  Adam (forja/optim/params.py; an MoE router, Adam's too, is still counted as a block matrix:
+  an overestimate by its factors, 8 (E^2 + d^2) bytes a router). Its step gathers each
   gradient whole and makes a few matrix-sized temporaries and the factors' products.
 - Adafactor (adafactor.py): factored statistics, rows + columns per matrix, whole on every
   rank; under FSDP/TP each step gathers one parameter and its gradient whole, updates, and
@@ -62,8 +64,11 @@ def optimizer_memory(job: Job, lay: Layout, rm, held: float, elements: float) ->
     # Vectors (norms, biases) are whole on every TP rank; the rank's shard holds its share of them.
     vector_share = held * min(1.0, vectors / elements) if elements > 0 else 0.0
     if name == "soap":
-        state = sum(n * soap_matrix_state(stack * r, c) for n, stack, r, c in mats) + 2 * vector_share * FP32
-        return state, max((soap_step_temporaries(stack * r, c) for _, stack, r, c in mats), default=0.0)
+        # The root matrices (embeddings, output) take SOAP's plain Adam step, sharded like the
+        # vectors (forja/optim/params.py); only the blocks' matrices are preconditioned, whole.
+        adam_share = vector_share + _root_share(job, lay, rm, held, elements)
+        state = sum(n * soap_matrix_state(stack * r, c) for n, stack, r, c in blocks) + 2 * adam_share * FP32
+        return state, max((soap_step_temporaries(stack * r, c) for _, stack, r, c in blocks), default=0.0)
     if name == "adafactor":
         state = (sum(n * (stack * r + c) for n, stack, r, c in mats) + vectors) * FP32
         if _sharded(job, lay):
@@ -108,7 +113,7 @@ def newton_schulz_bytes(rows: int, cols: int, gpu: bool) -> float:
 
 
 def _root_share(job: Job, lay: Layout, rm, held: float, elements: float) -> float:
-    """The rank's shard of its root matrices (embeddings, output): AdamW's, under Muon."""
+    """The rank's shard of its root matrices (embeddings, output): AdamW's, under Muon and SOAP."""
     s, root = job.shape, 0.0
     if rm.first:
         root += s.embedding / lay.tp
