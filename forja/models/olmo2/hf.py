@@ -4,15 +4,16 @@ Reads both config.json dialects, 4.x `rope_theta` + `rope_scaling` (the released
 and 5.x `rope_parameters` (one dict: every block shares it); where absent, Olmo2Config's
 defaults (base 10,000, RMSNorm eps 1e-5, head_dim = dim / n_heads). The tensors are named as
 OLMo 3's (q_norm and k_norm over the whole projections, post-attention and post-feed-forward
-norms); forja writes the 5.x dialect.
+norms: olmo3/hf.py's `rules`); forja writes the 5.x dialect.
 """
 
 from __future__ import annotations
 
 from forja.models.common import hf_rules
-from forja.models.common.hf_rules import HFAdapter, TensorRule
+from forja.models.common.hf_rules import HFAdapter
 from forja.models.common.rope import rope_scaling_to_hf
 from forja.models.olmo2.model import Olmo2Args
+from forja.models.olmo3.hf import check_exportable, rules
 
 ARCHITECTURES = ("Olmo2ForCausalLM",)
 IGNORED: tuple[str, ...] = ()
@@ -31,22 +32,12 @@ def args_from_config(cfg: dict) -> Olmo2Args:
 
 
 def config_from_args(a: Olmo2Args) -> dict:
-    hf_rules.check_exportable(a, "an OLMo 2", {
-        "qk_norm": (not a.qk_norm, "transformers' OLMo 2 always normalizes q and k"),
-        "attention_sinks": (a.attention_sinks, "OLMo 2's attention has no sinks"),
-        "head_dim": (a.head_dim * a.n_heads != a.dim, "transformers' Olmo2Config derives it as dim / n_heads"),
-        "mtp_depth": (a.mtp_depth > 0, "OLMo 2 has no multi-token prediction"),
-    })
+    check_exportable(a, 2)
     rope = {"rope_type": "default"} if a.rope_scaling is None else rope_scaling_to_hf(a.rope_scaling)
     cfg = {"architectures": list(ARCHITECTURES), "model_type": "olmo2", **hf_rules.decoder_config(a),
            "hidden_act": "silu", "attention_bias": False, "rope_parameters": {**rope, "rope_theta": a.rope_theta}}
     del cfg["head_dim"]  # transformers' Olmo2Config has none: dim / n_heads
     return cfg
-
-
-def rules(a: Olmo2Args) -> list[TensorRule]:
-    layer = [*hf_rules.attention_pairs(qk_norm=True), *hf_rules.NORM_PAIRS["post"], *hf_rules.MLP_PAIRS]
-    return hf_rules.decoder_rules(a, hf_rules.renamed(layer))
 
 
 ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, rules, IGNORED)

@@ -55,13 +55,19 @@ def args_from_config(cfg: dict) -> Olmo3Args:
                      rope_scaling=_scaling(ropes["full_attention"], args["max_seq_len"]))
 
 
-def config_from_args(a: Olmo3Args) -> dict:
-    hf_rules.check_exportable(a, "an OLMo 3", {
-        "qk_norm": (not a.qk_norm, "transformers' OLMo 3 always normalizes q and k"),
-        "attention_sinks": (a.attention_sinks, "OLMo 3's attention has no sinks"),
-        "head_dim": (a.head_dim * a.n_heads != a.dim, "transformers' Olmo3Config derives it as dim / n_heads"),
-        "mtp_depth": (a.mtp_depth > 0, "OLMo 3 has no multi-token prediction"),
+def check_exportable(a: Olmo3Args, version: int) -> None:
+    """What transformers' OLMo `version` (2 or 3) cannot hold, refused in one sentence."""
+    name = f"OLMo {version}"
+    hf_rules.check_exportable(a, f"an {name}", {
+        "qk_norm": (not a.qk_norm, f"transformers' {name} always normalizes q and k"),
+        "attention_sinks": (a.attention_sinks, f"{name}'s attention has no sinks"),
+        "head_dim": (a.head_dim * a.n_heads != a.dim, f"transformers' Olmo{version}Config derives it as dim / n_heads"),
+        "mtp_depth": (a.mtp_depth > 0, f"{name} has no multi-token prediction"),
     })
+
+
+def config_from_args(a: Olmo3Args) -> dict:
+    check_exportable(a, 3)
     full = {"rope_type": "default"} if a.rope_scaling is None else rope_scaling_to_hf(a.rope_scaling)
     windows = hf_rules.layer_types_config(a, {**full, "rope_theta": a.rope_theta}, a.local_rope_theta)
     cfg = {"architectures": list(ARCHITECTURES), "model_type": "olmo3", **hf_rules.decoder_config(a),
@@ -71,6 +77,7 @@ def config_from_args(a: Olmo3Args) -> dict:
 
 
 def rules(a: Olmo3Args) -> list[TensorRule]:
+    """OLMo 2's and 3's tensors: whole-projection QK-norms, post-norms, SwiGLU."""
     layer = [*hf_rules.attention_pairs(qk_norm=True), *hf_rules.NORM_PAIRS["post"], *hf_rules.MLP_PAIRS]
     return hf_rules.decoder_rules(a, hf_rules.renamed(layer))
 
