@@ -77,15 +77,16 @@ def _within_forward_root(block: nn.Module, recompute) -> Iterator[None]:
 class CheckpointedBlock(nn.Module):
     """Runs the wrapped block under `torch.utils.checkpoint` (non-reentrant)."""
 
-    def __init__(self, block: nn.Module, *, op_level: bool = False):
+    def __init__(self, block: nn.Module, *, op_level: bool = False, context_fn=None):
         super().__init__()
         self._checkpoint_wrapped_module = block
         self.op_level = op_level
+        self.context_fn = context_fn  # a policy of the caller's (SP's compiled regather, forja/parallel/regather.py)
         self.register_state_dict_post_hook(_drop_wrapper_name)
         self.register_load_state_dict_pre_hook(_add_wrapper_name)
 
     def forward(self, *args, **kwargs):
-        extra = {}
+        extra = {"context_fn": self.context_fn} if self.context_fn is not None else {}
         if self.op_level:
             # Compiled, the checkpoint is traced from the policy's two modes (all torch.compile
             # takes); eager, the replay also runs inside FSDP's forward root (`_within_forward_root`).

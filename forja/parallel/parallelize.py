@@ -39,8 +39,9 @@ def parallelize(model: Transformer, plan: TPPlan, dims: ParallelDims, cfg: Paral
     if experts is not None:
         apply_ep(model, *experts)
     apply_ac(model, cfg)
-    if dims.tp > 1 and plan.sequence_parallel and not cfg.compile and not plan.float8:
-        regather_sequence_inputs(model, dims.tp_mesh, plan)
+    inductor = cfg.compile and cfg.compile_backend == "inductor"
+    if dims.tp > 1 and plan.sequence_parallel and not plan.float8 and (inductor or not cfg.compile):
+        regather_sequence_inputs(model, dims.tp_mesh, plan, compiled=inductor)
     if cfg.compile:
         apply_compile(model, cfg.compile_backend)
     if wants_fsdp(dims, cfg):

@@ -10,11 +10,16 @@ only the split input and gathers it again in backward (Korthikanti et al. 2022, 
 tensor that is the gathered input, or a view of it, as the split input, and unpack it by
 gathering again. One more all-gather per sublayer in backward buys the memory back.
 
+A compiled block's graph decides what it keeps (hooks cannot run inside it), and inductor's
+partitioner never recomputes a collective unless an activation-checkpoint policy asks: there
+the block runs under a selective checkpoint whose policy prefers to recompute the gathers and
+the views and concatenations that reassemble them, and to save everything else, so the
+partitioner keeps what it would have kept but the gathered input (`regather_policy`).
+
 Only for blocks activation checkpointing leaves whole (a checkpointed block keeps what its
-policy saves and gathers again when it recomputes), in eager mode (a compiled block's graph
-decides what it keeps, and hooks cannot run inside it), and where the matmuls read the
-gathered tensor itself: not under autocast over an fp32 residual stream (each matmul keeps its
-own bf16 cast) nor with float8's gathers.
+policy saves and gathers again when it recomputes), and where the matmuls read the gathered
+tensor itself: not under autocast over an fp32 residual stream (each matmul keeps its own bf16
+cast) nor with float8's gathers.
 """
 
 from __future__ import annotations
@@ -27,6 +32,23 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_aten, _c10d = torch.ops.aten, torch.ops._c10d_functional
+# The ops that make a sequence-gathered input from the split one: the collective, its wait, and
+# the views, splits and concatenations that move the gathered rows to the sequence dimension.
+_GATHERING = {_c10d.all_gather_into_tensor.default, _c10d.wait_tensor.default, _aten.cat.default,
+              _aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default, _aten.slice.Tensor,
+              _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default}
+
+
+def _prefer_regathering(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE if op in _GATHERING else CheckpointPolicy.PREFER_SAVE
+
+
+def regather_policy():
+    """A compiled block's selective-checkpoint context: recompute the gathers, save the rest."""
+    return create_selective_checkpoint_contexts(_prefer_regathering)
 
 
 def gathers_sequence(style: ParallelStyle | None) -> bool:

@@ -22,7 +22,7 @@ from forja import fallbacks
 from forja.models.common.moe import moe_layers
 from forja.models.common.tp_plan import TPPlan, float8_styles
 from forja.parallel.ac import CheckpointedBlock
-from forja.parallel.regather import gathers_sequence, regather_in_backward
+from forja.parallel.regather import gathers_sequence, regather_in_backward, regather_policy
 from forja.parallel.vocab_embedding import vocab_parallel_styles
 
 
@@ -32,29 +32,33 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
     float8 = plan.float8 and _float8_styles_run(plan, tp_mesh)
     present = vocab_parallel_styles({k: v for k, v in plan.root.items() if _has(model, k)}, model)
     parallelize_module(model, tp_mesh, float8_styles(present, model) if float8 else present)
-    for block, block_plan in _block_plans(model, plan):
+    for _, block, block_plan in _block_plans(model, plan):
         parallelize_module(block, tp_mesh, float8_styles(block_plan, block) if float8 else block_plan)
     model.tie_weights()  # both halves of a tied pair are sharded alike; make them one again
     if plan.sequence_parallel and model.tok_embeddings is None:  # a later pipeline stage
         mark_sequence_split_input(model, tp_mesh)
 
 
-def _block_plans(model: nn.Module, plan: TPPlan):
-    """(block, its plan) for every block of `model`."""
-    for name, block in model.layers.items():
-        yield block, plan.block_plan(moe=bool(moe_layers(block)), kind=model.args.layer_type(int(name)))
+def _block_plans(model: nn.Module, plan: TPPlan) -> list:
+    """(name, block, its plan) for every block of `model`."""
+    return [(name, block, plan.block_plan(moe=bool(moe_layers(block)), kind=model.args.layer_type(int(name))))
+            for name, block in model.layers.items()]
 
 
-def regather_sequence_inputs(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
+def regather_sequence_inputs(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, *, compiled: bool) -> None:
     """Under sequence parallelism, keep each gathered sublayer input split until backward
-    (regather.py) in the blocks activation checkpointing left whole. Called after AC wraps
-    the blocks; the caller rules out compiled blocks and float8's gathers."""
-    for block, block_plan in _block_plans(model, plan):
-        if isinstance(block, CheckpointedBlock):
+    (regather.py) in the blocks activation checkpointing left whole: eager, with hooks around
+    the gathering sublayers; `compiled` (by inductor), under regather.py's checkpoint policy.
+    Called after AC wraps the blocks, before compile; the caller rules out float8's gathers."""
+    for name, block, block_plan in _block_plans(model, plan):
+        gathering = [sub for sub, style in block_plan.items() if gathers_sequence(style)]
+        if isinstance(block, CheckpointedBlock) or not gathering:
             continue
-        for name, style in block_plan.items():
-            if gathers_sequence(style):
-                regather_in_backward(block.get_submodule(name), tp_mesh)
+        if compiled:
+            model.layers[name] = CheckpointedBlock(block, context_fn=regather_policy)
+            continue
+        for sub in gathering:
+            regather_in_backward(block.get_submodule(sub), tp_mesh)
 
 
 def _float8_styles_run(plan: TPPlan, tp_mesh: DeviceMesh) -> bool:

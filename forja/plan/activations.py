@@ -52,10 +52,12 @@ def widths(job: Job) -> Widths:
 
 def regathered(job: Job, lay: Layout, w: Widths) -> bool:
     """Whether a block activation checkpointing leaves whole keeps its sublayers' gathered
-    inputs split until backward (forja/parallel/regather.py): under sequence parallelism, in
-    eager mode, without float8, where the matmuls read the gathered tensor itself."""
-    return (lay.tp > 1 and lay.sequence_parallel and not job.parallel.compile and not job.float8
-            and w.lin == w.res)
+    inputs split until backward (forja/parallel/regather.py): under sequence parallelism,
+    eager or compiled by inductor, without float8, where the matmuls read the gathered tensor
+    itself."""
+    p = job.parallel
+    return (lay.tp > 1 and lay.sequence_parallel and (not p.compile or p.compile_backend == "inductor")
+            and not job.float8 and w.lin == w.res)
 
 
 def _sp(lay: Layout) -> float:
@@ -190,7 +192,7 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
     if block.ffn == "moe":
         # Under autocast the router keeps the fp32 input itself, and the shared experts' w1, w3
         # and their gate each their own bf16 cast (the routed rows are gathered copies, below).
-        shared_readers = (2 + block.shared_expert_gate) if a.n_shared_experts else 0
+        shared_readers = (2 + block.shared_expert_gate) if a.shared_width else 0
         norm = _sublayer_input(job, lay, block, replace(w, gathered=1.0), 1)  # SplitTokens: no gather
         norm += (shared_readers * a.dim * w.lin + a.dim * (w.res - w.lin)) if autocast else 0.0
     else:
@@ -213,12 +215,12 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
     # Per slot: the rows sorted in (under autocast w1 and w3 each keep their own bf16 cast),
     # the experts' output, and it times the fp32 weights (fp32: index_add's source); the expert FFN.
     routed = cf * k * (((2 if autocast else 1) + 1 + act * h / a.dim) * a.dim * w.lin + a.dim * FP32)
-    shared = a.n_shared_experts * h * gated * w.lin
-    if a.n_shared_experts and block.shared_expert_gate:
+    shared = a.shared_width * gated * w.lin
+    if a.shared_width and block.shared_expert_gate:
         shared += a.dim * w.lin + FP32  # the shared output and its sigmoid gate, kept for the product
     router = a.n_experts * FP32 * 2 + k * 24  # logits, scores; indices
     router += a.dim * FP32 if w.res != FP32 else 0.0  # the router's fp32 copy of a bf16 input
-    matmuls = cf * k * (2 * h + a.dim) * w.lin + a.n_shared_experts * 2 * h * w.lin
+    matmuls = cf * k * (2 * h + a.dim) * w.lin + 2 * a.shared_width * w.lin
     return norm + (routed + shared + router) / t, matmuls / t
 
 

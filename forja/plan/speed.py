@@ -157,7 +157,7 @@ def elementwise_bytes(job: Job, lay: Layout, block) -> float:
     sp = lay.tp if (lay.tp > 1 and lay.sequence_parallel) else 1
     q, kv = a.n_heads * a.head_dim / lay.tp, a.n_kv_heads * a.head_dim / lay.tp
     if block.moe:  # under TP each rank runs the MoE layer for its 1/tp of the tokens
-        f = (a.top_k * a.moe_ffn_dim + a.n_shared_experts * a.moe_ffn_dim) / lay.tp
+        f = (a.top_k * a.moe_ffn_dim + a.shared_width) / lay.tp
     else:
         f = a.ffn_dim / lay.tp
     norm_fused = job.compiled or "rms_norm" in job.fused or block.layer_norm

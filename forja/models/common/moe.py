@@ -65,6 +65,9 @@ class MoEArgs:
     """Hidden width of one expert."""
     n_shared_experts: int = 0
     """Experts every token goes through (DeepSeek), run as one SwiGLU n_shared x moe_ffn_dim wide."""
+    shared_ffn_dim: int = 0
+    """The shared experts' SwiGLU width when it is not a whole number of experts (Qwen's
+    `shared_expert_intermediate_size`, any width); 0: n_shared_experts x moe_ffn_dim."""
     shared_expert_gate: bool = False
     """Scale the shared experts' output per token by sigmoid of a learned projection of it
     (Qwen3-Next, Qwen3.5-MoE: `shared_expert_gate`)."""
@@ -109,6 +112,12 @@ class MoEArgs:
     moe_impl: Literal["auto", "grouped", "loop"] = "auto"
     """Expert matmuls: torch._grouped_mm where supported (auto), always, or a per-expert loop."""
 
+    @property
+    def shared_width(self) -> int:
+        """Hidden width of the one SwiGLU the shared experts run as (0: none)."""
+        return self.shared_ffn_dim if self.n_shared_experts and self.shared_ffn_dim else \
+            self.n_shared_experts * self.moe_ffn_dim
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer` has a mixture of experts (families refine this)."""
         return self.n_experts > 0
@@ -121,6 +130,8 @@ class MoEArgs:
         rules = [
             (1 <= self.top_k <= e, f"top_k = {self.top_k} must be between 1 and n_experts = {e}"),
             (self.moe_ffn_dim > 0, f"moe_ffn_dim = {self.moe_ffn_dim} must be positive"),
+            (self.shared_ffn_dim >= 0 and (self.n_shared_experts > 0 or not self.shared_ffn_dim),
+             f"shared_ffn_dim = {self.shared_ffn_dim} needs n_shared_experts >= 1 (and must not be negative)"),
             (self.score_func in ("softmax", "sigmoid", "topk_softmax"),
              f"score_func = {self.score_func!r} must be softmax, sigmoid or topk_softmax"),
             (self.expert_activation in ("swiglu", "clamped_swiglu"),
@@ -342,7 +353,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.n_experts, dim, args.moe_ffn_dim, args.moe_impl,
                                       bias=args.expert_proj_bias, activation=args.expert_activation,
                                       limit=args.swiglu_limit, alpha=args.swiglu_alpha)
-        shared = args.n_shared_experts * args.moe_ffn_dim
+        shared = args.shared_width
         self.shared_experts = SwiGLU(dim, shared, fused=fused_swiglu) if shared else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared and args.shared_expert_gate else None
         self.step_context = OUTSIDE_A_STEP  # the step engine's: this micro-batch's share of the loss

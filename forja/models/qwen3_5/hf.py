@@ -51,10 +51,6 @@ def check_supported(cfg: dict, family: str = "Qwen3.5") -> None:
     if kind != "default" and kind not in ROPE_TYPES:
         raise refuse("rope_parameters.rope_type", kind, "'default', 'llama3' or 'yarn' (of the rotating dims)")
     hf_rules.check_config(cfg, _NO_JITTER, refuse)
-    moe, shared = cfg.get("moe_intermediate_size"), cfg.get("shared_expert_intermediate_size")
-    if cfg.get("num_experts") and shared and moe and shared % moe:
-        raise refuse("shared_expert_intermediate_size", shared,
-                     f"the shared expert must be a whole number of experts {moe} wide")
 
 
 def common_args(cfg: dict) -> dict:
@@ -74,9 +70,12 @@ def common_args(cfg: dict) -> dict:
 def moe_args(cfg: dict) -> dict:
     moe_dim = cfg.get("moe_intermediate_size", 512)
     shared = cfg.get("shared_expert_intermediate_size", 0) or 0
+    # A whole number of experts wide is counted in experts (as the flavors are); any other
+    # width is one shared expert of its own width.
+    n_shared, width = (shared // moe_dim, 0) if shared % moe_dim == 0 else (1, shared)
     return dict(n_experts=cfg.get("num_experts", 256), top_k=cfg.get("num_experts_per_tok", 8), moe_ffn_dim=moe_dim,
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), score_func="softmax",
-                n_shared_experts=shared // moe_dim, shared_expert_gate=shared > 0)
+                n_shared_experts=n_shared, shared_ffn_dim=width, shared_expert_gate=shared > 0)
 
 
 def _is_moe(cfg: dict) -> bool:
@@ -135,7 +134,7 @@ def common_config(a: Qwen3_5Args) -> dict:
            "mtp_num_hidden_layers": a.mtp_depth, "mtp_use_dedicated_embeddings": False}
     if a.n_experts:
         cfg.update(num_experts=a.n_experts, num_experts_per_tok=a.top_k, moe_intermediate_size=a.moe_ffn_dim,
-                   shared_expert_intermediate_size=a.n_shared_experts * a.moe_ffn_dim,
+                   shared_expert_intermediate_size=a.shared_width,
                    norm_topk_prob=a.norm_topk_prob)
     return cfg
 

@@ -140,6 +140,7 @@ def test_bias_update_moves_toward_underloaded_experts():
     (dict(n_expert_groups=3), "n_expert_groups"),
     (dict(bias_update_rate=0.1), "bias_update_rate"),
     (dict(score_func="relu"), "score_func"),
+    (dict(shared_ffn_dim=48), "shared_ffn_dim"),  # a shared width with no shared expert
 ])
 def test_bad_routing_options_name_the_field(kw, field):
     with pytest.raises(ForjaError, match=field):
@@ -188,3 +189,10 @@ def test_moe_under_tp_needs_experts_and_sequence_to_split(parallel, seq_len, mes
         assert found == []
     else:
         assert len(found) == 1 and re.search(message, found[0])
+
+
+def test_a_shared_expert_of_any_width():
+    """Qwen's shared_expert_intermediate_size need not be a whole number of experts wide."""
+    moe = _layer(n_shared_experts=1, shared_ffn_dim=20)
+    assert moe.shared_experts.w1.weight.shape == (20, 16)
+    assert _layer(n_shared_experts=2).shared_experts.w1.weight.shape == (24, 16)  # 2 x moe_ffn_dim
