@@ -241,7 +241,10 @@ def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> t
     block_input = job.args.dim * _sp(lay) * w.res
     ffn_width = job.args.ffn_dim if not block.moe else job.args.top_k * job.args.moe_ffn_dim
     ffn_width /= lay.tp  # the dense FFN's columns, or the MoE layer's tokens, split over TP
-    working = (3 * ffn_width + 2 * job.args.dim) * w.lin  # d(product), d(gate), d(up); d(x) twice
+    # The feed-forward's backward first makes d(product), d(gate) and d(up) beside its saved
+    # intermediates; its input's gradient, made twice (by w1 and by w3: whole rows, gathered
+    # under SP), comes after those intermediates are freed, so it adds only what exceeds them.
+    working = max(3 * ffn_width, 2 * job.args.dim - 3 * ffn_width) * w.lin
     if lay.ac == "full" or (lay.ac == "selective" and lay.ac_every and index % lay.ac_every == 0):
         return block_input, full + working  # recomputed as the forward ran: inputs gathered whole
     if lay.ac == "selective" and not lay.ac_every:
