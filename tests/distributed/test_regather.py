@@ -47,13 +47,20 @@ class _Block(nn.Module):
 GATHER = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
 
 
-def _run(rank: int, world: int, regather: bool):
+def _sequence_parallel_block(world: int) -> tuple[_Block, object]:
+    """The block under TP + SP over `world` ranks: its norm on the rank's slice of the
+    sequence, its feed-forward's input gathered whole first."""
     torch.manual_seed(0)
     block = _Block()
     mesh = init_device_mesh("cpu", (world,))
     parallelize_module(block, mesh, {"norm": SequenceParallel(), "feed_forward": GATHER,
                                      "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
                                      "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
+    return block, mesh
+
+
+def _run(rank: int, world: int, regather: bool):
+    block, mesh = _sequence_parallel_block(world)
     if regather:
         regather_in_backward(block.feed_forward, mesh)
     seen = []
@@ -83,12 +90,7 @@ def _saved_by_compiled_graph(out: torch.Tensor) -> list[tuple[int, ...]]:
 
 
 def _run_compiled(rank: int, world: int, regather: bool):
-    torch.manual_seed(0)
-    block = _Block()
-    mesh = init_device_mesh("cpu", (world,))
-    parallelize_module(block, mesh, {"norm": SequenceParallel(), "feed_forward": GATHER,
-                                     "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-                                     "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
+    block, mesh = _sequence_parallel_block(world)
     compiled = torch.compile(CheckpointedBlock(block, context_fn=regather_policy) if regather else block)
     x = torch.randn(2, 16, 8).chunk(world, dim=1)[rank].requires_grad_()  # (B, T/tp, D)
     out = compiled(x)
