@@ -234,7 +234,7 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
     micro = lay.microbatches(job.global_batch_size)
     kept, working = _kept_activations(job, lay, rm, tokens, micro)
     loss_kept, loss_backward = _loss_memory(job, lay, rm, tokens, micro)
-    buffers = (4 * tokens * job.args.dim * widths(job).lin * rm.stages) if lay.pp > 1 else 0.0
+    buffers = _pipeline_buffers(job, lay, rm, tokens, micro)
     # Context parallelism's transients live while a block computes (one at a time: the largest
     # block's), not while the loss runs (measured by the rehearsal, forja/train/rehearse/).
     in_block = max((cp_buffers(job, lay, b, tokens) for b, _ in rm.groups), default=0.0)
@@ -279,6 +279,18 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
             moments.append(snap("stage backward end", acts=acts + working, gathered_now=whole * h.gathered_width,
                                 grads_now=whole * FP32 + others * grads + output_grad))
     return moments
+
+
+def _pipeline_buffers(job: Job, lay: Layout, rm: RankModel, tokens: float, micro: int) -> float:
+    """Bytes of a pipeline rank's receive buffers: torch's stages allocate one per micro-batch
+    up front, for the activations a stage receives (all but the model's first stage) and the
+    gradients it receives (all but the last), each a micro-batch's hidden states, split over
+    the TP ranks under sequence parallelism (measured by the rehearsal, forja/train/rehearse/)."""
+    if lay.pp == 1:
+        return 0.0
+    sp = lay.tp if lay.tp > 1 and lay.sequence_parallel else 1
+    receiving = 2 * rm.stages - rm.first - rm.last  # this rank's stages' receiving sides
+    return micro * receiving * tokens / sp * job.args.dim * widths(job).lin
 
 
 def _gathered(lay: Layout, rm: RankModel, h: _Held, order: str) -> float:
