@@ -107,7 +107,7 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _GROUP_KEYS = (".name", ".use_muon", ".precondition")
 
 
-def _is_group_name(key: str) -> bool:
+def _is_group_kind(key: str) -> bool:
     return key.startswith("param_groups.") and key.endswith(_GROUP_KEYS)
 
 
@@ -121,13 +121,13 @@ class OptimizerState(Stateful):
         for part, opt in zip(self.parts, self.optimizers):
             state = get_optimizer_state_dict(part, opt, options=_FLAT)
             for key, value in _rename(state, part, to_stored=True, optimizer=True).items():
-                if not _is_group_name(key):
+                if not _is_group_kind(key):
                     merged.setdefault(key, value)
         return merged
 
     def load_state_dict(self, state: dict) -> None:
         for part, opt in zip(self.parts, self.optimizers):
-            names = {k: v for k, v in get_optimizer_state_dict(part, opt, options=_FLAT).items() if _is_group_name(k)}
+            names = {k: v for k, v in get_optimizer_state_dict(part, opt, options=_FLAT).items() if _is_group_kind(k)}
             full = {**with_tied_copies(part, state, optimizer=True), **names}  # the groups keep their names
             set_optimizer_state_dict(part, opt, full, options=_FLAT)
 

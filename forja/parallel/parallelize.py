@@ -22,6 +22,7 @@ from forja.parallel.config import ParallelConfig
 from forja.parallel.dims import ParallelDims
 from forja.parallel.ep import apply_ep, expert_layout
 from forja.parallel.fsdp import apply_fsdp, wants_fsdp
+from forja.parallel.regather import regathers
 from forja.parallel.tp import apply_tp, enable_async_tp, regather_sequence_inputs, wait_for_embedding_output
 
 
@@ -39,9 +40,8 @@ def parallelize(model: Transformer, plan: TPPlan, dims: ParallelDims, cfg: Paral
     if experts is not None:
         apply_ep(model, *experts)
     apply_ac(model, cfg)
-    inductor = cfg.compile and cfg.compile_backend == "inductor"
-    if dims.tp > 1 and plan.sequence_parallel and not plan.float8 and (inductor or not cfg.compile):
-        regather_sequence_inputs(model, dims.tp_mesh, plan, compiled=inductor)
+    if regathers(cfg, tp=dims.tp, sequence_parallel=plan.sequence_parallel, float8=plan.float8):
+        regather_sequence_inputs(model, dims.tp_mesh, plan, compiled=cfg.compile)
     if cfg.compile:
         apply_compile(model, cfg.compile_backend)
     if wants_fsdp(dims, cfg):

@@ -34,6 +34,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from forja.parallel.config import ParallelConfig
+
 _aten, _c10d = torch.ops.aten, torch.ops._c10d_functional
 # The ops that make a sequence-gathered input from the split one: the collective, its wait, and
 # the views, splits and concatenations that move the gathered rows to the sequence dimension.
@@ -49,6 +51,14 @@ def _prefer_regathering(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 def regather_policy():
     """A compiled block's selective-checkpoint context: recompute the gathers, save the rest."""
     return create_selective_checkpoint_contexts(_prefer_regathering)
+
+
+def regathers(cfg: ParallelConfig, *, tp: int, sequence_parallel: bool, float8: bool) -> bool:
+    """Whether blocks AC leaves whole keep their sequence-gathered inputs split until backward:
+    under TP with sequence parallelism, eager or compiled by inductor, without float8's gathers.
+    The one decision forja.parallel applies and forja.plan prices."""
+    return (tp > 1 and sequence_parallel and not float8
+            and (not cfg.compile or cfg.compile_backend == "inductor"))
 
 
 def gathers_sequence(style: ParallelStyle | None) -> bool:

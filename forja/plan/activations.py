@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, replace
 
 from forja.models.common.mla import LatentAttentionArgs
+from forja.parallel.regather import regathers
 from forja.plan.context_parallel import cp_saved_extra, mixer_length, replicas
 from forja.plan.job import Job
 from forja.plan.layout import Layout
@@ -55,9 +56,8 @@ def regathered(job: Job, lay: Layout, w: Widths) -> bool:
     inputs split until backward (forja/parallel/regather.py): under sequence parallelism,
     eager or compiled by inductor, without float8, where the matmuls read the gathered tensor
     itself."""
-    p = job.parallel
-    return (lay.tp > 1 and lay.sequence_parallel and (not p.compile or p.compile_backend == "inductor")
-            and not job.float8 and w.lin == w.res)
+    return w.lin == w.res and regathers(job.parallel, tp=lay.tp, sequence_parallel=lay.sequence_parallel,
+                                        float8=job.float8)
 
 
 def _sp(lay: Layout) -> float:
