@@ -99,6 +99,8 @@ class RankModel:
     first: bool = True
     last: bool = True
     stages: int = 1
+    stage_layers: tuple[tuple[int, ...], ...] = ()
+    """Each of its pipeline stages' layer indices, in the order the schedule runs them."""
 
 
 def _group(job: Job, indices: list[int]) -> list[tuple[BlockShape, tuple[int, ...]]]:
@@ -127,8 +129,9 @@ def rank_model(job: Job, lay: Layout, pp_rank: int) -> RankModel:
     counts = _stage_layers(n_layers, n_stages, mean, job.shape.output_flops_per_token)
     starts = [sum(counts[:s]) for s in range(n_stages)]
     stages = rank_stages(pp_rank, lay.pp, lay.pp_schedule)
-    held = [i for s in stages for i in range(starts[s], starts[s] + counts[s])]
-    return RankModel(pp_rank, _group(job, held), 0 in stages, n_stages - 1 in stages, len(stages))
+    stage_layers = tuple(tuple(range(starts[s], starts[s] + counts[s])) for s in stages)
+    return RankModel(pp_rank, _group(job, [i for layers in stage_layers for i in layers]), 0 in stages,
+                     n_stages - 1 in stages, len(stages), stage_layers)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -342,35 +345,60 @@ def _stage_backward_ends(order: str, rm: RankModel, kept: float, inflight: float
                          output_root: float, blocks: float) -> list[tuple[float, float, float]]:
     """(activations in flight, elements whole, share of the rank's sharded gradients held) at
     the end of a stage's first backward, when a schedule keeps each stage gathered with whole
-    fp32 gradients from its first backward to its last: one micro-batch fewer is in flight."""
+    fp32 gradients from its first backward to its last: one (stage, micro-batch) fewer is in
+    flight, of the `inflight` x stages the rank holds."""
+    one_fewer = kept * (1 - 1 / (inflight * rm.stages))
     if order == "together" or rm.stages == 1:
-        return [(kept * (inflight - 1) / inflight, root + blocks, 0.0)]
+        return [(one_fewer, root + blocks, 0.0)]
     per_stage = blocks / rm.stages
     # The stage nearest the loss (holding the output on the last rank) runs its backwards first,
     # every other stage's micro-batches still in flight; the lowest (the embedding's, on the
     # first rank) runs last, its own m - 1 later micro-batches in flight, the others reduced.
-    return [(kept * (inflight - 1) / inflight, output_root + per_stage, 0.0),
+    return [(one_fewer, output_root + per_stage, 0.0),
             (kept * (micro - 1) / inflight / rm.stages, root - output_root + per_stage, (rm.stages - 1) / rm.stages)]
 
 
 def _kept_activations(job: Job, lay: Layout, rm: RankModel, tokens: float, micro: int) -> tuple[float, float]:
     """(bytes the rank's blocks keep for backward over the micro-batches in flight, the largest
     block's working memory in its backward)."""
-    kept = working = 0.0
+    by_layer, working = {}, 0.0
     for b, idx in rm.groups:
-        checkpointed = sum(1 for i in idx if i % lay.ac_every == 0) if lay.ac_every else 0
-        for n, index in ((len(idx) - checkpointed, 1), (checkpointed, 0)):
-            if n:
-                k, wk = _block_activations_cached(job, lay, b, index)
-                kept, working = kept + n * (k * tokens + weight_casts(job, lay, b, index)), max(working, wk * tokens)
+        for i in idx:
+            k, wk = _block_activations_cached(job, lay, b, 0 if lay.ac_every and i % lay.ac_every == 0 else 1)
+            by_layer[i] = k * tokens + weight_casts(job, lay, b, 0 if lay.ac_every and i % lay.ac_every == 0 else 1)
+            working = max(working, wk * tokens)
+    kept = sum(by_layer.values())
     if lay.pp > 1:
-        kept *= inflight_chunks(lay, rm.pp_rank, micro)
+        per_stage = [sum(by_layer[i] for i in layers) for layers in rm.stage_layers] or [kept]
+        kept = _in_flight(lay, rm.pp_rank, micro, per_stage)
     if rm.last:
         # The final norm's input and output, split over tp under sequence parallelism, and the
         # output projection's input, whole (gathered for the vocabulary-split projection).
         sp = lay.tp if lay.tp > 1 and lay.sequence_parallel else 1
         kept += tokens * job.args.dim * (2 * widths(job).res / sp + widths(job).lin)
     return kept, working
+
+
+def _in_flight(lay: Layout, pp_rank: int, micro: int, per_stage: list[float]) -> float:
+    """Bytes a pp rank keeps for backward at its peak, its stages keeping `per_stage` bytes a
+    micro-batch. Interleaved 1F1B is walked as torch's schedule orders it: rounds of micro-batches
+    through one stage, then the next, so its warm-up runs the rank's first stage more often than
+    its last (a last stage thinned for the output layer keeps less than the mean). The other
+    schedules keep `inflight_chunks` of each stage's."""
+    if lay.pp_schedule != "interleaved-1f1b" or len(per_stage) == 1:
+        return sum(per_stage) * inflight_chunks(lay, pp_rank, micro)
+    v, p = len(per_stage), lay.pp
+    per_round = micro // max(1, micro // p)
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - pp_rank), micro * v)
+    held, peak = [0] * v, 0.0
+    # Past the warm-up the held mix repeats every v rounds: one cycle of it is enough.
+    for t in range(min(micro * v, warmup + v * per_round)):  # forward t, then backward t - warmup
+        held[(t // per_round) % v] += 1
+        if t >= warmup - 1:
+            peak = max(peak, sum(n * b for n, b in zip(held, per_stage)))
+        if t >= warmup:
+            held[v - 1 - ((t - warmup) // per_round) % v] -= 1
+    return peak
 
 
 def _loss_memory(job: Job, lay: Layout, rm: RankModel, tokens: float, micro: int) -> tuple[float, float]:

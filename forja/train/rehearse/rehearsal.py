@@ -86,8 +86,9 @@ def fewer_pipeline_microbatches(cfg: Config, world_size: int) -> tuple[Config, s
     the same size, and a note saying so ("" when nothing changed). Past that count a schedule's
     micro-batches in flight, and so its peak, stop growing (1F1B holds at most pp, the
     interleaved and V schedules fewer than 2 pp v; every earlier gradient is accumulated whole
-    either way), while each one costs the rehearsal a stage's forward and backward. GPipe, which
-    holds them all, is rehearsed whole."""
+    either way), while each one costs the rehearsal a stage's forward and backward; the stages
+    still allocate a receive buffer for every micro-batch of the step (`receive_buffers_for`).
+    GPipe, which holds them all, is rehearsed whole."""
     lay = Layout.from_config(cfg.parallel, cfg.train.micro_batch_size, world_size)
     m = lay.microbatches(cfg.train.global_batch_size)
     cap = 2 * lay.pp * lay.stages_per_rank
@@ -97,7 +98,8 @@ def fewer_pipeline_microbatches(cfg: Config, world_size: int) -> tuple[Config, s
     train = dataclasses.replace(cfg.train, global_batch_size=lay.dp * cap * rows)
     parallel = dataclasses.replace(cfg.parallel, pp_microbatches=cap if cfg.parallel.pp_microbatches else 0)
     note = (f"the pipeline step's {m} micro-batches rehearsed as {cap} of the same {rows} sequences: past "
-            f"2 x pp x stages per rank the micro-batches in flight, and the peak, stop growing")
+            f"2 x pp x stages per rank the micro-batches in flight stop growing (a receive buffer is held for "
+            f"each of the {m})")
     return dataclasses.replace(cfg, train=train, parallel=parallel), note
 
 
@@ -122,13 +124,12 @@ def rehearse(cfg: Config, world_size: int, hw: Hardware | None = None) -> Rehear
     job = _job(cfg, args)  # the program rehearsed: eager, no fused kernels
     check_layout(layout_request(job, "cuda", world_size))
     _check_rehearsable(cfg, args, world_size)
-    cfg, fewer = fewer_pipeline_microbatches(cfg, world_size)
-    if fewer:  # a shorter pipeline step: predicted as rehearsed
-        job = _job(cfg, args)
     lay = Layout.from_config(cfg.parallel, cfg.train.micro_batch_size, world_size)
+    step_microbatches = lay.microbatches(cfg.train.global_batch_size)
+    shorter, fewer = fewer_pipeline_microbatches(cfg, world_size)
     ranks, predicted = [], []
-    for rank, position in rank_positions(cfg, world_size):
-        ranks.append(rehearse_rank(cfg, args, world_size, rank, position))
+    for rank, position in rank_positions(cfg, world_size):  # the whole step predicted; a shorter one rehearsed
+        ranks.append(rehearse_rank(shorter, args, world_size, rank, position, step_microbatches))
         predicted.append(_predicted(job, lay, rank // (world_size // lay.pp)))
     return Rehearsal(layout=lay.describe(), world_size=world_size, hardware=hw.name if hw else "",
                      usable_bytes=usable_memory(hw) if hw else float("inf"),

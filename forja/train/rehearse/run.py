@@ -32,7 +32,7 @@ from forja.parallel import ParallelDims
 from forja.train.build import build_model_parts
 from forja.train.rehearse.collectives import mesh_group_names
 from forja.train.rehearse.kernels import device_checked_targets, flex_attention_standin, gpu_attention
-from forja.train.rehearse.pipeline import static_stage_votes
+from forja.train.rehearse.pipeline import receive_buffers_for, static_stage_votes
 from forja.train.rehearse.routing import balanced_routing
 from forja.train.rehearse.tracker import AllocationTracker
 from forja.train.step.build import build_engine
@@ -94,11 +94,14 @@ def _forget_sharding_plans() -> None:
         clear()
 
 
-def rehearse_rank(cfg: Config, args: TransformerArgs, world_size: int, rank: int, position: str) -> RankRehearsal:
-    """Rehearse rank `rank` of `cfg`'s run on `world_size` ranks."""
+def rehearse_rank(cfg: Config, args: TransformerArgs, world_size: int, rank: int, position: str,
+                  step_microbatches: int = 0) -> RankRehearsal:
+    """Rehearse rank `rank` of `cfg`'s run on `world_size` ranks. `step_microbatches`: the
+    step's micro-batches, where `cfg` is a long pipeline shortened to fewer of them (its stages
+    still hold a receive buffer for each)."""
     began = time.perf_counter()
     with fake_world(rank, world_size), balanced_routing(), gpu_attention(), flex_attention_standin(), \
-            device_checked_targets(), static_stage_votes():
+            device_checked_targets(), static_stage_votes(), receive_buffers_for(step_microbatches):
         dims = ParallelDims.from_config(cfg.parallel, world_size)
         dims.build_mesh("cpu")
         fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -108,6 +111,7 @@ def rehearse_rank(cfg: Config, args: TransformerArgs, world_size: int, rank: int
         tracker = AllocationTracker(_group_names(dims))
         with fake, tracker, _shape_propagation_untracked(tracker):
             rehearsal = _step(cfg, args, dims, built, tracker)
+    rehearsal.microbatches = max(rehearsal.microbatches, step_microbatches)
     rehearsal.rank, rehearsal.position = rank, position
     rehearsal.seconds = time.perf_counter() - began
     return rehearsal

@@ -142,6 +142,19 @@ def test_a_long_pipeline_step_is_rehearsed_with_the_micro_batches_its_peak_needs
     assert fewer_pipeline_microbatches(gpipe, 8) == (gpipe, "")  # GPipe holds every micro-batch: all of them
 
 
+def test_a_shortened_pipeline_step_holds_a_receive_buffer_for_each_of_the_steps_micro_batches():
+    """torch allocates a stage's receive buffers for every micro-batch up front: the 16-micro-batch
+    step rehearsed as 4 holds 12 more of them than the 4-micro-batch step, on each stage, and
+    the planner, which prices the whole step, still agrees."""
+    whole = _rehearsed(tuple(PP2))  # 16 rows a rank: 4 micro-batches of 1
+    longer = _rehearsed(tuple(PP2 + ["train.global_batch_size=64"]))  # 16 micro-batches, rehearsed as 4
+    buffer = 1 * 1024 * 2048 * 4  # (1, 1024, dim) fp32: hidden states in, or their gradient
+    for short, long, predicted in zip(whole.ranks, longer.ranks, longer.predicted):
+        assert (long.microbatches, long.microbatches_rehearsed, short.microbatches) == (16, 4, 4)
+        assert long.peak_bytes - short.peak_bytes == 12 * buffer, long.position
+        assert abs(predicted.total / long.peak_bytes - 1) <= AGREEMENT
+
+
 def test_rank_positions_are_the_pipeline_ends():
     cfg = load_config("llama3-1b", ["parallel.pp=4", "parallel.dp_shard=2"])
     assert rank_positions(cfg, 8) == [(0, "first stage"), (6, "last stage")]
