@@ -87,10 +87,16 @@ class Run:
     """Peak memory per GPU as published (torchtitan: the caching allocator's reserved peak, GiB)."""
 
 
+def _titan_ac(ac: str) -> dict:
+    """torchtitan's activation checkpointing as forja's keys: its op-level selective AC keeps
+    every second `mm` of a block's (torchtitan/distributed/activation_checkpoint.py)."""
+    return dict(ac=ac, ac_matmuls="alternate") if ac == "selective" else dict(ac=ac)
+
+
 def _titan_8b(name, gpus, tps, seq, batch, mbs, layout, *, float8="none", compile_=True, ac="selective",
               source="torchtitan", assumed="", mem=None):
     return Run(name, source, gpus, tps, {**LLAMA, "model.flavor": "3.1-8b"}, seq, batch,
-               dict(layout, ac=ac, micro_batch_size=mbs), TITAN_GPU, float8, compile_, assumed=assumed,
+               dict(layout, **_titan_ac(ac), micro_batch_size=mbs), TITAN_GPU, float8, compile_, assumed=assumed,
                inexpressible=_ring(layout), published_gib=mem)
 
 
@@ -132,7 +138,7 @@ RUNS: list[Run] = [
 def _titan_big(name, flavor, gpus, tps, batch, mbs, layout, *, seq=8192, float8="tensorwise", async_tp=False,
                source="torchtitan", ac="full", assumed=SEQ_FROM_CONFIG, mem=None):
     return Run(name, source, gpus, tps, {**LLAMA, "model.flavor": flavor}, seq, batch,
-               dict(layout, ac=ac, micro_batch_size=mbs), TITAN_GPU, float8, assumed=assumed,
+               dict(layout, **_titan_ac(ac), micro_batch_size=mbs), TITAN_GPU, float8, assumed=assumed,
                extra={"parallel.async_tp": async_tp}, inexpressible=_ring(layout), published_gib=mem)
 
 

@@ -5,7 +5,9 @@
   0, k, 2k, ...; the others keep everything.
 - selective, op-level (`ac_every = 0`): every block keeps the outputs of its matmuls and
   attention (expensive to recompute) and recomputes the cheap elementwise ops (norms,
-  activations, RoPE), which hold much of the memory (Korthikanti et al. 2022).
+  activations, RoPE), which hold much of the memory (Korthikanti et al. 2022). With
+  `ac_matmuls = "alternate"` it keeps only every second `mm` of a block's (the 1st, 3rd, ...;
+  torchtitan's op-level policy), recomputing the others: less memory for more FLOPs.
 
 The wrapper module names its child `_checkpoint_wrapped_module` (the name PyTorch's
 checkpoint helpers and forja's init recognize) and leaves that name out of its state dict,
@@ -41,12 +43,27 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _op_level_context():
-    return create_selective_checkpoint_contexts(_save_matmuls)
+def _save_alternate_matmuls():
+    """A policy keeping every second `mm` of one block's: the forward and its recomputation
+    count their own calls, so the replay decides as the forward did."""
+    calls = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op is torch.ops.aten.mm.default:
+            calls[ctx.is_recompute] += 1
+            if calls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return _save_matmuls(ctx, op)
+
+    return policy
 
 
-def _eager_op_level_context(block: nn.Module):
-    forward, recompute = _op_level_context()
+def _op_level_context(alternate: bool = False):
+    return create_selective_checkpoint_contexts(_save_alternate_matmuls() if alternate else _save_matmuls)
+
+
+def _eager_op_level_context(block: nn.Module, alternate: bool = False):
+    forward, recompute = _op_level_context(alternate)
     return forward, _within_forward_root(block, recompute)
 
 
@@ -77,10 +94,10 @@ def _within_forward_root(block: nn.Module, recompute) -> Iterator[None]:
 class CheckpointedBlock(nn.Module):
     """Runs the wrapped block under `torch.utils.checkpoint` (non-reentrant)."""
 
-    def __init__(self, block: nn.Module, *, op_level: bool = False, context_fn=None):
+    def __init__(self, block: nn.Module, *, op_level: bool = False, alternate: bool = False, context_fn=None):
         super().__init__()
         self._checkpoint_wrapped_module = block
-        self.op_level = op_level
+        self.op_level, self.alternate = op_level, alternate
         self.context_fn = context_fn  # a policy of the caller's (SP's compiled regather, forja/parallel/regather.py)
         self.register_state_dict_post_hook(_drop_wrapper_name)
         self.register_load_state_dict_pre_hook(_add_wrapper_name)
@@ -91,7 +108,8 @@ class CheckpointedBlock(nn.Module):
             # Compiled, the checkpoint is traced from the policy's two modes (all torch.compile
             # takes); eager, the replay also runs inside FSDP's forward root (`_within_forward_root`).
             compiled = torch.compiler.is_compiling()
-            extra["context_fn"] = _op_level_context if compiled else functools.partial(_eager_op_level_context, self)
+            extra["context_fn"] = (functools.partial(_op_level_context, self.alternate) if compiled
+                                   else functools.partial(_eager_op_level_context, self, self.alternate))
         return checkpoint(self._checkpoint_wrapped_module, *args, use_reentrant=False,
                           preserve_rng_state=False, **extra, **kwargs)
 
@@ -127,7 +145,7 @@ def apply_ac(model: nn.Module, cfg: ParallelConfig) -> None:
                 continue
             wrapped = CheckpointedBlock(block)
         else:
-            wrapped = CheckpointedBlock(block, op_level=True)
+            wrapped = CheckpointedBlock(block, op_level=True, alternate=cfg.ac_matmuls == "alternate")
         model.layers[name] = wrapped
 
 

@@ -62,6 +62,11 @@ class ParallelConfig:
     """Activation checkpointing: none, every block (full), or selective (see ac_every)."""
     ac_every: int = 0
     """selective: checkpoint every k-th block; 0 means op-level (keep matmul outputs, recompute the rest)."""
+    ac_matmuls: Literal["all", "alternate"] = "all"
+    """Op-level selective AC's matmuls: keep every one's output ("all"), or every second `mm` of a
+    block's, recomputing the others ("alternate", torchtitan's op-level policy: a Llama block's
+    wk, wo and w3, a third of its matmul outputs' memory for their forward again). Only op-level
+    AC reads it."""
     compile: bool = False
     """torch.compile each transformer block."""
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"

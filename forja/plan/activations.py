@@ -249,9 +249,38 @@ def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> t
         return block_input, full + working  # recomputed as the forward ran: inputs gathered whole
     if lay.ac == "selective" and not lay.ac_every:
         kept = block_input + attn_mm + ffn_mm
+        if lay.op_level_alternate:
+            kept -= (alternate_recomputed(job, lay, block) or (0.0, 0.0))[0] * w.lin
         return kept, (full - kept) + working
     if regathered(job, lay, w):
         split = replace(w, gathered=1 / lay.tp)
         kept = attention_saved(job, lay, block, split)[0] + ffn_saved(job, lay, block, split)[0] + (full - attn - ffn)
         return kept, working + job.args.dim * w.lin  # backward gathers the input whole again
     return full, working
+
+
+def alternate_recomputed(job: Job, lay: Layout, block: BlockShape) -> tuple[float, float] | None:
+    """(output elements, forward FLOPs) per token, on one rank, of the `mm` calls that op-level
+    AC with parallel.ac_matmuls = "alternate" recomputes in one block: the 2nd, 4th, ... of its
+    calls in order (attention's wq, wk, wv, wo; then a dense FFN's w1, w3, w2, or an MoE layer's
+    router and shared experts' w1, w3, w2: the routed experts' grouped matmuls are no `mm`).
+    None where the block's calls are not modelled (latent or linear attention, an output gate,
+    biased projections, which run as `addmm` and are kept, an MTP module): such a block is
+    priced as keeping them all, an over-estimate."""
+    a, t = job.args, lay.tp
+    if (isinstance(a, LatentAttentionArgs) or block.kind == "linear_attention" or block.output_gate
+            or block.sinks or block.layer_norm or block.mtp or block.ffn == "gelu"):
+        return None
+    hq, hkv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    calls = [(hq / t, a.dim), (hkv / t, a.dim), (hkv / t, a.dim), (a.dim, hq / t)]  # (out, in) per token
+    if block.ffn != "moe":
+        f = a.ffn_dim / t
+        calls += [(f, a.dim), (f, a.dim), (a.dim, f)]
+    else:  # each rank routes 1/tp of the tokens (SplitTokens)
+        calls.append((a.n_experts / t, a.dim))
+        if a.shared_width:
+            sh = a.shared_width
+            calls += [(sh / t, a.dim), (sh / t, a.dim), (a.dim / t, sh)]
+            calls += [(1 / t, a.dim)] if block.shared_expert_gate else []
+    dropped = calls[1::2]
+    return sum(out for out, _ in dropped), sum(2 * out * inp for out, inp in dropped)

@@ -24,12 +24,14 @@ from forja.parallel.pp_split import stages_per_rank
 # The layout's `parallel.*` keys, in the order a plan prints them: the degrees, cp's kind after
 # cp, then the options (the rest of ParallelConfig is left as the recipe says).
 PARALLEL_KEYS = (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.TP, Axis.PP, Axis.CP, "cp_kind", Axis.EP,
-                 "reshard_after_forward", "grad_sync", "cpu_offload", "sequence_parallel", "ac", "ac_every",
+                 "reshard_after_forward", "grad_sync", "cpu_offload", "sequence_parallel", "ac", "ac_every", "ac_matmuls",
                  "pp_schedule", "pp_microbatches")
 OPTION_KEYS = tuple(k for k in PARALLEL_KEYS if not isinstance(k, Axis))
 LAYOUT_KEYS = frozenset(PARALLEL_KEYS) | {"micro_batch_size"}
 """What `forja plan --layout` may hold: the layout's keys, by name without the section."""
-AC_MODES = (("none", 0), ("selective", 0), ("full", 0))
+# (ac, ac_every, ac_matmuls) the search tries: op-level selective keeping every matmul's output
+# or every second one's (torchtitan's policy), between none and full.
+AC_MODES = (("none", 0, "all"), ("selective", 0, "all"), ("selective", 0, "alternate"), ("full", 0, "all"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +55,8 @@ class Layout(WithDegrees):
     """Activation checkpointing: none, full or selective."""
     ac_every: int = 0
     """selective: every k-th block; 0: op-level."""
+    ac_matmuls: str = "all"
+    """op-level: keep every matmul's output, or every second mm's ("alternate")."""
     pp_schedule: str = "1f1b"
     """The pipeline schedule under pp > 1."""
     pp_microbatches: int = 0
@@ -103,6 +107,11 @@ class Layout(WithDegrees):
         out["train.micro_batch_size"] = self.micro_batch_size
         return out
 
+    @property
+    def op_level_alternate(self) -> bool:
+        """Op-level selective AC keeping every second mm's output (parallel.ac_matmuls)."""
+        return self.ac == "selective" and not self.ac_every and self.ac_matmuls == "alternate"
+
     def describe(self) -> str:
         """A short name, e.g. 'dp_shard 8 x tp 8 x pp 4 | zero-3 | ac full | mbs 1 | 1f1b x 16' (a CP
         degree names its kind: 'cp 4 ring', 'cp 2 all-to-all')."""
@@ -116,7 +125,8 @@ class Layout(WithDegrees):
         if self.tp > 1 and not self.sequence_parallel:
             parts.append("no sp")
         if self.ac != "none":
-            parts.append(f"ac {self.ac}" + (f"/{self.ac_every}" if self.ac_every else ""))
+            parts.append(f"ac {self.ac}" + (f"/{self.ac_every}" if self.ac_every else "")
+                         + (" (alternate mm)" if self.op_level_alternate else ""))
         parts.append(f"mbs {self.micro_batch_size}")
         if self.pp > 1:
             parts.append(f"{self.pp_schedule}" + (f" x {self.pp_microbatches}" if self.pp_microbatches else ""))
@@ -135,7 +145,7 @@ class Layout(WithDegrees):
         if self.fsdp > 1:  # sharded: ZeRO-3 or ZeRO-2
             parts.append(("z3" if self.reshard_after_forward else "z2") + ("/step" if self.grad_sync == "step" else ""))
         parts.append("offload" if self.cpu_offload else "")
-        every = f"/{self.ac_every}" if self.ac_every else ""
+        every = f"/{self.ac_every}" if self.ac_every else ("/alt" if self.op_level_alternate else "")
         parts.append(f"ac {_AC_SHORT.get(self.ac, self.ac)}{every}" if self.ac != "none" else "")
         parts.append(f"mb {self.micro_batch_size}")
         if self.pp > 1:
@@ -289,11 +299,12 @@ def _memory_options(base: Layout, n_layers: int, local: int, space: SearchSpace)
     # Reducing once a step matters only with gradient accumulation outside a pipeline, under ZeRO-2.
     syncs = ("micro-batch", "step") if base.fsdp > 1 and base.pp == 1 and local // base.micro_batch_size > 1 \
         else ("micro-batch",)
-    for schedule, zero3, offload, sync, (ac, every) in itertools.product(schedules, zeros, offloads, syncs, AC_MODES):
+    for schedule, zero3, offload, sync, (ac, every, matmuls) in itertools.product(schedules, zeros, offloads, syncs,
+                                                                                   AC_MODES):
         if base.pp > 1 and (local // base.micro_batch_size) < base.pp:
             continue  # fewer micro-batches than stages: the schedules refuse it
         yield replace(base, pp_schedule=schedule, reshard_after_forward=zero3, cpu_offload=offload, grad_sync=sync,
-                      ac=ac, ac_every=every)
+                      ac=ac, ac_every=every, ac_matmuls=matmuls)
 
 
 def with_layout(cfg, lay: Layout):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from forja.models.common.moe import MoEArgs
 from forja.parallel.degrees import MESH_AXES, Axis
+from forja.plan.activations import alternate_recomputed
 from forja.plan.context_parallel import a2a_elements, act_bytes, ring_attention_work, ring_kv_bytes, ring_scan_bytes
 from forja.plan.hardware import Hardware
 from forja.plan.job import Job
@@ -212,6 +213,8 @@ def _compute_time(job: Job, lay: Layout, hw: Hardware, rm, tokens_mb: float, tok
         n, attention, routed = len(idx), attention_flops(job, b), routed_expert_flops(job, b)
         dense = (b.flops_per_token - attention - routed) / linear_rate + routed / expert_rate
         linear += n * dense * recompute_factor(lay) / lay.tp
+        if lay.op_level_alternate:  # the matmuls it recomputes, their forward again (per rank already)
+            linear += n * (alternate_recomputed(job, lay, b) or (0.0, 0.0))[1] / linear_rate
         if ring and attention:  # forja's ring blocks, not the fused kernel (per micro-batch -> per token)
             attn += n * (ring[0] * (1 + forward_reruns(lay)) + ring[1]) / tokens_mb
         else:

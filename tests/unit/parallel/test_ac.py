@@ -30,3 +30,54 @@ def test_op_level_checkpointing_compiles_and_matches_the_block():
     block._checkpoint_wrapped_module(x).sum().backward()
     torch.testing.assert_close(compiled, x.grad)
     torch.testing.assert_close(eager, x.grad, rtol=0, atol=0)
+
+
+class _FourMatmuls(nn.Module):
+    """Four bias-free projections (four `mm` calls), each read by an elementwise op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(16, 16, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(self.c(self.b(self.a(x).sin()).sin()).sin()).sin()
+
+
+def _saved_mm_outputs(block: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """How many `mm` calls a backward reruns, and the input's gradient."""
+    calls = []
+
+    class Count(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mm.default:
+                calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    loss = block(x).sum()
+    with Count():
+        loss.backward()
+    grad, x.grad = x.grad, None
+    return len(calls), grad
+
+
+def test_alternate_matmuls_recompute_every_second_mm_and_match_the_block():
+    """parallel.ac_matmuls = "alternate" (torchtitan's op-level policy): of four mm calls the
+    2nd and 4th are recomputed in backward, so backward runs 2 more than its own 8 (dX and dW
+    of each); "all" reruns none. Gradients are the block's own, bit for bit."""
+    torch.manual_seed(0)
+    inner, x = _FourMatmuls(), torch.randn(4, 16, requires_grad=True)
+    plain, expected = _saved_mm_outputs(inner, x)
+    kept_all, grad_all = _saved_mm_outputs(CheckpointedBlock(inner, op_level=True), x)
+    alternate, grad_alt = _saved_mm_outputs(CheckpointedBlock(inner, op_level=True, alternate=True), x)
+    assert (plain, kept_all, alternate) == (8, 8, 10)
+    torch.testing.assert_close(grad_all, expected, rtol=0, atol=0)
+    torch.testing.assert_close(grad_alt, expected, rtol=0, atol=0)
+
+
+def test_alternate_matmuls_compile():
+    torch.manual_seed(0)
+    block, x = CheckpointedBlock(_FourMatmuls(), op_level=True, alternate=True), torch.randn(4, 16, requires_grad=True)
+    torch.compile(block, backend="aot_eager")(x).sum().backward()
+    compiled, x.grad = x.grad, None
+    block._checkpoint_wrapped_module(x).sum().backward()
+    torch.testing.assert_close(compiled, x.grad)

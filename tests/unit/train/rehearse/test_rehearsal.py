@@ -54,9 +54,10 @@ SP_REGATHERED = ["parallel.dp_shard=4", "parallel.tp=2", "parallel.ac=none", "pa
     ["model.family=gpt2", "model.flavor=124m", "parallel.dp_shard=4", "parallel.tp=2"],
     HSDP_END,
     SP_REGATHERED,
+    ["parallel.dp_shard=4", "parallel.tp=2", "parallel.ac=selective", "parallel.ac_matmuls=alternate"],
 ], ids=["fsdp8", "hsdp-selective-ac", "fsdp2-tp4-sp", "fsdp4-cp2-a2a", "deepseek-v3-ep4",
         "fsdp8-grads-per-step", "pp2-1f1b", "pp2-interleaved-bf16", "gpt2-tp2-sp", "hsdp-full-ac-untied",
-        "fsdp4-tp2-sp-regathered"])
+        "fsdp4-tp2-sp-regathered", "fsdp4-tp2-sac-alternate-mm"])
 def test_the_planners_peak_agrees_with_the_rehearsal(layout):
     r = _rehearsed(tuple(layout))
     assert len(r.ranks) == (2 if "parallel.pp=2" in layout else 1)  # a pipeline's first and last stage
