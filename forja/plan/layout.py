@@ -24,8 +24,8 @@ from forja.parallel.pp_split import stages_per_rank
 # The layout's `parallel.*` keys, in the order a plan prints them: the degrees, cp's kind after
 # cp, then the options (the rest of ParallelConfig is left as the recipe says).
 PARALLEL_KEYS = (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.TP, Axis.PP, Axis.CP, "cp_kind", Axis.EP,
-                 "reshard_after_forward", "grad_sync", "cpu_offload", "sequence_parallel", "ac", "ac_every", "ac_matmuls",
-                 "pp_schedule", "pp_microbatches")
+                 "reshard_after_forward", "grad_sync", "cpu_offload", "sequence_parallel", "ac", "ac_every",
+                 "ac_matmuls", "pp_schedule", "pp_microbatches")
 OPTION_KEYS = tuple(k for k in PARALLEL_KEYS if not isinstance(k, Axis))
 LAYOUT_KEYS = frozenset(PARALLEL_KEYS) | {"micro_batch_size"}
 """What `forja plan --layout` may hold: the layout's keys, by name without the section."""

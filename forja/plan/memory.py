@@ -80,8 +80,8 @@ def weight_casts(job: Job, lay: Layout, block: BlockShape, index: int) -> float:
 def _block_activations_cached(job: Job, lay: Layout, block: BlockShape, index: int) -> tuple[float, float]:
     """block_activations, remembered: of a search's thousands of layouts only a few differ in
     what decides a block's activations (tp, sequence parallelism, AC)."""
-    key = ("activations", lay.tp, lay.sequence_parallel, lay.ac, lay.ac_every, lay.ac_matmuls, lay.cp, lay.cp_kind, block,
-           index)
+    key = ("activations", lay.tp, lay.sequence_parallel, lay.ac, lay.ac_every, lay.ac_matmuls, lay.cp, lay.cp_kind,
+           block, index)
     if key not in job.memo:
         job.memo[key] = block_activations(job, lay, block, index)
     return job.memo[key]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from forja.errors import ForjaError
-from forja.models.common.rope import ROPE_TYPES, rope_scaling_from_hf, rope_scaling_to_hf
+from forja.models.common.rope import ROPE_NAMES, ROPE_TYPES, rope_scaling_from_hf, rope_scaling_to_hf
 
 
 def _one(ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -361,7 +361,7 @@ def check_rope_types(cfg: dict, refuse: Callable[[str, Any, str], ForjaError]) -
         scaling = cfg.get(key) or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind != "default" and kind not in ROPE_TYPES:
-            raise refuse(f"{key}.rope_type", kind, "'default', 'llama3' or 'yarn'")
+            raise refuse(f"{key}.rope_type", kind, ROPE_NAMES)
 
 
 def check_exportable(a: Any, what: str, problems: dict[str, tuple[bool, str]]) -> None:

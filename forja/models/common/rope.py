@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE), with Llama 3.1's and YaRN's frequency scaling.
+"""Rotary position embeddings (RoPE), with linear (position interpolation), Llama 3.1's and
+YaRN's frequency scaling.
 
 Convention: the head dimension is split in two halves, and pair i is
 (x[i], x[i + d/2]) -- the "rotate half" layout of GPT-NeoX and Hugging Face. Using it
@@ -25,8 +26,9 @@ from forja.errors import ForjaError
 # (ops know nothing of models) and is re-exported here for the model code.
 from forja.ops.rope import apply_rope
 
-__all__ = ["ROPE_TYPES", "RopeScaling", "YarnScaling", "apply_rope", "rope_cos_sin", "rope_frequencies",
-           "rope_scaling_from", "rope_scaling_from_hf", "rope_scaling_to_hf", "yarn_from_hf", "yarn_mscale"]
+__all__ = ["ROPE_NAMES", "ROPE_TYPES", "LinearScaling", "RopeScaling", "YarnScaling", "apply_rope", "rope_cos_sin",
+           "rope_frequencies", "rope_scaling_from", "rope_scaling_from_hf", "rope_scaling_to_hf", "yarn_from_hf",
+           "yarn_mscale"]
 
 
 @dataclass(kw_only=True)
@@ -94,10 +96,26 @@ class YarnScaling:
         return scale * m * m
 
 
-ROPE_TYPES: dict[str, type] = {"llama3": RopeScaling, "yarn": YarnScaling}
-"""Hugging Face's `rope_type` of each scaling forja computes; "default" means plain RoPE."""
+@dataclass(kw_only=True)
+class LinearScaling:
+    """Position interpolation (`rope_type = "linear"`, Chen et al. 2023): every frequency
+    divided by `factor`, as if positions were."""
 
-Scaling = RopeScaling | YarnScaling
+    factor: float = 2.0
+    """Context extension ratio."""
+
+    def rope_scale(self) -> float:
+        return 1.0
+
+    def softmax_scale(self, scale: float) -> float:
+        return scale
+
+
+ROPE_TYPES: dict[str, type] = {"linear": LinearScaling, "llama3": RopeScaling, "yarn": YarnScaling}
+"""Hugging Face's `rope_type` of each scaling forja computes; "default" means plain RoPE."""
+ROPE_NAMES = "'default', 'linear', 'llama3' and 'yarn'"
+
+Scaling = RopeScaling | YarnScaling | LinearScaling
 _HF_NAMES = {"original_max_position_embeddings": "original_max_seq_len"}  # config.json's spelling -> ours
 
 
@@ -107,7 +125,7 @@ def rope_scaling_from(value: Any, *, key: str = "model.rope_scaling", default: s
     "default" is plain RoPE, None; a table without rope_type is `default`'s kind). Field names
     are the dataclasses' (original_max_position_embeddings is read as original_max_seq_len).
     A bad table stops with one sentence naming `key` and the fix."""
-    if value is None or isinstance(value, (RopeScaling, YarnScaling)):
+    if value is None or isinstance(value, (RopeScaling, YarnScaling, LinearScaling)):
         return value
     if not isinstance(value, dict):
         raise ForjaError(f"{key} = {value!r} must be a table such as {{rope_type = \"yarn\", factor = 8.0, "
@@ -119,7 +137,7 @@ def rope_scaling_from(value: Any, *, key: str = "model.rope_scaling", default: s
     cls = ROPE_TYPES.get(kind)
     if cls is None:
         raise ForjaError(f"{key}.rope_type = {kind!r} is not one forja computes; use \"llama3\" (Llama 3's rule), "
-                         "\"yarn\" or \"default\" (plain RoPE)")
+                         "\"yarn\", \"linear\" (position interpolation) or \"default\" (plain RoPE)")
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(fields) - set(names))
     if unknown:
@@ -148,9 +166,10 @@ def _check(s: Scaling, key: str) -> None:
     bad = [k for k, v in numbers.items() if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))]
     if bad:
         raise ForjaError(f"{key}.{bad[0]} = {numbers[bad[0]]!r} must be a number")
-    if not s.factor >= 1 or s.original_max_seq_len < 1:
+    original = getattr(s, "original_max_seq_len", 1)
+    if not s.factor >= 1 or original < 1:
         raise ForjaError(f"{key}: factor = {s.factor} must be >= 1 (the context's growth) and original_max_seq_len "
-                         f"= {s.original_max_seq_len} the pre-training length, >= 1")
+                         f"= {original} the pre-training length, >= 1")
     if isinstance(s, RopeScaling) and not 0 < s.low_freq_factor < s.high_freq_factor:
         raise ForjaError(f"{key}: low_freq_factor = {s.low_freq_factor} and high_freq_factor = {s.high_freq_factor} "
                          "need 0 < low_freq_factor < high_freq_factor (Llama 3.1: 1 and 4)")
@@ -161,6 +180,8 @@ def _check(s: Scaling, key: str) -> None:
 
 def rope_scaling_to_hf(s: Scaling) -> dict:
     """config.json's `rope_scaling` (transformers 4.x dialect, which 5.x reads) of a scaling."""
+    if isinstance(s, LinearScaling):
+        return {"rope_type": "linear", "factor": s.factor}
     if isinstance(s, RopeScaling):
         return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                 "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_seq_len}
@@ -180,7 +201,9 @@ def rope_scaling_from_hf(rope: dict | None, max_len: int, *, where: str = "confi
     if kind == "default":
         return None
     if kind not in ROPE_TYPES:
-        raise ForjaError(f"{where}: rope type {kind!r} is not supported; forja reads 'default', 'llama3' and 'yarn'")
+        raise ForjaError(f"{where}: rope type {kind!r} is not supported; forja reads {ROPE_NAMES}")
+    if kind == "linear":
+        return LinearScaling(factor=float(rope["factor"]))
     original = int(rope.get("original_max_position_embeddings") or max_len)
     if kind == "llama3":
         return RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
@@ -217,6 +240,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: Scaling | None = None
         return inv_freq
     if isinstance(scaling, YarnScaling):
         return _scale_yarn(theta**exponents, head_dim, theta, scaling)
+    if isinstance(scaling, LinearScaling):
+        return inv_freq / scaling.factor
     return _scale_llama3(inv_freq, scaling)
 
 

@@ -40,7 +40,15 @@ import torch
 from forja.errors import ForjaError
 from forja.models.common import hf_rules
 from forja.models.common.hf_rules import HFAdapter, TensorRule
-from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from_hf, rope_scaling_to_hf, yarn_from_hf
+from forja.models.common.rope import (
+    ROPE_NAMES,
+    LinearScaling,
+    RopeScaling,
+    YarnScaling,
+    rope_scaling_from_hf,
+    rope_scaling_to_hf,
+    yarn_from_hf,
+)
 from forja.models.deepseek_v3.model import DeepSeekV3Args
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -59,10 +67,10 @@ def _yarn(cfg: dict) -> tuple[float, YarnScaling | RopeScaling | None]:
     scaling = cfg.get("rope_scaling") or params
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in ("default", "llama3"):
+    if kind in ("default", "llama3", "linear"):
         return theta, rope_scaling_from_hf(scaling, cfg.get("max_position_embeddings", 4096))
     if kind != "yarn":
-        raise _refuse("rope type", kind, "forja reads 'default', 'llama3' and 'yarn'")
+        raise _refuse("rope type", kind, f"forja reads {ROPE_NAMES}")
     return theta, yarn_from_hf(scaling, cfg.get("max_position_embeddings"), cfg.get("max_position_embeddings", 4096))
 
 
@@ -153,7 +161,7 @@ def config_from_args(a: DeepSeekV3Args) -> dict:
         # The 4.x dialect, as DeepSeek's checkpoints write it; 5.x reads it too.
         "rope_theta": a.rope_theta, "rope_scaling": None,
     }
-    if isinstance(a.rope_scaling, RopeScaling):
+    if isinstance(a.rope_scaling, (RopeScaling, LinearScaling)):
         cfg["rope_scaling"] = rope_scaling_to_hf(a.rope_scaling)
     elif a.rope_scaling is not None:
         s = a.rope_scaling

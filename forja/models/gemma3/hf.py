@@ -62,7 +62,9 @@ def args_from_config(cfg: dict) -> Gemma3Args:
                           or gemma3_layer_types(args["n_layers"], cfg.get("sliding_window_pattern", 6))),
         rope_theta=float(full["rope_theta"]), local_rope_theta=float(ropes["sliding_attention"]["rope_theta"]),
         rope_linear_factor=_linear_factor(ropes),
-        rope_scaling=rope_scaling_from_hf(full, args["max_seq_len"]) if full.get("rope_type") in ROPE_TYPES else None,
+        # Gemma 3's linear scaling is its own field (rope_linear_factor, the released 4B-27B's)
+        rope_scaling=rope_scaling_from_hf(full, args["max_seq_len"])
+        if full.get("rope_type") in ROPE_TYPES and full.get("rope_type") != "linear" else None,
         query_pre_attn_scalar=int(cfg.get("query_pre_attn_scalar", 256)),
         final_logit_softcap=cfg.get("final_logit_softcapping"),
     )

@@ -29,7 +29,14 @@ import torch
 
 from forja.models.common import hf_rules
 from forja.models.common.hf_rules import HFAdapter, TensorRule
-from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from_hf, rope_scaling_to_hf, yarn_from_hf
+from forja.models.common.rope import (
+    ROPE_NAMES,
+    RopeScaling,
+    YarnScaling,
+    rope_scaling_from_hf,
+    rope_scaling_to_hf,
+    yarn_from_hf,
+)
 from forja.models.gpt_oss.model import GptOssArgs, alternating_layer_types
 
 ARCHITECTURES = ("GptOssForCausalLM",)
@@ -48,10 +55,10 @@ def _rope(cfg: dict) -> tuple[float, YarnScaling | RopeScaling | None]:
         return theta, YarnScaling(factor=32.0, original_max_seq_len=4096, beta_fast=32.0, beta_slow=1.0,
                                   truncate=False)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in ("default", "llama3"):
+    if kind in ("default", "llama3", "linear"):
         return theta, rope_scaling_from_hf(scaling, cfg.get("max_position_embeddings", 4096))
     if kind != "yarn":
-        raise _refuse(f"{key}.rope_type", kind, "forja reads 'yarn', 'llama3' and 'default'")
+        raise _refuse(f"{key}.rope_type", kind, f"forja reads {ROPE_NAMES}")
     return theta, yarn_from_hf(scaling, cfg.get("max_position_embeddings"), 4096)
 
 

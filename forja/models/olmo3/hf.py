@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from forja.models.common import hf_rules
 from forja.models.common.hf_rules import HFAdapter, TensorRule
-from forja.models.common.rope import RopeScaling, YarnScaling, rope_scaling_from_hf, rope_scaling_to_hf
+from forja.models.common.rope import ROPE_NAMES, ROPE_TYPES, Scaling, rope_scaling_from_hf, rope_scaling_to_hf
 from forja.models.olmo3.model import Olmo3Args, olmo3_layer_types
 
 ARCHITECTURES = ("Olmo3ForCausalLM",)
@@ -31,11 +31,11 @@ def _kind(rope: dict) -> str:
     return rope.get("rope_type", rope.get("type", "default"))
 
 
-def _scaling(rope: dict, max_len: int) -> YarnScaling | RopeScaling | None:
+def _scaling(rope: dict, max_len: int) -> Scaling | None:
     """The full-attention blocks' frequency scaling (common/rope.py reads each kind)."""
     kind = _kind(rope)
-    if kind not in ("default", "llama3", "yarn"):
-        raise _refuse("rope_scaling.rope_type", kind, "forja's OLMo 3 reads 'default', 'llama3' and 'yarn'")
+    if kind != "default" and kind not in ROPE_TYPES:
+        raise _refuse("rope_scaling.rope_type", kind, f"forja's OLMo 3 reads {ROPE_NAMES}")
     return rope_scaling_from_hf(rope, max_len)
 
 

@@ -36,6 +36,7 @@ import torch
 
 from forja.models.common import hf_rules
 from forja.models.common.hf_rules import HFAdapter, TensorRule
+from forja.models.common.rope import rope_scaling_from_hf, rope_scaling_to_hf
 from forja.models.olmo_hybrid.model import OlmoHybridArgs, olmo_hybrid_layer_types
 
 ARCHITECTURES = ("OlmoHybridForCausalLM",)
@@ -57,14 +58,7 @@ _INIT_RANGES = {"linear_a_log_min": ("linear_a_log_min", 0.0), "linear_a_log_max
 def _check_supported(cfg: dict) -> None:
     hf_rules.check_config(cfg, _SUPPORTED, _refuse)
     hf_rules.check_linear_layer_types(cfg, _refuse)
-    rope = cfg.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise _refuse("rope_parameters.rope_type", rope.get("rope_type", rope.get("type")), "plain RoPE or none")
-    heads = cfg["num_attention_heads"]
-    k_heads, v_heads = cfg.get("linear_num_key_heads") or heads, cfg.get("linear_num_value_heads") or heads
-    if k_heads != v_heads:
-        raise _refuse("linear_num_value_heads", v_heads, f"transformers' OLMo-Hybrid repeats no key heads: "
-                      f"it must equal linear_num_key_heads={k_heads}")
+    hf_rules.check_rope_types(cfg, _refuse)
 
 
 def _rope_theta(cfg: dict) -> float | None:
@@ -82,8 +76,11 @@ def args_from_config(cfg: dict) -> OlmoHybridArgs:
     k_dim = cfg.get("linear_key_head_dim") or int(0.75 * args["dim"] / k_heads)
     linear = hf_rules.linear_attention_args(cfg, linear_num_key_heads=heads, linear_num_value_heads=heads,
                                    linear_key_head_dim=k_dim, linear_value_head_dim=2 * k_dim)
+    theta = _rope_theta(cfg)
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
     return OlmoHybridArgs(
-        **args, **linear, rope_theta=_rope_theta(cfg),
+        **args, **linear, rope_theta=theta,
+        rope_scaling=None if theta is None else rope_scaling_from_hf(rope, args["max_seq_len"]),
         layer_types=tuple(cfg.get("layer_types") or olmo_hybrid_layer_types(args["n_layers"])),
         linear_allow_neg_eigval=bool(cfg.get("linear_allow_neg_eigval", True)),
         **{field: cfg.get(key, default) for field, (key, default) in _INIT_RANGES.items()},
@@ -95,13 +92,12 @@ def config_from_args(a: OlmoHybridArgs) -> dict:
         "qk_norm": (not a.qk_norm, "transformers' OLMo-Hybrid always normalizes q and k"),
         "attention_sinks": (a.attention_sinks, "its attention has no sinks"),
         "sliding_window": (a.sliding_window is not None, "its attention blocks see the whole context"),
-        "linear_n_v_heads": (a.linear_n_v_heads != a.linear_n_k_heads,
-                             "its Gated DeltaNet repeats no key heads: as many value heads as key heads"),
         "mtp_depth": (a.mtp_depth > 0, "OLMo-Hybrid has no multi-token prediction"),
     })
     cfg = {"architectures": list(ARCHITECTURES), "model_type": "olmo_hybrid", **hf_rules.decoder_config(a),
            "hidden_act": "silu", "attention_bias": False, **hf_rules.linear_attention_config(a),
-           "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
+           "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta,
+                               **(rope_scaling_to_hf(a.rope_scaling) if a.rope_scaling else {})},
            "linear_allow_neg_eigval": a.linear_allow_neg_eigval,
            **{key: getattr(a, field) for field, (key, _) in _INIT_RANGES.items()}}
     cfg.update({key: None for key, token in _TOKEN_IDS if token >= a.vocab_size})

@@ -33,7 +33,7 @@ from forja.models.common.attention import Attention
 from forja.models.common.blocks import PostNormBlock
 from forja.models.common.decoder import RotaryDecoder
 from forja.models.common.gated_deltanet import GatedDeltaNetArgs
-from forja.models.common.rope import rope_frequencies
+from forja.models.common.rope import Scaling, rope_frequencies, rope_scaling_from
 from forja.models.common.transformer import TransformerArgs
 
 # The output norm of OLMo-Hybrid's Gated DeltaNet: fla's FusedRMSNormGated default, which
@@ -61,7 +61,10 @@ class OlmoHybridArgs(GatedDeltaNetArgs, TransformerArgs):
     """RMSNorm over the whole query and key projections in the attention blocks."""
     rope_theta: float | None = 10_000.0
     """Base of the attention blocks' rotary frequencies; None: no rotary positions (NoPE)."""
-    # The 7B's Gated DeltaNet (GatedDeltaNetArgs' fields; transformers needs as many value heads as key heads).
+    rope_scaling: Scaling | None = None
+    """The rotary frequencies' scaling (model.overrides.rope_scaling: a table whose rope_type is
+    "linear", "llama3" or "yarn"); None: plain RoPE."""
+    # The 7B's Gated DeltaNet (GatedDeltaNetArgs' fields; value heads a multiple of the key heads).
     linear_n_k_heads: int = 30
     linear_n_v_heads: int = 30
     linear_k_head_dim: int = 96
@@ -83,6 +86,7 @@ class OlmoHybridArgs(GatedDeltaNetArgs, TransformerArgs):
         if not self.layer_types:
             self.layer_types = olmo_hybrid_layer_types(self.n_layers)
         super().__post_init__()
+        self.rope_scaling = rope_scaling_from(self.rope_scaling, key="model.overrides.rope_scaling", default="yarn")
         if not 0 <= self.linear_a_log_min <= self.linear_a_log_max:
             raise ForjaError(f"model.linear_a_log_min={self.linear_a_log_min} and model.linear_a_log_max="
                              f"{self.linear_a_log_max} must satisfy 0 <= min <= max (A = exp(A_log) is a decay rate)")
@@ -108,7 +112,7 @@ class OlmoHybrid(RotaryDecoder):
                          fused_rope="rope" in a.fused_ops, sinks=a.attention_sinks, qk_norm_over_heads=True)
 
     def rope_frequencies(self) -> torch.Tensor:
-        return rope_frequencies(self.args.head_dim, self.args.rope_theta)
+        return rope_frequencies(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
 
     def rope_tables_for(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.args.rope_theta is None:  # NoPE

@@ -25,7 +25,7 @@ import torch
 from forja.errors import ForjaError
 from forja.models.common import hf_rules
 from forja.models.common.hf_rules import HFAdapter, TensorRule
-from forja.models.common.rope import ROPE_TYPES, rope_scaling_from_hf, rope_scaling_to_hf
+from forja.models.common.rope import ROPE_NAMES, ROPE_TYPES, rope_scaling_from_hf, rope_scaling_to_hf
 from forja.models.qwen3_5.model import Qwen3_5Args
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
@@ -49,7 +49,7 @@ def check_supported(cfg: dict, family: str = "Qwen3.5") -> None:
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default" and kind not in ROPE_TYPES:
-        raise refuse("rope_parameters.rope_type", kind, "'default', 'llama3' or 'yarn' (of the rotating dims)")
+        raise refuse("rope_parameters.rope_type", kind, f"{ROPE_NAMES} (of the rotating dims)")
     hf_rules.check_config(cfg, _NO_JITTER, refuse)
 
 

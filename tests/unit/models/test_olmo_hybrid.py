@@ -91,13 +91,12 @@ CASE = checks.FamilyCase(
         ("debug", dict(hidden_act="gelu"), "hidden_act='gelu'"),
         ("debug", dict(attention_dropout=0.1), "attention_dropout=0.1"),
         ("debug", dict(layer_types=["sliding_attention"] * 4), "layer_types='sliding_attention'"),
-        ("debug", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type='yarn'"),
-        ("debug", dict(linear_num_value_heads=8), "linear_num_value_heads=8"),
+        ("debug", dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}),
+         "rope_type='longrope'"),
     ),
     export_refusals=(
         (dict(attention_sinks=True), "with attention_sinks=True has no equivalent in transformers"),
         (dict(sliding_window=16), "with sliding_window=16 has no equivalent"),
-        (dict(linear_n_v_heads=8), "with linear_n_v_heads=8 has no equivalent"),
         (dict(qk_norm=False), "with qk_norm=False has no equivalent"),
     ),
 )

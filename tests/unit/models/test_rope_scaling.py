@@ -40,7 +40,7 @@ def test_set_from_the_command_line():
 
 @pytest.mark.parametrize("table, match", [
     ({"factor": 2.0}, "needs a rope_type"),
-    ({"rope_type": "linear", "factor": 2.0}, r"model\.rope_scaling\.rope_type = 'linear'.*\"yarn\""),
+    ({"rope_type": "longrope", "factor": 2.0}, r"model\.rope_scaling\.rope_type = 'longrope'.*\"yarn\""),
     ({"rope_type": "yarn", "factr": 2.0}, r"model\.rope_scaling\.factr is not a field of rope_type 'yarn'"),
     ({"rope_type": "yarn", "factor": 0.5}, r"model\.rope_scaling: factor = 0\.5 must be >= 1"),
     ({"rope_type": "yarn", "factor": "big"}, r"model\.rope_scaling\.factor = 'big' must be a number"),

@@ -1,0 +1,174 @@
+"""Configs a user brings: for every family, random but valid transformers configs (seeded, tiny)
+drawn around the family's conformance case, loaded by forja with transformers' logits and saved
+back. Any config transformers builds must load exactly, or be refused in one sentence naming a
+mechanism forja lacks (each family's `REFUSED`, below): a refusal of anything else fails.
+The draws change what a user's config changes: widths, head counts and grouping, layer counts
+and layer-type patterns, expert counts and widths (shared experts of any width), the rope
+dialect, tied embeddings, window sizes, norm epsilons."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+
+import pytest
+import torch
+
+from forja.errors import ForjaError
+from forja.models import load_hf_checkpoint, save_hf_checkpoint
+from tests.helpers import max_logit_diff
+from tests.unit.models import family_checks as checks
+from tests.unit.models.test_conformance import CASES
+
+transformers = pytest.importorskip("transformers")
+
+SEEDS = range(12)
+# What forja truly lacks, per family: a refusal must match one of these (None: none expected).
+REFUSED: dict[str, str | None] = {family: None for family in CASES}
+# Rope dialects a user's config may name, each with the keys transformers reads for it.
+ROPES = {
+    "default": {},
+    "linear": {"factor": 2.0},
+    "yarn": {"factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+}
+
+
+def _draw(base: dict, rng: random.Random) -> dict:
+    """`base` with each key a user's config would change drawn afresh (only keys it has)."""
+    c = dict(base)
+    heads_key = "n_head" if "n_head" in c else "num_attention_heads"
+    heads = rng.choice([2, 4, 8])
+    c[heads_key] = heads
+    if "num_key_value_heads" in c:
+        c["num_key_value_heads"] = rng.choice([d for d in (1, 2, 4, 8) if heads % d == 0])
+    if "head_dim" in c:
+        c["head_dim"] = rng.choice([16, 32])
+    for key, (low, high) in (("intermediate_size", (32, 256)), ("moe_intermediate_size", (16, 96)),
+                             ("shared_expert_intermediate_size", (16, 160)), ("n_inner", (64, 256))):
+        if c.get(key):
+            c[key] = 8 * rng.randint(low // 8, high // 8)
+    for key in ("num_experts", "num_local_experts"):
+        if c.get(key):
+            c[key] = rng.choice([4, 6, 8])
+            c["num_experts_per_tok"] = rng.randint(1, 3)
+    if "linear_num_key_heads" in c:
+        keys = rng.choice([1, 2])
+        c["linear_num_key_heads"], c["linear_num_value_heads"] = keys, keys * rng.choice([1, 2])
+        c["linear_key_head_dim"] = rng.choice([16, 32])
+        c["linear_value_head_dim"] = rng.choice([16, 32])
+    _draw_layers(c, rng)
+    if c.get("sliding_window"):
+        c["sliding_window"] = rng.randint(3, 16)
+    if "rms_norm_eps" in c:
+        c["rms_norm_eps"] = rng.choice([1e-5, 1e-6])
+    c["tie_word_embeddings"] = rng.random() < 0.5
+    _draw_rope(c, rng)
+    return c
+
+
+def _draw_layers(c: dict, rng: random.Random) -> None:
+    layers_key = "n_layer" if "n_layer" in c else "num_hidden_layers"
+    c[layers_key] = rng.randint(2, 5)
+    if c.get("layer_types"):  # a random pattern holding every kind the base has (a hybrid has attention)
+        kinds = sorted(set(c["layer_types"]))
+        pattern = kinds + [rng.choice(kinds) for _ in range(c[layers_key] - len(kinds))]
+        rng.shuffle(pattern)
+        c[layers_key], c["layer_types"] = len(pattern), pattern
+    if "first_k_dense_replace" in c:
+        c["first_k_dense_replace"] = rng.randint(0, c[layers_key] - 1)
+    if "mlp_only_layers" in c:
+        c["mlp_only_layers"] = sorted(rng.sample(range(c[layers_key]), rng.randint(0, 1)))
+
+
+def _draw_rope(c: dict, rng: random.Random) -> None:
+    """A rope dialect in the key the base config uses (rope_parameters or rope_scaling)."""
+    key = "rope_parameters" if isinstance(c.get("rope_parameters"), dict) else \
+        "rope_scaling" if "rope_scaling" in c or "rope_theta" in c else None
+    if key is None:
+        return
+    kind = rng.choice(sorted(ROPES))
+    rope = {"rope_type": kind, **ROPES[kind]}
+    if key == "rope_parameters":
+        old = c["rope_parameters"]
+        rope["rope_theta"] = old.get("rope_theta") or 10_000.0
+        if "partial_rotary_factor" in old:
+            rope["partial_rotary_factor"] = old["partial_rotary_factor"]
+    c[key] = rope if kind != "default" or key == "rope_parameters" else None
+
+
+def _case_config(family: str, seed: int):
+    """(case, name, HFConfig, transformers' model) of `family`'s draw `seed`: redrawn until
+    transformers itself builds the config and runs a forward."""
+    case = CASES[family]
+    name, base = next(iter(case.configs.items()))
+    rng = random.Random(f"{family}-{seed}")
+    for _ in range(20):
+        config = checks.HFConfig(base.cls, _draw(base.config, rng))
+        case_here = dataclasses.replace(case, configs={f"random-{seed}": config})
+        try:
+            hf = checks.make_hf_model(case_here, f"random-{seed}", seed)
+            with torch.no_grad():
+                hf(torch.zeros(1, 4, dtype=torch.long))
+            return case_here, f"random-{seed}", config, hf
+        except (ValueError, TypeError, AssertionError, KeyError, RuntimeError):
+            continue  # transformers refuses or cannot run the draw: not a config a user could have
+    raise AssertionError(f"{family}: no draw of 20 was a config transformers builds")
+
+
+# Known: a Qwen3-Next draw whose float32 logits are 2.15e-5 from transformers' where its own
+# float32 error is 2.11e-5; both route in float32, so the comparison wants the routing fixed
+# and float64 (issue 40), not a looser bound.
+KNOWN = {("qwen3_next", 11): "float32 routing of a mixture-of-experts hybrid: 2.15e-5 against 2.11e-5"}
+
+
+def _params() -> list:
+    return [pytest.param(f, s, id=f"{f}-{s}", marks=[pytest.mark.xfail(reason=KNOWN[f, s], strict=True)]
+                         if (f, s) in KNOWN else []) for f in sorted(CASES) for s in SEEDS]
+
+
+@pytest.mark.parametrize(("family", "seed"), _params())
+def test_a_random_valid_config_loads_exactly_and_saves_back(family, seed, tmp_path):
+    case, name, config, hf = _case_config(family, seed)
+    hf.save_pretrained(tmp_path / "hf")
+    try:
+        model = load_hf_checkpoint(tmp_path / "hf")
+    except ForjaError as e:
+        allowed = REFUSED[family]
+        assert allowed is not None and re.search(allowed, str(e)), f"{family} refused {config.config}: {e}"
+        assert "\n" not in str(e)
+        return
+    tokens = checks.random_tokens(case.tokens, seed, vocab_size=model.args.vocab_size)
+    if case.logits is not None:
+        _hybrid_logits(hf, model, tokens)
+    else:
+        checks.check_logits(hf, model, tokens, case.tol, family=family, flavor=None, label=f"{family} {name}")
+    _check_round_trip(model, hf, tmp_path / "export", config.cls, tokens)
+
+
+def _hybrid_logits(hf, model, tokens) -> None:
+    """A Gated DeltaNet hybrid's float32 logits within transformers' own float32 error (its
+    float32 logits against its float64 ones). Both run the delta rule in float32 and round it
+    otherwise (a triangular solve against a row loop), which random widths amplify past a fixed
+    bound; the conformance cases hold the float64 comparisons (test_conformance.py)."""
+    diff = max_logit_diff(hf, model, tokens)
+    hf.config._experts_implementation = "eager"  # transformers' grouped_mm has no float64
+    hf_rounding = checks.float64_diffs(hf, model, tokens)[0]
+    print(f"max |logit diff| float32 {diff:.3e} (transformers' own float32 error {hf_rounding:.3e})")
+    assert diff < hf_rounding
+
+
+def _check_round_trip(model, hf, out, hf_class: str, tokens) -> None:
+    """forja's save reads back into the same args and weights, and transformers reads it into
+    the model it saved: the same logits, bit for bit."""
+    save_hf_checkpoint(model, out)
+    back = load_hf_checkpoint(out)
+    assert back.args == model.args
+    checks.assert_same_weights(model, back)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded).__name__ == hf_class
+    # the same experts' kernel as the model compared (the hybrids' check set it to eager)
+    reloaded.config._experts_implementation = getattr(hf.config, "_experts_implementation", None)
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, hf(tokens).logits)
