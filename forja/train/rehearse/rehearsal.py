@@ -121,7 +121,7 @@ def rehearse(cfg: Config, world_size: int, hw: Hardware | None = None) -> Rehear
     began = time.perf_counter()
     cfg = rehearsal_config(cfg)
     args = run_model_args(cfg.model, cfg.data.vocab_size)
-    job = _job(cfg, args)  # the program rehearsed: eager, no fused kernels
+    job = _job(cfg, args)  # the program rehearsed: eager, fused ops as their references
     check_layout(layout_request(job, "cuda", world_size))
     _check_rehearsable(cfg, args, world_size)
     lay = Layout.from_config(cfg.parallel, cfg.train.micro_batch_size, world_size)
@@ -139,7 +139,9 @@ def rehearse(cfg: Config, world_size: int, hw: Hardware | None = None) -> Rehear
 
 
 def _job(cfg: Config, args) -> Job:
-    return dataclasses.replace(job_from_config(cfg, gpu=True, args=args), fused=frozenset(), fla=False)
+    """The planner's job for the program rehearsed: a GPU's, with the fused ops asked for (their
+    PyTorch references run, holding what the kernels hold), fla's kernels off."""
+    return dataclasses.replace(job_from_config(cfg, gpu=True, args=args), fla=False)
 
 
 def _check_rehearsable(cfg: Config, args, world_size: int) -> None:
