@@ -121,7 +121,7 @@ def rehearse(cfg: Config, world_size: int, hw: Hardware | None = None) -> Rehear
     began = time.perf_counter()
     cfg = rehearsal_config(cfg)
     args = run_model_args(cfg.model, cfg.data.vocab_size)
-    job = _job(cfg, args)  # the program rehearsed: eager, fused ops as their references
+    job = _job(cfg, args)  # the program rehearsed: eager, the fused ops' CPU paths
     check_layout(layout_request(job, "cuda", world_size))
     _check_rehearsable(cfg, args, world_size)
     lay = Layout.from_config(cfg.parallel, cfg.train.micro_batch_size, world_size)
@@ -138,10 +138,17 @@ def rehearse(cfg: Config, world_size: int, hw: Hardware | None = None) -> Rehear
                      + ([fewer] if fewer else []))
 
 
+# Fused ops whose path on the rehearsal's CPU tensors holds what the kernel holds: the chunked
+# loss runs its chunk loop in PyTorch (no logits kept); the fused RMSNorm and SwiGLU run their
+# plain PyTorch definitions there (forja/ops/dispatch.py), which keep what unfused code keeps.
+_KERNEL_MEMORY_ON_CPU = frozenset({"cross_entropy"})
+
+
 def _job(cfg: Config, args) -> Job:
-    """The planner's job for the program rehearsed: a GPU's, with the fused ops asked for (their
-    PyTorch references run, holding what the kernels hold), fla's kernels off."""
-    return dataclasses.replace(job_from_config(cfg, gpu=True, args=args), fla=False)
+    """The planner's job for the program rehearsed: a GPU's, eager, with the fused ops that hold
+    on the CPU what they hold on a GPU, fla's kernels off."""
+    job = job_from_config(cfg, gpu=True, args=args)
+    return dataclasses.replace(job, fused=job.fused & _KERNEL_MEMORY_ON_CPU, fla=False)
 
 
 def _check_rehearsable(cfg: Config, args, world_size: int) -> None:
