@@ -233,6 +233,8 @@ def enumerate_layouts(world: int, *, n_layers: int, n_heads: int, n_kv_heads: in
     seen: set[Layout] = set()
     for lay in _layouts(world, n_layers, n_heads, n_kv_heads, n_experts, global_batch_size, seq_len, space):
         lay = replace(lay, **space.options())  # a fixed option holds for every layout
+        if (lay.ac != "selective" or lay.ac_every) and "ac_matmuls" not in dict(space.fixed):
+            lay = replace(lay, ac_matmuls="all")  # only op-level AC reads it: one layout, not two
         if lay.grad_sync == "step" and "grad_sync" not in dict(space.fixed) and (
                 lay.reshard_after_forward or lay.cpu_offload):
             continue  # "step" is ZeRO-2's, on the device (the validator's rule): not searched otherwise

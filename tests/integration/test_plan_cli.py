@@ -57,7 +57,7 @@ def test_table_and_one_layout(capsys):
     assert main(["plan", "llama3-8b", "--gpus", "16", "--top", "3", "--wide"]) == 0
     wide = capsys.readouterr().out
     best = next(line for line in wide.splitlines() if line.startswith("best: "))
-    assert best.count("--set ") == 16 and "--set parallel.dp_shard=" in best  # the whole line, unwrapped
+    assert best.count("--set ") == 17 and "--set parallel.ac_matmuls=" in best  # the whole line, unwrapped
     assert "| zero-3 |" in wide and "refused by forja train:" in wide  # spelled out, and the reasons listed
     every_key = "parallel.dp_replicate=1,parallel.dp_shard=8,parallel.tp=2,parallel.pp=1,parallel.cp=1,parallel.ep=1," \
                 "parallel.reshard_after_forward=true,parallel.cpu_offload=false,parallel.ac=full,train.micro_batch_size=1"
