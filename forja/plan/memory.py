@@ -362,11 +362,12 @@ def _stage_backward_ends(order: str, rm: RankModel, kept: float, inflight: float
 def _kept_activations(job: Job, lay: Layout, rm: RankModel, tokens: float, micro: int) -> tuple[float, float]:
     """(bytes the rank's blocks keep for backward over the micro-batches in flight, the largest
     block's working memory in its backward)."""
-    by_layer, working = {}, 0.0
+    by_layer, working = {}, 0.0  # layer index -> bytes it keeps a micro-batch
     for b, idx in rm.groups:
         for i in idx:
-            k, wk = _block_activations_cached(job, lay, b, 0 if lay.ac_every and i % lay.ac_every == 0 else 1)
-            by_layer[i] = k * tokens + weight_casts(job, lay, b, 0 if lay.ac_every and i % lay.ac_every == 0 else 1)
+            whole = 0 if lay.ac_every and i % lay.ac_every == 0 else 1  # 0: checkpointed by ac_every
+            k, wk = _block_activations_cached(job, lay, b, whole)
+            by_layer[i] = k * tokens + weight_casts(job, lay, b, whole)
             working = max(working, wk * tokens)
     kept = sum(by_layer.values())
     if lay.pp > 1:
