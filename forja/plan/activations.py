@@ -247,7 +247,7 @@ def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> t
     working = max(3 * ffn_width, 2 * job.args.dim - 3 * ffn_width) * w.lin
     if lay.ac == "full" or (lay.ac == "selective" and lay.ac_every and index % lay.ac_every == 0):
         return block_input, full + working  # recomputed as the forward ran: inputs gathered whole
-    if lay.ac == "selective" and not lay.ac_every:
+    if lay.op_level:
         kept = block_input + attn_mm + ffn_mm
         if lay.op_level_alternate:
             kept -= (alternate_recomputed(job, lay, block) or (0.0, 0.0))[0] * w.lin

@@ -108,9 +108,14 @@ class Layout(WithDegrees):
         return out
 
     @property
+    def op_level(self) -> bool:
+        """Op-level selective AC (the only AC that reads ac_matmuls)."""
+        return self.ac == "selective" and not self.ac_every
+
+    @property
     def op_level_alternate(self) -> bool:
         """Op-level selective AC keeping every second mm's output (parallel.ac_matmuls)."""
-        return self.ac == "selective" and not self.ac_every and self.ac_matmuls == "alternate"
+        return self.op_level and self.ac_matmuls == "alternate"
 
     def describe(self) -> str:
         """A short name, e.g. 'dp_shard 8 x tp 8 x pp 4 | zero-3 | ac full | mbs 1 | 1f1b x 16' (a CP
@@ -233,7 +238,7 @@ def enumerate_layouts(world: int, *, n_layers: int, n_heads: int, n_kv_heads: in
     seen: set[Layout] = set()
     for lay in _layouts(world, n_layers, n_heads, n_kv_heads, n_experts, global_batch_size, seq_len, space):
         lay = replace(lay, **space.options())  # a fixed option holds for every layout
-        if (lay.ac != "selective" or lay.ac_every) and "ac_matmuls" not in dict(space.fixed):
+        if not lay.op_level and "ac_matmuls" not in dict(space.fixed):
             lay = replace(lay, ac_matmuls="all")  # only op-level AC reads it: one layout, not two
         if lay.grad_sync == "step" and "grad_sync" not in dict(space.fixed) and (
                 lay.reshard_after_forward or lay.cpu_offload):

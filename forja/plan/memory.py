@@ -362,23 +362,30 @@ def _stage_backward_ends(order: str, rm: RankModel, kept: float, inflight: float
 def _kept_activations(job: Job, lay: Layout, rm: RankModel, tokens: float, micro: int) -> tuple[float, float]:
     """(bytes the rank's blocks keep for backward over the micro-batches in flight, the largest
     block's working memory in its backward)."""
-    by_layer, working = {}, 0.0  # layer index -> bytes it keeps a micro-batch
+    kept = working = 0.0
+    layer_bytes = {}  # (shape, whole) -> bytes one such layer keeps a micro-batch
     for b, idx in rm.groups:
-        for i in idx:
-            whole = 0 if lay.ac_every and i % lay.ac_every == 0 else 1  # 0: checkpointed by ac_every
-            k, wk = _block_activations_cached(job, lay, b, whole)
-            by_layer[i] = k * tokens + weight_casts(job, lay, b, whole)
-            working = max(working, wk * tokens)
-    kept = sum(by_layer.values())
+        for whole in (0, 1):  # 0: checkpointed by ac_every
+            n = sum(1 for i in idx if _whole(lay, i) == whole)
+            if n:
+                k, wk = _block_activations_cached(job, lay, b, whole)
+                layer_bytes[b, whole] = k * tokens + weight_casts(job, lay, b, whole)
+                kept, working = kept + n * layer_bytes[b, whole], max(working, wk * tokens)
     if lay.pp > 1:
-        per_stage = [sum(by_layer[i] for i in layers) for layers in rm.stage_layers] or [kept]
-        kept = _in_flight(lay, rm.pp_rank, micro, per_stage)
+        shape = {i: b for b, idx in rm.groups for i in idx}
+        per_stage = [sum(layer_bytes[shape[i], _whole(lay, i)] for i in layers) for layers in rm.stage_layers]
+        kept = _in_flight(lay, rm.pp_rank, micro, per_stage or [kept])
     if rm.last:
         # The final norm's input and output, split over tp under sequence parallelism, and the
         # output projection's input, whole (gathered for the vocabulary-split projection).
         sp = lay.tp if lay.tp > 1 and lay.sequence_parallel else 1
         kept += tokens * job.args.dim * (2 * widths(job).res / sp + widths(job).lin)
     return kept, working
+
+
+def _whole(lay: Layout, index: int) -> int:
+    """0 for a block `parallel.ac_every` checkpoints whole, 1 for the others."""
+    return 0 if lay.ac_every and index % lay.ac_every == 0 else 1
 
 
 def _in_flight(lay: Layout, pp_rank: int, micro: int, per_stage: list[float]) -> float:

@@ -125,7 +125,7 @@ def rope_scaling_from(value: Any, *, key: str = "model.rope_scaling", default: s
     "default" is plain RoPE, None; a table without rope_type is `default`'s kind). Field names
     are the dataclasses' (original_max_position_embeddings is read as original_max_seq_len).
     A bad table stops with one sentence naming `key` and the fix."""
-    if value is None or isinstance(value, (RopeScaling, YarnScaling, LinearScaling)):
+    if value is None or isinstance(value, tuple(ROPE_TYPES.values())):
         return value
     if not isinstance(value, dict):
         raise ForjaError(f"{key} = {value!r} must be a table such as {{rope_type = \"yarn\", factor = 8.0, "

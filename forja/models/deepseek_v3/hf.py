@@ -42,6 +42,7 @@ from forja.models.common import hf_rules
 from forja.models.common.hf_rules import HFAdapter, TensorRule
 from forja.models.common.rope import (
     ROPE_NAMES,
+    ROPE_TYPES,
     LinearScaling,
     RopeScaling,
     YarnScaling,
@@ -67,10 +68,10 @@ def _yarn(cfg: dict) -> tuple[float, YarnScaling | RopeScaling | None]:
     scaling = cfg.get("rope_scaling") or params
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in ("default", "llama3", "linear"):
-        return theta, rope_scaling_from_hf(scaling, cfg.get("max_position_embeddings", 4096))
-    if kind != "yarn":
+    if kind != "default" and kind not in ROPE_TYPES:
         raise _refuse("rope type", kind, f"forja reads {ROPE_NAMES}")
+    if kind != "yarn":  # DeepSeek's YaRN defaults are its own (below); every other kind is common/rope.py's
+        return theta, rope_scaling_from_hf(scaling, cfg.get("max_position_embeddings", 4096))
     return theta, yarn_from_hf(scaling, cfg.get("max_position_embeddings"), cfg.get("max_position_embeddings", 4096))
 
 

@@ -31,6 +31,7 @@ from forja.models.common import hf_rules
 from forja.models.common.hf_rules import HFAdapter, TensorRule
 from forja.models.common.rope import (
     ROPE_NAMES,
+    ROPE_TYPES,
     RopeScaling,
     YarnScaling,
     rope_scaling_from_hf,
@@ -55,10 +56,10 @@ def _rope(cfg: dict) -> tuple[float, YarnScaling | RopeScaling | None]:
         return theta, YarnScaling(factor=32.0, original_max_seq_len=4096, beta_fast=32.0, beta_slow=1.0,
                                   truncate=False)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in ("default", "llama3", "linear"):
-        return theta, rope_scaling_from_hf(scaling, cfg.get("max_position_embeddings", 4096))
-    if kind != "yarn":
+    if kind != "default" and kind not in ROPE_TYPES:
         raise _refuse(f"{key}.rope_type", kind, f"forja reads {ROPE_NAMES}")
+    if kind != "yarn":  # gpt-oss's YaRN defaults are its own (below); every other kind is common/rope.py's
+        return theta, rope_scaling_from_hf(scaling, cfg.get("max_position_embeddings", 4096))
     return theta, yarn_from_hf(scaling, cfg.get("max_position_embeddings"), 4096)
 
 
