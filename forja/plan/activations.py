@@ -45,6 +45,9 @@ class Widths:
     gathered: float = 1.0
     """The share of a sequence-gathered sublayer input its matmuls keep: 1/tp where it is
     gathered again in backward (`regathered`), else the whole sequence's."""
+    float8_gathered: bool = False
+    """Under float8 with sequence parallelism torchao casts a sublayer's input to float8 before
+    the all-gather (PrepareFloat8ModuleInput): its matmuls keep that one-byte copy."""
 
 
 def widths(job: Job) -> Widths:
@@ -77,6 +80,8 @@ def _input_copies(job: Job, w: Widths, readers: int) -> float:
     """Bytes per token the `readers` matmuls reading one fp32 tensor keep of it: under
     autocast each casts it to bf16 itself and keeps its own copy (autocast caches only the
     weights' casts); otherwise they all keep the one tensor."""
+    if w.float8_gathered:
+        return w.gathered * job.args.dim
     return (readers if w.lin != w.res else w.gathered) * job.args.dim * w.lin
 
 
@@ -193,7 +198,7 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
         # Under autocast the router keeps the fp32 input itself, and the shared experts' w1, w3
         # and their gate each their own bf16 cast (the routed rows are gathered copies, below).
         shared_readers = (2 + block.shared_expert_gate) if a.shared_width else 0
-        norm = _sublayer_input(job, lay, block, replace(w, gathered=1.0), 1)  # SplitTokens: no gather
+        norm = _sublayer_input(job, lay, block, replace(w, gathered=1.0, float8_gathered=False), 1)  # no gather
         norm += (shared_readers * a.dim * w.lin + a.dim * (w.res - w.lin)) if autocast else 0.0
     else:
         norm = _sublayer_input(job, lay, block, w, 1 if block.ffn == "gelu" else 2)  # w1 (, w3)
@@ -204,7 +209,10 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
         return norm + 2 * f * w.lin, (f + a.dim) * w.lin
     if block.ffn in ("swiglu", "geglu"):  # GeGLU never takes the fused kernel: gelu's input, output, up, product
         f = a.ffn_dim / t
-        return norm + (gated if block.ffn == "swiglu" else 4) * f * w.lin, (2 * f + a.dim) * w.lin
+        # Under TP torchao's float8 row-parallel style casts w2's input before the matmul, which
+        # keeps that one-byte copy of the product in its place.
+        product = 1 - w.lin if job.float8 and t > 1 else 0.0
+        return norm + ((gated if block.ffn == "swiglu" else 4) * w.lin + product) * f, (2 * f + a.dim) * w.lin
     # Under TP each rank routes and computes the MoE layer for its 1/tp of the tokens
     # (forja/models/common/tp_plan.py, SplitTokens): per token of the sequence, 1/tp of it.
     k, h = a.top_k, a.moe_ffn_dim
@@ -234,7 +242,7 @@ def mtp_saved(job: Job, lay: Layout, w: Widths) -> float:
 def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> tuple[float, float]:
     """(bytes one block keeps per token until its backward, bytes its backward needs at once
     on top: recomputation under AC plus the gradient working set)."""
-    w = widths(job)
+    w = replace(widths(job), float8_gathered=job.float8 and lay.tp > 1 and lay.sequence_parallel)
     attn, attn_mm = attention_saved(job, lay, block, w)
     ffn, ffn_mm = ffn_saved(job, lay, block, w)
     full = attn + ffn + (mtp_saved(job, lay, w) if block.mtp else 0.0)
@@ -245,6 +253,11 @@ def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> t
     # intermediates; its input's gradient, made twice (by w1 and by w3: whole rows, gathered
     # under SP), comes after those intermediates are freed, so it adds only what exceeds them.
     working = max(3 * ffn_width, 2 * job.args.dim - 3 * ffn_width) * w.lin
+    if job.float8 and not job.compiled and not block.moe:
+        # Eager float8 (torchao): after d(product), w2's backward casts its saved input for the
+        # weight's gradient: x * scale and its clamp in fp32 at once, then the float8 copy
+        # (compiled, one kernel does it; routed experts are no float8 linears).
+        working = max(working, ffn_width * (w.lin + 2 * FP32 + 1))
     if lay.ac == "full" or (lay.ac == "selective" and lay.ac_every and index % lay.ac_every == 0):
         return block_input, full + working  # recomputed as the forward ran: inputs gathered whole
     if lay.op_level:

@@ -74,7 +74,10 @@ def weight_casts(job: Job, lay: Layout, block: BlockShape, index: int) -> float:
         return 0.0
     if lay.ac == "full" or (lay.ac == "selective" and (not lay.ac_every or index % lay.ac_every == 0)):
         return 0.0
-    return 2 * (block.tp_split / lay.tp + block.replicated + block.experts / (lay.ep * lay.tp))
+    experts = block.experts / (lay.ep * lay.tp)
+    if job.float8:  # torchao's Float8Linear takes no autocast cast: it keeps the weight itself
+        return 2 * experts
+    return 2 * (block.tp_split / lay.tp + block.replicated + experts)
 
 
 def _block_activations_cached(job: Job, lay: Layout, block: BlockShape, index: int) -> tuple[float, float]:
@@ -373,8 +376,15 @@ def _kept_activations(job: Job, lay: Layout, rm: RankModel, tokens: float, micro
                 kept, working = kept + n * layer_bytes[b, whole], max(working, wk * tokens)
     if lay.pp > 1:
         shape = {i: b for b, idx in rm.groups for i in idx}
-        per_stage = [sum(layer_bytes[shape[i], _whole(lay, i)] for i in layers) for layers in rm.stage_layers]
-        kept = _in_flight(lay, rm.pp_rank, micro, per_stage or [kept])
+        per_stage = [sum(layer_bytes[shape[i], _whole(lay, i)] for i in layers)
+                     for layers in rm.stage_layers] or [kept]
+        # A stage that sends its output keeps it (torch's schedule does, for the backward that
+        # the gradient received for it starts) until that micro-batch's backward: all but the
+        # model's last stage, whose output is the loss; the backward under way has let its go.
+        sp = lay.tp if lay.tp > 1 and lay.sequence_parallel else 1
+        output = tokens / sp * job.args.dim * widths(job).lin
+        sends = [0.0 if rm.last and i == len(per_stage) - 1 else output for i in range(len(per_stage))]
+        kept = _in_flight(lay, rm.pp_rank, micro, [b + o for b, o in zip(per_stage, sends)]) - max(sends)
     if rm.last:
         # The final norm's input and output, split over tp under sequence parallelism, and the
         # output projection's input, whole (gathered for the vocabulary-split projection).

@@ -40,6 +40,9 @@ HSDP_END = ["parallel.dp_shard=2", "parallel.dp_replicate=4", "parallel.ac=full"
 # Sequence parallelism without AC in bf16: each sublayer's gathered input kept split until
 # backward (forja/parallel/regather.py), as Megatron-LM keeps it.
 SP_REGATHERED = ["parallel.dp_shard=4", "parallel.tp=2", "parallel.ac=none", "parallel.mixed_precision=bf16"]
+# Eager float8 under TP + SP without AC: torchao's Float8Linear keeps no autocast weight casts,
+# and its TP styles cast the gathered inputs and w2's input to float8 before the matmuls.
+FLOAT8_TP = ["parallel.dp_shard=4", "parallel.tp=2", "parallel.ac=none", "train.float8=tensorwise"]
 
 
 @pytest.mark.parametrize("layout", [
@@ -55,9 +58,10 @@ SP_REGATHERED = ["parallel.dp_shard=4", "parallel.tp=2", "parallel.ac=none", "pa
     HSDP_END,
     SP_REGATHERED,
     ["parallel.dp_shard=4", "parallel.tp=2", "parallel.ac=selective", "parallel.ac_matmuls=alternate"],
+    FLOAT8_TP,
 ], ids=["fsdp8", "hsdp-selective-ac", "fsdp2-tp4-sp", "fsdp4-cp2-a2a", "deepseek-v3-ep4",
         "fsdp8-grads-per-step", "pp2-1f1b", "pp2-interleaved-bf16", "gpt2-tp2-sp", "hsdp-full-ac-untied",
-        "fsdp4-tp2-sp-regathered", "fsdp4-tp2-sac-alternate-mm"])
+        "fsdp4-tp2-sp-regathered", "fsdp4-tp2-sac-alternate-mm", "fsdp4-tp2-float8"])
 def test_the_planners_peak_agrees_with_the_rehearsal(layout):
     r = _rehearsed(tuple(layout))
     assert len(r.ranks) == (2 if "parallel.pp=2" in layout else 1)  # a pipeline's first and last stage
