@@ -1,9 +1,12 @@
 """forja against its peers, side by side in one run: torchtitan (its released package, in a side
 environment) and a plain loop over `transformers`' LlamaForCausalLM, on the same device, Llama
-shape, tokens, precision, batch and sequence length.
+shape, tokens, precision, batch and sequence length, at equal settings: every contender under the
+same process settings (forja's host malloc and confined intra-op threads, or nobody's: --host),
+causal attention for all (no document masks), the HF loop on fused AdamW as `TrainingArguments`
+sets it, forja's recommended mode paired with each peer's fastest mode in the run.
 
     python bench/peers.py [--size cpu|smoke|1b] [--rounds 5] [--steps 5] [--only NAMES]
-                          [--no-titan] [--set KEY=VALUE ...] [--out runs/bench-peers]
+                          [--host forja|none] [--no-titan] [--set KEY=VALUE ...] [--out runs/bench-peers]
 
 Each contender is a process of its own (bench/peers_worker.py's protocol) that builds, compiles
 and warms up once, then waits. On a CPU the rounds alternate: every round runs each contender for
@@ -72,8 +75,8 @@ def contenders(titan_python: str | None, only: set[str] | None) -> list[Entry]:
               {"compile": True, "forja_extra": ["model.fused_ops=true"]}),
         Entry("HF loop eager", "peers_hf.py", {"compile": False}),
         Entry("HF loop compiled", "peers_hf.py", {"compile": True}),
-        # Attribution, not a peer: the HF loop given forja's host malloc (train.host_malloc).
-        Entry(HF_RETAINED, "peers_hf.py", {"compile": False, "host_malloc": "retain"}),
+        # Attribution, not a peer: the eager HF loop under the other host settings than the run's.
+        Entry(ATTRIBUTION, "peers_hf.py", {"compile": False, "host": "other"}),
     ]
     if titan_python:
         out += [Entry("torchtitan eager", "peers_titan.py", {"compile": False}, python=titan_python),
@@ -83,14 +86,18 @@ def contenders(titan_python: str | None, only: set[str] | None) -> list[Entry]:
     return [e for e in out if only is None or e.name in only]
 
 
-HF_RETAINED = "HF loop eager, host malloc retained"
-# (forja, peer): the ratios reported first, forja's tokens/s over the peer's. The last pair is
-# not a peer's: it shows how much of forja's lead over the eager HF loop its host malloc gives.
+ATTRIBUTION = "HF loop eager, the other host settings"
+RECOMMENDED = "forja recommended (compile + fused ops)"
+# (forja, peer): the ratios reported first, forja's tokens/s over the peer's. "fastest" pairs
+# forja's recommended mode with the peer's fastest mode in this run (bench/peers.py, _fastest).
+# The last pair is not a peer's: what the host settings alone give a plain loop.
 PAIRS = [("forja eager", "HF loop eager"), ("forja compiled", "HF loop compiled"),
-         ("forja recommended (compile + fused ops)", "HF loop compiled"),
+         (RECOMMENDED, "fastest HF loop"),
          ("forja eager", "torchtitan eager"), ("forja compiled", "torchtitan compiled"),
-         ("forja recommended (compile + fused ops)", "torchtitan recommended (compile)"),
-         ("forja eager", HF_RETAINED)]
+         (RECOMMENDED, "fastest torchtitan"),
+         ("forja eager", ATTRIBUTION)]
+# The host settings (bench/peers_worker.py): forja's, given to every contender, or nobody's.
+HOSTS = {"forja": "retain", "none": "system"}
 
 
 def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple[dict, dict, int, dict[str, str]]:
@@ -146,6 +153,8 @@ def start(entry: Entry, spec: dict, out: Path, timeout: float) -> None:
     entry.log = out / f"{entry.name.split(' (')[0].replace(' ', '-').replace(',', '')}.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     full = {**spec, **entry.changes}
+    if full.get("host") == "other":  # the attribution row: the host settings the run does not give
+        full["host"] = "system" if spec["host"] == "retain" else "retain"
     full["forja_sets"] = [*spec["forja_sets"], *entry.changes.get("forja_extra", [])]
     entry.proc = subprocess.Popen([entry.python, str(BENCH / entry.script), json.dumps(full)], cwd=REPO, env=env,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(entry.log, "w"),
@@ -188,13 +197,24 @@ def summarize(entries: list[Entry], tokens_per_step: int, steps: int, flops: int
                         "peak_gib": max(r["peak_bytes"] for r in e.rounds) / 2**30,
                         "mfu": flops * median / peak, "loss": e.rounds[-1]["loss"], "params": e.ready["params"],
                         "settings": e.ready["settings"], "shims": e.ready.get("shims", [])}
-    pairs = [{"forja": a, "peer": b, "ratio": rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]}
-             for a, b in PAIRS if a in rows and b in rows]
+    fastest = {f"fastest {peer}": _fastest(rows, peer) for peer in ("HF loop", "torchtitan")}
+    pairs = []
+    for a, b in PAIRS:
+        peer = fastest.get(b, b)
+        if a in rows and peer in rows:
+            pairs.append({"forja": a, "peer": peer if peer == b else f"{b} ({peer})",
+                          "ratio": rows[a]["tokens_per_s"] / rows[peer]["tokens_per_s"]})
     out = {"pairs": pairs, "contenders": rows}
     if "forja eager" in rows and "forja model alone (bare loop)" in rows:
         bare, eager = rows["forja model alone (bare loop)"], rows["forja eager"]
         out["forja_overhead"] = bare["tokens_per_s"] / eager["tokens_per_s"] - 1
     return out
+
+
+def _fastest(rows: dict, peer: str) -> str | None:
+    """The name of the peer's fastest mode in this run (its eager, compiled or recommended row)."""
+    modes = [name for name in rows if name.startswith(peer) and name != ATTRIBUTION]
+    return max(modes, key=lambda name: rows[name]["tokens_per_s"]) if modes else None
 
 
 def markdown(result: dict, header: str) -> str:
@@ -203,12 +223,14 @@ def markdown(result: dict, header: str) -> str:
     if "forja_overhead" in result:
         lines += ["", f"forja's own overhead per step (Trainer step against its model in a bare loop): "
                       f"{100 * result['forja_overhead']:+.1f}%"]
-    lines += ["", "| contender | tokens/s (median) | spread (min-max) | peak memory GiB | MFU |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| contender | tokens/s (median) | spread (min-max) | peak memory GiB | MFU | host settings |"
+                  " attention | optimizer | parallelism applied |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in result["contenders"].items():
         lo, hi = r["spread"]
+        s = r["settings"]
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {lo:,.0f}-{hi:,.0f} | {r['peak_gib']:.2f} | "
-                     f"{100 * r['mfu']:.1f}% |")
+                     f"{100 * r['mfu']:.1f}% | {s.get('host', '-')} | {s.get('attention', '-')} | "
+                     f"{s.get('optimizer', '-')} | {s.get('parallelism_applied', '-')} |")
     shims = sorted({s for r in result["contenders"].values() for s in r["shims"]})
     if shims:
         lines += ["", "Shims torchtitan needed here: " + "; ".join(shims)]
@@ -225,6 +247,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--only", default="", help="contender names, comma-separated")
     p.add_argument("--no-titan", action="store_true", help="leave torchtitan out (no side environment)")
     p.add_argument("--wheels", default=None, help="install torchtitan offline from these wheels")
+    p.add_argument("--host", choices=sorted(HOSTS), default="forja",
+                   help="process settings for every contender alike: forja's (malloc thresholds, confined "
+                        "intra-op threads) or none (the C library's defaults)")
     p.add_argument("--set", dest="sets", action="append", default=[], help="forja override for the shape")
     p.add_argument("--out", default="runs/bench-peers")
     p.add_argument("--timeout", type=float, default=900, help="seconds a worker may take to build")
@@ -243,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     shape, hf_config, flops, paths = shape_and_tokens(size, args.sets, out, rows=size["batch"] * 8)
     spec = {"shape": shape, "hf_config": hf_config, "batch": size["batch"], "seq_len": size["seq_len"],
             **paths, "precision": size["precision"], "device": args.device, "ac": "none", "warmup": args.warmup,
-            "threads": torch.get_num_threads(), "optim": OPTIM, "seed": 0, "recipe": size["recipe"],
+            "threads": torch.get_num_threads(), "host": HOSTS[args.host], "optim": OPTIM, "seed": 0, "recipe": size["recipe"],
             "forja_sets": [*size["sets"], *args.sets]}
     print(f"peers: {args.size} on {args.device}, shape {shape}, batch {size['batch']} x {size['seq_len']}", flush=True)
     one_at_a_time = args.device != "cpu" if args.one_at_a_time is None else args.one_at_a_time

@@ -1,8 +1,8 @@
 """bench/peers.py's forja contender: forja's own Trainer, step by step as `forja train` runs it
 (the loader, the step engine, recovery's checks, metrics and the callbacks), on the recipe and
 `--set` overrides in the spec. With spec["bare"] it is forja's model alone in a plain loop
-instead (forward, backward, clip, AdamW on the harness's token rows and their documents' mask,
-under the same process settings that the Trainer applies: forja/host.py): the step time the framework's overhead
+instead (forward, backward, clip, AdamW on the harness's token rows, causal as every contender
+attends, under the same process settings that the Trainer applies: forja/host.py): the step time the framework's overhead
 is measured against.
 
     python bench/peers_forja.py SPEC_JSON      (started by bench/peers.py)
@@ -36,7 +36,10 @@ def forja_sets(spec: dict) -> list[str]:
             f"optim.betas={list(o['betas'])}", f"optim.eps={o['eps']}",
             "schedule.name=\"constant\"", "schedule.warmup_steps=0",
             f"train.precision=\"{spec['precision']}\"", f"train.device=\"{spec['device']}\"",
-            f"parallel.compile={str(spec['compile']).lower()}", f"parallel.ac=\"{spec['ac']}\""]
+            f"parallel.compile={str(spec['compile']).lower()}", f"parallel.ac=\"{spec['ac']}\"",
+            # The harness's process settings (bench/peers_worker.py), and the peers' attention:
+            # causal, no document mask (the same attention work for every contender).
+            f"train.host_malloc=\"{spec.get('host', 'system')}\"", "model.document_mask=false"]
     return sets
 
 
@@ -61,7 +64,10 @@ def _trainer(spec: dict) -> Contender:
         return torch.tensor(last.loss)
 
     params = sum(p.numel() for part in trainer.parts for p in part.parameters())
-    settings = {"forja": "Trainer.train_one_step", "sets": sets}
+    cfg = trainer.cfg
+    settings = {"forja": "Trainer.train_one_step", "sets": sets,
+                "attention": f"{cfg.model.attention}, causal (no document mask)",
+                "optimizer": f"{cfg.optim.name} (optim.implementation = {cfg.optim.implementation!r})"}
     return Contender(step=step, params=params, settings=settings)
 
 
@@ -99,7 +105,9 @@ def _bare(spec: dict) -> Contender:
         return loss.detach()
 
     return Contender(step=step, params=sum(p.numel() for p in model.parameters()),
-                     settings={"forja": "model alone, plain loop"})
+                     settings={"forja": "model alone, plain loop", "optimizer": "torch.optim.AdamW(fused=True)",
+                               "attention": f"{cfg.model.attention}, "
+                                            + ("document mask" if documents is not None else "causal")})
 
 
 def build(spec: dict) -> Contender:

@@ -1,6 +1,7 @@
 """bench/peers.py's plain Hugging Face contender: what a user writes with the HF stack, a loop
-over `transformers`' LlamaForCausalLM of the same shape (SDPA attention), torch's AdamW with its
-default kernel, gradient clipping, and `torch.compile(model)` when the spec asks for it.
+over `transformers`' LlamaForCausalLM of the same shape (SDPA attention, causal), torch's fused
+AdamW (`TrainingArguments`' default optimizer, "adamw_torch_fused", on torch >= 2.8), gradient
+clipping, and `torch.compile(model)` when the spec asks for it.
 
     python bench/peers_hf.py SPEC_JSON      (started by bench/peers.py)
 """
@@ -20,10 +21,6 @@ from peers_worker import Contender, cycle_rows, serve  # noqa: E402
 def build(spec: dict) -> Contender:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if spec.get("host_malloc"):  # attribution only: forja's process setting given to the HF loop
-        from forja import host
-
-        host.apply_malloc(spec["host_malloc"])
     torch.manual_seed(spec["seed"])
     device = torch.device(spec["device"])
     # forja's own exporter's config for the shape (forja/models/llama/hf.py, via bench/peers.py).
@@ -31,7 +28,7 @@ def build(spec: dict) -> Contender:
     model.train()
     o = spec["optim"]
     opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
-                            weight_decay=o["weight_decay"])
+                            weight_decay=o["weight_decay"], fused=True)  # as TrainingArguments' default
     forward = torch.compile(model) if spec["compile"] else model
     if spec["ac"] != "none":
         model.gradient_checkpointing_enable()  # HF's one switch: every decoder layer recomputed
@@ -51,10 +48,9 @@ def build(spec: dict) -> Contender:
 
     import transformers
 
-    settings = {"transformers": transformers.__version__, "attention": "sdpa", "compile": spec["compile"],
-                "ac": "gradient_checkpointing" if spec["ac"] != "none" else "none",
-                "optimizer": "torch.optim.AdamW (its default kernel)",
-                "host_malloc": spec.get("host_malloc") or "the C library's defaults"}
+    settings = {"transformers": transformers.__version__, "attention": "sdpa, causal (no document mask)",
+                "compile": spec["compile"], "ac": "gradient_checkpointing" if spec["ac"] != "none" else "none",
+                "optimizer": "torch.optim.AdamW(fused=True), TrainingArguments' default"}
     return Contender(step=step, params=sum(p.numel() for p in model.parameters()), settings=settings)
 
 

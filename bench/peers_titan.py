@@ -151,10 +151,16 @@ def build(spec: dict) -> Contender:
         return last["loss"]
 
     params = sum(p.numel() for m in trainer.model_parts for p in m.parameters())
+    # Its parallelism as applied, read from the parameters it built (not from its config).
+    from torch.distributed.tensor import DTensor
+
+    sharded = [p for m in trainer.model_parts for p in m.parameters() if isinstance(p, DTensor)]
+    applied = (f"DTensor parameters ({type(sharded[0].placements[0]).__name__}) over a mesh of "
+               f"{sharded[0].device_mesh.size()} rank(s)" if sharded else "plain parameters: no FSDP applied")
     settings = {"torchtitan": torchtitan.__version__, "mode": "recommended" if recommended else "matched",
                 "trainer": "torchtitan.trainer.Trainer, Trainer.train()'s loop body",
                 "model": "llama3 (its _build_llama3_layers: fused QKV, ComplexRoPE without scaling)",
-                "attention": spec.get("attention", "sdpa"),
+                "attention": f"{spec.get('attention', 'sdpa')}, causal (no document mask)",
                 "loss": "ChunkedLossWrapper(CrossEntropyLoss, 8 chunks)" if recommended else "CrossEntropyLoss",
                 "compile": (f"per TransformerBlock + loss ({config.compile.backend})" if spec["compile"] else "off"),
                 "ac": spec["ac"], "dtype": config.training.dtype,
@@ -162,7 +168,7 @@ def build(spec: dict) -> Contender:
                 "optimizer": f"AdamW ({config.optimizer.implementation})", "lr_schedule": "constant",
                 "cuda_graphs": not config.training.disable_cuda_graphs,
                 "log_freq": config.metrics.log_freq, "gc_freq": config.training.gc_freq,
-                "spmd_backend": config.parallelism.spmd_backend, "fsdp": "fully_shard, world size 1",
+                "spmd_backend": config.parallelism.spmd_backend, "parallelism_applied": applied,
                 "structured_logging": config.debug.enable_structured_logging}
     return Contender(step=step, params=params, settings=settings, shims=shims)
 

@@ -66,10 +66,24 @@ def _reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def _host_settings(malloc: str) -> str:
+    """The process settings forja's Trainer gives itself (forja/host.py: glibc's malloc
+    thresholds, and torch's intra-op threads kept for the training thread), given to every
+    contender alike before it builds, or to none ("system": the C library's defaults). Read
+    from forja's source tree on the path, in every environment (torch is all it needs)."""
+    if malloc == "system":
+        return "the C library's malloc defaults, torch's threads as they start"
+    from forja import host
+
+    host.prepare_training_process(malloc)
+    return f"malloc {host.malloc_applied()}, torch's intra-op threads confined to the training thread"
+
+
 def serve(build: Callable[[dict], Contender]) -> None:
     """Build from the spec in argv[1], warm up, then answer the harness's rounds."""
     spec = json.loads(sys.argv[1])
     torch.set_num_threads(spec.get("threads") or os.cpu_count() or 1)
+    host = _host_settings(spec.get("host", "system"))
     device = torch.device(spec["device"])
     protocol = sys.stdout
     sys.stdout = sys.stderr  # anything the framework prints stays off the protocol
@@ -79,7 +93,7 @@ def serve(build: Callable[[dict], Contender]) -> None:
         loss = contender.step()
     _sync(device)
     ready = {"ready": True, "build_s": round(time.perf_counter() - started, 2), "params": contender.params,
-             "settings": contender.settings, "shims": contender.shims, "torch": torch.__version__,
+             "settings": {**contender.settings, "host": host}, "shims": contender.shims, "torch": torch.__version__,
              "warmup_loss": float(loss)}
     print(json.dumps(ready), file=protocol, flush=True)
     for line in sys.stdin:

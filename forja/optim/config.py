@@ -37,6 +37,12 @@ class MuonConfig:
     """Newton-Schulz iterations."""
     ns_coefficients: tuple[float, ...] = (3.4445, -4.775, 2.0315)
     """(a, b, c) of the quintic Newton-Schulz step X <- aX + b(XX^T)X + c(XX^T)^2 X."""
+    orthogonalizer: Literal["newton_schulz", "polar_express"] = "newton_schulz"
+    """newton_schulz: ns_coefficients at every step; polar_express: a minimax-optimal (a, b, c)
+    for each step (Amsel et al. 2025), the singular values closer to 1 in as many steps."""
+    cautious_weight_decay: bool = False
+    """Decay a weight only where its update has the weight's sign (Chen et al. 2025): the decay
+    never pushes against an update that already shrinks the weight."""
     update_scale: Literal["rms_match", "spectral", "none"] = "rms_match"
     """Scale of the orthogonal update of an m x n matrix: rms_match = 0.2 sqrt(max(m, n)), so its
     RMS matches AdamW's and AdamW's learning rate and weight decay carry over (Liu et al. 2025);

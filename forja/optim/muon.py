@@ -10,6 +10,14 @@ For a matrix parameter W (m x n) with gradient G, one step is
 NS is the quintic Newton-Schulz iteration X <- aX + (b A + c A^2) X with A = X X^T, run on
 the wide orientation (m <= n, so A is the smaller Gram matrix). Its coefficients push every
 singular value of X towards ~1 in a few steps without converging exactly, which is enough.
+`orthogonalizer = "polar_express"` takes a different (a, b, c) at each step instead (Amsel et
+al. 2025, arXiv:2505.16932: each step's quintic is the minimax-optimal one for the interval
+the singular values are in by then, so the small ones rise faster early and all settle closer
+to 1), on X scaled by 1.02 ||X||_F, the margin its coefficients were derived with.
+
+`cautious_weight_decay` decays a coordinate only where the update moves it the way the decay
+would (sign(O) = sign(W)): elsewhere the update already pulls it in, and the decay would
+fight it (Chen et al. 2025, "Cautious weight decay").
 A 3-D parameter (a mixture of experts' stacked experts, (E, H, D)) is E matrices, each
 orthogonalized on its own.
 
@@ -42,6 +50,15 @@ from forja.optim.exchange import Layouts, Unit, buckets, exchange_bucket, mesh_g
 
 NS_EPS = 1e-7  # floor of ||U||_F: a zero update stays zero rather than dividing by zero
 UPDATE_SCALES = ("rms_match", "spectral", "none")
+ORTHOGONALIZERS = ("newton_schulz", "polar_express")
+# Polar Express's five steps for Muon (arXiv:2505.16932, its coefficients with a 2% safety
+# margin, as modded-nanogpt's records use them): a later step reuses the last one.
+POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+POLAR_EXPRESS_MARGIN = 1.02  # X / (1.02 ||X||_F): the spectral bound its first step assumes, with room
 BUCKET_BYTES = 64 * 2**20  # a bucket's matrices, whole: a few collectives a step, bounded memory
 NS_COUNT: Counter = Counter()  # this rank's Newton-Schulz work: "calls", "matrices"
 
@@ -63,10 +80,14 @@ def update_scale(mode: str, rows: int, cols: int) -> float:
 
 
 def newton_schulz(update: torch.Tensor, coefficients: tuple[float, ...], steps: int,
-                  dtype: torch.dtype) -> torch.Tensor:
+                  dtype: torch.dtype, orthogonalizer: str = "newton_schulz") -> torch.Tensor:
     """The approximate orthogonal factor of each matrix of `update` ((m, n) or (E, m, n)),
-    computed in `dtype` and returned in `update`'s dtype."""
-    a, b, c = coefficients
+    computed in `dtype` and returned in `update`'s dtype: `coefficients` at every step, or
+    Polar Express's own per step (module docstring)."""
+    if orthogonalizer == "polar_express":
+        schedule, margin = [POLAR_EXPRESS[min(i, len(POLAR_EXPRESS) - 1)] for i in range(steps)], POLAR_EXPRESS_MARGIN
+    else:
+        schedule, margin = [tuple(coefficients)] * steps, 1.0
     NS_COUNT["calls"] += 1
     NS_COUNT["matrices"] += update.numel() // max(update.shape[-2] * update.shape[-1], 1)
     x = update.to(dtype)
@@ -74,10 +95,10 @@ def newton_schulz(update: torch.Tensor, coefficients: tuple[float, ...], steps: 
     if tall:
         x = x.mT  # (.., n, m): iterate on the wide side, the Gram matrix is the smaller one
     # Frobenius norm >= spectral norm: after this every singular value is <= 1, where NS converges.
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * margin).clamp(min=NS_EPS)
     # addmm / baddbmm: beta * input + alpha * (m1 @ m2) in one kernel.
     mm = torch.addmm if x.dim() == 2 else torch.baddbmm
-    for _ in range(steps):
+    for a, b, c in schedule:
         gram = x @ x.mT  # (.., m, m)
         poly = mm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
         x = mm(x, poly, x, beta=a)  # a X + (b A + c A^2) X
@@ -102,14 +123,18 @@ class Muon(torch.optim.Optimizer):
                  nesterov: bool = True, ns_steps: int = 5,
                  ns_coefficients: tuple[float, ...] = (3.4445, -4.775, 2.0315),
                  update_scale: str = "rms_match", betas: tuple[float, ...] = (0.9, 0.95), eps: float = 1e-8,
-                 ns_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES):
+                 ns_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES,
+                 orthogonalizer: str = "newton_schulz", cautious_weight_decay: bool = False):
         if len(ns_coefficients) != 3:
             raise ValueError(f"ns_coefficients {ns_coefficients} must be three numbers (a, b, c)")
+        if orthogonalizer not in ORTHOGONALIZERS:
+            raise ValueError(f"orthogonalizer {orthogonalizer!r} is not one of {', '.join(ORTHOGONALIZERS)}")
         if update_scale not in UPDATE_SCALES:
             raise ValueError(f"update_scale {update_scale!r} is not one of {', '.join(UPDATE_SCALES)}")
         defaults = dict(lr=lr, weight_decay=weight_decay, use_muon=True, momentum=momentum, nesterov=nesterov,
                         ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), update_scale=update_scale,
-                        betas=tuple(betas), eps=eps)
+                        betas=tuple(betas), eps=eps, orthogonalizer=orthogonalizer,
+                        cautious_weight_decay=cautious_weight_decay)
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype
         self.bucket_bytes = bucket_bytes
@@ -120,6 +145,7 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = closure_loss(closure)
         sharded: list[tuple[torch.Tensor, DTensor, dict]] = []
+        whole: list[tuple[torch.Tensor, torch.Tensor, dict]] = []  # matrices held whole: batched by shape
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is None:
@@ -130,8 +156,15 @@ class Muon(torch.optim.Optimizer):
                 update = self._momentum(param, group)
                 if isinstance(update, DTensor):
                     sharded.append((param, update, group))
-                else:
+                elif update.dim() == 2:
+                    whole.append((param, update, group))
+                else:  # stacked experts (E, m, n): one batched call already
                     self._apply(param, group, self._orthogonalize(group, update))
+        # The matrices of one shape and group in one batched call: a few large kernels where a
+        # model's layers would make dozens of small ones (the same arithmetic, matrix by matrix).
+        orthos = self._orthogonalize_many([g for _, _, g in whole], [u for _, u, _ in whole])
+        for (param, _, group), ortho in zip(whole, orthos):
+            self._apply(param, group, ortho)
         by_mesh: dict[tuple, list] = {}  # one exchange per mesh and dtype, in parameter order
         for item in sharded:
             by_mesh.setdefault((item[1].device_mesh, item[1].dtype), []).append(item)
@@ -151,12 +184,17 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalize(self, group: dict, update: torch.Tensor) -> torch.Tensor:
         dtype = self.ns_dtype or default_ns_dtype(update.device)
-        return newton_schulz(update, group["ns_coefficients"], group["ns_steps"], dtype)
+        return newton_schulz(update, group["ns_coefficients"], group["ns_steps"], dtype,
+                             group.get("orthogonalizer", "newton_schulz"))
 
     def _apply(self, param: torch.Tensor, group: dict, ortho: torch.Tensor) -> None:
         rows, cols = param.shape[-2:]
-        lr = group["lr"]
-        param.mul_(1 - lr * group["weight_decay"])  # decoupled weight decay
+        lr, decay = group["lr"], group["weight_decay"]
+        if group.get("cautious_weight_decay") and decay:
+            # Decay only where the update moves the weight as the decay would (same signs).
+            param.sub_(param * (ortho * param > 0), alpha=lr * decay)
+        else:
+            param.mul_(1 - lr * decay)  # decoupled weight decay
         param.add_(ortho, alpha=-lr * update_scale(group["update_scale"], rows, cols))
 
     def _step_sharded(self, items: list[tuple[torch.Tensor, DTensor, dict]]) -> None:

@@ -107,7 +107,8 @@ def _muon(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     m = cfg.muon  # groups: from muon_param_groups (GROUPINGS), each with its use_muon flag and lr
     return Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
                 ns_steps=m.ns_steps, ns_coefficients=tuple(m.ns_coefficients), update_scale=m.update_scale,
-                betas=tuple(cfg.betas), eps=cfg.eps, bucket_bytes=m.bucket_bytes)
+                betas=tuple(cfg.betas), eps=cfg.eps, bucket_bytes=m.bucket_bytes, orthogonalizer=m.orthogonalizer,
+                cautious_weight_decay=m.cautious_weight_decay)
 
 
 # Each optimizer's default learning rate, taken when `--set optim.name` switches to it without

@@ -34,7 +34,13 @@ def test_the_harness_runs_every_framework_and_computes_the_ratios(tmp_path, trai
     pairs = {(p["forja"], p["peer"]): p["ratio"] for p in result["pairs"]}
     assert set(pairs) == {("forja eager", "HF loop eager"), ("forja eager", "torchtitan eager")}, pairs
     assert all(math.isfinite(r) and r > 0 for r in pairs.values()), pairs
+    # Equal settings: every contender under the one host setting, the HF loop on fused AdamW
+    # (TrainingArguments' default), torchtitan's parallelism read from what it built.
+    assert len({r["settings"]["host"] for r in rows.values()}) == 1, {n: r["settings"] for n, r in rows.items()}
+    assert "fused=True" in rows["HF loop eager"]["settings"]["optimizer"]
+    assert all("causal" in r["settings"]["attention"] for r in rows.values()), rows
     titan = rows["torchtitan eager"]
+    assert "over a mesh of 1 rank" in titan["settings"]["parallelism_applied"], titan["settings"]
     assert titan["settings"]["torchtitan"] == "0.3.0", titan["settings"]
     assert titan["shims"], "the CPU shims torchtitan needed are listed"
     assert "| forja eager | torchtitan eager |" in (out / "peers.md").read_text()
