@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
     shape, hf_config, flops, paths = shape_and_tokens(size, args.sets, out, rows=size["batch"] * 8)
     spec = {"shape": shape, "hf_config": hf_config, "batch": size["batch"], "seq_len": size["seq_len"],
             **paths, "precision": size["precision"], "device": args.device, "ac": "none", "warmup": args.warmup,
-            "threads": torch.get_num_threads(), "host": HOSTS[args.host], "optim": OPTIM, "seed": 0, "recipe": size["recipe"],
+            "threads": torch.get_num_threads(), "host": HOSTS[args.host], "optim": OPTIM, "seed": 0,
+            "recipe": size["recipe"],
             "forja_sets": [*size["sets"], *args.sets]}
     print(f"peers: {args.size} on {args.device}, shape {shape}, batch {size['batch']} x {size['seq_len']}", flush=True)
     one_at_a_time = args.device != "cpu" if args.one_at_a_time is None else args.one_at_a_time

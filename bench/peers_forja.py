@@ -2,8 +2,8 @@
 (the loader, the step engine, recovery's checks, metrics and the callbacks), on the recipe and
 `--set` overrides in the spec. With spec["bare"] it is forja's model alone in a plain loop
 instead (forward, backward, clip, AdamW on the harness's token rows, causal as every contender
-attends, under the same process settings that the Trainer applies: forja/host.py): the step time the framework's overhead
-is measured against.
+attends, under the same process settings that the Trainer applies: forja/host.py): the step
+time the framework's overhead is measured against.
 
     python bench/peers_forja.py SPEC_JSON      (started by bench/peers.py)
 """
