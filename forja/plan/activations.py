@@ -65,7 +65,7 @@ def regathered(job: Job, lay: Layout, w: Widths) -> bool:
 
 def _sp(lay: Layout) -> float:
     """The share of the sequence a rank's norms see (sequence parallelism splits it)."""
-    return 1 / lay.tp if (lay.tp > 1 and lay.sequence_parallel) else 1.0
+    return 1 / lay.sp_degree
 
 
 def norm_saved(job: Job, lay: Layout, block: BlockShape, w: Widths, readers: int = 1) -> float:
@@ -242,7 +242,7 @@ def mtp_saved(job: Job, lay: Layout, w: Widths) -> float:
 def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> tuple[float, float]:
     """(bytes one block keeps per token until its backward, bytes its backward needs at once
     on top: recomputation under AC plus the gradient working set)."""
-    w = replace(widths(job), float8_gathered=job.float8 and lay.tp > 1 and lay.sequence_parallel)
+    w = replace(widths(job), float8_gathered=job.float8 and lay.sp_degree > 1)
     attn, attn_mm = attention_saved(job, lay, block, w)
     ffn, ffn_mm = ffn_saved(job, lay, block, w)
     full = attn + ffn + (mtp_saved(job, lay, w) if block.mtp else 0.0)

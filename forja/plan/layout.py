@@ -108,6 +108,12 @@ class Layout(WithDegrees):
         return out
 
     @property
+    def sp_degree(self) -> int:
+        """The ranks a block's sequence is split over outside its matmuls: tp under sequence
+        parallelism, else 1."""
+        return self.tp if self.tp > 1 and self.sequence_parallel else 1
+
+    @property
     def op_level(self) -> bool:
         """Op-level selective AC (the only AC that reads ac_matmuls)."""
         return self.ac == "selective" and not self.ac_every

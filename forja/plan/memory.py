@@ -295,9 +295,14 @@ def _pipeline_buffers(job: Job, lay: Layout, rm: RankModel, tokens: float, micro
     the TP ranks under sequence parallelism (measured by the rehearsal, forja/train/rehearse/)."""
     if lay.pp == 1:
         return 0.0
-    sp = lay.tp if lay.tp > 1 and lay.sequence_parallel else 1
     receiving = 2 * rm.stages - rm.first - rm.last  # this rank's stages' receiving sides
-    return micro * receiving * tokens / sp * job.args.dim * widths(job).lin
+    return micro * receiving * _stage_io(job, lay, tokens)
+
+
+def _stage_io(job: Job, lay: Layout, tokens: float) -> float:
+    """Bytes of what a pipeline stage sends or receives for one micro-batch: its hidden states,
+    split over the TP ranks under sequence parallelism."""
+    return tokens / lay.sp_degree * job.args.dim * widths(job).lin
 
 
 def _gathered(lay: Layout, rm: RankModel, h: _Held, order: str) -> float:
@@ -381,15 +386,13 @@ def _kept_activations(job: Job, lay: Layout, rm: RankModel, tokens: float, micro
         # A stage that sends its output keeps it (torch's schedule does, for the backward that
         # the gradient received for it starts) until that micro-batch's backward: all but the
         # model's last stage, whose output is the loss; the backward under way has let its go.
-        sp = lay.tp if lay.tp > 1 and lay.sequence_parallel else 1
-        output = tokens / sp * job.args.dim * widths(job).lin
+        output = _stage_io(job, lay, tokens)
         sends = [0.0 if rm.last and i == len(per_stage) - 1 else output for i in range(len(per_stage))]
         kept = _in_flight(lay, rm.pp_rank, micro, [b + o for b, o in zip(per_stage, sends)]) - max(sends)
     if rm.last:
         # The final norm's input and output, split over tp under sequence parallelism, and the
         # output projection's input, whole (gathered for the vocabulary-split projection).
-        sp = lay.tp if lay.tp > 1 and lay.sequence_parallel else 1
-        kept += tokens * job.args.dim * (2 * widths(job).res / sp + widths(job).lin)
+        kept += tokens * job.args.dim * (2 * widths(job).res / lay.sp_degree + widths(job).lin)
     return kept, working
 
 

@@ -155,7 +155,7 @@ def elementwise_bytes(job: Job, lay: Layout, block) -> float:
     each group one pass. Backward reads the saved inputs and the gradient and writes one: ~2x."""
     a = job.args
     lin, res = (2 if job.bf16 else 4), (2 if job.bf16_params else 4)
-    sp = lay.tp if (lay.tp > 1 and lay.sequence_parallel) else 1
+    sp = lay.sp_degree
     q, kv = a.n_heads * a.head_dim / lay.tp, a.n_kv_heads * a.head_dim / lay.tp
     if block.moe:  # under TP each rank runs the MoE layer for its 1/tp of the tokens
         f = (a.top_k * a.moe_ffn_dim + a.shared_width) / lay.tp
