@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 
-.PHONY: venv train test gpu-check clean
+.PHONY: venv train test cards gpu-check clean
 
 # Two stamps: `make train` installs only what training needs (torch and the core dependencies,
 # about 1 GB); `make test` adds the test extra (transformers, lm-eval, trackers: about 3 GB) on top.
@@ -49,10 +49,20 @@ train: $(VENV)/.installed-train
 # that already fill the cores, drills timed by sleeps) then run alone.
 TEST_WORKERS ?= 2
 
+# Each pass also records the verification cards' evidence (tests/cards.py); the last line
+# fails when a family's card has a cell no test filled (scripts/model_cards.py).
+CARDS := .cards.jsonl
+
 test: $(VENV)/.installed-test
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not serial" -n $(TEST_WORKERS) --dist loadfile
-	$(PY) -m pytest -q -m serial
+	rm -f $(CARDS)
+	$(PY) -m pytest -q -m "not serial" -n $(TEST_WORKERS) --dist loadfile --cards=$(CARDS)
+	$(PY) -m pytest -q -m serial --cards=$(CARDS)
+	$(PY) scripts/model_cards.py --results $(CARDS) --check
+
+# The cards' table in docs/models.md, remade from the card tests alone (-m cards).
+cards: $(VENV)/.installed-test
+	$(PY) scripts/model_cards.py --run
 
 # No venv target here: a GPU machine may reach no package registry, so this runs with the
 # venv's python where there is one, else with the machine's own python3 (which holds torch).

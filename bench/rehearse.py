@@ -89,6 +89,11 @@ CASES = [
 ]
 
 
+# Families whose attention is not the recipe's FlexAttention: sparse attention gathers the keys
+# it selects from dense masks (forja/models/common/sparse_attention.py).
+OWN_ATTENTION = {"deepseek_v32": ["model.attention=sdpa"], "glm5": ["model.attention=sdpa"]}
+
+
 def family_cases() -> list[Case]:
     """Every published flavor of every family (not debug or tiny) at one representative layout:
     64 ranks of FSDP with op-level selective AC, 4,096 tokens a sequence, one a rank; a mixture of
@@ -105,7 +110,7 @@ def family_cases() -> list[Case]:
             moe = fields.get("n_experts", 0) > 0
             cases.append(Case(f"{family} {flavor}", "llama3-8b", 64,
                               base + [f"model.family={family}", f"model.flavor={flavor}"]
-                              + (["parallel.ep=8"] if moe else [])))
+                              + (["parallel.ep=8"] if moe else []) + OWN_ATTENTION.get(family, [])))
     return cases
 
 

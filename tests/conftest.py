@@ -7,5 +7,6 @@ import os
 # when it loads a model unless told it is offline (and a test's subprocesses inherit this).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# The local S3-compatible server's fixtures (moto_endpoint, s3_bucket, flaky_s3), for any test that names them.
-pytest_plugins = ["tests.storage_server"]
+# The local S3-compatible server's fixtures (moto_endpoint, s3_bucket, flaky_s3), for any test that names them;
+# the verification cards' `card` fixture and `--cards PATH` (tests/cards.py).
+pytest_plugins = ["tests.storage_server", "tests.cards"]

@@ -76,6 +76,9 @@ class Int8Experts(nn.Module):
         super().__init__()
         for name in ("w1", "w2", "w3"):
             weight = getattr(experts, name)
+            if weight is None:  # experts without a gate (Nemotron-H's squared ReLU) have no w3
+                self.register_buffer(name, None)
+                continue
             if isinstance(weight, DTensor):
                 raise ForjaError("--quantize int8 quantizes the routed experts of a model on one device; "
                                  "this one's are sharded (expert parallelism): load it whole first")
@@ -94,8 +97,8 @@ class Int8Experts(nn.Module):
         out = []
         for g, rows in enumerate(x.split(sizes)):
             if sizes[g]:
-                h = gated_activation(self._linear(rows, "w1", g), self._linear(rows, "w3", g),
-                                     *self.activation)  # (m, H)
+                up = None if self.w3 is None else self._linear(rows, "w3", g)
+                h = gated_activation(self._linear(rows, "w1", g), up, *self.activation)  # (m, H)
                 out.append(self._linear(h, "w2", g))  # (m, D)
         return torch.cat(out) if out else x.new_zeros(0, self.w2.shape[1])
 

@@ -19,7 +19,8 @@ from forja.models.common.transformer import Transformer, TransformerArgs
 from forja.models.spec import ModelSpec
 
 FAMILY_PACKAGES = ("llama", "gpt2", "deepseek_v3", "qwen3", "qwen3_5", "qwen3_next", "mixtral", "gpt_oss", "olmo2",
-                   "olmo3", "olmo_hybrid", "gemma3")
+                   "olmo3", "olmo_hybrid", "gemma3", "deepseek_v32", "glm5", "nemotron_h", "llama4",
+                   "kimi_linear", "gemma4", "deepseek_v4")
 """The family packages under forja/models, each named as its family."""
 
 

@@ -40,7 +40,10 @@ _SAVED_OPS = {
 
 
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    # Only what backward reads: a matmul run without gradients (DeepSeek Sparse Attention's
+    # indexer scores, (B, T, H_I, T) a block) is recomputed with the block, not kept.
+    saved = op in _SAVED_OPS and torch.is_grad_enabled()
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _save_alternate_matmuls():

@@ -156,6 +156,10 @@ def _check_batch(r: LayoutRequest, dims: ParallelDims) -> None:
 
 
 def _check_pipeline(r: LayoutRequest, dims: ParallelDims) -> None:
+    lacking = r.args.unstageable_parts() if dims.pp > 1 else None
+    if lacking:
+        raise ForjaError(f"parallel.pp = {dims.pp} cuts the model into pipeline stages, which {lacking} do not "
+                         "support yet; set parallel.pp = 1")
     check_pipeline(r.args, dims, r.parallel, device_type=r.device_type, global_batch_size=r.global_batch_size,
                    micro_batch_size=r.micro_batch_size)
 
@@ -181,6 +185,10 @@ def _check_mixers(r: LayoutRequest, dims: ParallelDims) -> None:
     DeltaNet's convolution the K - 1 inputs before a chunk, so a chunk must be that long."""
     if dims.cp == 1:
         return
+    lacking = r.args.unsplittable_blocks()
+    if lacking:
+        raise ForjaError(f"parallel.cp = {dims.cp} splits each sequence over ranks, which {lacking} do not "
+                         "support yet; set parallel.cp = 1")
     if r.parallel.cp_kind == "all-to-all":
         _check_head_shares(r, dims)
         return

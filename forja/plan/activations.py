@@ -105,7 +105,8 @@ def _mask_saved(job: Job, lay: Layout, block: BlockShape) -> float:
     packed documents'): (1 or B, 1, T, T), fp32 on CPUs and in the compute dtype on GPUs.
     FlexAttention's block mask and plain causal rows keep none."""
     flex = job.gpu and job.args.attention == "flex"
-    if flex or (block.kind != "sliding_attention" and not job.document_mask):
+    chunked = block.kind == "chunked_attention" and job.seq_len > job.args.attention_chunk_size  # Llama 4's chunks
+    if flex or (block.kind != "sliding_attention" and not chunked and not job.document_mask):
         return 0.0
     rows = 1.0 if job.document_mask else 1 / lay.sequences_per_microbatch(job.global_batch_size)
     return rows * job.seq_len * (2 if job.gpu and job.bf16 else FP32)
@@ -115,6 +116,10 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
     """(saved bytes per token of one block's sequence-mixing half, of which matmul/attention outputs)."""
     if block.kind == "linear_attention":
         return linear_attention_saved(job, lay, block, w)
+    if block.kind == "mamba2":
+        return mamba2_saved(job, lay, block, w)
+    if block.kind in ("mlp", "moe"):  # a block that is only a feed-forward (Nemotron-H)
+        return 0.0, 0.0
     a, t = job.args, lay.tp
     hq, hkv, heads = a.n_heads * a.head_dim / t, a.n_kv_heads * a.head_dim / t, a.n_heads / t
     latent = isinstance(a, LatentAttentionArgs)
@@ -141,12 +146,32 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
         sdpa += cp_saved_extra(job, lay)  # ring's fp32 output, or all-to-all's full-sequence one
         sdpa += 2 * heads * FP32 if block.sinks else 0.0  # FlexAttention's sinks: sigmoid(lse - sink), its cast
         sdpa += _mask_saved(job, lay, block)
+    extra += indexer_saved(job, block, w)
     gate = 2 * hq * w.lin if block.output_gate else 0.0  # sigmoid(x W_g) and the gated output (wo's input)
     post = post_norm_saved(job, lay, block, w) if block.norms != "pre" else 0.0
     # Op-level AC keeps the projections' outputs (q, k, v before RoPE; wo's) and attention's.
     matmuls = (hq + k_width + v_width + a.dim + out_width) * w.lin + heads * FP32 + gate / 2
     readers = 4 if block.output_gate else 3  # wq, wk, wv (, wg)
     return _sublayer_input(job, lay, block, w, readers) + qk_norm + sdpa + extra + gate + post, matmuls
+
+
+def indexer_saved(job: Job, block: BlockShape, w: Widths) -> float:
+    """Bytes per token a DeepSeek Sparse Attention block's selection keeps (replicated over TP), as
+    forja computes it (forja/models/common/sparse_attention.py): the selected keys are a (B, 1, T, T)
+    boolean mask over dense SDPA, which keeps it as an additive bias (the compute dtype on GPUs,
+    fp32 on CPUs) where rows are longer than top-k (shorter ones, and the dense warm-up, run
+    causal: no mask). The untrained indexer runs without gradients: its scores, (B, T, chunk, T)
+    at a time (`INDEXER_HEAD_CHUNK`), are transients that nothing keeps (op-level AC recomputes
+    them, forja/parallel/ac.py). Trained (a dsa_stage), also its query heads, key and fp32
+    weights, each head's ReLU scores over the T keys and the summed scores' log-softmax."""
+    if not block.indexer:
+        return 0.0
+    heads, width, topk, stage = block.indexer
+    masked = stage != 1 and job.seq_len > topk
+    kept = job.seq_len * (2 if job.gpu and job.bf16 else FP32) if masked else 0.0
+    if stage:
+        kept += (heads * width + width) * w.lin + heads * FP32 + (heads + 2) * job.seq_len * FP32
+    return kept
 
 
 def linear_attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
@@ -190,21 +215,71 @@ def linear_attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) 
     return norm_saved(job, lay, block, w, readers=6) + conv + gates + rule + out, matmuls  # wq wk wv wz wb wa
 
 
+def mamba2_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
+    """(saved bytes per token of a Mamba-2 mixer and its norm, of which matmul outputs).
+
+    The projections' outputs z, x, B, C, dt; each convolution's input (window too) and output
+    (SiLU's input); x after SiLU as the scan and the D skip read it (under autocast their two
+    fp32 copies); the time step's softplus input, clamp input and dt itself; the chunked scan
+    (`ssd_scan_saved`); the gated grouped norm: its input y, z (upcast), silu(z), their
+    product, the normalized product (fp32 alike), its weighted copy as wo reads it, and the
+    statistics. Op-level AC keeps the projections' outputs and the scan's batched matmuls'."""
+    H, P, G, N, taps, C = block.mamba2
+    t, T = lay.tp, job.seq_len
+    h, inner, bc = H / t, H * P / t, G * N / t
+    conv = (2 + (taps - 1) / T) * (inner + 2 * bc) * w.lin + inner * (FP32 if w.lin == FP32 else 2 * FP32)
+    steps = h * 3 * FP32
+    scan, scan_mm = ssd_scan_saved(T, C, P, N, w)
+    norm_out = inner * (5 * FP32 + w.lin) + G / t * FP32
+    matmuls = (2 * inner + 2 * bc + h + job.args.dim) * w.lin + h * scan_mm
+    return norm_saved(job, lay, block, w, readers=5) + conv + steps + h * scan + norm_out, matmuls
+
+
+def ssd_scan_saved(T: int, C: int, P: int, N: int, w: Widths) -> tuple[float, float]:
+    """(saved bytes per token and head of the PyTorch chunked scan, forja/models/common/
+    mamba2_scan.py `chunk_scan`, of which its batched matmuls' outputs), in n = ceil(T / C)
+    chunks padded to C tokens (r: padded tokens per token).
+
+    In fp32 (the compute dtype, whatever the input's): the C x C decay, B and C padded, the
+    decays to the chunk's end and from its start, each chunk's incoming state. The einsums'
+    operands and outputs (fp32, or their bf16 casts under autocast): the scores C B^T and the
+    decayed scores (C each), x dt twice (its two einsums' layouts), C and B for the scores,
+    B decayed to the chunk's end, C decayed from its start for every chunk after the first
+    (the first reads a zero state that needs no gradient). Under autocast also x's fp32 copy
+    and each state's cast. Op-level AC keeps the einsums' outputs: the scores, the outputs
+    within the chunk and from the incoming state (P each), each chunk's own state (P x N)."""
+    n = math.ceil(T / C)
+    r = n * C / T
+    autocast = w.lin != FP32
+    # The last chunk's state update, which nothing reads, frees what it saved once the forward
+    # returns: under autocast its fp32 input; in one chunk the whole path that writes the state
+    # (B decayed to the chunk's end, x dt in its layout, B padded, the decay to the end).
+    writes = n > 1
+    kept32 = (C + (1 + writes) * N + 1 + writes) * r + (n - autocast) * P * N / T + n / T
+    operands = (2 * C + (1 + writes) * P + (1 + writes + (writes and not autocast)) * N) * r
+    operands += (n - 1) * C * N / T + (n * P * N / T if autocast else 0.0)
+    matmuls = (C + 2 * P) * r + n * P * N / T
+    return kept32 * FP32 + operands * w.lin, matmuls * w.lin
+
+
 def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
     """(saved bytes per token of one block's feed-forward half, of which matmul outputs)."""
+    if block.ffn == "none":  # a block that is only a sequence mixer (Nemotron-H)
+        return 0.0, 0.0
     a, t = job.args, lay.tp
     autocast = w.lin != w.res  # bf16 matmuls over an fp32 residual stream
+    ups = 1 if block.expert_activation == "relu2" else 2  # Nemotron 3's experts have no gate: w1 alone
     if block.ffn == "moe":
         # Under autocast the router keeps the fp32 input itself, and the shared experts' w1, w3
         # and their gate each their own bf16 cast (the routed rows are gathered copies, below).
-        shared_readers = (2 + block.shared_expert_gate) if a.shared_width else 0
+        shared_readers = (ups + block.shared_expert_gate) if a.shared_width else 0
         norm = _sublayer_input(job, lay, block, replace(w, gathered=1.0, float8_gathered=False), 1)  # no gather
         norm += (shared_readers * a.dim * w.lin + a.dim * (w.res - w.lin)) if autocast else 0.0
     else:
-        norm = _sublayer_input(job, lay, block, w, 1 if block.ffn == "gelu" else 2)  # w1 (, w3)
+        norm = _sublayer_input(job, lay, block, w, 1 if block.ffn in ("gelu", "relu2") else 2)  # w1 (, w3)
     norm += post_norm_saved(job, lay, block, w) if block.norms != "pre" else 0.0
     gated = 3 if "swiglu" in job.fused else 4  # gate, up, silu(gate), product; fused: no silu output
-    if block.ffn == "gelu":  # GELU: the first matmul's output and the activation's
+    if block.ffn in ("gelu", "relu2"):  # the first matmul's output and the activation's (relu(x), its square)
         f = a.ffn_dim / t
         return norm + 2 * f * w.lin, (f + a.dim) * w.lin
     if block.ffn in ("swiglu", "geglu"):  # GeGLU never takes the fused kernel: gelu's input, output, up, product
@@ -219,16 +294,17 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
     cf = a.capacity_factor if a.capacity_factor > 0 else 1.0
     # The clamped SwiGLU keeps 7 hidden-wide tensors: gate and up (biased), the clamped gate,
     # its sigmoid, up + 1, gate * sigmoid and the product; SwiGLU 4 (3 fused) as above.
-    act = 7 if block.expert_activation == "clamped_swiglu" else 4
+    # Squared ReLU (relu2) keeps 2: relu(up) and its square.
+    act = {"clamped_swiglu": 7, "relu2": 2}.get(block.expert_activation, 4)
     # Per slot: the rows sorted in (under autocast w1 and w3 each keep their own bf16 cast),
     # the experts' output, and it times the fp32 weights (fp32: index_add's source); the expert FFN.
-    routed = cf * k * (((2 if autocast else 1) + 1 + act * h / a.dim) * a.dim * w.lin + a.dim * FP32)
-    shared = a.shared_width * gated * w.lin
+    routed = cf * k * (((ups if autocast else 1) + 1 + act * h / a.dim) * a.dim * w.lin + a.dim * FP32)
+    shared = a.shared_width * (gated if ups == 2 else 2) * w.lin
     if a.shared_width and block.shared_expert_gate:
         shared += a.dim * w.lin + FP32  # the shared output and its sigmoid gate, kept for the product
     router = a.n_experts * FP32 * 2 + k * 24  # logits, scores; indices
     router += a.dim * FP32 if w.res != FP32 else 0.0  # the router's fp32 copy of a bf16 input
-    matmuls = cf * k * (2 * h + a.dim) * w.lin + 2 * a.shared_width * w.lin
+    matmuls = cf * k * (ups * h + a.dim) * w.lin + ups * a.shared_width * w.lin
     return norm + (routed + shared + router) / t, matmuls / t
 
 
@@ -248,6 +324,7 @@ def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> t
     full = attn + ffn + (mtp_saved(job, lay, w) if block.mtp else 0.0)
     block_input = job.args.dim * _sp(lay) * w.res
     ffn_width = job.args.ffn_dim if not block.moe else job.args.top_k * job.args.moe_ffn_dim
+    ffn_width = 0 if block.ffn == "none" else ffn_width
     ffn_width /= lay.tp  # the dense FFN's columns, or the MoE layer's tokens, split over TP
     # The feed-forward's backward first makes d(product), d(gate) and d(up) beside its saved
     # intermediates; its input's gradient, made twice (by w1 and by w3: whole rows, gathered
@@ -282,7 +359,8 @@ def alternate_recomputed(job: Job, lay: Layout, block: BlockShape) -> tuple[floa
     priced as keeping them all, an over-estimate."""
     a, t = job.args, lay.tp
     if (isinstance(a, LatentAttentionArgs) or block.kind == "linear_attention" or block.output_gate
-            or block.sinks or block.layer_norm or block.mtp or block.ffn == "gelu"):
+            or block.sinks or block.layer_norm or block.mtp or block.ffn in ("gelu", "relu2", "none")
+            or block.kind in ("mamba2", "mlp", "moe")):
         return None
     hq, hkv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     calls = [(hq / t, a.dim), (hkv / t, a.dim), (hkv / t, a.dim), (a.dim, hq / t)]  # (out, in) per token

@@ -56,15 +56,22 @@ class BlockShape:
     mixer: tuple[int, ...] = ()
     """A linear-attention block's Gated DeltaNet, as built: (key heads, value heads, key
     width, value width, convolution taps, chunk size); () for attention."""
+    mamba2: tuple[int, ...] = ()
+    """A Mamba-2 block's mixer, as built: (heads, head width, groups, state size, convolution
+    taps, chunk size); () for the others (forja/plan/activations.py `mamba2_saved`)."""
     mtp: bool = False
     """A multi-token prediction module's block (its input norms and 2d -> d projection too)."""
     zero_centered: bool = False
     """The block's RMSNorms scale by (1 + w) in fp32 (Gemma, Qwen3.5): the normalized x they
     keep is fp32 whatever the input's dtype."""
     expert_activation: str = ""
-    """A mixture of experts' activation ("swiglu", or "clamped_swiglu", gpt-oss's); "" without."""
+    """A mixture of experts' activation ("swiglu", "clamped_swiglu", gpt-oss's, or "relu2",
+    Nemotron 3's); "" without."""
     shared_expert_gate: bool = False
     """A mixture of experts' shared expert scaled by a per-token sigmoid gate (Qwen3.5)."""
+    indexer: tuple[int, ...] = ()
+    """DeepSeek Sparse Attention's indexer (`BlockStructure.indexer`): (heads, width, top-k, stage
+    0 untrained / 1 dense warm-up / 2 sparse); () for dense attention."""
 
 
 @dataclass(frozen=True)
@@ -142,7 +149,7 @@ def _counts(args: TransformerArgs) -> tuple:
     for block, inner in [*((b, b) for b in model.layers.values()), *((m, m.block) for m in mtp)]:
         structure: BlockStructure = inner.structure  # an MTP module's: its transformer block's
         moe = structure.ffn == "moe"
-        styles = plan.block_plan(moe)
+        styles = plan.block_plan(moe, args.layer_type(len(counted)))  # a kind's own mixer plan
         split = replicated = experts = 0
         matrices = []
         for name, p in block.named_parameters():
@@ -156,7 +163,7 @@ def _counts(args: TransformerArgs) -> tuple:
             else:
                 replicated += p.numel()
         active = inner.feed_forward.active_fraction() if moe else 0.0
-        gated = structure.ffn in ("moe", "swiglu")
+        gated = structure.ffn == "swiglu" or (moe and structure.expert_activation != "relu2")
         fields = _structure(structure, args.layer_type(len(counted)), block is not inner)
         counted.append((split, replicated, experts, moe, gated, structure.norm == "layer", active, tuple(matrices),
                         fields))
@@ -174,5 +181,5 @@ def _structure(s: BlockStructure, kind: str, mtp: bool) -> dict:
     """What the memory model needs of a block beyond its parameter counts, from the structure
     record the block declares (forja/models/common/blocks.py)."""
     return dict(kind=kind, norms=s.norms, ffn=s.ffn, output_gate=s.output_gate, sinks=s.sinks,
-                mixer=s.gated_deltanet, mtp=mtp, zero_centered=s.norm == "zero_centered",
-                expert_activation=s.expert_activation, shared_expert_gate=s.shared_expert_gate)
+                mixer=s.gated_deltanet, mamba2=s.mamba2, mtp=mtp, zero_centered=s.norm == "zero_centered",
+                expert_activation=s.expert_activation, shared_expert_gate=s.shared_expert_gate, indexer=s.indexer)

@@ -218,7 +218,7 @@ def _compute_time(job: Job, lay: Layout, hw: Hardware, rm, tokens_mb: float, tok
         if ring and attention:  # forja's ring blocks, not the fused kernel (per micro-batch -> per token)
             attn += n * (ring[0] * (1 + forward_reruns(lay)) + ring[1]) / tokens_mb
         else:
-            attn += n * attention * recompute_factor(lay) / lay.tp / attn_rate
+            attn += n * attention * masked_tiles(job, b) * recompute_factor(lay) / lay.tp / attn_rate
         memory += n * (elementwise_bytes(job, lay, b) + (float8_cast_bytes(job, lay, b, tokens_mb) if fp8 else 0.0))
     out = job.shape.output_flops_per_token / lay.tp / linear_rate if rm.last else 0.0
     memory += loss_bytes(job, lay) if rm.last else 0.0
@@ -257,12 +257,24 @@ def _rank_time(job: Job, lay: Layout, hw: Hardware, rm) -> TimeBreakdown:
 def attention_flops(job: Job, block) -> float:
     """Training FLOPs per token of a block's attention scores as the model reports them (12 H hd
     x the keys a query sees, full scores; the causal kernel computes half); none in a
-    linear-attention block, whose scan is counted with its matmuls."""
+    linear-attention block, whose scan is counted with its matmuls. DeepSeek Sparse Attention
+    counts all T keys: its top-k keys are a mask over dense SDPA (forja/models/common/sparse_attention.py),
+    whose kernel computes every tile, masked or not (`masked_tiles`)."""
     a = job.args
-    if block.kind == "linear_attention":
+    if block.kind in ("linear_attention", "mamba2", "mlp", "moe"):  # a scan counted with its matmuls; no mixer
         return 0.0
-    keys = job.seq_len if block.kind != "sliding_attention" else min(job.seq_len, a.sliding_window)
+    span = {"sliding_attention": getattr(a, "sliding_window", None),
+            "chunked_attention": getattr(a, "attention_chunk_size", None)}.get(block.kind)  # a window or a chunk
+    keys = job.seq_len if span is None else min(job.seq_len, span)
     return 12 * a.n_heads * a.head_dim * keys
+
+
+def masked_tiles(job: Job, block) -> float:
+    """1 where attention runs causal (the kernel skips the upper half, `attention_rate`), 2 where a
+    DeepSeek Sparse Attention block's selection mask makes it compute every tile (rows longer than
+    top-k; not in the dense warm-up, which runs causal)."""
+    indexer = getattr(block, "indexer", ())
+    return 2.0 if indexer and indexer[3] != 1 and job.seq_len > indexer[2] else 1.0
 
 
 def attention_rate(job: Job, hw: Hardware) -> float:

@@ -87,10 +87,12 @@ GROUP_TIMEOUT = pytest.mark.timeout(600)
 
 @GROUP_TIMEOUT
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, tmp_path, train_data, reference_losses, shared_runs):
+def test_layout_matches_single_process(name, tmp_path, train_data, reference_losses, shared_runs, card):
     changes = LAYOUTS[name][1]
     diff = max_difference(reference_losses, _losses_of(name, shared_runs, tmp_path / "run"))
     print(f"parity {name}: max |loss diff| = {diff:.2e}")
+    if name == "FSDP 2 (ZeRO-3)":
+        card("llama", "fsdp", diff)
     assert diff < (COMPILE_TOL if changes.get("parallel.compile") == "true" else PARITY_TOL)
 
 

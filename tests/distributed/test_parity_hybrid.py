@@ -38,6 +38,12 @@ LAYOUTS = {
 }
 
 
+# The verification cards' cells these layouts fill: name -> (family, column) (tests/cards.py).
+CARDS = {"Qwen3.5 FSDP 2": ("qwen3_5", "fsdp"), "Qwen3.5 PP 2": ("qwen3_5", "pp"),
+         "Qwen3.5-MoE EP 2 x FSDP 2": ("qwen3_5", "ep"), "Gemma 3 FSDP 2 x TP 2": ("gemma3", "fsdp"),
+         "OLMo-Hybrid PP 2": ("olmo_hybrid", "pp"), "DeepSeek-V3 + MTP PP 2": ("deepseek_v3", "pp")}
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, train_data):
     """model -> its single-process losses, each trained once when first asked for."""
@@ -60,21 +66,24 @@ def shared_runs(tmp_path_factory, train_data):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, tmp_path, references, shared_runs):
+def test_layout_matches_single_process(name, tmp_path, references, shared_runs, card):
     model = LAYOUTS[name][0]
     run = shared_runs.run(name, tmp_path / "run")
     diff = max_difference(references(model), losses(run))
     print(f"parity {name}: max |loss diff| = {diff:.2e}")
+    if name in CARDS:
+        card(*CARDS[name], diff)
     assert diff < MOE_TOL
     if "mtp.depth" in str(MODELS[model]):  # the depth's loss reaches rank 0's log from the last stage
         assert all(r.get("mtp/loss_1", 0) > 0 for r in read_records(run / "metrics.jsonl") if "loss" in r)
 
 
 @pytest.mark.slow
-def test_a_hybrid_run_killed_with_sigkill_resumes_bit_for_bit(tmp_path, train_data):
+def test_a_hybrid_run_killed_with_sigkill_resumes_bit_for_bit(tmp_path, train_data, card):
     steps = {"train.steps": "16", "checkpoint.interval": "4", **MODELS["qwen3_5"]}
     reference = tmp_path / "uninterrupted"
     assert main(train_args(reference, train_data, **steps)) == 0
     run = tmp_path / "killed"
     kill_then_resume(run, train_args(run, train_data, **steps), kill_at=4, last=16)
     assert losses(run) == losses(reference)  # every step, bit for bit
+    card("qwen3_5", "resume", "kill -9")

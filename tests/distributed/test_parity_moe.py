@@ -88,12 +88,21 @@ def deepseek_reference(tmp_path_factory, train_data):
     return single_process_losses(tmp_path_factory.mktemp("ref-deepseek") / "run", train_data, **DEEPSEEK)
 
 
+# The verification cards' cells these layouts fill (tests/cards.py): the experts' layouts keep
+# FSDP 2 over everything else.
+CARDS = {"EP 2": (("qwen3", "ep"), ("qwen3", "fsdp")),
+         "EP 2, DeepSeek-V3 routing and bias update": (("deepseek_v3", "ep"), ("deepseek_v3", "fsdp")),
+         "PP 2 x EP 2 + selective AC": (("qwen3", "pp"),)}
+
+
 @GROUP_TIMEOUT
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_moe_layout_matches_single_process(name, tmp_path, request, shared_runs):
+def test_moe_layout_matches_single_process(name, tmp_path, request, shared_runs, card):
     reference = request.getfixturevalue("deepseek_reference" if "DeepSeek" in name else "moe_reference")
     diff = max_difference(reference, losses(shared_runs.run(name, tmp_path / "run")))
     print(f"parity {name}: max |loss diff| = {diff:.2e}")
+    for family, column in CARDS.get(name, ()):
+        card(family, column, diff)
     assert diff < MOE_TOL
 
 

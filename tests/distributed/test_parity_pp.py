@@ -66,10 +66,10 @@ def _val_losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["val_loss"] for r in read_metrics(run) if "val_loss" in r}
 
 
-def _check(name: str, reference: Path, run: Path, *, validation: bool = True, tol: float = PP_TOL) -> None:
+def _check(name: str, reference: Path, run: Path, *, validation: bool = True, tol: float = PP_TOL) -> float:
     """Training losses within `tol` of the reference's, and validation losses too when
     `validation` (only without data parallelism: train.val_batches counts per dp rank, so
-    dp ranks together validate on more batches than one process)."""
+    dp ranks together validate on more batches than one process). Returns the training losses' max difference."""
     diff = max_difference(losses(reference), losses(run))
     message = f"parity {name}: max |loss diff| = {diff:.2e}"
     if validation:
@@ -80,6 +80,7 @@ def _check(name: str, reference: Path, run: Path, *, validation: bool = True, to
         assert val_diff <= tol, message
     print(message)
     assert diff <= tol, message
+    return diff
 
 
 def _stored_weights(checkpoint: Path) -> set[str]:
@@ -92,14 +93,15 @@ def _stored_weights(checkpoint: Path) -> set[str]:
     "1f1b", "gpipe", "interleaved-1f1b",
     pytest.param("zero-bubble", marks=OLD_TORCH_V), pytest.param("dualpipev", marks=OLD_TORCH_V),
 ])
-def test_pp2_schedule_matches_single_process(schedule, tmp_path, pp_reference_run, shared_runs):
+def test_pp2_schedule_matches_single_process(schedule, tmp_path, pp_reference_run, shared_runs, card):
     # 8 sequences in micro-batches of 2: 4 microbatches over 2 (or 4, two per rank) stages.
     # 1f1b, gpipe, interleaved: the tied copies live on two ranks; V schedules: both on rank 0.
     run = shared_runs.run(f"PP 2 ({schedule})", tmp_path / "run")
-    _check(f"PP 2 ({schedule}), tied", pp_reference_run, run)
+    diff = _check(f"PP 2 ({schedule}), tied", pp_reference_run, run)
     stored = _stored_weights(last_checkpoint(run))
     assert "tok_embeddings.weight" in stored and "output.weight" not in stored  # one tensor, as one process
     assert stored == _stored_weights(last_checkpoint(pp_reference_run))
+    card("llama", "pp", diff)
 
 
 @GROUP_TIMEOUT

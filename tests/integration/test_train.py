@@ -32,7 +32,7 @@ def test_short_run_learns_and_leaves_a_readable_run_dir(tmp_path, train_data):
     assert host.malloc_applied() == "retain"  # train.host_malloc's default, applied at setup
 
 
-def test_kill_9_then_resume_gives_bit_identical_losses(tmp_path, train_data):
+def test_kill_9_then_resume_gives_bit_identical_losses(tmp_path, train_data, card):
     # Killed as step 4's checkpoint lands: 12 steps (about a second) before the run would end.
     steps = {"train.steps": "16", "checkpoint.interval": "4"}
     reference = tmp_path / "uninterrupted"
@@ -41,6 +41,7 @@ def test_kill_9_then_resume_gives_bit_identical_losses(tmp_path, train_data):
     run = tmp_path / "killed"
     kill_then_resume(run, train_args(run, train_data, **steps), kill_at=4, last=16)
     assert losses(run) == losses(reference)  # every step, bit for bit (floats compare exactly)
+    card("llama", "resume", "kill -9")
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, train_data):

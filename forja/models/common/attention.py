@@ -51,6 +51,9 @@ class AttentionMask:
     sequence: SequenceMixing | None = None
     """Context parallelism's mixing for this kind of block: the rows are split over ranks and
     this object sees the whole (forja/parallel/cp); None: the whole rows are here."""
+    positions: torch.Tensor | None = None
+    """(Tq,) the queries' places in their rows, for a mixer that depends on them beyond RoPE
+    (Llama 4's attention temperature); None where the family's blocks ask for none."""
 
 
 class SequenceMixing(Protocol):
@@ -74,29 +77,38 @@ class SequenceShards(Protocol):
     def mask(self, kind: str, *, window: int | None, backend: str, flex_causal: bool) -> AttentionMask:
         """The mask of blocks of `kind` (a layer type), with `window` for sliding ones."""
 
+    def within_chunks(self, chunk: int) -> SequenceShards:
+        """The same rows with every `chunk` positions of a document a document of their own:
+        chunked local attention (Llama 4) is causal attention within those."""
+
 
 def build_mask(
     document_ids: torch.Tensor | None, *, q_len: int, kv_len: int, backend: str = "sdpa",
     window: int | None = None, device: torch.device | None = None, flex_causal: bool = False,
+    chunk: int | None = None,
 ) -> AttentionMask:
     """The mask for `q_len` queries that follow `kv_len - q_len` cached positions.
 
     `window`: a query sees at most the `window` latest positions, itself included
-    (sliding-window attention). `flex_causal`: a block mask under "flex" even for plain
-    causal rows (attention sinks need FlexAttention's log-sum-exp)."""
+    (sliding-window attention). `chunk`: the row is cut into chunks of this many positions
+    and a query sees only its own chunk's (chunked local attention, Llama 4). `flex_causal`:
+    a block mask under "flex" even for plain causal rows (attention sinks need
+    FlexAttention's log-sum-exp)."""
+    if chunk is not None and kv_len <= chunk:
+        chunk = None  # every position in one chunk: plain causal
     offset = kv_len - q_len
     if document_ids is not None:
         if offset != 0:
             raise ValueError("document_ids cannot be combined with a KV cache")
         device = document_ids.device
     device = device or torch.device("cpu")
-    if backend == "flex" and offset == 0 and (document_ids is not None or window or flex_causal):
+    if backend == "flex" and offset == 0 and (document_ids is not None or window or chunk or flex_causal):
         if device.type in FLEX_DEVICES:
-            return AttentionMask(block_mask=_flex_block_mask(document_ids, q_len, window, device))
+            return AttentionMask(block_mask=_flex_block_mask(document_ids, q_len, window, device, chunk))
         fallbacks.record("attention.flex", asked='model.attention = "flex"', instead="SDPA",
                          why=f"FlexAttention has no backward on {device.type}", fix="train on CUDA")
     one_document = document_ids is None or bool((document_ids == document_ids[:, :1]).all())
-    if one_document and window is None:
+    if one_document and window is None and chunk is None:
         if offset == 0:
             return AttentionMask(is_causal=True)
         if q_len == 1:
@@ -106,19 +118,24 @@ def build_mask(
     allowed = q_pos >= k_pos  # (Tq, Tk)
     if window is not None:
         allowed = allowed & (q_pos - k_pos < window)
+    if chunk is not None:
+        allowed = allowed & (q_pos // chunk == k_pos // chunk)
     allowed = allowed[None, None]  # (1, 1, Tq, Tk)
     if not one_document:
         allowed = allowed & (document_ids[:, :, None] == document_ids[:, None, :])[:, None]  # (B, 1, T, T)
     return AttentionMask(dense=allowed)
 
 
-def flex_mask_mod(document_ids: torch.Tensor | None, window: int | None):
-    """FlexAttention's mask_mod: causal, within `window`, within each row's documents (B, T)."""
+def flex_mask_mod(document_ids: torch.Tensor | None, window: int | None, chunk: int | None = None):
+    """FlexAttention's mask_mod: causal, within `window`, within `chunk`, within each row's
+    documents (B, T)."""
 
     def mask_mod(b, h, q, kv):
         allowed = q >= kv
         if window is not None:
             allowed = allowed & (q - kv < window)
+        if chunk is not None:
+            allowed = allowed & (q // chunk == kv // chunk)
         if document_ids is not None:
             allowed = allowed & (document_ids[b, q] == document_ids[b, kv])
         return allowed
@@ -126,9 +143,10 @@ def flex_mask_mod(document_ids: torch.Tensor | None, window: int | None):
     return mask_mod
 
 
-def _flex_block_mask(document_ids: torch.Tensor | None, T: int, window: int | None, device: torch.device) -> Any:
+def _flex_block_mask(document_ids: torch.Tensor | None, T: int, window: int | None, device: torch.device,
+                     chunk: int | None = None) -> Any:
     B = document_ids.shape[0] if document_ids is not None else None
-    return _block_mask_builder(device)(flex_mask_mod(document_ids, window), B, None, T, T, device=device)
+    return _block_mask_builder(device)(flex_mask_mod(document_ids, window, chunk), B, None, T, T, device=device)
 
 
 _compiled_block_mask = None
@@ -233,6 +251,12 @@ def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return (probs @ v.float()).to(q.dtype)
 
 
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x divided by its RMS over the last dim, in fp32 (a weightless RMSNorm)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class KVCache:
     """Keys and values of every layer for positions already decoded.
 
@@ -283,16 +307,24 @@ class Attention(MaxLogitTracking, nn.Module):
     key projections (n_heads * head_dim wide) before the split into heads, as OLMo 2/3 do,
     instead of per head. `scale` multiplies the scores; None means 1/sqrt(head_dim) (Gemma 3
     uses query_pre_attn_scalar ** -0.5).
+
+    Llama 4's options: `rotary=False` ignores the block's rotary tables (a NoPE layer);
+    `unit_qk=True` divides each head's query and key by their RMS (no weight, eps `norm_eps`)
+    after RoPE; `temperature=(floor_scale, attn_scale)` multiplies each query at position p
+    by 1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)), the mask's `positions` giving p
+    (Nakanishi 2025, "Scalable-Softmax Is Superior for Attention", arXiv 2501.19399).
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
                  bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5, fused_rope: bool = False,
                  sinks: bool = False, out_bias: bool | None = None, output_gate: bool = False,
                  rotary_dim: int | None = None, zero_centered_norm: bool = False,
-                 qk_norm_over_heads: bool = False, scale: float | None = None):
+                 qk_norm_over_heads: bool = False, scale: float | None = None, rotary: bool = True,
+                 unit_qk: bool = False, temperature: tuple[int, float] | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.scale = scale
+        self.rotary, self.unit_qk, self.temperature, self.norm_eps = rotary, unit_qk, temperature, norm_eps
         self.qk_norm_over_heads = qk_norm_over_heads
         self.fused_rope = fused_rope
         self.rotary_dim = rotary_dim if rotary_dim is not None else head_dim  # the leading dims RoPE turns
@@ -325,8 +357,12 @@ class Attention(MaxLogitTracking, nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_over_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
+        if rope is not None and self.rotary:
             q, k = self.rotate(q, k, rope)
+        if self.unit_qk:
+            q, k = unit_rms(q, self.norm_eps), unit_rms(k, self.norm_eps)
+        if self.temperature is not None:
+            q = self.tempered(q, mask.positions)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
         if cache is not None:
             k, v = cache.update(layer, k, v)
@@ -336,6 +372,14 @@ class Attention(MaxLogitTracking, nn.Module):
         if self.wg is not None:
             out = out * torch.sigmoid(self.wg(x))
         return self.wo(out)
+
+    def tempered(self, q: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """q (B, T, H, hd) times its position's attention temperature (`temperature`)."""
+        if positions is None:
+            raise ValueError("attention temperature needs the queries' positions (AttentionMask.positions)")
+        floor_scale, attn_scale = self.temperature
+        scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0  # (T,)
+        return (q * scales[None, :, None, None]).to(q.dtype)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """RoPE on q (B, T, H, hd) and k (B, T, Hkv, hd); with a partial rotary width only their

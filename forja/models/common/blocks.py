@@ -30,10 +30,11 @@ class BlockStructure:
     """Where the block normalizes: before each sublayer, on each sublayer's output, or both."""
     norm: Literal["rms", "zero_centered", "layer"]
     """Its norms: RMSNorm, RMSNorm scaling by (1 + w) in fp32 (Gemma, Qwen3.5), or LayerNorm."""
-    mixer: Literal["attention", "latent_attention", "gated_deltanet"]
-    """Its sequence mixer."""
-    ffn: Literal["swiglu", "geglu", "gelu", "moe"]
-    """Its feed-forward."""
+    mixer: Literal["attention", "latent_attention", "gated_deltanet", "kimi_delta_attention", "mamba2", "none"]
+    """Its sequence mixer; "none" in a block that is only a feed-forward (`FeedForwardBlock`).
+    Kimi Delta Attention records its shape in `gated_deltanet` (as many key as value heads)."""
+    ffn: Literal["swiglu", "geglu", "gelu", "relu2", "moe", "none"]
+    """Its feed-forward; "none" in a block that is only a sequence mixer (`MixerBlock`)."""
     output_gate: bool = False
     """Attention's output gate: sigmoid(x W_g) times each head's output (Qwen3.5)."""
     sinks: bool = False
@@ -41,10 +42,17 @@ class BlockStructure:
     gated_deltanet: tuple[int, ...] = ()
     """A Gated DeltaNet mixer as built: (key heads, value heads, key width, value width,
     convolution taps, chunk size); () for the other mixers."""
+    mamba2: tuple[int, ...] = ()
+    """A Mamba-2 mixer as built: (heads, head width, groups, state size, convolution taps,
+    chunk size); () for the other mixers."""
     expert_activation: str = ""
-    """A mixture of experts' activation ("swiglu", "clamped_swiglu"); "" without experts."""
+    """A mixture of experts' activation ("swiglu", "clamped_swiglu", "relu2"); "" without experts."""
     shared_expert_gate: bool = False
     """A mixture of experts' shared expert is scaled by a per-token sigmoid gate."""
+    indexer: tuple[int, ...] = ()
+    """DeepSeek Sparse Attention's lightning indexer as built (forja/models/common/sparse_attention.py):
+    (indexer heads, indexer head width, top-k keys, dsa_stage: 0 untrained, 1 dense warm-up, 2 sparse);
+    () without."""
 
     @classmethod
     def of(cls, norms: str, mixer: nn.Module, feed_forward: nn.Module, norm: nn.Module) -> BlockStructure:
@@ -106,3 +114,35 @@ class SandwichBlock(nn.Module):
     def forward(self, x, rope, mask, cache: KVCache | None = None, layer: int = 0):
         h = x + self.post_attention_norm(self.attention(self.attention_norm(x), rope, mask, cache, layer))
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))  # (B, T, dim)
+
+
+class MixerBlock(nn.Module):
+    """A block that is only a sequence mixer: x + attn(norm(x)) (Nemotron-H's Mamba-2 and
+    attention blocks, each its own residual block with no feed-forward)."""
+
+    placement: ClassVar[str] = "pre"
+
+    def __init__(self, attention: nn.Module, attention_norm: nn.Module):
+        super().__init__()
+        self.attention_norm, self.attention = attention_norm, attention
+        self.structure = BlockStructure(norms="pre", ffn="none", **attention.structure_fields(),
+                                        **attention_norm.structure_fields())
+
+    def forward(self, x, rope, mask, cache: KVCache | None = None, layer: int = 0):
+        return x + self.attention(self.attention_norm(x), rope, mask, cache, layer)
+
+
+class FeedForwardBlock(nn.Module):
+    """A block that is only a feed-forward: x + ffn(norm(x)) (Nemotron-H's MLP blocks); it
+    takes a block's call and ignores rope, mask and cache."""
+
+    placement: ClassVar[str] = "pre"
+
+    def __init__(self, feed_forward: nn.Module, ffn_norm: nn.Module):
+        super().__init__()
+        self.ffn_norm, self.feed_forward = ffn_norm, feed_forward
+        self.structure = BlockStructure(norms="pre", mixer="none", **feed_forward.structure_fields(),
+                                        **ffn_norm.structure_fields())
+
+    def forward(self, x, rope=None, mask=None, cache: KVCache | None = None, layer: int = 0):
+        return x + self.feed_forward(self.ffn_norm(x))

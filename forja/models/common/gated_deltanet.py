@@ -43,11 +43,12 @@ class GatedDeltaNetState:
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution, then SiLU. x (B, T, C); weight (C, 1, K); window
-    (B, K - 1, C) the inputs just before x (zeros when None). With `document_ids` (B, T) a
-    token sees no earlier document's inputs (the row's first document does see `window`).
-    -> (out (B, T, C) in x's dtype, the new window: the last K - 1 inputs)."""
+                document_ids: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution (plus `bias` (C,) when given: Mamba-2's), then SiLU. x (B, T, C);
+    weight (C, 1, K); window (B, K - 1, C) the inputs just before x (zeros when None). With
+    `document_ids` (B, T) a token sees no earlier document's inputs (the row's first document
+    does see `window`). -> (out (B, T, C) in x's dtype, the new window: the last K - 1 inputs)."""
     B, T, C = x.shape
     K = weight.shape[-1]
     dtype = x.dtype
@@ -56,9 +57,10 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | No
         window = x.new_zeros(B, K - 1, C)
     ext = torch.cat([window.to(x.dtype), x], dim=1)  # (B, K - 1 + T, C)
     if document_ids is None:
-        out = F.conv1d(ext.transpose(1, 2), weight, groups=C).transpose(1, 2)  # (B, T, C)
+        out = F.conv1d(ext.transpose(1, 2), weight, bias, groups=C).transpose(1, 2)  # (B, T, C)
     else:
         out = _conv_within_documents(ext, weight, document_ids)
+        out = out if bias is None else out + bias
     return F.silu(out).to(dtype), ext[:, ext.shape[1] - (K - 1):]
 
 

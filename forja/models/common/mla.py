@@ -104,17 +104,18 @@ class MLA(MaxLogitTracking, nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         return k_nope, v, k_rope.view(B, T, 1, self.rope_dim)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: AttentionMask,
                 cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        """x (B, T, dim) -> (B, T, dim); rope = cos, sin (T, dr)."""
+        """x (B, T, dim) -> (B, T, dim); rope = cos, sin (T, dr), or None: nothing rotates (NoPE,
+        Kimi Linear's MLA: the dr-wide parts stay one shared key head and its query parts)."""
         B, T, _ = x.shape
         q_nope, q_rope = self.queries(x).split([self.nope_dim, self.rope_dim], dim=-1)  # (B, T, H, dn|dr)
         k_nope, v, k_rope = self.keys_values(x)
-        if self.fused_rope:
+        if rope is not None and self.fused_rope:
             from forja.ops import rope as fused_rope
 
             q_rope, k_rope = fused_rope(q_rope, k_rope, *rope)
-        else:
+        elif rope is not None:
             q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
         H = q_nope.shape[2]
         q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, H, dn + dr)

@@ -1,4 +1,4 @@
-"""Feed-forward blocks: SwiGLU (Llama), GeGLU (Gemma) and GELU (GPT-2).
+"""Feed-forward blocks: SwiGLU (Llama), GeGLU (Gemma), GELU (GPT-2) and squared ReLU (Nemotron-H).
 
 Each says what it adds to its block's structure record (`structure_fields`,
 forja/models/common/blocks.py)."""
@@ -62,3 +62,18 @@ class GeluMLP(nn.Module):
 
     def structure_fields(self) -> dict:
         return {"ffn": "gelu"}
+
+
+class SquaredReLUMLP(nn.Module):
+    """w2(relu(w1 x)^2), no gate (So et al. 2021, "Primer"; Nemotron-H's MLP and experts)."""
+
+    def __init__(self, dim: int, hidden_dim: int, *, bias: bool = False):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)  # up
+        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.relu(self.w1(x)).square())
+
+    def structure_fields(self) -> dict:
+        return {"ffn": "relu2"}

@@ -10,7 +10,10 @@ expert's rows run as one grouped matrix multiply (forja/ops/grouped_mm.py).
 
 gpt-oss's variant, each part an option off by default: a learned bias in the router, a
 softmax over the top-k logits only (`topk_softmax`), biases on the experts' projections and
-a clamped SwiGLU (`MoEArgs`).
+a clamped SwiGLU (`MoEArgs`). Llama 4's: sigmoid scores unnormalized, and each expert's
+input scaled instead of its output, y = sum_k expert_k(w_k x) + shared(x) (`scale_expert_input`).
+Nemotron 3's (Nemotron-H's 'E' blocks): experts without a gate, W2 relu(W1 x)^2, routed and
+shared alike (`expert_activation = "relu2"`).
 
 Balancing the load, each optional:
 - the Switch/GShard auxiliary loss  E * sum_i f_i * P_i  (f_i: share of the token-slots
@@ -48,9 +51,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from forja.errors import ForjaError
-from forja.models.common.mlp import SwiGLU
+from forja.models.common.mlp import SquaredReLUMLP, SwiGLU
 from forja.models.common.step_context import OUTSIDE_A_STEP, aux_loss_grad
 from forja.ops.grouped_mm import GROUPED_MM_IMPLS, grouped_mm
+
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu", "relu2")
+"""`MoEArgs.expert_activation`'s values; "relu2" alone has no gate (no w3)."""
 
 
 @dataclass(kw_only=True)
@@ -82,15 +88,19 @@ class MoEArgs:
     `expert_bias` it is trained by gradients and it weighs the chosen experts too."""
     expert_proj_bias: bool = False
     """Each routed expert's gate, up and down projections add a learned bias (gpt-oss)."""
-    expert_activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
-    """The routed experts' gated activation: silu(gate) * up, or gpt-oss's clamped variant
+    expert_activation: Literal["swiglu", "clamped_swiglu", "relu2"] = "swiglu"
+    """The routed experts' activation: silu(gate) * up, or gpt-oss's clamped variant
     (up + 1) * g * sigmoid(swiglu_alpha * g), g = gate clamped above at swiglu_limit and up
-    clamped to +-swiglu_limit. Shared experts are always SwiGLU."""
+    clamped to +-swiglu_limit; shared experts are then SwiGLU. Or "relu2", no gate: relu(up)^2
+    (Nemotron 3), the shared experts too (`SquaredReLUMLP`)."""
     swiglu_limit: float = 7.0
     """Clamp of the clamped SwiGLU (gpt-oss's `swiglu_limit`)."""
     swiglu_alpha: float = 1.702
     """Sigmoid gain of the clamped SwiGLU (gpt-oss's `swiglu_alpha`; 1.702: the sigmoid
     approximation of GELU)."""
+    scale_expert_input: bool = False
+    """Multiply each routed expert's input by its routing weight instead of its output (Llama
+    4: the expert sees w * x); with a gated expert the two differ."""
     route_scale: float = 1.0
     """Factor on the routed experts' weights (DeepSeek's routed_scaling_factor)."""
     n_expert_groups: int = 1
@@ -134,8 +144,8 @@ class MoEArgs:
              f"shared_ffn_dim = {self.shared_ffn_dim} needs n_shared_experts >= 1 (and must not be negative)"),
             (self.score_func in ("softmax", "sigmoid", "topk_softmax"),
              f"score_func = {self.score_func!r} must be softmax, sigmoid or topk_softmax"),
-            (self.expert_activation in ("swiglu", "clamped_swiglu"),
-             f"expert_activation = {self.expert_activation!r} must be swiglu or clamped_swiglu"),
+            (self.expert_activation in EXPERT_ACTIVATIONS,
+             f"expert_activation = {self.expert_activation!r} must be one of {', '.join(EXPERT_ACTIVATIONS)}"),
             (self.swiglu_limit > 0, f"swiglu_limit = {self.swiglu_limit} must be positive"),
             (self.n_expert_groups >= 1 and e % self.n_expert_groups == 0,
              f"n_experts = {e} must split into n_expert_groups = {self.n_expert_groups} equal groups"),
@@ -274,30 +284,33 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """`n` gated experts with their weights stacked: w1, w3 (n, H, D), w2 (n, D, H); with
-    `bias`, b1, b3 (n, H) and b2 (n, D). `activation` "swiglu" or "clamped_swiglu" (MoEArgs)."""
+    """`n` experts with their weights stacked: w1, w3 (n, H, D), w2 (n, D, H); with `bias`,
+    b1, b3 (n, H) and b2 (n, D). `activation` one of EXPERT_ACTIVATIONS (MoEArgs): "relu2"
+    experts have no gate, so no w3 (nor b3): w1 is their up projection."""
 
     def __init__(self, n: int, dim: int, hidden: int, impl: str = "auto", *, bias: bool = False,
                  activation: str = "swiglu", limit: float = 7.0, alpha: float = 1.702):
         super().__init__()
         self.impl = impl
         self.activation, self.limit, self.alpha = activation, limit, alpha
-        self.w1 = nn.Parameter(torch.empty(n, hidden, dim))  # gate
-        self.w3 = nn.Parameter(torch.empty(n, hidden, dim))  # up
+        gated = activation != "relu2"
+        self.w1 = nn.Parameter(torch.empty(n, hidden, dim))  # gate (without one: up)
+        self.w3 = nn.Parameter(torch.empty(n, hidden, dim)) if gated else None  # up
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))  # down
         self.b1 = nn.Parameter(torch.empty(n, hidden)) if bias else None
-        self.b3 = nn.Parameter(torch.empty(n, hidden)) if bias else None
+        self.b3 = nn.Parameter(torch.empty(n, hidden)) if bias and gated else None
         self.b2 = nn.Parameter(torch.empty(n, dim)) if bias else None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, D) rows sorted by expert, counts (n,) rows per expert -> (M, D)."""
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        w1, w2 = _local(self.w1), _local(self.w2)
         gate = self._biased(grouped_mm(x, w1, counts, self.impl), self.b1, counts)  # (M, H)
-        up = self._biased(grouped_mm(x, w3, counts, self.impl), self.b3, counts)
+        up = None if self.w3 is None else self._biased(grouped_mm(x, _local(self.w3), counts, self.impl), self.b3,
+                                                        counts)
         return self._biased(grouped_mm(self.gated(gate, up), w2, counts, self.impl), self.b2, counts)
 
-    def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """The hidden activation of gate and up projections (M, H)."""
+    def gated(self, gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
+        """The hidden activation (M, H) of the gate and up projections (of w1's alone without a gate)."""
         return gated_activation(gate, up, self.activation, self.limit, self.alpha)
 
     @staticmethod
@@ -309,12 +322,15 @@ class GroupedExperts(nn.Module):
         return y + rows.to(y.dtype)
 
 
-def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "swiglu", limit: float = 7.0,
+def gated_activation(gate: torch.Tensor, up: torch.Tensor | None, activation: str = "swiglu", limit: float = 7.0,
                      alpha: float = 1.702) -> torch.Tensor:
     """silu(gate) * up ("swiglu"), or gpt-oss's "clamped_swiglu": both clamped (the gate only
-    from above), a sigmoid-GELU gate g * sigmoid(alpha g), and up + 1."""
+    from above), a sigmoid-GELU gate g * sigmoid(alpha g), and up + 1; or "relu2", ungated:
+    relu(gate)^2, `gate` being w1's output and `up` None (So et al. 2021, "Primer")."""
     if activation == "swiglu":
         return F.silu(gate) * up
+    if activation == "relu2":
+        return F.relu(gate).square()
     gate = gate.clamp(max=limit)
     up = up.clamp(-limit, limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
@@ -345,7 +361,7 @@ class AddAuxLoss(torch.autograd.Function):
 class MoE(nn.Module):
     """The feed-forward of an MoE block: (B, T, D) -> (B, T, D)."""
 
-    def __init__(self, dim: int, args: MoEArgs, *, fused_swiglu: bool = False):
+    def __init__(self, dim: int, args: MoEArgs, *, fused_swiglu: bool = False, shared_bias: bool = False):
         super().__init__()
         args.check_moe()
         self.args = args
@@ -354,7 +370,12 @@ class MoE(nn.Module):
                                       bias=args.expert_proj_bias, activation=args.expert_activation,
                                       limit=args.swiglu_limit, alpha=args.swiglu_alpha)
         shared = args.shared_width
-        self.shared_experts = SwiGLU(dim, shared, fused=fused_swiglu) if shared else None
+        # The shared experts are of the routed ones' kind: a SwiGLU, or squared-ReLU MLP without a gate
+        # (`shared_bias`: biases on their projections, Nemotron-H's mlp_bias).
+        if args.expert_activation == "relu2":
+            self.shared_experts = SquaredReLUMLP(dim, shared, bias=shared_bias) if shared else None
+        else:
+            self.shared_experts = SwiGLU(dim, shared, fused=fused_swiglu, bias=shared_bias) if shared else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared and args.shared_expert_gate else None
         self.step_context = OUTSIDE_A_STEP  # the step engine's: this micro-batch's share of the loss
         self.stats = MoEStats()
@@ -373,8 +394,12 @@ class MoE(nn.Module):
         route = self.router(flat)
         routed = torch.bincount(route.experts.flatten(), minlength=self.args.n_experts)  # (E,) slots per expert
         slots, token_of, weights, counts = self._dispatch_order(route, routed)
-        y = self.experts(flat[token_of], counts)  # (M, D), M kept token-slots sorted by expert
-        y = y * weights[:, None]  # the fp32 weights promote: one rounding to the model's dtype below
+        rows = flat[token_of]  # (M, D), M kept token-slots sorted by expert
+        if self.args.scale_expert_input:
+            y = self.experts((rows * weights[:, None]).to(flat.dtype), counts)
+        else:
+            # The fp32 weights promote: one rounding to the model's dtype below.
+            y = self.experts(rows, counts) * weights[:, None]
         out = torch.zeros_like(flat).index_add_(0, token_of, y.to(flat.dtype))  # (N, D)
         if self.shared_experts is not None:
             shared = self.shared_experts(flat)  # (N, D)

@@ -130,6 +130,17 @@ class TransformerArgs:
         all-to-all context parallelism hand out whole heads)."""
         return {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
 
+    def unsplittable_blocks(self) -> str | None:
+        """The blocks of this model that cannot run on a sequence split over ranks (context
+        parallelism), named for the preflight's refusal (e.g. "Mamba-2 blocks"); None: all can."""
+        return None
+
+    def unstageable_parts(self) -> str | None:
+        """What of this model cannot run cut into pipeline stages (a stage sees only hidden
+        states from the one before), named for the preflight's refusal of parallel.pp > 1
+        (e.g. "Gemma 4's per-layer embeddings"); None: every part can."""
+        return None
+
     @property
     def supported_layer_types(self) -> tuple[str, ...]:
         """The kinds of block the family builds: attention, full or sliding, unless it says more."""

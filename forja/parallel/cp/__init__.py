@@ -68,7 +68,7 @@ class ContextParallel:
         """This rank's part of a micro-batch of whole rows (B, T), the same on every rank of the group."""
         layout = SequenceLayout(self.kind, self.cp, self.rank, tokens.shape[1])
         local_docs = layout.take(document_ids) if document_ids is not None else None
-        shards = ContextShards(self, layout, document_ids, local_docs, tokens.device)
+        shards = ContextShards(self, layout, document_ids, local_docs, tokens.device, rows=tokens.shape[0])
         return LocalPart(layout.take(tokens), layout.take(labels), local_docs, layout.positions(tokens.device), shards)
 
     # -- under pipeline parallelism ----------------------------------------------------------
@@ -94,7 +94,7 @@ class ContextParallel:
         docs = rows if self._documents else None
         local = layout.take(docs) if docs is not None else None
         kwargs.update(document_ids=local, positions=layout.positions(rows.device),
-                      sequence=ContextShards(self, layout, docs, local, rows.device))
+                      sequence=ContextShards(self, layout, docs, local, rows.device, rows=rows.shape[0]))
         return args, kwargs
 
 
@@ -102,9 +102,17 @@ class ContextShards:
     """One forward's rows, split (models/common/attention.py `SequenceShards`)."""
 
     def __init__(self, cp: ContextParallel, layout: SequenceLayout, document_ids: torch.Tensor | None,
-                 local_document_ids: torch.Tensor | None, device: torch.device):
-        self.cp, self.layout, self.device = cp, layout, device
+                 local_document_ids: torch.Tensor | None, device: torch.device, *, rows: int):
+        self.cp, self.layout, self.device, self.rows = cp, layout, device, rows
         self.document_ids, self.local_document_ids = document_ids, local_document_ids
+
+    def within_chunks(self, chunk: int) -> ContextShards:
+        T = self.layout.seq_len
+        docs = self.document_ids if self.document_ids is not None else torch.zeros(
+            self.rows, T, dtype=torch.long, device=self.device)  # (B, T)
+        pieces = torch.arange(T, device=self.device) // chunk  # (T,) the chunk of each position
+        cut = docs * (T // chunk + 1) + pieces  # (B, T): one id per (document, chunk)
+        return ContextShards(self.cp, self.layout, cut, self.layout.take(cut), self.device, rows=self.rows)
 
     def mask(self, kind: str, *, window: int | None, backend: str, flex_causal: bool) -> AttentionMask:
         docs = self.document_ids

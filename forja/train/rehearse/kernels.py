@@ -4,7 +4,8 @@ On the CPU path, `F.scaled_dot_product_attention` with a value head narrower tha
 query's (latent attention: DeepSeek's 192-wide queries and keys, 128-wide values) falls
 back to the math kernel, which saves the (T, T) softmax of every head: memory a GPU run
 never holds. A GPU takes the memory-efficient kernel, which saves the output and one
-log-sum-exp a row. While a rehearsal runs, that case calls the memory-efficient kernel's
+log-sum-exp a row (and, given a boolean mask, the additive bias CUDA's SDPA converts it to).
+While a rehearsal runs, that case calls the memory-efficient kernel's
 op directly (its fake implementation gives the shapes, its derivative the backward); every
 other call is torch's own.
 
@@ -37,9 +38,14 @@ def gpu_attention() -> Iterator[None]:
 
     def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         narrower_values = q.shape[-1] != v.shape[-1]
-        if isinstance(q, FakeTensor) and narrower_values and attn_mask is None and not enable_gqa and not dropout_p:
+        boolean = attn_mask is None or attn_mask.dtype == torch.bool
+        if isinstance(q, FakeTensor) and narrower_values and boolean and not enable_gqa and not dropout_p:
+            bias = None
+            if attn_mask is not None:  # as CUDA's SDPA does: an additive bias in q's dtype, broadcast to every head
+                bias = torch.where(attn_mask.logical_not(), float("-inf"), torch.zeros((), dtype=q.dtype))
+                bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
             out = torch.ops.aten._scaled_dot_product_efficient_attention(
-                q, k, v, None, q.requires_grad, is_causal=is_causal, scale=scale)
+                q, k, v, bias, q.requires_grad, is_causal=is_causal, scale=scale)
             return out[0]  # (B, H, T, hv)
         return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
@@ -89,7 +95,7 @@ def flex_attention_standin() -> Iterator[None]:
     devices, block_mask, flex = (attention_module.FLEX_DEVICES, attention_module._flex_block_mask,
                                  attention_module._flex_attention)
 
-    def no_block_mask(document_ids, T, window, device):
+    def no_block_mask(document_ids, T, window, device, chunk=None):
         return "rehearsal"  # a block mask is a few int32 per tile: nothing a rank's peak notices
 
     def standin(q, k, v, block_mask, scale=None, with_lse: bool = False):

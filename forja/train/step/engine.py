@@ -410,9 +410,9 @@ def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def _note_plain_flex(args, document_mask: bool) -> None:
-    """FlexAttention asked for rows it has nothing to mask in (no document ids, no window, no
-    sinks): every mask is plain causal and SDPA's causal kernel runs it. Said in the fallback record."""
-    windows = any(args.layer_type(i) == "sliding_attention" for i in range(args.n_layers))
+    """FlexAttention asked for rows it has nothing to mask in (no document ids, no window or
+    chunk, no sinks): every mask is plain causal and SDPA's causal kernel runs it. Said in the fallback record."""
+    windows = any(args.layer_type(i) in ("sliding_attention", "chunked_attention") for i in range(args.n_layers))
     if args.attention == "flex" and not (document_mask or windows or args.attention_sinks):
         fallbacks.record("attention.flex.causal", asked='model.attention = "flex"', instead="SDPA's causal kernel",
                          why="no document masks (model.document_mask = false), windows or sinks to apply",

@@ -27,6 +27,7 @@ from tests.unit.models.family_checks import (
     check_logits,
     check_save_round_trip,
     edited_checkpoint,
+    float64_diffs,
     hf_meta_params,
     random_tokens,
     stored_names,
@@ -69,18 +70,39 @@ def test_every_family_in_the_registry_has_a_case():
 
 
 @pytest.mark.parametrize(("family", "name"), _params(lambda c: c.configs))
-def test_load_matches_transformers_logits(families, monkeypatch, family, name):
+def test_load_matches_transformers_logits(families, monkeypatch, card, family, name):
     case, checkpoints = CASES[family], families[family]
     hf, model = checkpoints[name][1], checkpoints.loaded(name)
     tokens = _tokens(model, case.tokens)
     if case.logits is not None:
-        case.logits(case, name, hf, model, tokens, monkeypatch)
+        diff = case.logits(case, name, hf, model, tokens, monkeypatch)
     else:
-        check_logits(hf, model, tokens, case.tol, family=family, flavor=case.configs[name].flavor, label=name)
+        diff = check_logits(hf, model, tokens, case.tol, family=family, flavor=case.configs[name].flavor, label=name)
+    card(family, "hf_load", diff)
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_float64_logits_match_transformers(families, card, family):
+    """Both sides in float64 (deep copies of the first config's models): what remains is the
+    order of operations, unless a side computes in float32 whatever the dtype (a router, a
+    norm, a scan): then the family's CASE states its looser bound and says where."""
+    case, checkpoints = CASES[family], families[family]
+    name = next(iter(case.configs))
+    hf, model = checkpoints[name][1], checkpoints.loaded(name)
+    kept = getattr(hf.config, "_experts_implementation", None)
+    hf.config._experts_implementation = "eager"  # transformers' grouped_mm has no float64
+    try:
+        diffs = float64_diffs(hf, model, _tokens(model, case.tokens))
+    finally:  # the session's model is shared: later tests compare it as it was
+        hf.config._experts_implementation = kept
+    print(f"{family} {name}: float64 max |logit diff| = {diffs.float64:.3e}")
+    card(family, "float64", diffs.float64)
+    assert diffs.exact.abs().max() > 1.0  # logits of some size, not a degenerate model
+    assert diffs.float64 < case.float64_tol
 
 
 @pytest.mark.parametrize(("family", "name"), _params(lambda c: c.configs))
-def test_save_round_trips_bit_exact_and_transformers_reads_it(families, tmp_path, family, name):
+def test_save_round_trips_bit_exact_and_transformers_reads_it(families, tmp_path, card, family, name):
     case, checkpoints = CASES[family], families[family]
     path, model = checkpoints[name][0], checkpoints.loaded(name)
     out, reloaded = check_save_round_trip(model, tmp_path / "export", hf_class=case.configs[name].cls,
@@ -93,6 +115,7 @@ def test_save_round_trips_bit_exact_and_transformers_reads_it(families, tmp_path
             assert torch.equal(written[key], t), key
     if case.after_round_trip is not None:
         case.after_round_trip(name, model, reloaded, checkpoints)
+    card(family, "hf_save")
 
 
 @pytest.mark.parametrize(("family", "flavor"), _params(lambda c: c.export_flavors))
@@ -110,7 +133,7 @@ def test_a_forja_model_exports_to_transformers_and_back(tmp_path, family, flavor
 
 
 @pytest.mark.parametrize(("family", "name"), _params(lambda c: c.greedy))
-def test_greedy_decoding_equals_transformers_generate(families, family, name):
+def test_greedy_decoding_equals_transformers_generate(families, card, family, name):
     case, checkpoints = CASES[family], families[family]
     hf, model = checkpoints[name][1], checkpoints.loaded(name)
     prompt = _tokens(model, 9, seed=4)
@@ -118,6 +141,7 @@ def test_greedy_decoding_equals_transformers_generate(families, family, name):
     if case.uncached:
         uncached = generate(model, prompt, SamplingConfig(max_new_tokens=case.greedy[name]), use_cache=False)
         assert torch.equal(cached, uncached)
+    card(family, "generate", case.greedy[name])
 
 
 @pytest.mark.parametrize(("family", "flavor"), _params(lambda c: c.published))

@@ -7,7 +7,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
-from forja.models import build_model
+from forja.models import FAMILIES, build_model, model_args
 
 
 @register_flop_formula([torch.ops.aten.linalg_solve_triangular])
@@ -88,3 +88,23 @@ def test_linear_attention_blocks_count_their_chunked_delta_rule(seq_len):
     linear = [model.mixer_flops("linear_attention", t) for t in (64, 4096)]
     full = [model.mixer_flops("full_attention", t) for t in (64, 4096)]
     assert linear[0] == linear[1] and full[1] == 64 * full[0]
+
+
+def _counted_shape(family: str) -> tuple[dict, int]:
+    """Overrides and a length at which torch's counter sees what the formula counts: experts
+    run as a loop of F.linear (the counter knows no grouped matmul) and no block's window is
+    shorter than the sequence (a dense mask multiplies the full square)."""
+    args = model_args(family, "debug")
+    overrides = {"moe_impl": "loop"} if getattr(args, "n_experts", 0) else {}
+    return overrides, min(64, getattr(args, "sliding_window", None) or 64)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_familys_formula_within_5_percent_of_counted(card, family):
+    """The planner's FLOPs (flops_per_token) against torch's flop counter, the debug flavor."""
+    overrides, seq_len = _counted_shape(family)
+    model = build_model(family, "debug", **overrides)
+    ratio = model.flops_per_token(seq_len) / measured_flops_per_token(model, 2, seq_len)
+    print(f"{family} debug T={seq_len}: formula/measured = {ratio:.4f}")
+    card(family, "flops", round(ratio, 4))
+    assert abs(ratio - 1) < 0.05

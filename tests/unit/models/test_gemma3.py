@@ -53,6 +53,9 @@ CASE = checks.FamilyCase(
     # Bound on max |logit difference| in float32, against transformers 5.24, torch 2.13, CPU.
     # Measured: 0.0 for "debug" and "scaled" (the same ops in the same order).
     tol=1e-5,
+    # In float64 both sides keep float32 pieces (transformers' Gemma3RMSNorm computes on
+    # x.float(), its rotary tables in float32) in different places; measured 1.4e-6.
+    float64_tol=1e-5,
     tokens=40,  # five windows of 8
     layout=checks.stored_names,
     # 9 + 12 = 21 positions: the cache holds more than two windows of 8 (four of 5), and the

@@ -23,7 +23,9 @@ def smallest_published(family: str) -> str:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_plans_on_8_h100s(family):
     hw = get_hardware("h100")
-    for flavor, must_fit in (("debug", False), (smallest_published(family), True)):
+    # A family whose released config.json is not known for certain (DeepSeek-V4) has no published flavor.
+    published = any(not name.startswith("debug") for name in FAMILIES[family].flavors)
+    for flavor, must_fit in (("debug", False),) + (((smallest_published(family), True),) if published else ()):
         args = model_args(family, flavor)
         seq = 4096
         job = Job(shape=model_shape(args, seq), seq_len=seq, global_batch_size=16, gpu=True, bf16=True)

@@ -1,0 +1,173 @@
+"""Token-level KV compression and the lightning indexer over compressed keys (DeepSeek-V4, 2026,
+sections 2.3.1 "Compressed Sparse Attention" and 2.3.2 "Heavily Compressed Attention").
+
+Every `ratio` consecutive tokens become one compressed entry: each token projects a value
+C_j and a gate Z_j (per channel), and the entry of a window is the softmax-over-the-window
+of (Z + B) weighing C, RMS-normalized, with interleaved RoPE on its last channels at the
+position of the window's first token:
+
+    e_w = norm( sum_j softmax_j(Z_j + B_j) * C_j ),  j in window w
+
+Heavily compressed attention (HCA, ratio m' = 128) uses disjoint windows. Compressed sparse
+attention (CSA, ratio m = 4) uses overlapping ones: each token projects two series, Ca and
+Cb (twice the width), and entry w mixes window w-1's Ca with window w's Cb over 2m slots
+(`overlap`). CSA then keeps, per query, only the `topk` entries a lightning indexer scores
+highest (`CompressedIndexer`: sum_h w_h relu(q_h . k_s), as DeepSeek-V3.2's indexer, but over
+its own compressed keys).
+
+A query at position t may see entry w only once the window is complete: w < (t + 1) // ratio.
+For decoding, `CompressorState` carries the tokens of an unfinished window, the last Ca slice
+and the entries so far from one forward to the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forja.models.common.norms import RMSNorm
+
+
+def half_rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (T, R/2) float32 of `positions` (T,): one angle per interleaved pair."""
+    angles = positions.float()[:, None] * inv_freq.to(positions.device).float()[None, :]
+    return angles.cos(), angles.sin()
+
+
+def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE (pairs of adjacent channels) on the last R = 2 cos.shape[-1] channels
+    of x (..., T, D), the others untouched; cos, sin (T, R/2). Computed in fp32."""
+    R = 2 * cos.shape[-1]
+    c = cos.to(x.dtype).repeat_interleave(2, dim=-1)  # (T, R)
+    s = sin.to(x.dtype).repeat_interleave(2, dim=-1)
+    nope, rope = x[..., :-R], x[..., -R:]
+    turned = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)  # (..., T, R)
+    rotated = (rope.float() * c + turned.float() * s).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+def entries_visible(positions: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
+    """(T, N) bool: query at positions[t] may see compressed entry w (its window is complete)."""
+    ready = (positions + 1) // ratio  # (T,)
+    return torch.arange(n_entries, device=positions.device)[None, :] < ready[:, None]
+
+
+@dataclass
+class CompressorState:
+    """What one compressor carries between forwards of a decode (per layer)."""
+
+    pending_kv: torch.Tensor | None = None  # (B, <ratio, width): tokens of the unfinished window
+    pending_gate: torch.Tensor | None = None
+    prev_kv: torch.Tensor | None = None  # (B, ratio, hd): the last complete window's Ca (overlap only)
+    prev_gate: torch.Tensor | None = None
+    entries: torch.Tensor | None = None  # (B, N, hd) compressed entries so far
+    extra: dict = field(default_factory=dict)  # the indexer's own state, by name
+
+
+class KVCompressor(nn.Module):
+    """Compresses every `ratio` tokens of x (B, T, dim) into one entry (B, hd); `overlap`:
+    CSA's two-series windows (width 2 hd projections). `inv_freq` (R/2,) the entries' RoPE."""
+
+    def __init__(self, dim: int, head_dim: int, ratio: int, inv_freq: torch.Tensor, *, overlap: bool,
+                 eps: float = 1e-6):
+        super().__init__()
+        width = (2 if overlap else 1) * head_dim
+        self.head_dim, self.ratio, self.overlap = head_dim, ratio, overlap
+        self.inv_freq = inv_freq  # not a buffer: float32 whatever the model's dtype, derived from args
+        self.wkv = nn.Linear(dim, width, bias=False)
+        self.wgate = nn.Linear(dim, width, bias=False)
+        self.position_bias = nn.Parameter(torch.empty(ratio, width))
+        self.norm = RMSNorm(head_dim, eps)
+
+    def forward(self, x: torch.Tensor, state: CompressorState | None = None) -> torch.Tensor:
+        """x (B, T, dim) -> every entry so far (B, N, hd): those of x's complete windows, after
+        the state's (which then holds x's unfinished window). Without a state, positions start
+        at 0 and an unfinished last window is dropped."""
+        B = x.shape[0]
+        kv, gate = self.wkv(x), self.wgate(x)  # (B, T, width)
+        first = 0
+        if state is not None:
+            first = 0 if state.entries is None else state.entries.shape[1] * self.ratio
+            if state.pending_kv is not None:
+                kv, gate = torch.cat([state.pending_kv, kv], 1), torch.cat([state.pending_gate, gate], 1)
+        usable = kv.shape[1] // self.ratio * self.ratio
+        if state is not None:
+            state.pending_kv, state.pending_gate = kv[:, usable:], gate[:, usable:]
+        n = usable // self.ratio
+        if n:
+            kv = kv[:, :usable].view(B, n, self.ratio, -1)  # (B, n, m, width)
+            gate = gate[:, :usable].view(B, n, self.ratio, -1) + self.position_bias
+            if self.overlap:
+                kv, gate = self._overlapping(kv, gate, state)  # (B, n, 2m, hd)
+            weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
+            entries = self.norm((kv * weights).sum(dim=2))  # (B, n, hd)
+            positions = torch.arange(n, device=x.device) * self.ratio + first
+            entries = rotate_tail(entries, *half_rope_tables(self.inv_freq, positions))
+        else:
+            entries = x.new_zeros(B, 0, self.head_dim)
+        if state is None:
+            return entries
+        state.entries = entries if state.entries is None else torch.cat([state.entries, entries], 1)
+        return state.entries
+
+    def _overlapping(self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState | None):
+        """(B, n, m, 2 hd) projections -> (B, n, 2m, hd): window w's slots are window w-1's Ca
+        then its own Cb. Window 0's Ca slots come from the state (the previous forward's last
+        window), else they are empty: value 0, gate -inf (softmax weight 0)."""
+        B, n, m, _ = kv.shape
+        hd = self.head_dim
+        slots_kv = kv.new_zeros(B, n, 2 * m, hd)
+        slots_gate = gate.new_full((B, n, 2 * m, hd), float("-inf"))
+        slots_kv[:, :, m:], slots_gate[:, :, m:] = kv[..., hd:], gate[..., hd:]
+        slots_kv[:, 1:, :m], slots_gate[:, 1:, :m] = kv[:, :-1, :, :hd], gate[:, :-1, :, :hd]
+        if state is not None:
+            if state.prev_kv is not None:
+                slots_kv[:, 0, :m] = state.prev_kv.to(kv.dtype)
+                slots_gate[:, 0, :m] = state.prev_gate.to(gate.dtype)
+            state.prev_kv, state.prev_gate = kv[:, -1, :, :hd].clone(), gate[:, -1, :, :hd].clone()
+        return slots_kv, slots_gate
+
+
+class CompressedIndexer(nn.Module):
+    """CSA's lightning indexer: its own overlapping compressor at `head_dim` makes the keys,
+    queries come from the attention's query latent (B, T, q_lora_rank), and each query keeps
+    the `topk` visible entries of highest sum_h w_h relu(q_h . k_s) / sqrt(hd) / sqrt(heads)."""
+
+    def __init__(self, dim: int, q_lora_rank: int, n_heads: int, head_dim: int, ratio: int, topk: int,
+                 inv_freq: torch.Tensor, *, eps: float = 1e-6):
+        super().__init__()
+        self.n_heads, self.head_dim, self.ratio, self.topk = n_heads, head_dim, ratio, topk
+        self.compressor = KVCompressor(dim, head_dim, ratio, inv_freq, overlap=True, eps=eps)
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.weights_proj = nn.Linear(dim, n_heads, bias=False)
+
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], state: CompressorState | None = None) -> torch.Tensor:
+        """x (B, T, dim), q_latent (B, T, r), positions (T,), rope: the queries' cos, sin (T, R/2)
+        -> the chosen entries (B, T, k), k = min(topk, entries), -1 where a pick is not visible."""
+        B, T, _ = x.shape
+        keys = self.compressor(x, state)  # (B, N, hd)
+        q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
+        q = rotate_tail(q, *rope).transpose(1, 2)  # (B, T, h, hd)
+        scores = F.relu(q.float() @ keys.float().transpose(-1, -2).unsqueeze(1)) * self.head_dim**-0.5  # (B,T,h,N)
+        weights = self.weights_proj(x).float() * self.n_heads**-0.5  # (B, T, h)
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # (B, T, N)
+        N = keys.shape[1]
+        k = min(self.topk, N)
+        if N == 0:
+            return scores.topk(k, dim=-1).indices
+        visible = entries_visible(positions, N, self.ratio)  # (T, N)
+        picks = scores.masked_fill(~visible, float("-inf")).topk(k, dim=-1).indices  # (B, T, k)
+        ready = ((positions + 1) // self.ratio)[None, :, None]  # (1, T, 1)
+        return torch.where(picks >= ready, torch.full_like(picks, -1), picks)
+
+
+def chosen_entries_bias(picks: torch.Tensor, n_entries: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive bias (B, T, N): 0 on the entries in picks (B, T, k), -inf elsewhere (-1: none)."""
+    B, T, _ = picks.shape
+    safe = torch.where(picks >= 0, picks, torch.full_like(picks, n_entries))
+    bias = torch.full((B, T, n_entries + 1), float("-inf"), dtype=dtype, device=picks.device)
+    return bias.scatter_(-1, safe, 0.0)[..., :n_entries]

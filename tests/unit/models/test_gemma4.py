@@ -1,0 +1,193 @@
+"""Gemma 4 (text) against transformers 5.25's Gemma4ForCausalLM: the conformance CASE
+(per-layer embeddings, shared key/value layers with double-wide MLPs, global blocks with
+their own head width and key/value heads, values = keys, proportional RoPE, value norms,
+unscaled scores, stored layer scalars, soft-capped logits; sequences longer than the window;
+the published E2B's size; refusals) and what is Gemma 4's own: the released config dialect,
+the KV cache holding only the producers' keys, FLOPs, the refused pipeline stages.
+Tensor parallelism: test_tp_families.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from forja.errors import ForjaError
+from forja.models import build_model, load_hf_checkpoint, model_args
+from tests.unit.models import family_checks as checks
+from tests.unit.models.test_flops import measured_flops_per_token
+
+transformers = pytest.importorskip("transformers")
+
+_KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+          "full_attention"]
+# The `debug` flavor (transformers' default rope parameters: proportional RoPE over a quarter
+# of the global blocks' frequencies, base 1e6; local base 1e4).
+_DEBUG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=4,
+              head_dim=32, global_head_dim=64, num_global_key_value_heads=2, attention_k_eq_v=True, vocab_size=2048,
+              vocab_size_per_layer_input=2048, hidden_size_per_layer_input=16, num_kv_shared_layers=2,
+              use_double_wide_mlp=True, max_position_embeddings=2048, rms_norm_eps=1e-6, sliding_window=8,
+              final_logit_softcapping=30.0, layer_types=_KINDS, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+# No per-layer embeddings or sharing (the 31B's kind), values of their own, a global head
+# width of its own over all its frequencies scaled by 2 (proportional RoPE's factor), the
+# last block made global by transformers, untied, not capped, a window of 5.
+_PLAIN = dict(_DEBUG, num_hidden_layers=4, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+              attention_k_eq_v=False, use_double_wide_mlp=False, num_key_value_heads=2, head_dim=16, global_head_dim=48,
+              tie_word_embeddings=False, final_logit_softcapping=None, sliding_window=5,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+              rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 1.0,
+                                                  "factor": 2.0, "rope_theta": 50_000.0},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
+
+
+def _make(name: str, config: checks.HFConfig, seed: int):
+    """transformers' model on random weights, its norms' scales drawn around one and each
+    block's stored layer_scalar (a buffer transformers starts at one) drawn too."""
+    model = checks.random_hf_model(config.cls, config.config, seed, pick=lambda key, p: "norm" in key,
+                                   draw=lambda p: p.normal_(1.0, 0.3))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=gen))
+    return model
+
+
+@torch.no_grad()
+def _scales(model) -> None:
+    """forja starts norm scales and layer scalars at one; make each tell."""
+    gen = torch.Generator().manual_seed(3)
+    for key, t in model.state_dict().items():
+        if "norm" in key or "layer_scalar" in key:
+            t.copy_(0.5 + torch.rand(t.shape, generator=gen))
+
+
+CASE = checks.FamilyCase(
+    family="gemma4",
+    # The first is what test_random_configs.py draws around: one shared block, so that a draw of
+    # two blocks still has a producer (transformers cannot run a model whose every block shares).
+    configs={"shared-1": checks.HFConfig("Gemma4ForCausalLM", dict(_DEBUG, num_kv_shared_layers=1)),
+             "debug": checks.HFConfig("Gemma4ForCausalLM", _DEBUG, "debug"),
+             "plain": checks.HFConfig("Gemma4ForCausalLM", _PLAIN)},
+    make=_make,
+    # Bound on max |logit difference| in float32, against transformers 5.25, torch 2.13, CPU.
+    # Measured: 0.0 for "debug" (the same ops in the same order).
+    tol=1e-5,
+    # In float64 transformers keeps float32 pieces (Gemma4RMSNorm computes on x.float(): eight
+    # norms a block, value and per-layer norms included; its rotary tables in float32) that forja
+    # computes in float64: measured 7.8e-5 on "debug", whose logits reach ~30 (transformers' own
+    # float32 logits are 1.3e-4 from its float64 ones).
+    float64_tol=2e-4,
+    tokens=40,  # five windows of 8
+    layout=checks.stored_names,
+    # 9 + 12 = 21 positions, more than two windows of 8 (four of 5): each step decodes past a window.
+    greedy={"debug": 12, "plain": 12},
+    prepare_export=_scales,
+    # Text model, tied embedding once; equal to transformers' count for the same config.json
+    # (built on the meta device). The per-layer embedding table is 35 x 256 x 262,144 = 2.35B of it.
+    published={"e2b": (4_628_569_344,)},
+    refusals=(
+        ("debug", dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=64),
+         r"enable_moe_block=True is not supported"),
+        ("debug", dict(hidden_activation="gelu"), r"hidden_activation='gelu' is not supported"),
+        ("debug", dict(use_bidirectional_attention="all"), r"use_bidirectional_attention='all' is not supported"),
+        ("debug", dict(attention_bias=True), r"attention_bias=True is not supported"),
+        ("debug", dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+         r"rope_parameters\.full_attention\.rope_type='yarn' is not supported"),
+        ("debug", dict(rope_parameters={"full_attention": {"rope_type": "proportional", "rope_theta": 1e6},
+                                        "sliding_attention": {"rope_type": "linear", "factor": 2.0,
+                                                              "rope_theta": 1e4}}),
+         r"rope_parameters\.sliding_attention\.rope_type='linear' is not supported"),
+        ("debug", dict(per_layer_config={"0": {"head_dim": 16}}), r"per_layer_config\.0=.* is not supported"),
+    ),
+    export_refusals=(
+        (dict(query_pre_attn_scalar=4), "a Gemma 4 with query_pre_attn_scalar="),
+        (dict(layer_types=tuple(_KINDS[:-1]) + ("sliding_attention",), kv_shared_layers=0),
+         "a Gemma 4 with layer_types="),
+    ),
+)
+
+checkpoints, loaded = checks.family_fixtures(CASE)
+
+
+def test_options_reach_the_model(loaded):
+    a = loaded["plain"].args
+    assert (a.rope_theta, a.local_rope_theta, a.rope_linear_factor, a.global_rotary_fraction) == (50_000.0, 100.0,
+                                                                                                 2.0, 1.0)
+    assert (a.global_head_dim, a.global_kv_heads, a.ple_dim, a.kv_shared_layers) == (48, 2, 0, 0)
+    assert a.layer_types[-1] == "full_attention" and not a.tie_embeddings and a.final_logit_softcap is None
+    d = loaded["debug"]
+    assert d.layers["4"].attention.wk is None and d.layers["5"].attention.wv is None  # shared blocks
+    assert d.layers["2"].attention.wv is None and d.layers["0"].attention.wv is not None  # values = keys, globally
+    assert d.layers["5"].feed_forward.w1.out_features == 2 * 256  # double-wide
+    assert [d.args.producer(i) for i in range(6)] == [0, 1, 2, 3, 3, 2]
+
+
+def test_the_released_config_dialect_reads_the_same(checkpoints, loaded, tmp_path):
+    """google's config.json: global_head_dim and num_global_key_value_heads, no per_layer_config."""
+    src = checkpoints["debug"][0]
+    assert "per_layer_config" in json.loads((src / "config.json").read_text())
+    dst = checks.edited_checkpoint(src, tmp_path / "ckpt", drop=("per_layer_config",), global_head_dim=64,
+                                   num_global_key_value_heads=2)
+    assert load_hf_checkpoint(dst).args == loaded["debug"].args
+
+
+def test_the_cache_holds_only_the_producers_keys(loaded):
+    model = loaded["debug"]
+    cache = model.new_kv_cache(2, 16)
+    assert cache.keys[4] is None and cache.keys[5] is None  # shared blocks read their producers'
+    assert cache.keys[0].shape == (2, 4, 16, 32) and cache.keys[2].shape == (2, 2, 16, 64)
+
+
+def test_uncached_decoding_equals_cached(loaded):
+    from forja.generate import SamplingConfig, generate
+
+    model, prompt = loaded["debug"], checks.random_tokens(9, vocab_size=2048)
+    config = SamplingConfig(max_new_tokens=10)
+    assert torch.equal(generate(model, prompt, config), generate(model, prompt, config, use_cache=False))
+
+
+# -- sizes and FLOPs ---------------------------------------------------------------------------
+
+def test_debug_flavor_is_the_advertised_size():
+    model = build_model("gemma4", "debug", seed=0)
+    assert 1.5e6 < model.num_params() < 1.8e6
+    assert torch.equal(model.state_dict()["layers.2.layer_scalar"], torch.ones(1))
+    assert torch.equal(model.state_dict()["layers.2.post_ffn_norm.weight"], torch.ones(128))  # the scale itself
+    # The query scale starts at hd^-1/2 (the block's head width: 64 global, 32 local): scores q.k / sqrt(hd).
+    assert torch.equal(model.state_dict()["layers.2.attention.q_norm.weight"], torch.full((64,), 64**-0.5))
+    assert torch.equal(model.state_dict()["layers.4.attention.q_norm.weight"], torch.full((32,), 32**-0.5))
+
+
+def test_flops_formula_within_5_percent_of_counted():
+    model = build_model("gemma4", "debug")
+    T = model.args.sliding_window  # every block sees all T keys: the dense mask's count is the kernel's
+    ratio = model.flops_per_token(T) / measured_flops_per_token(model, 2, T)
+    print(f"gemma4 debug T={T}: formula/measured = {ratio:.4f}")
+    assert abs(ratio - 1) < 0.05
+    a = model.args  # past the window only the global blocks count new keys
+    assert model.flops_per_token(64) - model.flops_per_token(32) == 2 * 12 * a.n_heads * a.global_head_dim * 32
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+def test_sharing_needs_a_producer_of_each_kind():
+    with pytest.raises(ForjaError, match="kv_shared_layers=4 leaves full_attention blocks"):
+        model_args("gemma4", "debug", kv_shared_layers=4, layer_types=("sliding_attention",) * 2
+                   + ("full_attention",) * 4)
+    with pytest.raises(ForjaError, match="kv_shared_layers=6 must be between 0 and n_layers - 1"):
+        model_args("gemma4", "debug", kv_shared_layers=6)
+
+
+def test_a_pipeline_stage_is_refused():
+    from forja.parallel.checks import LayoutRequest, layout_errors
+    from forja.parallel.config import ParallelConfig
+
+    request = LayoutRequest(args=model_args("gemma4", "debug"), parallel=ParallelConfig(pp=2, dp_shard=1),
+                            world_size=2, seq_len=32, global_batch_size=4, micro_batch_size=2)
+    assert any("per-layer embeddings" in e and "set parallel.pp = 1" in e for e in layout_errors(request))
+    model = build_model("gemma4", "debug")  # and the model itself, built as a stage anyway
+    model.tok_embeddings = None  # what a pipeline stage past the first holds
+    with pytest.raises(ForjaError, match="set parallel.pp = 1"):
+        model(torch.zeros(1, 4, 128))
