@@ -155,11 +155,24 @@ def _check_batch(r: LayoutRequest, dims: ParallelDims) -> None:
                          f"train.micro_batch_size = {r.micro_batch_size}; change one of them")
 
 
+# What each axis does to a model, for a refusal naming what of it cannot take that yet.
+_AXIS_DOES = {"tp": "splits each block's weights over ranks", "cp": "splits each sequence over ranks",
+              "pp": "cuts the model into pipeline stages"}
+
+
+def _check_model_limits(r: LayoutRequest, dims: ParallelDims) -> None:
+    """The axes the model's own blocks cannot take yet (its args' `layout_limits`)."""
+    limits = r.args.layout_limits()
+    if r.document_mask and "documents" in limits:
+        raise ForjaError(f"model.document_mask = true keeps attention within each packed document, which "
+                         f"{limits['documents']} do not support yet; set model.document_mask = false")
+    for axis, degree in (("tp", dims.tp), ("cp", dims.cp), ("pp", dims.pp)):
+        if degree > 1 and axis in limits:
+            raise ForjaError(f"parallel.{axis} = {degree} {_AXIS_DOES[axis]}, which {limits[axis]} do not support "
+                             f"yet; set parallel.{axis} = 1")
+
+
 def _check_pipeline(r: LayoutRequest, dims: ParallelDims) -> None:
-    lacking = r.args.unstageable_parts() if dims.pp > 1 else None
-    if lacking:
-        raise ForjaError(f"parallel.pp = {dims.pp} cuts the model into pipeline stages, which {lacking} do not "
-                         "support yet; set parallel.pp = 1")
     check_pipeline(r.args, dims, r.parallel, device_type=r.device_type, global_batch_size=r.global_batch_size,
                    micro_batch_size=r.micro_batch_size)
 
@@ -185,10 +198,6 @@ def _check_mixers(r: LayoutRequest, dims: ParallelDims) -> None:
     DeltaNet's convolution the K - 1 inputs before a chunk, so a chunk must be that long."""
     if dims.cp == 1:
         return
-    lacking = r.args.unsplittable_blocks()
-    if lacking:
-        raise ForjaError(f"parallel.cp = {dims.cp} splits each sequence over ranks, which {lacking} do not "
-                         "support yet; set parallel.cp = 1")
     if r.parallel.cp_kind == "all-to-all":
         _check_head_shares(r, dims)
         return
@@ -272,8 +281,9 @@ def _check_grad_sync(r: LayoutRequest, dims: ParallelDims) -> None:
 
 # Each check stops at its own first problem; the validator runs them all, so a layout with
 # several problems hears of each (a planner's table shows the first).
-CHECKS: tuple[Check, ...] = (_check_tp, _check_vocab, _check_sequence_parallel, _check_float8, _check_ep,
-                             _check_moe_tp, _check_cp, _check_mixers, _check_batch, _check_pipeline, _check_precision,
+CHECKS: tuple[Check, ...] = (_check_model_limits, _check_tp, _check_vocab, _check_sequence_parallel, _check_float8,
+                             _check_ep, _check_moe_tp, _check_cp, _check_mixers, _check_batch, _check_pipeline,
+                             _check_precision,
                              _check_mtp, _check_max_logits, _check_replica_groups, _check_fingerprints,
                              _check_grad_sync)
 

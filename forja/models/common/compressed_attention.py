@@ -63,6 +63,9 @@ class CompressedAttention(nn.Module):
             if csa:
                 self.indexer = CompressedIndexer(dim, q_lora_rank, index_n_heads, index_head_dim, ratio,
                                                  index_topk, inv_freq, eps=eps)
+                # Its top-k choice passes no gradient (as in transformers, which trains no indexer
+                # loss): frozen, so no optimizer keeps state it never steps (and a resume finds none).
+                self.indexer.requires_grad_(False)
 
     def structure_fields(self) -> dict:
         """What it adds to its block's structure record (forja/models/common/blocks.py)."""

@@ -130,16 +130,14 @@ class TransformerArgs:
         all-to-all context parallelism hand out whole heads)."""
         return {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
 
-    def unsplittable_blocks(self) -> str | None:
-        """The blocks of this model that cannot run on a sequence split over ranks (context
-        parallelism), named for the preflight's refusal (e.g. "Mamba-2 blocks"); None: all can."""
-        return None
-
-    def unstageable_parts(self) -> str | None:
-        """What of this model cannot run cut into pipeline stages (a stage sees only hidden
-        states from the one before), named for the preflight's refusal of parallel.pp > 1
-        (e.g. "Gemma 4's per-layer embeddings"); None: every part can."""
-        return None
+    def layout_limits(self) -> dict[str, str]:
+        """What of this model cannot take a parallel axis yet, by axis: "tp" (no tensor-parallel
+        plan), "cp" (blocks that cannot run on a sequence split over ranks, e.g. "Mamba-2
+        blocks"), "pp" (parts a pipeline stage cannot run: a stage sees only the hidden states
+        of the one before); and "documents": parts that cannot keep packed documents apart
+        (model.document_mask). The preflight refuses that axis above 1 (or document masks)
+        naming them; {}: none."""
+        return {}
 
     @property
     def supported_layer_types(self) -> tuple[str, ...]:

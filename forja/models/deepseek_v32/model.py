@@ -46,13 +46,13 @@ class DeepSeekV32Args(DeepSeekV3Args):
             raise ForjaError(f"model.q_lora_rank={self.q_lora_rank}: DeepSeek Sparse Attention's indexer reads the "
                              "query latent; set q_lora_rank >= 1")
         if self.attention != "sdpa":
-            raise ForjaError(f"model.attention={self.attention!r}: sparse attention gathers its keys itself from "
-                             "dense masks; set model.attention = \"sdpa\"")
+            raise ForjaError(f"model.attention={self.attention!r}: sparse attention reads dense masks and masks "
+                             "SDPA with its selected keys; set model.attention = \"sdpa\"")
         check_dsa_fields(self.index_n_heads, self.index_head_dim, self.index_topk, self.qk_rope_head_dim,
                          self.dsa_stage, self.indexer_loss_weight)
 
-    def unsplittable_blocks(self) -> str | None:
-        return "DeepSeek Sparse Attention blocks"
+    def layout_limits(self) -> dict[str, str]:
+        return {"cp": "DeepSeek Sparse Attention blocks"}
 
 
 class DeepSeekV32(DeepSeekV3):

@@ -112,13 +112,13 @@ class DeepSeekV4Args(TransformerArgs, ScoredMoEArgs):
     def supported_layer_types(self) -> tuple[str, ...]:
         return V4_LAYER_TYPES
 
-    def unsplittable_blocks(self) -> str | None:
-        return "DeepSeek-V4's compressed-attention and hash-routed blocks"
-
-    def unstageable_parts(self) -> str | None:
-        # A stage would pass on (B, T, D) hidden states; here they are hc_mult streams, and the
-        # hash-routed blocks read the token ids.
-        return "DeepSeek-V4's hyper-connection streams and token-id (hash) routing"
+    def layout_limits(self) -> dict[str, str]:
+        # A pipeline stage would pass on (B, T, D) hidden states; here they are hc_mult streams,
+        # and the hash-routed blocks read the token ids. No tensor-parallel plan is written yet.
+        return {"documents": "DeepSeek-V4's key/value compressors (an entry would span documents)",
+                "tp": "DeepSeek-V4's blocks (no tensor-parallel plan yet)",
+                "cp": "DeepSeek-V4's compressed-attention and hash-routed blocks",
+                "pp": "DeepSeek-V4's hyper-connection streams and token-id (hash) routing"}
 
     def is_moe_layer(self, layer: int) -> bool:
         return True

@@ -125,10 +125,10 @@ class Gemma4Args(Gemma3Args):
     def head_counts(self) -> dict[str, int]:
         return {**super().head_counts(), "global_kv_heads": self.global_kv_heads}
 
-    def unstageable_parts(self) -> str | None:
+    def layout_limits(self) -> dict[str, str]:
         """Gemma 4 runs whole (`Gemma4.forward`): a later pipeline stage would lack the token
         ids its per-layer embeddings read and the keys and values earlier stages' blocks share."""
-        return "Gemma 4's per-layer embeddings and shared key/value layers (read across the whole model)"
+        return {"pp": "Gemma 4's per-layer embeddings and shared key/value layers (read across the whole model)"}
 
 
 class Gemma4(Gemma3):

@@ -104,8 +104,8 @@ class NemotronHArgs(Mamba2Args, MoEArgs, TransformerArgs):
     def is_moe_layer(self, layer: int) -> bool:
         return self.layer_type(layer) == "moe"
 
-    def unsplittable_blocks(self) -> str | None:
-        return "Mamba-2 blocks" if "mamba2" in self.layer_types else None
+    def layout_limits(self) -> dict[str, str]:
+        return {"cp": "Mamba-2 blocks"} if "mamba2" in self.layer_types else {}
 
     def split_counts(self) -> dict[str, int]:
         return {**self.head_counts(), "ffn_dim": self.ffn_dim}

@@ -216,4 +216,4 @@ def test_packed_documents_and_context_parallelism_are_refused():
     tokens = torch.zeros(1, 8, dtype=torch.long)
     with pytest.raises(ForjaError, match="one document per row"):
         model(tokens, torch.tensor([[0] * 4 + [1] * 4]))
-    assert model.args.unsplittable_blocks()
+    assert set(model.args.layout_limits()) == {"documents", "tp", "cp", "pp"}

@@ -17,7 +17,7 @@ CASE = checks.FamilyCase(
     configs={"sparse_yarn_groups": checks.HFConfig("GlmMoeDsaForCausalLM", SPARSE),
              "whole_tied": checks.HFConfig("GlmMoeDsaForCausalLM", WHOLE)},
     make=make("GlmMoeDsaForCausalLM"),
-    tol=1e-5,  # measured 2.5e-6, 2.6e-6; 5.2e-6 over the random configs
+    tol=1e-5,  # measured 1.1e-6, 0; 2.2e-6 over the random configs
     same_tensors=True,
     # Not `uncached`: a full forward and a cached step compute the index scores with other shapes,
     # and top-k selection (a discrete choice) can flip on a tie: transformers' own full forward
