@@ -89,8 +89,8 @@ CASES = [
 ]
 
 
-# Families whose attention is not the recipe's FlexAttention: sparse attention gathers the keys
-# it selects from dense masks (forja/models/common/sparse_attention.py).
+# Families whose attention is not the recipe's FlexAttention: sparse attention runs SDPA under a
+# mask of the keys its indexer selects (forja/models/common/sparse_attention.py).
 OWN_ATTENTION = {"deepseek_v32": ["model.attention=sdpa"], "glm5": ["model.attention=sdpa"]}
 
 
