@@ -21,7 +21,7 @@ B, T, HK, HV, DK, DV = 2, 200, 2, 4, 64, 64  # T not a multiple of fla's chunk (
 
 def _kernel():
     pytest.importorskip("fla")
-    kernel = gdr._fla_kernel()
+    kernel = gdr.optional_kernel("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
     if kernel is None:
         pytest.skip("fla is importable but has no fla.ops.gated_delta_rule")
     return kernel
@@ -91,7 +91,7 @@ def test_the_dispatch_takes_fla_on_cuda():
 
 
 def test_without_fla_the_reference_runs_and_is_recorded(monkeypatch):
-    monkeypatch.setattr(gdr, "_FLA_KERNEL", [None])
+    monkeypatch.setitem(gdr._KERNELS, ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"), None)
     fallbacks.clear()
     inputs = _inputs(torch.float32)
     o, S = gdr.gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True)

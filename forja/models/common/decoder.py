@@ -31,6 +31,19 @@ from forja.ops.dispatch import ops_mode
 RESIDUAL_OUT = ("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared_experts.w2.weight")
 
 
+def llama_weight_rule(args, name: str, residual_out: tuple[str, ...] = RESIDUAL_OUT) -> tuple:
+    """Llama's init of a weight that is not a norm or a bias: the embedding N(0, 1) (0.02 when
+    tied to the output), the output trunc-normal with std 1/sqrt(dim), the projections writing
+    to the residual (`residual_out`) shrunk by sqrt(2 x layers), every other 0.02."""
+    if name == "tok_embeddings.weight":
+        return ("normal", 0.02 if args.tie_embeddings else 1.0)
+    if name == "output.weight":
+        return ("trunc_normal", args.dim**-0.5)
+    if name.endswith(residual_out):
+        return ("trunc_normal", 0.02 / math.sqrt(2 * args.n_layers))
+    return ("trunc_normal", 0.02)
+
+
 def experts_only(args: MoEArgs, family: str, dense_hint: str = "") -> None:
     """Checks the args of a family whose every feed-forward is a mixture of experts (Mixtral,
     gpt-oss): `ffn_dim` (Hugging Face's intermediate_size) is one expert's hidden width, which
@@ -114,13 +127,7 @@ class RotaryDecoder(Transformer):
             return ("ones",)
         if name.endswith("attention.sinks"):
             return ("zeros",)
-        if name == "tok_embeddings.weight":
-            return ("normal", 0.02 if self.args.tie_embeddings else 1.0)
-        if name == "output.weight":
-            return ("trunc_normal", self.args.dim**-0.5)
-        if name.endswith(RESIDUAL_OUT):
-            return ("trunc_normal", 0.02 / math.sqrt(2 * self.args.n_layers))
-        return ("trunc_normal", 0.02)
+        return llama_weight_rule(self.args, name)
 
     def mixer_flops(self, kind: str, seq_len: int) -> int:
         if kind == "linear_attention" and isinstance(self.args, GatedDeltaNetArgs):

@@ -25,6 +25,8 @@ continues from it (a document carried on from a cache).
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 
@@ -63,8 +65,9 @@ def recurrent_gated_delta_rule(
     document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule one token at a time. q, k (B, T, Hk, dk); v (B, T, Hv, dv);
-    g (log decay, <= 0), beta (B, T, Hv); initial_state (B, Hv, dk, dv) -> o (B, T, Hv, dv)
-    in q's dtype, and the final state (B, Hv, dk, dv) fp32 when asked."""
+    g (log decay, <= 0) (B, T, Hv), or (B, T, Hv, dk) for a decay per key channel (Kimi's:
+    forja/models/common/kimi_delta_rule.py); beta (B, T, Hv); initial_state (B, Hv, dk, dv)
+    -> o (B, T, Hv, dv) in q's dtype, and the final state (B, Hv, dk, dv) fp32 when asked."""
     dtype = q.dtype
     B, T, H, dv = v.shape
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)  # (B, H, T, ...)
@@ -74,7 +77,7 @@ def recurrent_gated_delta_rule(
     for t in range(T):
         if keep is not None and t > 0:
             S = S * keep[:, t].view(B, 1, 1, 1)  # a new document starts from zero
-        S = S * g[:, :, t].exp()[..., None, None]  # (B, H, dk, dv)
+        S = S * g[:, :, t].exp().view(B, H, -1, 1)  # (B, H, dk, dv): per head, or per key channel
         k_t = k[:, :, t]  # (B, H, dk)
         remembered = torch.einsum("bhkv,bhk->bhv", S, k_t)  # what S already gives for k_t
         delta = (v[:, :, t] - remembered) * beta[:, :, t, None]  # (B, H, dv)
@@ -90,7 +93,16 @@ def chunk_gated_delta_rule(
     document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule a chunk of `chunk_size` tokens at a time; the same arguments and
-    results as `recurrent_gated_delta_rule`. T need not be a multiple of chunk_size."""
+    results as `recurrent_gated_delta_rule` (g per head). T need not be a multiple of chunk_size."""
+    return chunked(_chunk_scan, q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+                   output_final_state=output_final_state, document_ids=document_ids)
+
+
+def chunked(scan, q, k, v, g, beta, *, chunk_size: int, initial_state: torch.Tensor | None,
+            output_final_state: bool, document_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunked delta rule around its `scan` (the scalar decay's `_chunk_scan`, or Kimi's):
+    packed documents spread to whole chunks, heads first, padded to a whole chunk; the
+    output gathered back to the packed row."""
     dtype = q.dtype
     keep, dest = None, None
     if document_ids is not None and bool(_new_documents(document_ids)[:, 1:].any()):
@@ -100,8 +112,9 @@ def chunk_gated_delta_rule(
     T = q.shape[2]
     pad = -T % chunk_size  # zero tokens at the end: no decay, no write, outputs dropped
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
-    o, S = _chunk_scan(q, k, v, g, beta, chunk_size, initial_state, keep)  # (B, H, T' + pad, dv)
+    g = F.pad(g, (0, 0) * (g.dim() - 3) + (0, pad))  # (B, H, T) or (B, H, T, dk)
+    beta = F.pad(beta, (0, pad))
+    o, S = scan(q, k, v, g, beta, chunk_size, initial_state, keep)  # (B, H, T' + pad, dv)
     o = o[:, :, :T].transpose(1, 2)  # (B, T', H, dv)
     if dest is not None:
         o = o.gather(1, _index_like(dest, o))  # back to the packed row
@@ -185,32 +198,40 @@ def gated_delta_rule(
     """The gated delta rule by the fastest form here: flash-linear-attention's chunked kernel
     on CUDA when installed; otherwise the recurrent form for one token (decoding) and the
     chunked reference for more. Arguments and results as `chunk_gated_delta_rule`."""
-    args = dict(initial_state=initial_state, output_final_state=output_final_state, document_ids=document_ids)
+    fallback = dict(key="gated_deltanet.fla", asked="Gated DeltaNet layers on CUDA",
+                    instead="the PyTorch chunked gated delta rule", why="flash-linear-attention (fla) is not installed")
+    return fastest(("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"), fallback, chunk_gated_delta_rule,
+                   q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+                   output_final_state=output_final_state, document_ids=document_ids)
+
+
+def fastest(kernel: tuple[str, str], fallback: dict, chunk_rule, q, k, v, g, beta, *, chunk_size: int,
+            **args) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A delta rule by the fastest form here: fla's `kernel` (module, name) on CUDA when it
+    imports (else the `fallback` is recorded: key, asked, instead, why); the recurrent form for
+    one token (decoding), `chunk_rule` for more."""
     if q.is_cuda and q.shape[1] > 1:
-        kernel = _fla_kernel()
-        if kernel is not None:
-            return fla_gated_delta_rule(kernel, q, k, v, g, beta, **args)
-        fallbacks.record("gated_deltanet.fla", asked="Gated DeltaNet layers on CUDA",
-                         instead="the PyTorch chunked gated delta rule",
-                         why="flash-linear-attention (fla) is not installed",
+        found = optional_kernel(*kernel)
+        if found is not None:  # fla's calling convention is the same for both rules
+            return fla_gated_delta_rule(found, q, k, v, g, beta, **args)
+        fallbacks.record(fallback["key"], asked=fallback["asked"], instead=fallback["instead"], why=fallback["why"],
                          fix="pip install 'forja[fla]' (fla-core, flash-linear-attention's kernels)")
     if q.shape[1] == 1:
         return recurrent_gated_delta_rule(q, k, v, g, beta, **args)
-    return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, **args)
+    return chunk_rule(q, k, v, g, beta, chunk_size=chunk_size, **args)
 
 
-_FLA_KERNEL: list = []  # [the kernel or None], filled on first use
+_KERNELS: dict[tuple[str, str], object] = {}  # (module, name) -> the kernel or None, filled on first use
 
 
-def _fla_kernel():
-    """fla's `chunk_gated_delta_rule`, or None when the package is not importable."""
-    if not _FLA_KERNEL:
+def optional_kernel(module: str, name: str):
+    """`module`.`name` (an fla kernel), or None when it is not importable."""
+    if (module, name) not in _KERNELS:
         try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
-        except ImportError:
-            kernel = None
-        _FLA_KERNEL.append(kernel)
-    return _FLA_KERNEL[0]
+            _KERNELS[module, name] = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            _KERNELS[module, name] = None
+    return _KERNELS[module, name]
 
 
 def fla_gated_delta_rule(kernel, q, k, v, g, beta, *, initial_state=None, output_final_state=False,

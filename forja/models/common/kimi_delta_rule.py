@@ -30,55 +30,16 @@ document starts; padding tokens have k = v = beta = g = 0 and leave the state as
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from forja import fallbacks
-from forja.models.common.gated_delta_rule import (
-    _document_layout,
-    _index_like,
-    _new_documents,
-    _spread,
-    fla_gated_delta_rule,
-    gated_delta_rule_flops,
-    l2_normalize,
-)
+from forja.models.common.gated_delta_rule import chunked, fastest, gated_delta_rule_flops, recurrent_gated_delta_rule
 
 DEFAULT_CHUNK = 16
 """The reference's chunk: its (C, C, dk) decay tensor grows with C (fla's kernel uses its own)."""
 
 
-def _heads_first(q, k, v, g, beta):
-    """fp32, heads before time, q and k normalized and q scaled. q, k, g (B, T, H, dk);
-    v (B, T, H, dv); beta (B, T, H) -> (B, H, T, ...)."""
-    q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
-    return l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k), v, g, beta
-
-
-def recurrent_kimi_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
-    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-    document_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The channel-wise gated delta rule one token at a time. q, k, g (log decay, <= 0)
-    (B, T, H, dk); v (B, T, H, dv); beta (B, T, H); initial_state (B, H, dk, dv) -> o
-    (B, T, H, dv) in q's dtype, and the final state (B, H, dk, dv) fp32 when asked."""
-    dtype = q.dtype
-    B, T, H, dv = v.shape
-    q, k, v, g, beta = _heads_first(q, k, v, g, beta)  # (B, H, T, ...)
-    S = q.new_zeros(B, H, q.shape[-1], dv) if initial_state is None else initial_state.float()
-    keep = None if document_ids is None else (~_new_documents(document_ids)).float()  # (B, T)
-    out = []
-    for t in range(T):
-        if keep is not None and t > 0:
-            S = S * keep[:, t].view(B, 1, 1, 1)  # a new document starts from zero
-        S = S * g[:, :, t].exp()[..., None]  # (B, H, dk, dv): each key channel's row decays apart
-        k_t = k[:, :, t]  # (B, H, dk)
-        remembered = torch.einsum("bhkv,bhk->bhv", S, k_t)
-        delta = (v[:, :, t] - remembered) * beta[:, :, t, None]  # (B, H, dv)
-        S = S + k_t[..., None] * delta[..., None, :]
-        out.append(torch.einsum("bhkv,bhk->bhv", S, q[:, :, t]))
-    o = torch.stack(out, dim=1) if out else v.new_zeros(B, 0, H, dv)  # (B, T, H, dv)
-    return o.to(dtype), (S if output_final_state else None)
+# One token at a time the channel-wise rule is the scalar one with g (B, T, H, dk): the decay
+# broadcasts over each key channel's row of the state.
+recurrent_kimi_delta_rule = recurrent_gated_delta_rule
 
 
 def chunk_kimi_delta_rule(
@@ -86,23 +47,12 @@ def chunk_kimi_delta_rule(
     chunk_size: int = DEFAULT_CHUNK, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
     document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The channel-wise gated delta rule a chunk of `chunk_size` tokens at a time; the same
-    arguments and results as `recurrent_kimi_delta_rule`. T need not be a multiple of it."""
-    dtype = q.dtype
-    keep, dest = None, None
-    if document_ids is not None and bool(_new_documents(document_ids)[:, 1:].any()):
-        dest, padded_len, keep = _document_layout(document_ids, chunk_size)
-        q, k, v, g, beta = (_spread(t, dest, padded_len) for t in (q, k, v, g, beta))
-    q, k, v, g, beta = _heads_first(q, k, v, g, beta)  # (B, H, T', ...)
-    T = q.shape[2]
-    pad = -T % chunk_size  # zero tokens at the end: no decay, no write, outputs dropped
-    q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
-    beta = F.pad(beta, (0, pad))
-    o, S = _chunk_scan(q, k, v, g, beta, chunk_size, initial_state, keep)  # (B, H, T' + pad, dv)
-    o = o[:, :, :T].transpose(1, 2)  # (B, T', H, dv)
-    if dest is not None:
-        o = o.gather(1, _index_like(dest, o))  # back to the packed row
-    return o.to(dtype), (S if output_final_state else None)
+    """The channel-wise gated delta rule a chunk of `chunk_size` tokens at a time. q, k, g (log
+    decay, <= 0) (B, T, H, dk); v (B, T, H, dv); beta (B, T, H); initial_state (B, H, dk, dv)
+    -> o (B, T, H, dv) in q's dtype, and the final state (B, H, dk, dv) fp32 when asked. T need
+    not be a multiple of chunk_size."""
+    return chunked(_chunk_scan, q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+                   output_final_state=output_final_state, document_ids=document_ids)
 
 
 def _chunk_scan(q, k, v, g, beta, C: int, S: torch.Tensor | None, keep: torch.Tensor | None):
@@ -148,32 +98,12 @@ def kimi_delta_rule(
     """The channel-wise gated delta rule by the fastest form here: fla's `chunk_kda` on CUDA
     when installed; otherwise the recurrent form for one token (decoding) and the chunked
     reference for more. Arguments and results as `chunk_kimi_delta_rule`."""
-    args = dict(initial_state=initial_state, output_final_state=output_final_state, document_ids=document_ids)
-    if q.is_cuda and q.shape[1] > 1:
-        kernel = _fla_kernel()
-        if kernel is not None:  # fla's calling convention is the scalar rule's, g (B, T, H, dk)
-            return fla_gated_delta_rule(kernel, q, k, v, g, beta, **args)
-        fallbacks.record("kimi_delta_attention.fla", asked="Kimi Delta Attention layers on CUDA",
-                         instead="the PyTorch chunked channel-wise delta rule",
-                         why="flash-linear-attention (fla) with its KDA kernel is not installed",
-                         fix="pip install 'forja[fla]' (fla-core, flash-linear-attention's kernels)")
-    if q.shape[1] == 1:
-        return recurrent_kimi_delta_rule(q, k, v, g, beta, **args)
-    return chunk_kimi_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, **args)
-
-
-_FLA_KERNEL: list = []  # [the kernel or None], filled on first use
-
-
-def _fla_kernel():
-    """fla's `chunk_kda`, or None when the package (or a release with it) is not importable."""
-    if not _FLA_KERNEL:
-        try:
-            from fla.ops.kda import chunk_kda as kernel
-        except ImportError:
-            kernel = None
-        _FLA_KERNEL.append(kernel)
-    return _FLA_KERNEL[0]
+    fallback = dict(key="kimi_delta_attention.fla", asked="Kimi Delta Attention layers on CUDA",
+                    instead="the PyTorch chunked channel-wise delta rule",
+                    why="flash-linear-attention (fla) with its KDA kernel is not installed")
+    return fastest(("fla.ops.kda", "chunk_kda"), fallback, chunk_kimi_delta_rule, q, k, v, g, beta,
+                   chunk_size=chunk_size, initial_state=initial_state, output_final_state=output_final_state,
+                   document_ids=document_ids)
 
 
 def kimi_delta_rule_flops(n_heads: int, head_dim: int, seq_len: int, chunk: int = DEFAULT_CHUNK) -> int:

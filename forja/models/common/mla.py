@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from forja.errors import ForjaError
 from forja.models.common.attention import AttentionMask, KVCache, attend
 from forja.models.common.max_logit import MaxLogitTracking
 from forja.models.common.norms import RMSNorm
@@ -41,13 +42,29 @@ norms at their default whatever the model's rms_norm_eps, so forja does too."""
 
 class LatentAttentionArgs:
     """Marks a family's args whose attention is MLA, so that planners and checks can tell it by
-    type (the family's dataclass holds the fields; this adds none)."""
+    type (the family's dataclass holds the fields; this adds none), and checks their widths."""
 
     q_lora_rank: int
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+
+    def check_latent_attention(self, family: str) -> None:
+        """The widths latent attention needs (head_dim derived from them when unset; a key and
+        a value per query head), each refused naming the field."""
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.head_dim is None:
+            self.head_dim = qk
+        if self.head_dim != qk:
+            raise ForjaError(f"model.head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = "
+                             f"{qk} in {family}; leave it unset")
+        if self.n_kv_heads not in (None, self.n_heads):
+            raise ForjaError(f"model.n_kv_heads={self.n_kv_heads}: latent attention has a key and value per "
+                             f"query head; leave it unset (it is n_heads = {self.n_heads})")
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ForjaError(f"model.{name}={getattr(self, name)} must be at least 1")
 
 
 class SharedKeyHead(nn.Module):

@@ -68,17 +68,7 @@ class DeepSeekV3Args(TransformerArgs, MoEArgs, LatentAttentionArgs):
     def __post_init__(self) -> None:
         # A table from TOML or a flavor override; YaRN unless its rope_type says "llama3".
         self.rope_scaling = rope_scaling_from(self.rope_scaling, key="model.overrides.rope_scaling", default="yarn")
-        if self.head_dim is None:
-            self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
-        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
-            raise ForjaError(f"model.head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = "
-                             f"{self.qk_nope_head_dim + self.qk_rope_head_dim} in DeepSeek-V3; leave it unset")
-        if self.n_kv_heads not in (None, self.n_heads):
-            raise ForjaError(f"model.n_kv_heads={self.n_kv_heads}: latent attention has a key and value per "
-                             f"query head; leave it unset (it is n_heads = {self.n_heads})")
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            if getattr(self, name) < 1:
-                raise ForjaError(f"model.{name}={getattr(self, name)} must be at least 1")
+        self.check_latent_attention("DeepSeek-V3")
         if self.qk_rope_head_dim % 2 or self.q_lora_rank < 0 or self.n_dense_layers < 0:
             raise ForjaError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even, q_lora_rank="
                              f"{self.q_lora_rank} and n_dense_layers={self.n_dense_layers} at least 0")

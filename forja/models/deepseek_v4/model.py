@@ -23,7 +23,6 @@ compressor.*, indexer.*}; hc_head.{fn, base, scale}.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +32,7 @@ from forja.errors import ForjaError
 from forja.models.common.attention import AttentionMask, KVCache, SequenceShards, build_mask
 from forja.models.common.blocks import BlockStructure
 from forja.models.common.compressed_attention import V4_LAYER_TYPES, CompressedAttention
+from forja.models.common.decoder import llama_weight_rule
 from forja.models.common.hash_moe import ScoredMoE, ScoredMoEArgs
 from forja.models.common.hyper_connections import HyperConnection, HyperHead
 from forja.models.common.kv_compressor import half_rope_tables
@@ -231,13 +231,7 @@ class DeepSeekV4(Transformer):
             return ("ones",)
         if name.endswith(("sinks", "position_bias", "_hc.base", "hc_head.base")):
             return ("zeros",)
-        if name == "tok_embeddings.weight":
-            return ("normal", 0.02 if self.args.tie_embeddings else 1.0)
-        if name == "output.weight":
-            return ("trunc_normal", self.args.dim**-0.5)
-        if name.endswith(RESIDUAL_OUT):
-            return ("trunc_normal", 0.02 / math.sqrt(2 * self.args.n_layers))
-        return ("trunc_normal", 0.02)
+        return llama_weight_rule(self.args, name, RESIDUAL_OUT)
 
     def mixer_flops(self, kind: str, seq_len: int) -> int:
         """12 H hd per key a query sees: the window, and the compressed entries (all of them

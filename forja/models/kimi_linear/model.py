@@ -59,17 +59,7 @@ class KimiLinearArgs(KimiDeltaArgs, TransformerArgs, MoEArgs, LatentAttentionArg
 
     def __post_init__(self) -> None:
         self.dense_layers = tuple(sorted(int(i) for i in self.dense_layers))  # a list from TOML or config.json
-        if self.head_dim is None:
-            self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
-        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
-            raise ForjaError(f"model.head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = "
-                             f"{self.qk_nope_head_dim + self.qk_rope_head_dim} in Kimi Linear; leave it unset")
-        if self.n_kv_heads not in (None, self.n_heads):
-            raise ForjaError(f"model.n_kv_heads={self.n_kv_heads}: latent attention has a key and value per "
-                             f"query head; leave it unset (it is n_heads = {self.n_heads})")
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            if getattr(self, name) < 1:
-                raise ForjaError(f"model.{name}={getattr(self, name)} must be at least 1")
+        self.check_latent_attention("Kimi Linear")
         if self.q_lora_rank < 0 or self.mtp_depth:
             raise ForjaError(f"model.q_lora_rank={self.q_lora_rank} must be at least 0 and model.mtp.depth="
                              f"{self.mtp_depth} 0 (Kimi Linear has no multi-token prediction module)")

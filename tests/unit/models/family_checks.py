@@ -59,8 +59,9 @@ class FamilyCase:
     pick: Callable[[str, torch.Tensor], bool] | None = None
     draw: Callable[[torch.Tensor], object] | None = None
     logits: Callable | None = None
-    """(case, name, hf_model, model, tokens, monkeypatch) -> max |logit difference|: the comparison
-    when it is more than that difference < tol (float64 references); None: `check_logits`."""
+    """(case, name, hf_model, model, tokens, monkeypatch) -> max |logit difference| in float32 and
+    in float64: the comparison when it is more than that difference < tol (float64 references,
+    its own float64 bounds); None: `check_logits`, and float64 in its own test."""
     layout: Callable[[Path], object] | None = None
     """What a save must write as transformers' checkpoint holds it (`stored_names`, `stored_shapes`);
     None: not compared."""
@@ -281,7 +282,8 @@ class Float64Diffs(NamedTuple):
     exact: torch.Tensor  # transformers' float64 logits
 
 
-def hybrid_logits(case: FamilyCase, name: str, hf_model, model, tokens: torch.Tensor, monkeypatch) -> float:
+def hybrid_logits(case: FamilyCase, name: str, hf_model, model, tokens: torch.Tensor,
+                  monkeypatch) -> tuple[float, float]:
     """A Gated DeltaNet family's logits against transformers'. In float32 the chunked delta rule
     rounds otherwise than transformers' (a triangular solve where it loops over rows), which
     small peaked models amplify: held to transformers' own float32 error from its float64
@@ -298,7 +300,7 @@ def hybrid_logits(case: FamilyCase, name: str, hf_model, model, tokens: torch.Te
     assert diff < hf_rounding
     if model.args.n_experts == 0:
         assert diff < case.tol and diff64 < 1e-10
-    return diff
+    return diff, diff64
 
 
 def float64_diffs(hf_model, model, tokens: torch.Tensor) -> Float64Diffs:

@@ -152,6 +152,15 @@ CASES = (
                   "layers.0.feed_forward.w2.weight"),
            documents=True, prepare=_qwen3_5_offsets_by_head, check_shards=_qwen3_5_shards,
            grad_atol=1e-6, loss_tol=1e-5),
+    # Qwen3.5's plan under Qwen3-Next's mixture of experts (each rank routes its share of the
+    # tokens): the Gated DeltaNet and gated-attention parameters, on a packed batch.
+    TPCase(id="qwen3_next", family="qwen3_next",
+           grads=("layers.0.attention.wq.weight", "layers.0.attention.conv_k.weight", "layers.2.attention.A_log",
+                  "layers.1.attention.norm.weight", "layers.3.attention.wg.weight", "layers.3.attention.q_norm.weight",
+                  "layers.1.feed_forward.w2.weight"),
+           documents=True, prepare=_qwen3_5_offsets_by_head, grad_atol=1e-6, loss_tol=1e-5),
+    # GPT-2's plan: learned positions, biases with their columns, LayerNorms; every gradient.
+    TPCase(id="gpt2", family="gpt2", grads=None, grad_atol=1e-6, loss_tol=1e-5),
     # Mamba-2 split by group (one group and its 4 heads a rank: projections, convolutions with
     # biases, A_log, D, dt_bias, the grouped norm's weight), attention, MLP and MoE blocks (each
     # rank routes half the tokens through whole squared-ReLU experts), packed.
