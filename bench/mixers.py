@@ -38,11 +38,11 @@ pass: it counts every allocation torch makes (outputs, gradients, kernels' scrat
 memory a library allocates itself outside torch's allocator (oneDNN/MKL workspaces), so it is
 a floor on the process's true peak; CPU torch has no allocator statistics of its own to read.
 
-forja's SparseMLA is a reference implementation that gathers each query's selected keys and
-values, (B, H, T, k, d) tensors, and whose gather backward fills the whole (B, H, T, T, d):
-its memory grows as T k and T^2 per head. Where the estimate (printed) exceeds --max-gib, forja's
-side is skipped and the row says so; transformers' layer (dense attention under the top-k mask)
-is still timed. That is why the dsa shape has one attention head.
+forja's SparseMLA, like transformers' layer, runs dense attention under a (T, T) mask of the
+selected keys: on CPU SDPA's math path holds fp32 scores per head, and the indexer its scores
+8 heads at a time, so its memory grows as T^2. Where the estimate (printed) exceeds --max-gib,
+forja's side is skipped and the row says so; transformers' layer is still timed. The dsa shape
+has one attention head to keep the T^2 terms small.
 """
 
 from __future__ import annotations
@@ -214,18 +214,17 @@ def contenders(name: str, spec: Spec, T: int, max_gib: float) -> tuple[Contender
     if name == "dsa":
         need = sparse_mla_bytes(spec.config, T) / 2**30
         if need > max_gib:
-            skip = f"forja's gathered top-k reference needs ~{need:.0f} GiB > --max-gib {max_gib:g}"
+            skip = f"forja's masked sparse attention needs ~{need:.0f} GiB > --max-gib {max_gib:g}"
     return (Contender("forja", our_mixer, our_args, our_kwargs, skip),
             Contender("transformers", hf_mixer, hf_args, hf_kwargs))
 
 
 def sparse_mla_bytes(cfg: dict, T: int) -> int:
     """Estimate of forja's SparseMLA memory for one forward + backward at T tokens (B=1, fp32):
-    the gathered keys and values saved (H T k (dk + dv)), their gradients, and the gather
-    backward's zero-filled expanded input (H T T dk)."""
-    H, k = cfg["num_attention_heads"], min(cfg["index_topk"], T)
-    dk, dv = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    return 4 * H * T * (2 * k * (dk + dv) + T * dk)
+    SDPA's math path under a mask keeps the scores, the probabilities and their gradient per
+    head (3 H T^2 floats), the indexer at most 8 heads' scores at a time, and the (T, T) mask."""
+    H, H_I = cfg["num_attention_heads"], min(cfg["index_n_heads"], 8)
+    return 4 * T * T * (3 * H + H_I) + T * T
 
 
 def peak_bytes(c: Contender, x: torch.Tensor, grad: torch.Tensor) -> int:
