@@ -144,6 +144,15 @@ def _chunk_scan(q, k, v, g, beta, C: int, S: torch.Tensor | None, keep: torch.Te
     k_write = k * (gc[..., -1:] - gc).exp()[..., None]  # decayed to the chunk's end
     chunk_decay = gc[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
     S = q.new_zeros(B, H, dk, dv) if S is None else S.float()
+    return across_chunks(u, w, q_read, attn, k_write, chunk_decay, S, keep)
+
+
+def across_chunks(u, w, q_read, attn, k_write, chunk_decay, S: torch.Tensor, keep: torch.Tensor | None):
+    """The chunks in order, the state S (B, H, dk, dv) carried between them (zeroed where `keep`
+    (B, N) is 0): u, w (B, H, N, C, dv / dk) from the chunk's WY solve, q_read, k_write
+    (B, H, N, C, dk), attn (B, H, N, C, C), chunk_decay (B, H, N, 1 or dk, 1). Whatever the
+    decay's shape, scalar (Gated DeltaNet) or per key channel (Kimi). -> o (B, H, N C, dv), S."""
+    B, H, N, C, dv = u.shape
     # One view per chunk, taken once: indexing the whole tensors inside the loop would give
     # each chunk's backward a gradient the size of the whole sequence (quadratic in T).
     chunks = zip(*(t.unbind(2) for t in (u, w, q_read, attn, k_write, chunk_decay)), strict=True)
@@ -154,7 +163,7 @@ def _chunk_scan(q, k, v, g, beta, C: int, S: torch.Tensor | None, keep: torch.Te
         v_new = u_n - w_n @ S  # (B, H, C, dv) what each token writes
         out.append(q_n @ S + attn_n @ v_new)
         S = S * decay_n + k_n.transpose(-1, -2) @ v_new
-    return torch.stack(out, dim=2).reshape(B, H, T, dv), S
+    return torch.stack(out, dim=2).reshape(B, H, N * C, dv), S
 
 
 def _document_layout(document_ids: torch.Tensor, C: int) -> tuple[torch.Tensor, int, torch.Tensor]:

@@ -31,7 +31,13 @@ from __future__ import annotations
 
 import torch
 
-from forja.models.common.gated_delta_rule import chunked, fastest, gated_delta_rule_flops, recurrent_gated_delta_rule
+from forja.models.common.gated_delta_rule import (
+    across_chunks,
+    chunked,
+    fastest,
+    gated_delta_rule_flops,
+    recurrent_gated_delta_rule,
+)
 
 DEFAULT_CHUNK = 16
 """The reference's chunk: its (C, C, dk) decay tensor grows with C (fla's kernel uses its own)."""
@@ -77,17 +83,7 @@ def _chunk_scan(q, k, v, g, beta, C: int, S: torch.Tensor | None, keep: torch.Te
     k_write = k * (gc[..., -1:, :] - gc).exp()  # decayed to the chunk's end
     chunk_decay = gc[..., -1, :].exp()[..., None]  # (B, H, N, dk, 1): each state row's decay over the chunk
     S = q.new_zeros(B, H, dk, dv) if S is None else S.float()
-    # One view per chunk, taken once (indexing whole tensors in the loop would make each
-    # chunk's backward a gradient the size of the sequence).
-    chunks = zip(*(t.unbind(2) for t in (u, w, q_read, attn, k_write, chunk_decay)), strict=True)
-    out = []
-    for n, (u_n, w_n, q_n, attn_n, k_n, decay_n) in enumerate(chunks):
-        if keep is not None and n > 0:
-            S = S * keep[:, n].view(B, 1, 1, 1)
-        v_new = u_n - w_n @ S  # (B, H, C, dv) what each token writes
-        out.append(q_n @ S + attn_n @ v_new)
-        S = S * decay_n + k_n.transpose(-1, -2) @ v_new
-    return torch.stack(out, dim=2).reshape(B, H, T, dv), S
+    return across_chunks(u, w, q_read, attn, k_write, chunk_decay, S, keep)
 
 
 def kimi_delta_rule(

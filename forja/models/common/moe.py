@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from forja.errors import ForjaError
 from forja.models.common.mlp import SquaredReLUMLP, SwiGLU
-from forja.models.common.step_context import OUTSIDE_A_STEP, aux_loss_grad
+from forja.models.common.step_context import OUTSIDE_A_STEP, AddAuxLoss
 from forja.ops.grouped_mm import GROUPED_MM_IMPLS, grouped_mm
 
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu", "relu2")
@@ -340,22 +340,6 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     """This rank's experts: under expert parallelism the stacked weights are sharded
     (DTensors) along the expert dimension, and the layer computes with its own slice."""
     return w.to_local() if isinstance(w, DTensor) else w
-
-
-class AddAuxLoss(torch.autograd.Function):
-    """Returns `out` unchanged; backward gives `aux` (0-dim) the gradient `scale`, as if
-    `scale * aux` had been added to the loss (Megatron-LM's MoEAuxLossAutoScaler idea).
-    `scale` is a float or a 0-dim tensor (the step context's share: read at backward)."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-        ctx.scale = scale
-        ctx.aux_dtype = aux.dtype
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, aux_loss_grad(ctx.scale, ctx.aux_dtype, grad.device), None
 
 
 class MoE(nn.Module):

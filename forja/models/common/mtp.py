@@ -49,8 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from forja.models.common.moe import AddAuxLoss
-from forja.models.common.step_context import OUTSIDE_A_STEP
+from forja.models.common.step_context import OUTSIDE_A_STEP, AddAuxLoss
 
 IGNORE = -100  # the cross-entropy's ignore_index: positions whose target is not counted
 

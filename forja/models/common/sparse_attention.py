@@ -53,9 +53,8 @@ from torch import nn
 from forja.errors import ForjaError
 from forja.models.common.attention import AttentionMask, KVCache, attend
 from forja.models.common.mla import MLA
-from forja.models.common.moe import AddAuxLoss
 from forja.models.common.rope import apply_rope
-from forja.models.common.step_context import OUTSIDE_A_STEP
+from forja.models.common.step_context import OUTSIDE_A_STEP, AddAuxLoss
 
 DSA_STAGES = (None, "dense_warmup", "sparse")
 INDEXER_NORM_EPS = 1e-6

@@ -65,3 +65,19 @@ def aux_loss_grad(share: torch.Tensor | float, dtype: torch.dtype, device: torch
     if isinstance(share, torch.Tensor):
         return share.to(device=device, dtype=dtype, copy=True)
     return torch.full((), share, dtype=dtype, device=device)
+
+
+class AddAuxLoss(torch.autograd.Function):
+    """Returns `out` unchanged; backward gives `aux` (0-dim) the gradient `scale`, as if
+    `scale * aux` had been added to the loss (Megatron-LM's MoEAuxLossAutoScaler idea).
+    `scale` is a float or a 0-dim tensor (the step context's share: read at backward)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_dtype = aux.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, aux_loss_grad(ctx.scale, ctx.aux_dtype, grad.device), None

@@ -184,16 +184,19 @@ def shard_attention_sinks(plan: TPPlan) -> TPPlan:
     return plan
 
 
-def gated_deltanet_tp_plan(plan: TPPlan) -> TPPlan:
+GATED_DELTANET_PROJECTIONS = ("wq", "wk", "wv", "wz", "wb", "wa")
+
+
+def gated_deltanet_tp_plan(plan: TPPlan, projections: tuple[str, ...] = GATED_DELTANET_PROJECTIONS) -> TPPlan:
     """`plan` with linear-attention blocks' Gated DeltaNet split by head over the TP ranks:
     column-parallel q, k, v, gate, beta and decay projections (a rank keeps whole key heads
     and the value heads grouped under them), its share of the short convolutions' channels
     and of the per-head decay parameters, the row-parallel output projection summing the
     heads' parts. The output norm's (dv,) weight is shared by all heads: replicated, its
-    gradient summed over the ranks, as QK-norm's (`dense_tp_plan`)."""
+    gradient summed over the ranks, as QK-norm's (`dense_tp_plan`). `projections`: the
+    column-parallel ones, by name (Kimi Delta Attention's differ: its gates' second factors)."""
     seq = Shard(1) if plan.sequence_parallel else Replicate()
-    mixer: dict[str, ParallelStyle] = {f"attention.{name}": ColwiseParallel()
-                                       for name in ("wq", "wk", "wv", "wz", "wb", "wa")}
+    mixer: dict[str, ParallelStyle] = {f"attention.{name}": ColwiseParallel() for name in projections}
     mixer["attention.wo"] = RowwiseParallel(output_layouts=seq)
     mixer["attention"] = LocalParameters(("A_log", "dt_bias", "conv_q.weight", "conv_k.weight", "conv_v.weight"),
                                          replicated=("norm.weight",))

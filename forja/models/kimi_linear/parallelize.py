@@ -13,21 +13,13 @@ output norm's (d,) weight is shared by all heads: replicated, its gradient summe
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-
-from forja.models.common.tp_plan import LocalParameters, TPPlan
+from forja.models.common.tp_plan import TPPlan, gated_deltanet_tp_plan
 from forja.models.deepseek_v3.parallelize import deepseek_v3_tp_plan
 from forja.models.kimi_linear.model import KimiLinearArgs
 
 
 def kimi_linear_tp_plan(args: KimiLinearArgs, sequence_parallel: bool) -> TPPlan:
-    plan = deepseek_v3_tp_plan(args, sequence_parallel)  # reads q_lora_rank only
-    seq = Shard(1) if sequence_parallel else Replicate()
-    mixer: dict[str, ParallelStyle] = {f"attention.{name}": ColwiseParallel()
-                                       for name in ("wq", "wk", "wv", "wb", "wf_b", "wg_b")}
-    mixer["attention.wo"] = RowwiseParallel(output_layouts=seq)
-    mixer["attention"] = LocalParameters(("A_log", "dt_bias", "conv_q.weight", "conv_k.weight", "conv_v.weight"),
-                                         replicated=("norm.weight",))
-    plan.mixers["linear_attention"] = mixer
-    return plan
+    # DeepSeek-V3's plan (it reads q_lora_rank only) with the KDA blocks split by head as Gated
+    # DeltaNet's, their projections named as Kimi's (the gates' low-rank second factors split).
+    return gated_deltanet_tp_plan(deepseek_v3_tp_plan(args, sequence_parallel),
+                                  projections=("wq", "wk", "wv", "wb", "wf_b", "wg_b"))

@@ -182,6 +182,18 @@ def check_logits(hf_model, model, tokens: torch.Tensor, tol: float, *, family: s
     return diff
 
 
+def hf_document_masks(docs: torch.Tensor, local_kind: str, local: Callable) -> dict[str, torch.Tensor]:
+    """transformers' additive (B, 1, T, T) masks per layer type for packed rows `docs` (B, T):
+    causal within each document for "full_attention", and for `local_kind` also where
+    `local(q, k)` ((T, 1) and (1, T) positions) holds (a window, a chunk)."""
+    T = docs.shape[1]
+    q, k = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    seen = (docs[:, :, None] == docs[:, None, :]) & (q >= k)  # (B, T, T)
+    masks = {"full_attention": seen, local_kind: seen & local(q, k)}
+    low = torch.finfo(torch.float32).min
+    return {kind: torch.zeros(m.shape).masked_fill(~m, low)[:, None] for kind, m in masks.items()}
+
+
 def random_tokens(n: int, seed: int = 1, *, vocab_size: int) -> torch.Tensor:
     """A (2, n) batch of token ids below `vocab_size`, the same for the same seed."""
     return torch.randint(0, vocab_size, (2, n), generator=torch.Generator().manual_seed(seed))

@@ -113,23 +113,15 @@ def test_the_window_and_the_sinks_change_the_logits(checkpoints, loaded):
     assert (sinkless(tokens) - ref).abs().max() > 1e-2
 
 
-def _hf_document_masks(docs: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
-    """transformers' additive (B, 1, T, T) masks per layer type for packed rows `docs` (B, T)."""
-    T = docs.shape[1]
-    q, k = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    same = docs[:, :, None] == docs[:, None, :]  # (B, T, T)
-    masks = {"full_attention": same & (q >= k), "sliding_attention": same & (q >= k) & (q - k < window)}
-    low = torch.finfo(torch.float32).min
-    return {kind: torch.zeros(m.shape).masked_fill(~m, low)[:, None] for kind, m in masks.items()}
-
-
 @pytest.mark.parametrize("name", list(CASE.configs))
 @torch.no_grad()
 def test_packed_documents_match_transformers(checkpoints, loaded, name):
     hf, model = checkpoints[name][1], loaded[name]
     docs = torch.tensor([[0] * 17 + [1] * 9 + [2] * 14, [0] * 40])
     tokens = _tokens(40, seed=5)
-    ref = hf(tokens, attention_mask=_hf_document_masks(docs, model.args.sliding_window)).logits
+    window = model.args.sliding_window
+    masks = checks.hf_document_masks(docs, "sliding_attention", lambda q, k: q - k < window)
+    ref = hf(tokens, attention_mask=masks).logits
     diff = (ref - model(tokens, document_ids=docs)).abs().max().item()
     print(f"{name} packed: max |logit diff| = {diff:.3e}")
     assert diff < CASE.tol

@@ -164,23 +164,15 @@ def test_the_chunked_flex_mask_mod_is_the_dense_mask():
     assert torch.equal(got, build_mask(docs, q_len=T, kv_len=T, chunk=chunk).dense[0, 0])
 
 
-def _hf_document_masks(docs: torch.Tensor, chunk: int) -> dict[str, torch.Tensor]:
-    """transformers' additive (B, 1, T, T) masks per layer type for packed rows `docs` (B, T)."""
-    T = docs.shape[1]
-    q, k = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    same = docs[:, :, None] == docs[:, None, :]  # (B, T, T)
-    masks = {"full_attention": same & (q >= k), "chunked_attention": same & (q >= k) & (q // chunk == k // chunk)}
-    low = torch.finfo(torch.float32).min
-    return {kind: torch.zeros(m.shape).masked_fill(~m, low)[:, None] for kind, m in masks.items()}
-
-
 @pytest.mark.parametrize("name", list(CASE.configs))
 @torch.no_grad()
 def test_packed_documents_match_transformers(checkpoints, loaded, name):
     hf, model = checkpoints[name][1], loaded[name]
     docs = torch.tensor([[0] * 13 + [1] * 9 + [2] * 18, [0] * 40])
     tokens = _tokens(40, seed=5)
-    ref = hf(tokens, attention_mask=_hf_document_masks(docs, model.args.attention_chunk_size)).logits
+    chunk = model.args.attention_chunk_size
+    masks = checks.hf_document_masks(docs, "chunked_attention", lambda q, k: q // chunk == k // chunk)
+    ref = hf(tokens, attention_mask=masks).logits
     diff = (ref - model(tokens, document_ids=docs)).abs().max().item()
     print(f"{name} packed: max |logit diff| = {diff:.3e}")
     assert diff < CASE.tol
