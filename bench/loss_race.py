@@ -1,9 +1,18 @@
 """The best model per second: forja's default recipe against its speedrun recipe (and each of the
-speedrun's switches on its own), trained in one process on the same data and hardware, each
+speedrun's switches on its own), and the peers' recipes, on the same tokens and hardware, each
 model scored by one evaluator as it trains.
 
-    python bench/loss_race.py [--steps 200] [--eval-every 20] [--windows 16]
-                              [--only NAMES] [--ablate] [--out runs/bench-loss-race]
+    python bench/loss_race.py [--steps N] [--eval-every 20] [--windows 16]
+                              [--only NAMES] [--ablate] [--peers] [--out runs/bench-loss-race]
+
+`--peers` adds two contenders, each in its own process (bench/peers_worker.py's protocol) and
+given forja's host settings (glibc's malloc thresholds, confined intra-op threads) as forja's
+Trainer gives itself: nanoGPT's Shakespeare recipe as a plain loop over transformers' GPT-2
+(bench/race_nanogpt.py) and torchtitan's own llama3 recipe run by its Trainer (bench/peers_titan.py,
+from the side environment bench/peers_env.py makes; `--no-titan` leaves it out).
+Both train on the rows forja's default recipe trains on, in its order, at its model size
+(layers, width, heads, vocabulary), batch and steps, and are scored on the same windows by
+bench/race_eval.py.
 
 The evaluator: the mean next-token loss over fixed held-out windows (the validation split of
 the recipe's corpus, which training never reads: forja's ValidationLoader, `--windows`
@@ -32,19 +41,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "bench"))
+import peers  # noqa: E402
+from race_eval import held_out_loss, save_windows  # noqa: E402
+
 from forja.config import load_config  # noqa: E402
-from forja.train.launch.data import data  # noqa: E402
+from forja.train.launch.data import data, loaders  # noqa: E402
 from forja.train.trainer import Trainer  # noqa: E402
 
 DEFAULT, SPEEDRUN = "forja default", "forja speedrun"
 # Each switch of configs/speedrun.toml, as the overrides that apply it alone to the default
-# recipe; and Muon's variants (optim.muon), each on top of the Muon switch.
-MUON = ['optim.name="muon"', "optim.lr=0.01", "optim.muon.adamw_lr=0.003"]
+# recipe; Muon's variants (optim.muon), each on top of the Muon switch; and the switches tried
+# and left out of the recipe (a schedule, Llama's speedrun switches: forja/models/llama/model.py).
+MUON = ['optim.name="muon"', "optim.lr=0.01", "optim.muon.adamw_lr=0.006"]
 SWITCHES = {
     "muon": MUON,
     "muon + polar express (4 steps)": MUON + ['optim.muon.orthogonalizer="polar_express"', "optim.muon.ns_steps=4"],
@@ -53,7 +66,23 @@ SWITCHES = {
     "wsd schedule": ['schedule.name="wsd"', "schedule.decay_fraction=0.4", "schedule.min_lr_ratio=0.0",
                      "schedule.warmup_steps=10"],
     "bos-aligned packing": ['data.packing="bos"'],
+    "warm-up 10 and cosine to 0.2": ["schedule.warmup_steps=10", "schedule.min_lr_ratio=0.2"],
+    "bf16 autocast": ['train.precision="bf16"'],
+    "muon + bf16 orthogonalization": MUON + ['optim.muon.ns_dtype="bf16"'],
+    # At ffn_dim x 1.5 (1,152) the squared-ReLU MLP holds SwiGLU's parameters.
+    "relu2 mlp": ['model.overrides={ffn_activation = "relu2", ffn_dim = 1152}'],
+    "zero-init projections": ["model.overrides={zero_init_projections = true}"],
+    "u-net skips": ["model.overrides={unet_skips = true}"],
+    "logit soft cap 15": ["model.overrides={logit_softcap = 15.0}"],
 }
+
+
+NANOGPT, TITAN = "nanoGPT recipe (HF GPT-2 loop)", "torchtitan llama3 recipe"
+# Each peer: its worker script, and the optimizer values its recipe gives (torchtitan's
+# default_adamw and TrainingConfig's max_norm; nanoGPT's live in bench/race_nanogpt.py).
+PEERS = {NANOGPT: ("race_nanogpt.py", {}),
+         TITAN: ("peers_titan.py", {"lr": 8e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                                    "grad_clip": 1.0})}
 
 
 @dataclass
@@ -62,6 +91,8 @@ class Contender:
     recipe: str
     sets: list[str] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)  # {"step", "train_s", "tokens", "loss"}
+    peer: str = ""  # a peer's worker script in bench/; "": a forja recipe trained here
+    settings: dict = field(default_factory=dict)
 
 
 def held_out(recipe: str, sets: list[str], windows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -76,20 +107,78 @@ def held_out(recipe: str, sets: list[str], windows: int) -> list[tuple[torch.Ten
     return [(b.input_ids.clone(), b.labels.clone()) for b in loader]
 
 
-@torch.no_grad()
 def evaluate(model: torch.nn.Module, windows: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean next-token loss over the windows' labelled tokens, causal attention, fp32."""
+    """The one evaluator's score (bench/race_eval.py) of a forja model: its logits with causal
+    attention (no document ids), in eval mode."""
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
-    for inputs, labels in windows:
-        logits = model(inputs)  # (B, T, V)
-        mask = labels >= 0
-        total += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                 reduction="sum").item()
-        count += int(mask.sum())
-    model.train(was_training)
-    return total / count
+    try:
+        return held_out_loss(model, windows)
+    finally:
+        model.train(was_training)
+
+
+def train_rows(recipe: str, sets: list[str], steps: int, out: Path) -> tuple[str, dict]:
+    """The rows the recipe's own loader trains on in its first `steps` steps, in order, as
+    [steps x global batch, seq_len + 1] (inputs and the last label: its labels are the inputs
+    shifted), saved for the peers; and the model's shape, for theirs."""
+    from forja.models.config import run_model_args
+
+    cfg = load_config(recipe, sets)
+    tokenizer, dataset = data(cfg, rank=0)
+    loader, _ = loaders(cfg, dataset, dp_rank=0, dp_size=1)
+    rows = []
+    try:
+        for _ in range(steps):
+            for b in loader.next_step():
+                assert torch.equal(b.labels[:, :-1], b.input_ids[:, 1:]), "labels are not the inputs shifted"
+                rows.append(torch.cat([b.input_ids, b.labels[:, -1:]], dim=1))  # (m, T + 1)
+    finally:
+        loader.close()
+    path = str(out / "rows.pt")
+    torch.save(torch.cat(rows).contiguous(), path)
+    a = run_model_args(cfg.model, tokenizer.vocab_size)
+    shape = {"dim": a.dim, "n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,
+             "ffn_dim": a.ffn_dim, "vocab_size": a.vocab_size, "rope_theta": a.rope_theta, "norm_eps": a.norm_eps,
+             "max_seq_len": max(a.max_seq_len, cfg.train.seq_len), "tie_embeddings": a.tie_embeddings}
+    return path, shape
+
+
+def peer_spec(c: Contender, steps: int, rows: str, shape: dict, cfg) -> dict:
+    """What a peer's worker builds from: the default recipe's rows, size, batch and steps, its
+    own recipe's optimizer values, forja's host settings."""
+    script, optim = PEERS[c.name]
+    t = cfg.train
+    return {"seed": 0, "device": "cpu", "warmup": 0, "host": t.host_malloc, "threads": None, "tokens": rows,
+            "seq_len": t.seq_len, "batch": t.global_batch_size, "steps": steps, "shape": shape, "compile": False,
+            "ac": "none", "precision": "fp32", "attention": "sdpa", "recommended": True, "race": True,
+            "optim": optim, "forja_sets": []}
+
+
+def race_peer(c: Contender, steps: int, every: int, windows: str, spec: dict, python: str, out: Path) -> None:
+    """Train a peer in its own process, `every` steps a round, scoring it between rounds."""
+    entry = peers.Entry(c.name, PEERS[c.name][0], {}, python=python)
+    tokens_per_step = spec["batch"] * spec["seq_len"]
+    try:
+        peers.start(entry, spec, out, timeout=600)
+        c.settings = entry.ready["settings"]
+        train_s, step = 0.0, 0
+        c.evals.append({"step": 0, "train_s": 0.0, "tokens": 0,
+                        "loss": peers._send(entry, {"eval": windows}, 600)["held_out"]})
+        while step < steps:
+            k = min(every, steps - step)
+            train_s += peers._send(entry, {"steps": k}, 600)["seconds"]
+            step += k
+            loss = peers._send(entry, {"eval": windows}, 600)["held_out"]
+            c.evals.append({"step": step, "train_s": train_s, "tokens": step * tokens_per_step, "loss": loss})
+            print(f"  {c.name}: step {step}, {train_s:.1f} s, held-out loss {loss:.4f}", flush=True)
+    finally:
+        peers.stop([entry])
+
+
+def recipe_steps(c: Contender, steps: int | None) -> int:
+    """The steps `c` trains: --steps for all where given, else its recipe's own (train.steps)."""
+    return steps if steps is not None else load_config(c.recipe, c.sets).train.steps
 
 
 def race(c: Contender, steps: int, every: int, windows, out: Path) -> None:
@@ -135,7 +224,7 @@ def reached(evals: list[dict], target: float) -> dict | None:
 def summarize(contenders: list[Contender]) -> dict:
     rows = {c.name: {"final_loss": c.evals[-1]["loss"], "train_s": c.evals[-1]["train_s"],
                      "tokens": c.evals[-1]["tokens"], "steps": c.evals[-1]["step"], "evals": c.evals,
-                     "sets": c.sets} for c in contenders}
+                     "sets": c.sets, "settings": c.settings} for c in contenders}
     out: dict = {"contenders": rows}
     base = rows.get(DEFAULT)
     if base is None:
@@ -173,33 +262,65 @@ def markdown(result: dict, header: str) -> str:
     return "\n".join(lines)
 
 
-def contenders(ablate: bool, only: set[str] | None) -> list[Contender]:
+def contenders(ablate: bool, with_peers: bool, only: set[str] | None) -> list[Contender]:
     out = [Contender(DEFAULT, "default"), Contender(SPEEDRUN, "speedrun")]
     if ablate:
         out += [Contender(f"default + {name}", "default", sets) for name, sets in SWITCHES.items()]
+    if with_peers:
+        out += [Contender(name, "default", peer=script) for name, (script, _) in PEERS.items()]
     return [c for c in out if only is None or c.name in only]
+
+
+def run_peers(entries: list[Contender], args, windows, out: Path) -> list[Contender]:
+    """Race the peers among `entries` (torchtitan from its side environment, made if missing,
+    unless --no-titan), after writing the rows and windows they read; the contenders that ran."""
+    todo = [c for c in entries if c.peer and not (args.no_titan and c.name == TITAN)]
+    if not todo:
+        return []
+    steps = recipe_steps(Contender(DEFAULT, "default", list(args.sets)), args.steps)  # the default's
+    rows, shape = train_rows("default", args.sets, steps, out)
+    windows_path = str(out / "windows.pt")
+    save_windows(windows, windows_path)
+    ran = []
+    for c in todo:
+        if c.name == TITAN:
+            from peers_env import ensure_env  # made, or checked, once: torchtitan's pinned release
+
+            python = str(ensure_env(wheels=args.wheels))
+        else:
+            python = sys.executable
+        spec = peer_spec(c, steps, rows, shape, load_config("default", args.sets))
+        race_peer(c, steps, args.eval_every, windows_path, spec, python, out)
+        ran.append(c)
+    return ran
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200, help="steps for every contender (the default recipe's)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps for every contender; default: each recipe's own (the peers: the default's)")
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--windows", type=int, default=16, help="held-out micro-batches of the default recipe's shape")
     p.add_argument("--only", default="", help="contender names, comma-separated")
     p.add_argument("--ablate", action="store_true", help="add each speedrun switch alone on the default recipe")
+    p.add_argument("--peers", action="store_true", help="add nanoGPT's and torchtitan's recipes")
+    p.add_argument("--no-titan", action="store_true", help="leave torchtitan out (no side environment)")
+    p.add_argument("--wheels", default=None, help="install torchtitan offline from these wheels")
     p.add_argument("--set", dest="sets", action="append", default=[], help="an override for every contender")
     p.add_argument("--out", default="runs/bench-loss-race")
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     only = {n.strip() for n in args.only.split(",") if n.strip()} or None
-    entries = contenders(args.ablate, only)
+    entries = contenders(args.ablate, args.peers, only)
     for c in entries:
         c.sets = [*c.sets, *args.sets]
     windows = held_out("default", args.sets, args.windows)
     for c in entries:
-        race(c, args.steps, args.eval_every, windows, out)
-    result = summarize(entries)
+        if not c.peer:
+            race(c, recipe_steps(c, args.steps), args.eval_every, windows, out)
+    ran = {id(c) for c in run_peers(entries, args, windows, out)}
+    result = summarize([c for c in entries if not c.peer or id(c) in ran])
     command = " ".join(["python bench/loss_race.py", *(argv if argv is not None else sys.argv[1:])])
     result["meta"] = {"date": datetime.date.today().isoformat(), "machine": platform.platform(),
                       "cpu_count": os.cpu_count(), "torch": torch.__version__, "command": command,

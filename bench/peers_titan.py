@@ -76,6 +76,11 @@ def llama_config(shape: dict, attention: str):
     return config
 
 
+# The learning-rate schedule of torchtitan's own llama3 recipe (config_registry.llama3_debugmodel),
+# which the loss race trains with (spec["race"]); the throughput rounds keep the lr constant.
+RECIPE_SCHEDULE = dict(warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0)
+
+
 def trainer_config(spec: dict, recommended: bool, folder: str, data, tokenizer):
     """The Trainer.Config for the spec, in matched or recommended mode (the module's docstring)."""
     from torchtitan.components.checkpoint import CheckpointManager
@@ -88,7 +93,7 @@ def trainer_config(spec: dict, recommended: bool, folder: str, data, tokenizer):
     from torchtitan.models.llama3 import model_registry
     from torchtitan.trainer import Trainer
 
-    shape, o = spec["shape"], spec["optim"]
+    shape, o, race = spec["shape"], spec["optim"], bool(spec.get("race"))
     model_spec = replace(model_registry("debugmodel"), flavor="forja-peers",
                          model=llama_config(shape, spec.get("attention", "sdpa")))
     ce = CrossEntropyLoss.Config(global_vocab_size=shape["vocab_size"])
@@ -98,9 +103,11 @@ def trainer_config(spec: dict, recommended: bool, folder: str, data, tokenizer):
         tokenizer=tokenizer(vocab_size=shape["vocab_size"]), dataloader=data(dataset_path=spec["tokens"]),
         loss=ChunkedLossWrapper.Config(loss_fn=ce) if recommended else ce,
         optimizer=default_adamw(lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], weight_decay=o["weight_decay"]),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0),  # constant lr
+        lr_scheduler=LRSchedulersContainer.Config(**(RECIPE_SCHEDULE if race else dict(warmup_steps=0,
+                                                                                           decay_ratio=0.0))),
         training=TrainingConfig(local_batch_size=spec["batch"], seq_len=spec["seq_len"], max_norm=o["grad_clip"],
-                                steps=10**9, dtype="float32", mixed_precision_param="bfloat16" if bf16 else "float32",
+                                steps=spec["steps"] if race else 10**9, dtype="float32",
+                                mixed_precision_param="bfloat16" if bf16 else "float32",
                                 disable_cuda_graphs=not recommended),
         metrics=MetricsProcessor.Config(log_freq=10 if recommended else 10**9),
         checkpoint=CheckpointManager.Config(enable=False),
@@ -170,7 +177,20 @@ def build(spec: dict) -> Contender:
                 "log_freq": config.metrics.log_freq, "gc_freq": config.training.gc_freq,
                 "spmd_backend": config.parallelism.spmd_backend, "parallelism_applied": applied,
                 "structured_logging": config.debug.enable_structured_logging}
-    return Contender(step=step, params=params, settings=settings, shims=shims)
+    if config.training.steps < 10**9:
+        settings["lr_schedule"] = f"its llama3 recipe's over {config.training.steps} steps: {RECIPE_SCHEDULE}"
+
+    def logits(tokens: torch.Tensor) -> torch.Tensor:
+        model = trainer.model_parts[0]
+        skip, model._skip_lm_head = model._skip_lm_head, False  # its chunked loss applies lm_head itself
+        model.eval()
+        try:
+            return model(tokens)  # [B, T, V]: the model with its lm_head
+        finally:
+            model.train()
+            model._skip_lm_head = skip
+
+    return Contender(step=step, params=params, settings=settings, shims=shims, logits=logits)
 
 
 if __name__ == "__main__":

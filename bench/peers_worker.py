@@ -5,8 +5,9 @@ torch, so that every environment can import it.
 Protocol, one JSON object per line: the harness starts `python bench/peers_<name>.py SPEC_JSON`;
 the worker builds its model and optimizer, runs `spec["warmup"]` steps (compilation happens
 there) and prints {"ready": ...}. Then for each {"steps": K} read on stdin it runs K steps and
-prints {"seconds": ..., "peak_bytes": ..., "loss": ...}; {"quit": true} ends it. Logs go to
-stderr: stdout carries the protocol only.
+prints {"seconds": ..., "peak_bytes": ..., "loss": ...}; for {"eval": WINDOWS_PATH} (bench/loss_race.py)
+it prints {"held_out": ...}, its model scored by bench/race_eval.py's one evaluator; {"quit": true}
+ends it. Logs go to stderr: stdout carries the protocol only.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class Contender:
     params: int
     settings: dict = field(default_factory=dict)  # what this framework ran with, as it names it
     shims: list[str] = field(default_factory=list)  # what had to be changed to run it here
+    logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """tokens (B, T) -> the model's logits (B, T, V) in eval mode, for the loss race's evaluator."""
 
 
 def token_batches(spec: dict, key: str = "tokens") -> torch.Tensor:
@@ -89,17 +92,24 @@ def serve(build: Callable[[dict], Contender]) -> None:
     sys.stdout = sys.stderr  # anything the framework prints stays off the protocol
     started = time.perf_counter()
     contender = build(spec)
-    for _ in range(spec["warmup"]):
+    loss = None
+    for _ in range(spec["warmup"]):  # 0 in the loss race: every step it trains is scored
         loss = contender.step()
     _sync(device)
     ready = {"ready": True, "build_s": round(time.perf_counter() - started, 2), "params": contender.params,
              "settings": {**contender.settings, "host": host}, "shims": contender.shims, "torch": torch.__version__,
-             "warmup_loss": float(loss)}
+             "warmup_loss": None if loss is None else float(loss)}
     print(json.dumps(ready), file=protocol, flush=True)
     for line in sys.stdin:
         order = json.loads(line)
         if order.get("quit"):
             break
+        if "eval" in order:
+            from race_eval import held_out_loss, load_windows
+
+            value = held_out_loss(contender.logits, load_windows(order["eval"]))
+            print(json.dumps({"held_out": value}), file=protocol, flush=True)
+            continue
         _reset_peak(device)
         _sync(device)
         start = time.perf_counter()

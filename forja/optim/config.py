@@ -43,6 +43,10 @@ class MuonConfig:
     cautious_weight_decay: bool = False
     """Decay a weight only where its update has the weight's sign (Chen et al. 2025): the decay
     never pushes against an update that already shrinks the weight."""
+    ns_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """The dtype the orthogonalization computes in: auto = bf16 on CUDA, fp32 elsewhere (fp32
+    keeps CPU runs equal across layouts within fp32 rounding); bf16 on a CPU with bf16 matrix
+    units (AMX) halves its time (bench/RESULTS.md, "The best model per second")."""
     update_scale: Literal["rms_match", "spectral", "none"] = "rms_match"
     """Scale of the orthogonal update of an m x n matrix: rms_match = 0.2 sqrt(max(m, n)), so its
     RMS matches AdamW's and AdamW's learning rate and weight decay carry over (Liu et al. 2025);

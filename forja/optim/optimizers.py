@@ -108,7 +108,8 @@ def _muon(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     return Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
                 ns_steps=m.ns_steps, ns_coefficients=tuple(m.ns_coefficients), update_scale=m.update_scale,
                 betas=tuple(cfg.betas), eps=cfg.eps, bucket_bytes=m.bucket_bytes, orthogonalizer=m.orthogonalizer,
-                cautious_weight_decay=m.cautious_weight_decay)
+                cautious_weight_decay=m.cautious_weight_decay,
+                ns_dtype={"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[m.ns_dtype])
 
 
 # Each optimizer's default learning rate, taken when `--set optim.name` switches to it without

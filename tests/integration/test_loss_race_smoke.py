@@ -1,6 +1,8 @@
 """bench/loss_race.py at a tiny size: the default and speedrun recipes (and a switch alone) train
-in one process, the one evaluator scores each on the held-out windows as it trains, and the race
-is computed. No timing or loss level is asserted: bench/RESULTS.md has the measured race."""
+in one process, the peers' recipes (nanoGPT's over transformers' GPT-2, torchtitan's llama3 from
+its side environment) each in their own on the same rows, the one evaluator scores each on the
+held-out windows as it trains, and the race is computed. No timing or loss level is asserted:
+bench/RESULTS.md has the measured race."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import math
 import sys
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -16,10 +20,10 @@ import loss_race  # noqa: E402
 
 
 def test_the_race_trains_each_recipe_and_scores_it_on_held_out_windows(tmp_path, train_data):
-    only = f"{loss_race.DEFAULT},{loss_race.SPEEDRUN},default + qk-norm"
+    only = f"{loss_race.DEFAULT},{loss_race.SPEEDRUN},default + qk-norm,{loss_race.NANOGPT},{loss_race.TITAN}"
     sets = [f"data.path={json.dumps(str(train_data))}", 'model.flavor="debug"', "train.seq_len=64",
             "schedule.warmup_steps=1"]
-    argv = ["--steps", "3", "--eval-every", "2", "--windows", "2", "--ablate", "--only", only,
+    argv = ["--steps", "3", "--eval-every", "2", "--windows", "2", "--ablate", "--peers", "--only", only,
             "--out", str(tmp_path)] + [a for s in sets for a in ("--set", s)]
     result = loss_race.main(argv)
     rows = result["contenders"]
@@ -30,6 +34,12 @@ def test_the_race_trains_each_recipe_and_scores_it_on_held_out_windows(tmp_path,
         assert all(math.isfinite(e["loss"]) for e in row["evals"]), row
         assert row["tokens"] == 3 * 8 * 64 and row["train_s"] > 0
         assert math.isfinite(row["loss_at_default_time"])
+    rows_file = torch.load(tmp_path / "rows.pt", weights_only=True)
+    assert rows_file.shape == (3 * 8, 65)  # the default recipe's 3 steps of 8 rows, each inputs + last label
+    nanogpt, titan = rows[loss_race.NANOGPT]["settings"], rows[loss_race.TITAN]["settings"]
+    assert nanogpt["recipe"].startswith("nanoGPT train_shakespeare_char: learning_rate 0.001"), nanogpt
+    assert "its llama3 recipe's over 3 steps" in titan["lr_schedule"] and titan["torchtitan"] == "0.3.0", titan
+    assert "retain" in nanogpt["host"] and "retain" in titan["host"]  # forja's host settings for the peers too
     race = result["race"]
     assert race["target"] == rows[loss_race.DEFAULT]["final_loss"] and race["cost_per_step"] > 0
     assert (tmp_path / "loss_race.md").read_text().startswith(result["meta"]["date"])

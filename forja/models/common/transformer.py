@@ -289,8 +289,7 @@ class Transformer(nn.Module):
         kinds = {name: self.args.layer_type(int(name)) for name in self.layers}
         ropes = {kind: self.rope_tables_for(kind, positions) for kind in set(kinds.values())}
         masks = {kind: self.mask_for(kind, document_ids, T, start, tokens.device, sequence) for kind in ropes}
-        for name, block in self.layers.items():
-            h = block(h, ropes[kinds[name]], masks[kinds[name]], cache, int(name))
+        h = self.run_blocks(h, kinds, ropes, masks, cache)
         if cache is not None:
             cache.advance(T)
         if self.norm is not None:
@@ -312,6 +311,14 @@ class Transformer(nn.Module):
                                      mask=mask)
             loss = self.mtp.attach(loss, losses)  # the same value; the MTP losses join its backward
         return loss
+
+    def run_blocks(self, h: torch.Tensor, kinds: dict[str, str], ropes: dict, masks: dict,
+                   cache: KVCache | None) -> torch.Tensor:
+        """The hidden states (B, T, dim) through this part's blocks in order, each with its kind's
+        rotary tables and mask."""
+        for name, block in self.layers.items():
+            h = block(h, ropes[kinds[name]], masks[kinds[name]], cache, int(name))
+        return h
 
     def rope_tables_for(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary tables of blocks of `kind`: the same for all unless a family uses

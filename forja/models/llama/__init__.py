@@ -8,7 +8,7 @@ RoPE base and scaling, vocabulary of 128,256, 131,072-token context for 3.1/3.2)
 
 from forja.models.common.rope import RopeScaling
 from forja.models.llama.hf import ADAPTER
-from forja.models.llama.model import Llama, LlamaArgs
+from forja.models.llama.model import Llama, LlamaArgs, llama_tp_plan
 from forja.models.spec import ModelSpec
 
 _LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
@@ -34,4 +34,4 @@ FLAVORS: dict[str, dict] = {
                      rope_scaling=RopeScaling(**_LLAMA31_SCALING), **_LLAMA3),
 }
 
-SPEC = ModelSpec("llama", Llama, LlamaArgs, FLAVORS, ADAPTER)
+SPEC = ModelSpec("llama", Llama, LlamaArgs, FLAVORS, ADAPTER, tp_plan=llama_tp_plan)

@@ -27,9 +27,10 @@ def args_from_config(cfg: dict) -> LlamaArgs:
 
 
 def config_from_args(a: LlamaArgs) -> dict:
-    if a.qk_norm or a.sliding_window is not None:
-        raise ForjaError("a Llama with qk_norm or sliding_window has no LlamaForCausalLM equivalent in "
-                         "transformers; export a model trained without them")
+    if blockers := a.hf_blockers():
+        raise ForjaError(f"a Llama with {', '.join(blockers)} has no LlamaForCausalLM equivalent in transformers; "
+                         "load its checkpoint with forja (forja generate, forja eval) or export a model trained "
+                         "without them")
     return {"architectures": list(ARCHITECTURES), "model_type": "llama", **hf_rules.decoder_config(a),
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, **hf_rules.rope_config(a)}
 

@@ -176,3 +176,17 @@ def test_registry_builds_one_optimizer_with_flagged_groups_and_a_schedule():
     assert by_name["muon"]["lr"] == pytest.approx(0.02 * factor) and factor < 1
     assert by_name["matrices"]["lr"] == pytest.approx(0.003 * factor)
     assert set(opt.state_dict()["state"][0]) == {"momentum_buffer"}
+
+
+def test_ns_dtype_bf16_orthogonalizes_in_bfloat16_to_the_same_band():
+    """optim.muon.ns_dtype: "auto" keeps fp32 on a CPU; "bf16" computes the iteration in bf16
+    (faster on CPUs with bf16 matrix units) and still lands the singular values in the band."""
+    model = build_model("llama", "debug")
+    assert build_optimizer(model, OptimConfig(name="muon")).ns_dtype is None  # auto: fp32 here
+    opt = build_optimizer(model, OptimConfig(name="muon", muon=MuonConfig(ns_dtype="bf16")))
+    assert opt.ns_dtype == torch.bfloat16
+    u = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    low, high = newton_schulz(u, COEFFS, 5, torch.bfloat16), newton_schulz(u, COEFFS, 5, torch.float32)
+    assert low.dtype == torch.float32 and not torch.equal(low, high)  # computed in bf16, returned in u's dtype
+    s = torch.linalg.svdvals(low)
+    assert s.min() > 0.5 and s.max() < 1.3
