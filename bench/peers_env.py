@@ -24,6 +24,7 @@ typeguard, tyro); the offline machine must have torchtitan's other requirements 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import site
@@ -111,7 +112,15 @@ def _pip(python: Path, wheels: str | None, torch_version: str) -> None:
 
 def ensure_env(wheels: str | None = None, venv: Path = VENV, log=sys.stderr) -> Path:
     """The side environment's python, made or remade only when it is missing, broken, or made
-    for another caller (another torch or another set of package folders)."""
+    for another caller (another torch or another set of package folders). One process makes it
+    at a time (a lock file beside it): test workers running two harnesses may ask at once."""
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.with_name(venv.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _ensure_env(wheels, venv, log)
+
+
+def _ensure_env(wheels: str | None, venv: Path, log) -> Path:
     torch_version, paths = _torch_version(), _caller_paths()
     want = {"torchtitan": TORCHTITAN, "torch": torch_version, "caller": sys.executable, "paths": paths}
     python, marker = _python(venv), venv / MARKER
