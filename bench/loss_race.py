@@ -50,7 +50,7 @@ import peers  # noqa: E402
 from race_eval import held_out_loss, save_windows  # noqa: E402
 
 from forja.config import load_config  # noqa: E402
-from forja.train.launch.data import data, loaders  # noqa: E402
+from forja.train.launch.data import data  # noqa: E402
 from forja.train.trainer import Trainer  # noqa: E402
 
 DEFAULT, SPEEDRUN = "forja default", "forja speedrun"
@@ -118,36 +118,10 @@ def evaluate(model: torch.nn.Module, windows: list[tuple[torch.Tensor, torch.Ten
         model.train(was_training)
 
 
-def train_rows(recipe: str, sets: list[str], steps: int, out: Path) -> tuple[str, dict]:
-    """The rows the recipe's own loader trains on in its first `steps` steps, in order, as
-    [steps x global batch, seq_len + 1] (inputs and the last label: its labels are the inputs
-    shifted), saved for the peers; and the model's shape, for theirs."""
-    from forja.models.config import run_model_args
-
-    cfg = load_config(recipe, sets)
-    tokenizer, dataset = data(cfg, rank=0)
-    loader, _ = loaders(cfg, dataset, dp_rank=0, dp_size=1)
-    rows = []
-    try:
-        for _ in range(steps):
-            for b in loader.next_step():
-                assert torch.equal(b.labels[:, :-1], b.input_ids[:, 1:]), "labels are not the inputs shifted"
-                rows.append(torch.cat([b.input_ids, b.labels[:, -1:]], dim=1))  # (m, T + 1)
-    finally:
-        loader.close()
-    path = str(out / "rows.pt")
-    torch.save(torch.cat(rows).contiguous(), path)
-    a = run_model_args(cfg.model, tokenizer.vocab_size)
-    shape = {"dim": a.dim, "n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,
-             "ffn_dim": a.ffn_dim, "vocab_size": a.vocab_size, "rope_theta": a.rope_theta, "norm_eps": a.norm_eps,
-             "max_seq_len": max(a.max_seq_len, cfg.train.seq_len), "tie_embeddings": a.tie_embeddings}
-    return path, shape
-
-
 def peer_spec(c: Contender, steps: int, rows: str, shape: dict, cfg) -> dict:
     """What a peer's worker builds from: the default recipe's rows, size, batch and steps, its
     own recipe's optimizer values, forja's host settings."""
-    script, optim = PEERS[c.name]
+    optim = PEERS[c.name][1]
     t = cfg.train
     return {"seed": 0, "device": "cpu", "warmup": 0, "host": t.host_malloc, "threads": None, "tokens": rows,
             "seq_len": t.seq_len, "batch": t.global_batch_size, "steps": steps, "shape": shape, "compile": False,
@@ -164,12 +138,12 @@ def race_peer(c: Contender, steps: int, every: int, windows: str, spec: dict, py
         c.settings = entry.ready["settings"]
         train_s, step = 0.0, 0
         c.evals.append({"step": 0, "train_s": 0.0, "tokens": 0,
-                        "loss": peers._send(entry, {"eval": windows}, 600)["held_out"]})
+                        "loss": peers.send(entry, {"eval": windows}, 600)["held_out"]})
         while step < steps:
             k = min(every, steps - step)
-            train_s += peers._send(entry, {"steps": k}, 600)["seconds"]
+            train_s += peers.send(entry, {"steps": k}, 600)["seconds"]
             step += k
-            loss = peers._send(entry, {"eval": windows}, 600)["held_out"]
+            loss = peers.send(entry, {"eval": windows}, 600)["held_out"]
             c.evals.append({"step": step, "train_s": train_s, "tokens": step * tokens_per_step, "loss": loss})
             print(f"  {c.name}: step {step}, {train_s:.1f} s, held-out loss {loss:.4f}", flush=True)
     finally:
@@ -274,11 +248,17 @@ def contenders(ablate: bool, with_peers: bool, only: set[str] | None) -> list[Co
 def run_peers(entries: list[Contender], args, windows, out: Path) -> list[Contender]:
     """Race the peers among `entries` (torchtitan from its side environment, made if missing,
     unless --no-titan), after writing the rows and windows they read; the contenders that ran."""
+    from forja.models.config import run_model_args
+
     todo = [c for c in entries if c.peer and not (args.no_titan and c.name == TITAN)]
     if not todo:
         return []
-    steps = recipe_steps(Contender(DEFAULT, "default", list(args.sets)), args.steps)  # the default's
-    rows, shape = train_rows("default", args.sets, steps, out)
+    cfg = load_config("default", args.sets)
+    steps = args.steps if args.steps is not None else cfg.train.steps  # the default's
+    tokenizer, dataset = data(cfg, rank=0)
+    rows = str(out / "rows.pt")  # (steps x global batch, seq_len + 1): what the default trains on, in order
+    torch.save(peers.loader_rows(cfg, dataset, steps * cfg.train.global_batch_size)[0], rows)
+    shape = peers.model_shape(run_model_args(cfg.model, tokenizer.vocab_size), cfg.train.seq_len)
     windows_path = str(out / "windows.pt")
     save_windows(windows, windows_path)
     ran = []
@@ -289,7 +269,7 @@ def run_peers(entries: list[Contender], args, windows, out: Path) -> list[Conten
             python = str(ensure_env(wheels=args.wheels))
         else:
             python = sys.executable
-        spec = peer_spec(c, steps, rows, shape, load_config("default", args.sets))
+        spec = peer_spec(c, steps, rows, shape, cfg)
         race_peer(c, steps, args.eval_every, windows_path, spec, python, out)
         ran.append(c)
     return ran

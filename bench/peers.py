@@ -100,6 +100,34 @@ PAIRS = [("forja eager", "HF loop eager"), ("forja compiled", "HF loop compiled"
 HOSTS = {"forja": "retain", "none": "system"}
 
 
+def model_shape(args, seq_len: int) -> dict:
+    """The fields of forja's model args a peer builds the same shape from (its own layers and init)."""
+    return {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+            "ffn_dim": args.ffn_dim, "vocab_size": args.vocab_size, "rope_theta": args.rope_theta,
+            "norm_eps": args.norm_eps, "max_seq_len": max(args.max_seq_len, seq_len),
+            "tie_embeddings": args.tie_embeddings}
+
+
+def loader_rows(cfg, dataset, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `rows` rows forja's own loader trains the recipe on, in its order: tokens
+    [rows, seq_len + 1] (a row's inputs and its last label: the labels are the inputs shifted,
+    checked) and the document id of each input token [rows, seq_len]."""
+    from forja.train.launch.data import loaders
+
+    loader, _ = loaders(cfg, dataset, dp_rank=0, dp_size=1)
+    taken, documents = [], []
+    try:
+        while sum(t.shape[0] for t in taken) < rows:
+            for b in loader.next_step():
+                # Every contender trains on a row's next tokens: forja's labels must be just that.
+                assert torch.equal(b.labels[:, :-1], b.input_ids[:, 1:]), "labels are not the inputs shifted"
+                taken.append(torch.cat([b.input_ids, b.labels[:, -1:].clamp(min=0)], dim=1))  # [m, T + 1]
+                documents.append(b.document_ids)  # [m, T]
+    finally:
+        loader.close()
+    return torch.cat(taken)[:rows].contiguous(), torch.cat(documents)[:rows].contiguous()
+
+
 def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple[dict, dict, int, dict[str, str]]:
     """forja's model shape for the recipe, the Hugging Face config forja exports it as, its
     FLOPs per token, and `rows` token rows from forja's own loader (the same tokens for every
@@ -108,33 +136,23 @@ def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple
     from forja.models import build_from_args
     from forja.models.config import run_model_args
     from forja.models.llama.hf import config_from_args
-    from forja.train.launch.data import data, loaders
+    from forja.train.launch.data import data
 
     cfg = load_config(size["recipe"], [*size["sets"], *sets, f"train.seq_len={size['seq_len']}",
                                         f"train.global_batch_size={size['batch']}",
                                         f"train.micro_batch_size={size['batch']}"])
     tokenizer, dataset = data(cfg, rank=0)
     args = run_model_args(cfg.model, tokenizer.vocab_size)
-    loader, _ = loaders(cfg, dataset, dp_rank=0, dp_size=1)
-    taken, documents = [], []
-    while sum(t.shape[0] for t in taken) < rows:
-        for b in loader.next_step():  # labels are the inputs shifted: a row is inputs + the last label
-            taken.append(torch.cat([b.input_ids, b.labels[:, -1:].clamp(min=0)], dim=1))  # [m, T + 1]
-            documents.append(b.document_ids)  # [m, T]
-    loader.close()
+    tokens, documents = loader_rows(cfg, dataset, rows)
     # The document ids: forja's bare loop masks documents as its Trainer does (the others attend causally).
     paths = {"tokens": str(out / "tokens.pt"), "documents": str(out / "documents.pt")}
-    torch.save(torch.cat(taken)[:rows].contiguous(), paths["tokens"])
-    torch.save(torch.cat(documents)[:rows].contiguous(), paths["documents"])
-    shape = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
-             "ffn_dim": args.ffn_dim, "vocab_size": args.vocab_size, "rope_theta": args.rope_theta,
-             "norm_eps": args.norm_eps, "max_seq_len": max(args.max_seq_len, size["seq_len"]),
-             "tie_embeddings": args.tie_embeddings}
+    torch.save(tokens, paths["tokens"])
+    torch.save(documents, paths["documents"])
     flops = build_from_args(args, device="meta").flops_per_token(size["seq_len"])
-    return shape, config_from_args(args), flops, paths
+    return model_shape(args, size["seq_len"]), config_from_args(args), flops, paths
 
 
-def _send(entry: Entry, order: dict, timeout: float) -> dict:
+def send(entry: Entry, order: dict, timeout: float) -> dict:
     entry.proc.stdin.write(json.dumps(order) + "\n")
     entry.proc.stdin.flush()
     return _answer(entry, timeout)
@@ -277,14 +295,14 @@ def main(argv: list[str] | None = None) -> dict:
         if one_at_a_time:
             for e in entries:
                 start(e, spec, out, args.timeout)
-                e.rounds = [_send(e, {"steps": args.steps}, args.timeout) for _ in range(args.rounds)]
+                e.rounds = [send(e, {"steps": args.steps}, args.timeout) for _ in range(args.rounds)]
                 stop([e])
         else:
             for e in entries:
                 start(e, spec, out, args.timeout)
             for r in range(args.rounds):
                 for e in entries[r % len(entries):] + entries[:r % len(entries)]:
-                    e.rounds.append(_send(e, {"steps": args.steps}, args.timeout))
+                    e.rounds.append(send(e, {"steps": args.steps}, args.timeout))
     finally:
         stop(entries)
     peak = cpu_peak_flops() if args.device == "cpu" else 790e12  # H200 bf16, measured (issue #27)

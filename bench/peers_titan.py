@@ -177,7 +177,7 @@ def build(spec: dict) -> Contender:
                 "log_freq": config.metrics.log_freq, "gc_freq": config.training.gc_freq,
                 "spmd_backend": config.parallelism.spmd_backend, "parallelism_applied": applied,
                 "structured_logging": config.debug.enable_structured_logging}
-    if config.training.steps < 10**9:
+    if spec.get("race"):
         settings["lr_schedule"] = f"its llama3 recipe's over {config.training.steps} steps: {RECIPE_SCHEDULE}"
 
     def logits(tokens: torch.Tensor) -> torch.Tensor:

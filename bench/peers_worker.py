@@ -100,6 +100,7 @@ def serve(build: Callable[[dict], Contender]) -> None:
              "settings": {**contender.settings, "host": host}, "shims": contender.shims, "torch": torch.__version__,
              "warmup_loss": None if loss is None else float(loss)}
     print(json.dumps(ready), file=protocol, flush=True)
+    windows: dict = {}  # held-out windows by path
     for line in sys.stdin:
         order = json.loads(line)
         if order.get("quit"):
@@ -107,7 +108,9 @@ def serve(build: Callable[[dict], Contender]) -> None:
         if "eval" in order:
             from race_eval import held_out_loss, load_windows
 
-            value = held_out_loss(contender.logits, load_windows(order["eval"]))
+            if order["eval"] not in windows:  # read once: the race scores on them every round
+                windows[order["eval"]] = load_windows(order["eval"])
+            value = held_out_loss(contender.logits, windows[order["eval"]])
             print(json.dumps({"held_out": value}), file=protocol, flush=True)
             continue
         _reset_peak(device)

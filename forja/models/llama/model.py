@@ -89,7 +89,7 @@ class Llama(RotaryDecoder):
 
     def __init__(self, args: LlamaArgs):
         super().__init__(args)
-        # One learned scale per skip, (n_layers // 2,); a pipeline stage's part keeps it too.
+        # One learned scale per skip, (n_layers // 2,), at the root: its blocks may not be split (layout_limits).
         self.skip_weights = nn.Parameter(torch.ones(args.n_layers // 2)) if args.unet_skips else None
 
     def build_block(self, layer: int) -> TransformerBlock:
