@@ -271,8 +271,9 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
     ups = 1 if block.expert_activation == "relu2" else 2  # Nemotron 3's experts have no gate: w1 alone
     if block.ffn == "moe":
         # Under autocast the router keeps the fp32 input itself, and the shared experts' w1, w3
-        # and their gate each their own bf16 cast (the routed rows are gathered copies, below).
-        shared_readers = (ups + block.shared_expert_gate) if a.shared_width else 0
+        # and their gate each their own bf16 cast (the routed rows are gathered copies, below),
+        # as latent experts' projection down does.
+        shared_readers = ((ups + block.shared_expert_gate) if a.shared_width else 0) + bool(block.expert_width)
         norm = _sublayer_input(job, lay, block, replace(w, gathered=1.0, float8_gathered=False), 1)  # no gather
         norm += (shared_readers * a.dim * w.lin + a.dim * (w.res - w.lin)) if autocast else 0.0
     else:
@@ -292,19 +293,24 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
     # (forja/models/common/tp_plan.py, SplitTokens): per token of the sequence, 1/tp of it.
     k, h = a.top_k, a.moe_ffn_dim
     cf = a.capacity_factor if a.capacity_factor > 0 else 1.0
+    # Latent experts (Nemotron 3 Super) compute in width L on the projection's output, a matmul's
+    # (its dtype w.lin, one cast for every reader); projected back up from the (N, L) sum, kept.
+    L, latent = block.expert_width or a.dim, bool(block.expert_width)
+    casts, source = (1 if latent or not autocast else ups), (w.lin if latent else FP32)
     # The clamped SwiGLU keeps 7 hidden-wide tensors: gate and up (biased), the clamped gate,
     # its sigmoid, up + 1, gate * sigmoid and the product; SwiGLU 4 (3 fused) as above.
     # Squared ReLU (relu2) keeps 2: relu(up) and its square.
     act = {"clamped_swiglu": 7, "relu2": 2}.get(block.expert_activation, 4)
-    # Per slot: the rows sorted in (under autocast w1 and w3 each keep their own bf16 cast),
-    # the experts' output, and it times the fp32 weights (fp32: index_add's source); the expert FFN.
-    routed = cf * k * (((ups if autocast else 1) + 1 + act * h / a.dim) * a.dim * w.lin + a.dim * FP32)
+    # Per slot: the rows sorted in (under autocast w1 and w3 each keep their own bf16 cast of
+    # fp32 rows), the experts' output, and it times the fp32 weights (index_add's source, in the
+    # rows' dtype); the expert FFN.
+    routed = cf * k * ((casts + 1 + act * h / L) * L * w.lin + L * source) + latent * L * w.lin
     shared = a.shared_width * (gated if ups == 2 else 2) * w.lin
     if a.shared_width and block.shared_expert_gate:
         shared += a.dim * w.lin + FP32  # the shared output and its sigmoid gate, kept for the product
     router = a.n_experts * FP32 * 2 + k * 24  # logits, scores; indices
     router += a.dim * FP32 if w.res != FP32 else 0.0  # the router's fp32 copy of a bf16 input
-    matmuls = cf * k * (ups * h + a.dim) * w.lin + ups * a.shared_width * w.lin
+    matmuls = (cf * k * (ups * h + L) + ups * a.shared_width + latent * (L + a.dim)) * w.lin
     return norm + (routed + shared + router) / t, matmuls / t
 
 

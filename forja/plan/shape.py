@@ -69,6 +69,9 @@ class BlockShape:
     Nemotron 3's); "" without."""
     shared_expert_gate: bool = False
     """A mixture of experts' shared expert scaled by a per-token sigmoid gate (Qwen3.5)."""
+    expert_width: int = 0
+    """The routed experts' width where the layer projects to it and back (Nemotron 3 Super's
+    latent experts, `LatentMoE`); 0: the model's."""
     indexer: tuple[int, ...] = ()
     """DeepSeek Sparse Attention's indexer (`BlockStructure.indexer`): (heads, width, top-k, stage
     0 untrained / 1 dense warm-up / 2 sparse); () for dense attention."""
@@ -182,4 +185,5 @@ def _structure(s: BlockStructure, kind: str, mtp: bool) -> dict:
     record the block declares (forja/models/common/blocks.py)."""
     return dict(kind=kind, norms=s.norms, ffn=s.ffn, output_gate=s.output_gate, sinks=s.sinks,
                 mixer=s.gated_deltanet, mamba2=s.mamba2, mtp=mtp, zero_centered=s.norm == "zero_centered",
-                expert_activation=s.expert_activation, shared_expert_gate=s.shared_expert_gate, indexer=s.indexer)
+                expert_activation=s.expert_activation, shared_expert_gate=s.shared_expert_gate, indexer=s.indexer,
+                expert_width=s.expert_width)

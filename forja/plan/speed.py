@@ -125,17 +125,18 @@ def routed_expert_flops(job: Job, block) -> float:
     return 6.0 * block.experts * a.top_k / a.n_experts
 
 
-def expert_gemm_factor(job: Job, lay: Layout, tokens_mb: float) -> float:
+def expert_gemm_factor(job: Job, lay: Layout, tokens_mb: float, block) -> float:
     """The routed experts' matmul rate over the block's dense one: each expert's GEMM has only
     the tokens routed to it as rows (top_k x the rank's tokens spread over n_experts / ep local
-    experts, evenly routed) and moe_ffn_dim as its narrow side, so small experts fill few tiles
+    experts, evenly routed) and the narrower of moe_ffn_dim and the experts' width (the model's,
+    or latent experts' `expert_width`) as its narrow side, so small experts fill few tiles
     (the same wave-quantization factor as any matmul, HALF_RATE_SIZE)."""
     a = job.args
     if not (isinstance(a, MoEArgs) and a.n_experts and a.moe_ffn_dim):
         return 1.0
     rows = tokens_mb / lay.tp * a.top_k * lay.ep / a.n_experts  # under TP a rank routes 1/tp of the tokens
     dense = matmul_efficiency(tokens_mb, min(a.dim, a.n_heads * a.head_dim / lay.tp))
-    return matmul_efficiency(rows, min(a.dim, a.moe_ffn_dim)) / dense
+    return matmul_efficiency(rows, min(block.expert_width or a.dim, a.moe_ffn_dim)) / dense
 
 
 def recompute_factor(lay: Layout) -> float:
@@ -167,7 +168,8 @@ def elementwise_bytes(job: Job, lay: Layout, block) -> float:
     adds = 2 * 3 * a.dim * res / sp
     rope = (2 if job.compiled or "rope" in job.fused else 6) * (q + kv) * lin
     act = (3 if act_fused else 5) * f * lin if block.gated else (2 if act_fused else 4) * f * lin
-    shuffle = 4 * a.top_k * a.dim * lin / lay.tp if block.moe else 0.0  # permute in, unpermute, weight, combine
+    # permute in, unpermute, weight, combine: rows of the experts' width (latent experts' is narrower)
+    shuffle = 4 * a.top_k * (block.expert_width or a.dim) * lin / lay.tp if block.moe else 0.0
     forward = norms + adds + rope + act + shuffle
     rerun = 1.0 if lay.ac in ("full", "selective") and not lay.ac_every else (1 / lay.ac_every if lay.ac_every else 0)
     return forward * (3 + rerun)
@@ -206,11 +208,11 @@ def _compute_time(job: Job, lay: Layout, hw: Hardware, rm, tokens_mb: float, tok
     linear_rate = rate * (hw.fp8_flops / peak if fp8 else 1.0)
     attn_rate = attention_rate(job, hw)
     hbm = hw.hbm_bytes_per_s * HBM_EFFICIENCY
-    expert_rate = linear_rate * expert_gemm_factor(job, lay, tokens_mb)
     linear = attn = memory = 0.0
     ring = ring_attention_seconds(job, lay, hw) if lay.cp > 1 and lay.cp_kind == "ring" else None
     for b, idx in rm.groups:
         n, attention, routed = len(idx), attention_flops(job, b), routed_expert_flops(job, b)
+        expert_rate = linear_rate * expert_gemm_factor(job, lay, tokens_mb, b) if routed else linear_rate
         dense = (b.flops_per_token - attention - routed) / linear_rate + routed / expert_rate
         linear += n * dense * recompute_factor(lay) / lay.tp
         if lay.op_level_alternate:  # the matmuls it recomputes, their forward again (per rank already)

@@ -49,6 +49,9 @@ class BlockStructure:
     """A mixture of experts' activation ("swiglu", "clamped_swiglu", "relu2"); "" without experts."""
     shared_expert_gate: bool = False
     """A mixture of experts' shared expert is scaled by a per-token sigmoid gate."""
+    expert_width: int = 0
+    """The width a mixture of experts' routed experts compute in where it projects their input
+    down and their sum back up (Nemotron 3 Super's latent experts); 0: the model's width."""
     indexer: tuple[int, ...] = ()
     """DeepSeek Sparse Attention's lightning indexer as built (forja/models/common/sparse_attention.py):
     (indexer heads, indexer head width, top-k keys, dsa_stage: 0 untrained, 1 dense warm-up, 2 sparse);

@@ -345,12 +345,14 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 class MoE(nn.Module):
     """The feed-forward of an MoE block: (B, T, D) -> (B, T, D)."""
 
-    def __init__(self, dim: int, args: MoEArgs, *, fused_swiglu: bool = False, shared_bias: bool = False):
+    def __init__(self, dim: int, args: MoEArgs, *, fused_swiglu: bool = False, shared_bias: bool = False,
+                 expert_dim: int = 0):
         super().__init__()
         args.check_moe()
         self.args = args
         self.router = Router(dim, args)
-        self.experts = GroupedExperts(args.n_experts, dim, args.moe_ffn_dim, args.moe_impl,
+        # `expert_dim`: the routed experts' width where a family projects their input (0: dim).
+        self.experts = GroupedExperts(args.n_experts, expert_dim or dim, args.moe_ffn_dim, args.moe_impl,
                                       bias=args.expert_proj_bias, activation=args.expert_activation,
                                       limit=args.swiglu_limit, alpha=args.swiglu_alpha)
         shared = args.shared_width
@@ -378,13 +380,15 @@ class MoE(nn.Module):
         route = self.router(flat)
         routed = torch.bincount(route.experts.flatten(), minlength=self.args.n_experts)  # (E,) slots per expert
         slots, token_of, weights, counts = self._dispatch_order(route, routed)
-        rows = flat[token_of]  # (M, D), M kept token-slots sorted by expert
+        expert_in = self.to_expert_width(flat)  # (N, W)
+        rows = expert_in[token_of]  # (M, W), M kept token-slots sorted by expert
         if self.args.scale_expert_input:
-            y = self.experts((rows * weights[:, None]).to(flat.dtype), counts)
+            y = self.experts((rows * weights[:, None]).to(expert_in.dtype), counts)
         else:
             # The fp32 weights promote: one rounding to the model's dtype below.
             y = self.experts(rows, counts) * weights[:, None]
-        out = torch.zeros_like(flat).index_add_(0, token_of, y.to(flat.dtype))  # (N, D)
+        summed = torch.zeros_like(expert_in).index_add_(0, token_of, y.to(expert_in.dtype))  # (N, W)
+        out = self.from_expert_width(summed)  # (N, D)
         if self.shared_experts is not None:
             shared = self.shared_experts(flat)  # (N, D)
             out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(flat)) * shared)
@@ -397,6 +401,15 @@ class MoE(nn.Module):
         if self.training:  # validation and generation forwards neither count nor move the bias
             self._record(*totals)
         return out.view(B, T, D)
+
+    def to_expert_width(self, flat: torch.Tensor) -> torch.Tensor:
+        """The routed experts' input rows (N, W) of the layer's (N, D): the same here; a family whose
+        experts compute in another width projects them (Nemotron 3 Super's latent experts)."""
+        return flat
+
+    def from_expert_width(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer's routed output (N, D) of the experts' weighted sum (N, W): the same here."""
+        return y
 
     def _dispatch_order(self, route: Routing, routed: torch.Tensor):
         """The kept token-slots sorted by expert: (slot ids (M,), their tokens (M,), their

@@ -91,11 +91,12 @@ class SplitTokens(ParallelStyle):
     Under sequence parallelism the input is this rank's slice already: no communication.
     Without it the input is replicated: the split is a local slice (its backward gathers
     the gradient) and the output is all-gathered (its backward takes the local slice).
-    The router and the shared experts keep their weights whole on every rank, as
-    replicated DTensors computing on the rank's tokens (Shard(0) of the (N, dim) rows), so
-    their gradients are partial sums that DTensor (or FSDP) reduces over the ranks. The
-    layer's load statistics are summed over the ranks through `token_split_sum`, so its
-    auxiliary losses and bias see the whole micro-batch."""
+    Every part of the layer but the routed experts (the router's gate, the shared experts
+    and their gate, a family's own parts such as latent experts' projections) keeps its
+    weights whole on every rank, as replicated DTensors computing on the rank's tokens
+    (Shard(0) of the (N, width) rows), so their gradients are partial sums that DTensor (or
+    FSDP) reduces over the ranks. The layer's load statistics are summed over the ranks
+    through `token_split_sum`, so its auxiliary losses and bias see the whole micro-batch."""
 
     def __init__(self, sequence_parallel: bool):
         super().__init__()
@@ -107,9 +108,10 @@ class SplitTokens(ParallelStyle):
             input_layouts=(whole,), desired_input_layouts=(Shard(1),), use_local_input=True,
             output_layouts=(Shard(1),), desired_output_layouts=(whole,), use_local_output=True,
         )._apply(module, device_mesh)
-        for part in (module.router.gate, module.shared_experts):
-            if part is not None:
-                distribute_module(part, device_mesh, _replicate_params, _rows_in, _local_out)
+        # The router's gate, not the router: the router returns a Routing, not a tensor.
+        parts = [module.router.gate, *(m for name, m in module.named_children() if name not in ("router", "experts"))]
+        for part in parts:
+            distribute_module(part, device_mesh, _replicate_params, _rows_in, _local_out)
         module.token_split_sum = _Summed(device_mesh)
         return module
 

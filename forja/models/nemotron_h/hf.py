@@ -8,10 +8,11 @@ keys under either spelling (`n_groups` or `mamba_n_groups`, `conv_kernel` or `ma
 class's defaults where absent. A mixture-of-experts block (Nemotron 3) reads `n_routed_experts`
 (or `num_local_experts`), `num_experts_per_tok`, `moe_intermediate_size`,
 `moe_shared_expert_intermediate_size` (its one shared expert's width), `n_group`, `topk_group`,
-`norm_topk_prob` and `routed_scaling_factor`; the router is always sigmoid scores with the
-correction bias, groups scored by their best two. Refused: `moe_latent_size` (experts computing
-in a projected latent width, not built here), an activation other than squared ReLU in the
-MLPs and experts or SiLU in Mamba-2, attention dropout. Ignored as transformers ignores them:
+`norm_topk_prob`, `routed_scaling_factor` and `moe_latent_size` (Nemotron 3 Super: the routed
+experts compute in that width, `mixer.fc1_latent_proj` and `fc2_latent_proj` around them, as
+forja's feed_forward.to_latent and from_latent); the router is always sigmoid scores with the
+correction bias, groups scored by their best two. Refused: an activation other than squared
+ReLU in the MLPs and experts or SiLU in Mamba-2, attention dropout. Ignored as transformers ignores them:
 `attention_bias` (its attention has no biases whatever the key says), `tie_word_embeddings`
 (its lm_head is never tied: a checkpoint holds both matrices, and forja keeps both),
 `residual_in_fp32`, `n_shared_experts` and `moe_shared_expert_overlap` (there is always one
@@ -89,11 +90,9 @@ def _moe_args(cfg: dict, kinds: tuple[str, ...]) -> dict:
     """The mixture-of-experts fields, when a block is 'moe' (else none: a dense model)."""
     if "moe" not in kinds:
         return {}
-    if cfg.get("moe_latent_size") is not None:
-        raise _refuse("moe_latent_size", cfg["moe_latent_size"], "experts computing in a projected latent width "
-                      "are not built by forja; use a checkpoint with moe_latent_size null")
     out = {field: _get(cfg, key, old, default) for field, (key, old, default) in _MOE.items()}
-    return {**out, "norm_topk_prob": bool(out["norm_topk_prob"]), "route_scale": float(out["route_scale"])}
+    return {**out, "norm_topk_prob": bool(out["norm_topk_prob"]), "route_scale": float(out["route_scale"]),
+            "moe_latent_dim": cfg.get("moe_latent_size") or 0}  # null: the experts at the model's width
 
 
 def args_from_config(cfg: dict) -> NemotronHArgs:
@@ -127,7 +126,7 @@ def _moe_config(a: NemotronHArgs) -> dict:
     })
     values = {field: getattr(a, field) for field in _MOE}
     values["shared_ffn_dim"] = a.shared_width
-    return {"n_shared_experts": 1, "moe_latent_size": None,
+    return {"n_shared_experts": 1, "moe_latent_size": a.moe_latent_dim or None,
             **{key: values[field] for field, (key, _, _) in _MOE.items()}}
 
 
@@ -169,8 +168,11 @@ _UP_DOWN = (("up_proj", "w1"), ("down_proj", "w2"))  # a squared-ReLU MLP's or e
 def _moe_rules(a: NemotronHArgs, hf: str, ours: str, fused: bool) -> list[TensorRule]:
     """An MoE block's mixer `hf` ("backbone.layers.{i}.mixer.") as forja's feed_forward `ours`."""
     pairs = [("gate.weight", "router.gate.weight"), ("gate.e_score_correction_bias", "router.expert_bias")]
-    pairs += [(f"shared_experts.{h}.{p}", f"shared_experts.{f}.{p}") for h, f in _UP_DOWN
-              for p in ["weight"] + (["bias"] if a.mlp_bias else [])]
+    biased = ["weight"] + (["bias"] if a.mlp_bias else [])
+    pairs += [(f"shared_experts.{h}.{p}", f"shared_experts.{f}.{p}") for h, f in _UP_DOWN for p in biased]
+    if a.moe_latent_dim:  # Nemotron 3 Super's projections around the routed experts
+        pairs += [(f"{h}_latent_proj.{p}", f"{f}.{p}") for h, f in (("fc1", "to_latent"), ("fc2", "from_latent"))
+                  for p in biased]
     experts = ours + "experts."
     if fused:  # transformers 5's modules: one (E, H, D) up and one (E, D, H) down tensor per layer
         routed = [TensorRule(hf + "experts.up_proj", (experts + "w1",)),

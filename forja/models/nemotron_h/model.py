@@ -8,7 +8,11 @@ Models", arXiv 2504.03624), single-device: a stack of one-sublayer residual bloc
 - "moe": x + MoE(norm(x)), Nemotron 3's mixture of experts (forja/models/common/moe.py):
   sigmoid router scores, a correction bias that only chooses (DeepSeek-V3's auxiliary-loss-free
   balancing), optionally grouped top-k, the chosen scores renormalized and scaled by
-  `route_scale`; routed and shared experts are squared-ReLU MLPs without a gate;
+  `route_scale`; routed and shared experts are squared-ReLU MLPs without a gate. Nemotron 3
+  Super's latent experts (`moe_latent_dim` > 0, `LatentMoE`): the router and the shared expert
+  read the full-width input, the routed experts compute in the latent width, between a
+  projection down (`to_latent`) and one back up (`from_latent`) applied to their weighted sum:
+  y = from_latent(sum_k w_k expert_k(to_latent(x))) + shared(x);
 
 in the order `layer_types` gives (Hugging Face's `layers_block_type`, or the older
 `hybrid_override_pattern` string, M * - E). No block has both a mixer and a feed-forward
@@ -19,7 +23,8 @@ Parameter names: attention_norm, attention.{wz,wx,wB,wC,wdt,conv_x,conv_B,conv_C
 dt_bias,norm,wo} in Mamba-2 blocks; attention_norm, attention.{wq,wk,wv,wo} in attention
 blocks; ffn_norm, feed_forward.{w1,w2} in MLP blocks; ffn_norm, feed_forward.{router.gate,
 router.expert_bias, experts.w1 (E, H, D), experts.w2 (E, D, H), shared_experts.w1, shared_experts.w2}
-in MoE blocks.
+in MoE blocks; with latent experts also feed_forward.{to_latent, from_latent}, and the experts'
+D is moe_latent_dim.
 """
 
 from __future__ import annotations
@@ -77,6 +82,9 @@ class NemotronHArgs(Mamba2Args, MoEArgs, TransformerArgs):
     """Routed and shared experts: squared-ReLU MLPs without a gate."""
     n_shared_experts: int = 1
     """One shared expert, `shared_ffn_dim` wide (Hugging Face `moe_shared_expert_intermediate_size`)."""
+    moe_latent_dim: int = 0
+    """The routed experts' width (Hugging Face `moe_latent_size`, Nemotron 3 Super): their input
+    projected down to it and their weighted sum back up to dim; 0: they compute at dim."""
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -90,6 +98,9 @@ class NemotronHArgs(Mamba2Args, MoEArgs, TransformerArgs):
             raise ForjaError(f"model.n_experts = {self.n_experts} with {self.layer_types.count('moe')} 'moe' blocks "
                              "in model.layer_types; set n_experts > 0 exactly when some block is 'moe'")
         self.check_moe()
+        if self.moe_latent_dim < 0 or (self.moe_latent_dim and not self.n_experts):
+            raise ForjaError(f"model.moe_latent_dim = {self.moe_latent_dim} needs 'moe' blocks and must not be "
+                             "negative; set it to 0 (experts at the model's width) or add 'moe' blocks")
         if self.n_experts and self.expert_activation != "relu2":
             raise ForjaError(f"model.expert_activation = {self.expert_activation!r}: Nemotron-H's experts are "
                              "squared-ReLU MLPs; set it to 'relu2'")
@@ -122,7 +133,8 @@ class NemotronH(Transformer):
         if kind == "mlp":
             return FeedForwardBlock(SquaredReLUMLP(a.dim, a.ffn_dim, bias=a.mlp_bias), self.build_norm())
         if kind == "moe":  # the routed experts have no biases whatever mlp_bias says; the shared one does
-            return FeedForwardBlock(MoE(a.dim, a, shared_bias=a.mlp_bias), self.build_norm())
+            moe = LatentMoE(a.dim, a) if a.moe_latent_dim else MoE(a.dim, a, shared_bias=a.mlp_bias)
+            return FeedForwardBlock(moe, self.build_norm())
         if kind == "mamba2":
             return MixerBlock(a.mamba2(norm_eps=a.norm_eps, bias=a.mamba_bias), self.build_norm())
         return MixerBlock(Attention(a.dim, a.n_heads, a.n_kv_heads, a.head_dim), self.build_norm())
@@ -148,7 +160,8 @@ class NemotronH(Transformer):
     def init_rule(self, name: str) -> tuple:
         """Std 0.02 truncated normals; the projections that write into the residual stream
         (attention and Mamba-2 wo, the MLP's and the experts' w2) shrink with depth as
-        1/sqrt(n_layers), each block having one (transformers' rescale_prenorm_residual); biases
+        1/sqrt(n_layers), each block having one (transformers' rescale_prenorm_residual; with latent
+        experts their from_latent, not w2); biases
         zero. A Mamba-2's own parameters: `mamba2_init_rule`."""
         if (rule := self.args.mamba2_init_rule(name)) is not None:
             return rule
@@ -160,7 +173,9 @@ class NemotronH(Transformer):
             return ("normal", 0.02)
         if name == "output.weight":
             return ("trunc_normal", self.args.dim**-0.5)
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared_experts.w2.weight")):
+        # With latent experts it is from_latent, not the experts' w2 (which writes the latent), that writes it.
+        routed_out = "from_latent.weight" if self.args.moe_latent_dim else "experts.w2"
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", routed_out, "shared_experts.w2.weight")):
             return ("trunc_normal", 0.02 / math.sqrt(self.args.n_layers))
         return ("trunc_normal", 0.02)
 
@@ -170,3 +185,24 @@ class NemotronH(Transformer):
         if kind in FEED_FORWARD_KINDS:
             return 0
         return super().mixer_flops(kind, seq_len)
+
+
+class LatentMoE(MoE):
+    """Nemotron 3 Super's mixture of experts: routed on the full-width input, its routed experts
+    computing in `moe_latent_dim` between `to_latent` and `from_latent` (transformers'
+    fc1_latent_proj and fc2_latent_proj, biased as the MLPs are: mlp_bias), the shared expert
+    at full width. from_latent maps the experts' weighted sum, so its bias is added once."""
+
+    def __init__(self, dim: int, args: NemotronHArgs):
+        super().__init__(dim, args, shared_bias=args.mlp_bias, expert_dim=args.moe_latent_dim)
+        self.to_latent = nn.Linear(dim, args.moe_latent_dim, bias=args.mlp_bias)
+        self.from_latent = nn.Linear(args.moe_latent_dim, dim, bias=args.mlp_bias)
+
+    def structure_fields(self) -> dict:
+        return {**super().structure_fields(), "expert_width": self.args.moe_latent_dim}
+
+    def to_expert_width(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.to_latent(flat)  # (N, L)
+
+    def from_expert_width(self, y: torch.Tensor) -> torch.Tensor:
+        return self.from_latent(y)  # (N, D)

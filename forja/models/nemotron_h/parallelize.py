@@ -5,8 +5,10 @@ Each block holds one sublayer, so each kind of block has its own plan (`Nemotron
 - attention blocks: q, k, v column-parallel by head, o row-parallel (the dense decoder's);
 - MLP blocks: w1 column-parallel, w2 row-parallel (the dense decoder's MLP without a gate);
 - MoE blocks: each rank routes and computes its slice of the tokens (`SplitTokens`, as every
-  MoE family's), the router and shared expert whole on every rank, the routed experts spread
-  over the ranks by forja.parallel.ep;
+  MoE family's), the router and shared expert whole on every rank, and so are latent experts'
+  projections to and from the latent (plain Linears outside the experts, their gradients summed
+  over the ranks' tokens); the routed experts are spread over the ranks by forja.parallel.ep,
+  which moves their latent-width rows;
 - Mamba-2 blocks split by whole groups (tp must divide mamba_n_groups, which the layout
   validator checks through `head_counts`): z, x, B, C and dt projections column-parallel, so a
   rank holds its groups' B and C and the heads that read them; its share of the convolutions'

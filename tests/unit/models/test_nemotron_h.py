@@ -1,6 +1,6 @@
 """Nemotron-H against transformers: the conformance CASE (Mamba-2, attention, MLP and
-mixture-of-experts blocks, float32 and float64; the published sizes, Nemotron 3 Nano's
-included; refusals) and what is Nemotron-H's own: the
+mixture-of-experts blocks, Nemotron 3 Super's latent experts, float32 and float64; the
+published sizes, Nemotron 3 Nano's included; refusals) and what is Nemotron-H's own: the
 chunked Mamba-2 scan against its recurrence, the state reset at document boundaries,
 decoding in chunks against the full forward, FLOPs and the planner's activation count.
 Tensor parallelism: test_tp_families.py."""
@@ -21,8 +21,8 @@ from tests.unit.plan.test_shape_activations import predicted_and_saved
 transformers = pytest.importorskip("transformers")
 
 # Bounds on max |logit difference| against transformers 5.25, torch 2.13, CPU, 80 tokens
-# (2.5 of the debug flavor's 32-token chunks). float32: measured 3.2e-6 (debug)
-# and 3.3e-6 (pattern_bias).
+# (2.5 of the debug flavor's 32-token chunks). float32: measured 3.2e-6 (debug),
+# 3.3e-6 (pattern_bias) and 4.1e-6 (latent).
 # float64: transformers computes its PyTorch scan (`.float()`, A = -exp(A_log) in float32) and
 # every RMSNorm (`.to(torch.float32)`) in float32 whatever the model's dtype, and returns float32
 # logits (`.float()`), and routes in float32 (`.type(torch.float32)`) as forja does: measured
@@ -82,8 +82,9 @@ CASE = checks.FamilyCase(
         # test_random_configs.py change the expert count; `layers_block_type`, not the alias
         # `layer_types`, which they would shuffle: transformers 5.25's forward fails on its own
         # cache when the first block is an MLP or MoE one, a DummyLayer without get_seq_length).
+        # (`moe_latent_size` null, as the flavor: test_random_configs.py draws it.)
         "debug": checks.HFConfig("NemotronHForCausalLM", dict(
-            _SHAPE, **_MOE, layers_block_type=[_KINDS[c] for c in "M-M*-ME"]), "debug"),
+            _SHAPE, **_MOE, moe_latent_size=None, layers_block_type=[_KINDS[c] for c in "M-M*-ME"]), "debug"),
         # The older pattern key, biases on the Mamba-2 and MLP projections (and so on the shared
         # experts), one Mamba group, other convolution taps and chunk, tie_word_embeddings (which
         # transformers' Nemotron-H ignores: both matrices are kept), another norm epsilon; experts
@@ -93,15 +94,18 @@ CASE = checks.FamilyCase(
             chunk_size=16, tie_word_embeddings=True, layer_norm_epsilon=1e-6, n_routed_experts=8,
             num_experts_per_tok=3, n_group=4, topk_group=2, norm_topk_prob=False, moe_intermediate_size=48,
             moe_shared_expert_intermediate_size=80)),
+        # Nemotron 3 Super's latent experts: routed on the full width, computing in 48 between
+        # fc1_latent_proj and fc2_latent_proj (biased, with mlp_bias), the shared expert at 128.
+        "latent": checks.HFConfig("NemotronHForCausalLM", dict(
+            _SHAPE, **_MOE, moe_latent_size=48, mlp_bias=True, layers_block_type=[_KINDS[c] for c in "ME*-ME"])),
     },
     make=_make,
     tol=TOL, logits=_logits, tokens=80,
-    greedy={"debug": 20, "pattern_bias": 20},
+    greedy={"debug": 20, "pattern_bias": 20, "latent": 12},
     published={"8b": (8_100_852_736,), "nano-9b-v2": (8_888_227_328,),  # equal to transformers' for the config
                "nano-30b-a3b": (31_577_937_344, 3_580_073_408, 3_227_751_872)},
     fused={"debug": ("model.layers.6.mixer.experts.up_proj", "model.layers.6.mixer.experts.down_proj")},
     refusals=(
-        ("debug", dict(moe_latent_size=32), "moe_latent_size=32"),
         ("debug", dict(layers_block_type=["linear_attention", "moe", "attention"]), "layers_block_type='attention'"),
         ("debug", dict(mlp_hidden_act="gelu"), "mlp_hidden_act='gelu'"),
         ("debug", dict(mamba_hidden_act="relu"), "mamba_hidden_act='relu'"),
@@ -175,16 +179,38 @@ def test_decoding_in_chunks_equals_the_full_forward(overrides, bound):
     assert (torch.cat(parts, 1) - full).abs().max() < bound
 
 
-def test_flops_formula_within_5_percent_of_counted():
-    model = build_model("nemotron_h", "debug")
+LATENT = dict(moe_latent_dim=48)  # Nemotron 3 Super's latent experts, at the debug flavor's size
+
+
+@pytest.mark.parametrize("overrides", [{}, LATENT], ids=["debug", "latent"])
+def test_flops_formula_within_5_percent_of_counted(overrides):
+    model = build_model("nemotron_h", "debug", **overrides)
     ratio = model.flops_per_token(128) / measured_flops_per_token(model, 1, 128)
-    print(f"nemotron_h T=128: formula/measured = {ratio:.4f}")
+    print(f"nemotron_h {overrides} T=128: formula/measured = {ratio:.4f}")
     assert abs(ratio - 1) < 0.05
 
 
-@pytest.mark.parametrize("layer", ["0", "1", "3", "6"])  # Mamba-2, MLP, attention, mixture of experts
+# Measured predicted / saved of the latent experts' block: 1.001 (float32), 1.005 (bf16 autocast).
+@pytest.mark.parametrize(("layer", "overrides"), [("0", {}), ("1", {}), ("3", {}), ("6", {}), ("6", LATENT)],
+                         ids=["mamba2", "mlp", "attention", "moe", "latent-moe"])
 @pytest.mark.parametrize("bf16", [False, True])
-def test_the_planner_counts_what_each_kind_of_block_saves(layer, bf16):
-    predicted, actual = predicted_and_saved("nemotron_h", "debug", layer, bf16=bf16)
-    print(f"nemotron_h block {layer} bf16={bf16}: predicted/saved = {predicted / actual:.3f}")
+def test_the_planner_counts_what_each_kind_of_block_saves(layer, overrides, bf16):
+    predicted, actual = predicted_and_saved("nemotron_h", "debug", layer, bf16=bf16, **overrides)
+    print(f"nemotron_h block {layer} {overrides} bf16={bf16}: predicted/saved = {predicted / actual:.3f}")
     assert predicted == pytest.approx(actual, rel=0.05)
+
+
+def test_latent_experts_compute_in_the_latent_width():
+    """The routed experts hold (E, H, L) and (E, L, H) weights, the router and shared expert
+    read the full width, and the latent projections count as always active."""
+    dense, latent = build_model("nemotron_h", "debug", device="meta"), build_model("nemotron_h", "debug",
+                                                                                  device="meta", **LATENT)
+    ff = latent.layers["6"].feed_forward
+    assert ff.experts.w1.shape == (8, 64, 48) and ff.experts.w2.shape == (8, 48, 64)
+    assert ff.router.gate.weight.shape == (8, 128) and ff.shared_experts.w1.weight.shape == (128, 128)
+    assert ff.to_latent.weight.shape == (48, 128) and ff.from_latent.weight.shape == (128, 48)
+    projections = 2 * 48 * 128
+    routed_saved = 2 * 8 * 64 * (128 - 48)
+    assert dense.num_params() - latent.num_params() == routed_saved - projections
+    assert dense.num_active_params() - latent.num_active_params() == routed_saved * 2 // 8 - projections  # top 2 of 8
+    assert latent.layers["6"].structure.expert_width == 48 and dense.layers["6"].structure.expert_width == 0

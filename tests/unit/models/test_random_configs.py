@@ -3,8 +3,8 @@ drawn around the family's conformance case, loaded by forja with transformers' l
 back. Any config transformers builds must load exactly: a refusal fails (none is expected; where
 forja truly lacks a mechanism, its refusal belongs in the family's CASE.refusals).
 The draws change what a user's config changes: widths, head counts and grouping, layer counts
-and layer-type patterns, expert counts and widths (shared experts of any width), the rope
-dialect, tied embeddings, window sizes, norm epsilons."""
+and layer-type patterns, expert counts and widths (shared experts of any width, latent experts'
+width), the rope dialect, tied embeddings, window sizes, norm epsilons."""
 
 from __future__ import annotations
 
@@ -53,7 +53,9 @@ def _draw(base: dict, rng: random.Random) -> dict:
     for key in ("num_experts", "num_local_experts"):
         if c.get(key):
             c[key] = rng.choice([4, 6, 8])
-            c["num_experts_per_tok"] = rng.randint(1, 3)
+            c["top_k_experts" if "top_k_experts" in c else "num_experts_per_tok"] = rng.randint(1, 3)  # Gemma 4's
+    if "enable_moe_block" in c:  # Gemma 4: experts beside every dense MLP, or none
+        c["enable_moe_block"] = rng.random() < 0.5
     if "linear_num_key_heads" in c:
         keys = rng.choice([1, 2])
         c["linear_num_key_heads"], c["linear_num_value_heads"] = keys, keys * rng.choice([1, 2])
@@ -66,6 +68,8 @@ def _draw(base: dict, rng: random.Random) -> dict:
         c["rms_norm_eps"] = rng.choice([1e-5, 1e-6])
     c["tie_word_embeddings"] = rng.random() < 0.5
     _draw_rope(c, rng)
+    if "moe_latent_size" in c:  # Nemotron 3 Super's latent experts, or experts at the model's width (drawn last:
+        c["moe_latent_size"] = rng.choice([None, 16, 32, 48])  # the other families' draws stay as they were)
     return c
 
 

@@ -153,11 +153,13 @@ CASES = (
            documents=True, prepare=_qwen3_5_offsets_by_head, check_shards=_qwen3_5_shards,
            grad_atol=1e-6, loss_tol=1e-5),
     # Qwen3.5's plan under Qwen3-Next's mixture of experts (each rank routes its share of the
-    # tokens): the Gated DeltaNet and gated-attention parameters, on a packed batch.
+    # tokens): the Gated DeltaNet and gated-attention parameters, on a packed batch, and the
+    # shared expert's gate (whole on every rank, its gradient summed over the ranks' tokens:
+    # left a plain tensor it measured 1.5e-4 off).
     TPCase(id="qwen3_next", family="qwen3_next",
            grads=("layers.0.attention.wq.weight", "layers.0.attention.conv_k.weight", "layers.2.attention.A_log",
                   "layers.1.attention.norm.weight", "layers.3.attention.wg.weight", "layers.3.attention.q_norm.weight",
-                  "layers.1.feed_forward.w2.weight"),
+                  "layers.1.feed_forward.w2.weight", "layers.0.feed_forward.shared_gate.weight"),
            documents=True, prepare=_qwen3_5_offsets_by_head, grad_atol=1e-6, loss_tol=1e-5),
     # GPT-2's plan: learned positions, biases with their columns, LayerNorms; every gradient.
     TPCase(id="gpt2", family="gpt2", grads=None, grad_atol=1e-6, loss_tol=1e-5),
@@ -173,6 +175,17 @@ CASES = (
                   "layers.6.feed_forward.experts.w2", "layers.6.feed_forward.shared_experts.w1.weight",
                   "layers.6.ffn_norm.weight"),
            documents=True, sum_experts=True, grad_atol=1e-6, loss_tol=1e-5),
+    # Nemotron 3 Super's latent experts (biased projections, as with mlp_bias): the projections
+    # to and from the latent whole on every rank, their gradients summed over the ranks' tokens;
+    # the routed experts spread over the ranks, computing on latent-width rows (expert parallelism).
+    TPCase(id="nemotron_h-latent", family="nemotron_h",
+           grads=("layers.6.feed_forward.to_latent.weight", "layers.6.feed_forward.to_latent.bias",
+                  "layers.6.feed_forward.from_latent.weight", "layers.6.feed_forward.from_latent.bias",
+                  "layers.6.feed_forward.experts.w1", "layers.6.feed_forward.experts.w2",
+                  "layers.6.feed_forward.router.gate.weight", "layers.6.feed_forward.shared_experts.w2.bias",
+                  "layers.6.ffn_norm.weight", "layers.1.feed_forward.w1.bias"),
+           runs=((True, dict(moe_latent_dim=48, mlp_bias=True)),), documents=True,
+           after_tp=_deepseek_v3_experts_over_tp_ranks, grad_atol=1e-6, loss_tol=1e-5),
     # Attention blocks under OLMo 3's plan, Gated DeltaNet blocks split by head with their pre-norms.
     TPCase(id="olmo_hybrid", family="olmo_hybrid",
            grads=("layers.0.attention.wq.weight", "layers.0.attention.conv_k.weight", "layers.1.attention.A_log",

@@ -29,9 +29,9 @@ CASES = [("llama", "debug", "0"), ("llama", "tiny", "0"), ("qwen3", "debug", "0"
 
 
 @functools.cache
-def built(family: str, flavor: str) -> torch.nn.Module:
-    """One model per flavor for the whole file (building is most of its time)."""
-    return build_model(family, flavor)
+def built(family: str, flavor: str, overrides: tuple = ()) -> torch.nn.Module:
+    """One model per flavor (and overrides, as sorted pairs) for the whole file (building is most of its time)."""
+    return build_model(family, flavor, **dict(overrides))
 
 
 @pytest.mark.parametrize("family,flavor,_", CASES)
@@ -69,10 +69,11 @@ def saved_bytes(block: torch.nn.Module, h: torch.Tensor, rope, mask) -> int:
     return sum(seen.values())
 
 
-def predicted_and_saved(family: str, flavor: str, layer: str, bf16: bool) -> tuple[float, int]:
-    """(the planner's bytes for one block at B 2, T 64 on a CPU, the bytes autograd saves)."""
+def predicted_and_saved(family: str, flavor: str, layer: str, bf16: bool, **overrides) -> tuple[float, int]:
+    """(the planner's bytes for one block at B 2, T 64 on a CPU, the bytes autograd saves),
+    of the flavor with `overrides` (build_model's)."""
     torch.manual_seed(0)
-    model = built(family, flavor)
+    model = built(family, flavor, tuple(sorted(overrides.items())))
     B, T = 2, 64
     tokens = torch.randint(0, model.args.vocab_size, (B, T))
     positions = torch.arange(T)
