@@ -194,31 +194,41 @@ def _check_precision(r: LayoutRequest, dims: ParallelDims) -> None:
 
 def _check_mixers(r: LayoutRequest, dims: ParallelDims) -> None:
     """What each kind of context parallelism asks of the sequence mixers: all-to-all hands
-    each rank whole heads (of every mixer, per tensor-parallel shard); ring hands a Gated
-    DeltaNet's convolution the K - 1 inputs before a chunk, so a chunk must be that long."""
+    each rank whole heads (of every mixer, per tensor-parallel shard); ring hands a recurrent
+    mixer's short convolution the K - 1 inputs before a chunk, so a chunk must be that long."""
     if dims.cp == 1:
         return
     if r.parallel.cp_kind == "all-to-all":
         _check_head_shares(r, dims)
         return
     kinds = {r.args.layer_type(i) for i in range(r.args.n_layers)}
-    kernel = getattr(r.args, "linear_conv_kernel", 4)
-    if "linear_attention" in kinds and r.seq_len // (2 * dims.cp) < kernel - 1:
-        raise ForjaError(f"train.seq_len = {r.seq_len} over 2 x parallel.cp = {2 * dims.cp} chunks leaves "
-                         f"{r.seq_len // (2 * dims.cp)} tokens per chunk, fewer than the {kernel - 1} a Gated "
-                         "DeltaNet's convolution reads before each; raise train.seq_len or lower parallel.cp")
+    chunk = r.seq_len // (2 * dims.cp)
+    for kind, (field, whose) in _CONVOLUTIONS.items():
+        kernel = getattr(r.args, field, 4)
+        if kind in kinds and chunk < kernel - 1:
+            raise ForjaError(f"train.seq_len = {r.seq_len} over 2 x parallel.cp = {2 * dims.cp} chunks leaves "
+                             f"{chunk} tokens per chunk, fewer than the {kernel - 1} {whose} convolution reads "
+                             "before each; raise train.seq_len or lower parallel.cp")
+
+
+# The recurrent mixers' short convolutions, by kind of block: the args field of their taps, whose.
+_CONVOLUTIONS = {"linear_attention": ("linear_conv_kernel", "a Gated DeltaNet's or Kimi Delta Attention's"),
+                 "mamba2": ("mamba_conv_kernel", "a Mamba-2's")}
+# Heads that all-to-all repeats, one per rank, where a tensor-parallel rank holds fewer than cp
+# (each is read by whole heads of another count, which must divide instead): what they are.
+_REPEATED = {"n_kv_heads": "key/value heads", "mamba_n_groups": "Mamba-2 groups"}
 
 
 def _check_head_shares(r: LayoutRequest, dims: ParallelDims) -> None:
     cp, tp = dims.cp, dims.tp
     for name, count in r.args.head_counts().items():
         local = count // tp
-        if name == "n_kv_heads" and local and cp % local == 0:
-            continue  # fewer key/value heads than ranks: each is repeated to one per rank
+        if name in _REPEATED and local and cp % local == 0:
+            continue  # fewer than ranks: each is repeated to one per rank
         if local % cp:
             what = f"model {name} = {count}" + (f" / parallel.tp = {tp} = {local} per tensor-parallel rank" if tp > 1
                                                  else "")
-            extra = " (or a multiple of them: key/value heads are repeated)" if name == "n_kv_heads" else ""
+            extra = f" (or a multiple of them: {_REPEATED[name]} are repeated)" if name in _REPEATED else ""
             raise ForjaError(f"{what} is not divisible by parallel.cp = {cp}: parallel.cp_kind = 'all-to-all' "
                              f"gives each rank whole heads; choose a parallel.cp that divides it{extra}, or "
                              "parallel.cp_kind = 'ring'")

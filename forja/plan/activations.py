@@ -225,7 +225,7 @@ def mamba2_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[f
     product, the normalized product (fp32 alike), its weighted copy as wo reads it, and the
     statistics. Op-level AC keeps the projections' outputs and the scan's batched matmuls'."""
     H, P, G, N, taps, C = block.mamba2
-    t, T = lay.tp, job.seq_len
+    t, T = lay.tp, mixer_length(job, lay)  # under ring CP a rank scans its T/cp shard
     h, inner, bc = H / t, H * P / t, G * N / t
     conv = (2 + (taps - 1) / T) * (inner + 2 * bc) * w.lin + inner * (FP32 if w.lin == FP32 else 2 * FP32)
     steps = h * 3 * FP32

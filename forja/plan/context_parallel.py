@@ -4,16 +4,21 @@ buffers the memory model adds. Formulas in docs/planner.md ("CP").
 
 - ring: each rank's K and V (B, Hkv/tp, T/cp, hd each) travel the ring, cp - 1 hops forward;
   backward passes K, V again and their gradient accumulators dK, dV (one hop more, back to
-  their owners). Its blocks are fp32 PyTorch matmuls over materialized scores (below). Gated DeltaNet blocks scan
-  across the shards instead: an all-gather of
-  each rank's state transition (B, Hv/tp, dk, dk + dv) in fp32 and the convolutions' halos.
+  their owners). Its blocks are fp32 PyTorch matmuls over materialized scores (below). The
+  recurrent mixers scan across the shards instead: an all-gather of each rank's state
+  transition and state in fp32 (Gated DeltaNet, Kimi Delta Attention: (B, Hv/tp, dk, dk + dv);
+  Mamba-2: (B, H/tp, P N + 1)) and the convolutions' halos.
 - all-to-all (Ulysses): q, k, v (B, T/cp, H/tp hd) re-sharded over heads to (B, T, H/(tp cp) hd)
   and the output back, one all-to-all each; the same four in backward. KV heads fewer than
-  cp are replicated, one per rank, so the k and v all-to-alls carry cp / Hkv times more.
+  cp are replicated, one per rank, so the k and v all-to-alls carry cp / Hkv times more. A
+  recurrent mixer moves its projections (Mamba-2's groups of B and C replicated as KV heads
+  are) and its output.
+MLP and MoE blocks (Nemotron-H's) mix no sequence: nothing moves.
 """
 
 from __future__ import annotations
 
+from forja.models.common.kimi_delta_attention import KimiDeltaArgs
 from forja.models.common.mla import LatentAttentionArgs
 from forja.plan.job import Job
 from forja.plan.layout import Layout
@@ -35,6 +40,9 @@ RING_SCORE_PASSES = (10, 16)
 RING_SCORE_FLOPS = (4, 10)
 # Score-sized fp32 temporaries alive at once in a block's backward (p, dO V^T, ds).
 RING_SCORE_TEMPS = 3
+# Blocks whose mixer scans across the shards under ring; blocks with no sequence mixer.
+SCANNED = ("linear_attention", "mamba2")
+NO_MIXER = ("mlp", "moe")
 
 
 def act_bytes(job: Job) -> int:
@@ -61,10 +69,17 @@ def attention_widths(job: Job, lay: Layout) -> tuple[float, float, float, float]
 
 def a2a_elements(job: Job, lay: Layout, block: BlockShape) -> float:
     """Elements per token the four forward all-to-alls of one block carry: q, k, v in and the
-    output back (k and v replicated where the KV heads are fewer than cp)."""
+    output back (k and v replicated where the KV heads are fewer than cp); a recurrent mixer's
+    projections in and output back."""
+    if block.kind in NO_MIXER:
+        return 0.0
+    if block.kind == "mamba2":  # x, B, C and dt in (B, C replicated where the groups are fewer than cp); y out
+        H, P, G, N, _, _ = block.mamba2
+        return (2 * H * P + H + 2 * G * N * replicas(G / lay.tp, lay.cp)) / lay.tp
     if block.kind == "linear_attention":
         n_k, n_v, dk, dv, _, _ = block.mixer
-        return (2 * n_k * dk + 2 * n_v * dv) / lay.tp  # q, k, v in; out (g and beta, a value per head, left out)
+        decay = n_v * dk if isinstance(job.args, KimiDeltaArgs) else 0  # KDA's decay is per key channel
+        return (2 * n_k * dk + 2 * n_v * dv + decay) / lay.tp  # q, k, v in; out (beta, a value per head, left out)
     q, k, v, out = attention_widths(job, lay)
     rep = 1.0 if isinstance(job.args, LatentAttentionArgs) else replicas(job.args.n_kv_heads / lay.tp, lay.cp)
     return q + (k + v) * rep + out
@@ -95,9 +110,14 @@ def ring_attention_work(job: Job, lay: Layout, sequences: float) -> tuple[tuple[
 
 
 def ring_scan_bytes(job: Job, lay: Layout, block: BlockShape, sequences: float) -> tuple[float, float]:
-    """(bytes of one rank's state transition, of its convolution halo) in a Gated DeltaNet
-    block under ring: the transition (B, Hv/tp, dk, dk + dv) in fp32, all-gathered over the
-    cp ranks; the last taps - 1 tokens of q, k, v sent to the next rank."""
+    """(bytes of one rank's state transition, of its convolution halo) in a recurrent block
+    under ring: the transition and state in fp32, all-gathered over the cp ranks (a delta
+    rule's (B, Hv/tp, dk, dk + dv), Mamba-2's (B, H/tp, P N + 1)); the last taps - 1 tokens of
+    the convolutions' inputs (q, k, v or x, B, C) sent to the next rank."""
+    if block.kind == "mamba2":
+        H, P, G, N, taps, _ = block.mamba2
+        state = sequences * H / lay.tp * (P * N + 1) * FP32
+        return state, sequences * (taps - 1) * (H * P + 2 * G * N) / lay.tp * act_bytes(job)
     n_k, n_v, dk, dv, taps, _ = block.mixer
     state = sequences * n_v / lay.tp * dk * (dk + dv) * FP32
     halo = sequences * (taps - 1) * (2 * n_k * dk + n_v * dv) / lay.tp * act_bytes(job)
@@ -106,14 +126,14 @@ def ring_scan_bytes(job: Job, lay: Layout, block: BlockShape, sequences: float) 
 
 def cp_buffers(job: Job, lay: Layout, block: BlockShape, tokens_mb: float) -> float:
     """Transient bytes one block's context parallelism holds while it computes, beyond what
-    autograd keeps: ring's two receive buffers of K, V and, in backward, of dK, dV (or a Gated
-    DeltaNet's gathered transitions); all-to-all's other form of q, k, v and the output (the
-    local (B, T/cp, H/tp) one or the full-sequence (B, T, H/(tp cp)) one, the same size)."""
-    if lay.cp == 1:
+    autograd keeps: ring's two receive buffers of K, V and, in backward, of dK, dV (or a
+    recurrent mixer's gathered transitions); all-to-all's other form of q, k, v and the output
+    (the local (B, T/cp, H/tp) one or the full-sequence (B, T, H/(tp cp)) one, the same size)."""
+    if lay.cp == 1 or block.kind in NO_MIXER:
         return 0.0
     if lay.cp_kind == "all-to-all":
         return tokens_mb * a2a_elements(job, lay, block) * act_bytes(job)
-    if block.kind == "linear_attention":
+    if block.kind in SCANNED:
         sequences = lay.sequences_per_microbatch(job.global_batch_size)
         return lay.cp * ring_scan_bytes(job, lay, block, sequences)[0]
     # Backward holds the most: fp32 copies of q, k, v, dO (under autocast), dQ, this rank's and

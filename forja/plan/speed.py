@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from forja.models.common.moe import MoEArgs
 from forja.parallel.degrees import MESH_AXES, Axis
 from forja.plan.activations import alternate_recomputed
-from forja.plan.context_parallel import a2a_elements, act_bytes, ring_attention_work, ring_kv_bytes, ring_scan_bytes
+from forja.plan.context_parallel import (
+    NO_MIXER,
+    SCANNED,
+    a2a_elements,
+    act_bytes,
+    ring_attention_work,
+    ring_kv_bytes,
+    ring_scan_bytes,
+)
 from forja.plan.hardware import Hardware
 from forja.plan.job import Job
 from forja.plan.layout import Layout
@@ -291,16 +299,17 @@ def cp_block_time(job: Job, lay: Layout, hw: Hardware, block, tokens_mb: float) 
     all-to-all: four all-to-alls forward, four backward, none hidden. ring: each hop's K, V
     (dK, dV with them in backward) go under the attention blocks of the hop, 1/cp of the
     rank's (causal masking skips the hidden blocks, the load-balanced chunks even the rest);
-    what a hop's transfer takes beyond that shows, and the last dK, dV hop home. A Gated
-    DeltaNet block under ring all-gathers its state transitions and sends its halo instead."""
-    if lay.cp == 1:
+    what a hop's transfer takes beyond that shows, and the last dK, dV hop home. A recurrent
+    block (Gated DeltaNet, Kimi Delta Attention, Mamba-2) under ring all-gathers its state
+    transitions and sends its halo instead; a block without a sequence mixer moves nothing."""
+    if lay.cp == 1 or block.kind in NO_MIXER:
         return 0.0
     reruns = forward_reruns(lay)
     if lay.cp_kind == "all-to-all":
         volume = tokens_mb * a2a_elements(job, lay, block) * act_bytes(job)
         return (2 + reruns) * all_to_all_time(volume, lay.cp, hw, lay.tp)
     bw = link_bandwidth(hw, lay, Axis.CP)
-    if block.kind == "linear_attention":
+    if block.kind in SCANNED:
         state, halo = ring_scan_bytes(job, lay, block, lay.sequences_per_microbatch(job.global_batch_size))
         return (2 + reruns) * (ring_time(state * lay.cp, lay.cp, bw) + halo / bw)
     kv, dkv = ring_kv_bytes(job, lay, tokens_mb)

@@ -1,5 +1,6 @@
 """forja's context parallelism, mixer by mixer, on Gloo: attention (full, sliding window,
-sinks, grouped-query, documents, latent-attention widths) and Gated DeltaNet, each kind
+sinks, grouped-query, documents, latent-attention widths) and the recurrent mixers (Gated
+DeltaNet, Kimi Delta Attention, Mamba-2; with and without documents), each kind
 (ring, all-to-all) at cp 2 and 4, against the same mixer on whole rows in one process.
 Outputs and every gradient (inputs and parameters) must agree to fp32 rounding."""
 
@@ -74,19 +75,48 @@ def _attention_case(name: str, kind: str, group, device: str) -> dict[str, float
     return errors
 
 
-def _deltanet_case(kind: str, group, documents: bool, device: str) -> dict[str, float]:
-    from forja.models.common.attention import AttentionMask
+# Each recurrent mixer, small: name -> a builder (called under torch.manual_seed(0)). Kimi Delta
+# Attention's decay is per key channel; under all-to-all at cp 4 each of Mamba-2's 2 groups goes to 2 ranks.
+def _gated_deltanet(dim: int):
     from forja.models.common.gated_deltanet import GatedDeltaNet
+
+    return GatedDeltaNet(dim, n_k_heads=4, n_v_heads=8, head_k_dim=4, head_v_dim=4, chunk_size=8)
+
+
+def _kimi_delta(dim: int):
+    from forja.models.common.kimi_delta_attention import KimiDeltaAttention
+
+    return KimiDeltaAttention(dim, n_heads=4, head_dim=4, chunk_size=8)
+
+
+def _mamba2(dim: int):
+    from forja.models.common.mamba2 import Mamba2
+
+    mixer = Mamba2(dim, n_heads=4, head_dim=4, n_groups=2, state_size=4, chunk_size=8)
+    with torch.no_grad():
+        mixer.dt_bias.uniform_(-2.0, 0.0)  # shorter time steps: more of the state crosses each segment
+    return mixer
+
+
+RECURRENT = {"gated deltanet": _gated_deltanet, "kimi delta": _kimi_delta, "mamba2": _mamba2}
+
+
+def _recurrent_case(name: str, kind: str, group, documents: bool, device: str) -> dict[str, float]:
+    from forja.models.common.attention import AttentionMask
     from forja.parallel.cp import ContextParallel
 
     B, T, dim = 2, 48, 16
     gen = torch.Generator().manual_seed(3)
     torch.manual_seed(0)
-    mixer = GatedDeltaNet(dim, n_k_heads=4, n_v_heads=8, head_k_dim=4, head_v_dim=4, chunk_size=8)
+    mixer = RECURRENT[name](dim)
     with torch.no_grad():
         mixer.A_log.uniform_(-1.0, 1.0)
     x, w = torch.randn(B, T, dim, generator=gen), torch.randn(B, T, dim, generator=gen)
-    docs = _documents(B, T, gen).to(device) if documents else None
+    docs = _documents(B, T, gen) if documents else None
+    if documents:  # the second row: one document over several segments (the state carried through whole
+        # ones), then a start inside a segment and one just before a segment (its halo half another document's)
+        docs[1] = (torch.arange(T) >= 27).long() + (torch.arange(T) >= 35).long()
+        docs = docs.to(device)
     mixer, x, w = mixer.to(device), x.to(device).requires_grad_(), w.to(device)
     expected = mixer(x, None, AttentionMask(document_ids=docs))
     (expected * w).sum().backward()
@@ -123,9 +153,10 @@ def _all_cases(rank: int, world: int, device: str = "cpu") -> dict[str, dict[str
             ring.TILE_SCORES = 200 if "documents" in name else whole_blocks
             results[f"{kind} {name}"] = _attention_case(name, kind, group, device)
         ring.TILE_SCORES = whole_blocks
-        for documents in (False, True):
-            name = f"{kind} gated deltanet{' documents' if documents else ''}"
-            results[name] = _deltanet_case(kind, group, documents, device)
+        for mixer in RECURRENT:
+            for documents in (False, True):
+                results[f"{kind} {mixer}{' documents' if documents else ''}"] = _recurrent_case(
+                    mixer, kind, group, documents, device)
     return results
 
 
@@ -141,6 +172,6 @@ def test_every_mixer_matches_whole_rows(measured):
     for case, err in worst.items():
         what = max(by_rank[0][case], key=by_rank[0][case].get)
         print(f"cp {world} {case}: max relative diff = {err:.1e} ({what})")
-    assert len(worst) == 2 * (len(ATTENTION) + 2)
+    assert len(worst) == 2 * (len(ATTENTION) + 2 * len(RECURRENT))
     bad = {case: err for case, err in worst.items() if not err < TOL}
     assert not bad, bad

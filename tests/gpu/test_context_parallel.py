@@ -11,7 +11,7 @@ import torch
 
 from forja.testing import run_distributed
 from tests.distributed.parity import layout_losses, max_difference, single_process_losses
-from tests.distributed.test_cp_mixing import ATTENTION, TOL, _all_cases
+from tests.distributed.test_cp_mixing import ATTENTION, RECURRENT, TOL, _all_cases
 from tests.integration.conftest import train_data  # noqa: F401  (the shared prepared corpus)
 
 
@@ -29,7 +29,7 @@ def _on_gpus(rank: int, world: int):
 def test_every_mixer_matches_whole_rows_on_cuda(world):
     by_rank = run_distributed(_on_gpus, world, backend="nccl", timeout_s=300)
     worst = {case: max(max(r[case].values()) for r in by_rank) for case in by_rank[0]}
-    assert len(worst) == 2 * (len(ATTENTION) + 2)
+    assert len(worst) == 2 * (len(ATTENTION) + 2 * len(RECURRENT))
     assert all(err < 100 * TOL for err in worst.values()), worst  # TF32-free fp32, other kernels
 
 

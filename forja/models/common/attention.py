@@ -16,7 +16,7 @@ and shared by every layer:
 Under context parallelism a forward's tokens are one rank's part of each row. The model
 stays single-device: the mask of each kind of block then carries a `SequenceMixing` (made
 by forja/parallel/cp from a `SequenceShards` handed to the model's forward), and a mixer
-asks it for whatever needs the other ranks' parts (`attend`, Gated DeltaNet's scan).
+asks it for whatever needs the other ranks' parts (`attend`, the recurrent mixers' scans).
 """
 
 from __future__ import annotations
@@ -66,8 +66,14 @@ class SequenceMixing(Protocol):
 
     def gated_delta(self, mixer: nn.Module, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
                     g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-        """A Gated DeltaNet's convolutions and delta rule over the whole rows, from this rank's
-        projections (forja/models/common/gated_deltanet.py `GatedDeltaNet.mix`) -> (B, Tl, Hv, dv)."""
+        """A delta-rule mixer's convolutions and rule over the whole rows, from this rank's
+        projections (forja/models/common/gated_deltanet.py `DeltaRuleMixer.mix`: Gated DeltaNet,
+        Kimi Delta Attention) -> (B, Tl, Hv, dv)."""
+
+    def mamba2(self, mixer: nn.Module, x_in: torch.Tensor, B_in: torch.Tensor, C_in: torch.Tensor,
+               dt: torch.Tensor) -> torch.Tensor:
+        """A Mamba-2's convolutions, scan and skip over the whole rows, from this rank's
+        projections and time steps (forja/models/common/mamba2.py `Mamba2.mix`) -> (B, Tl, H, P)."""
 
 
 class SequenceShards(Protocol):

@@ -98,7 +98,51 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * normed * F.silu(gate.float())).to(dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class DeltaRuleMixer(nn.Module):
+    """What Gated DeltaNet and Kimi Delta Attention share: three short convolutions over the
+    q, k, v projections, then a delta rule (`delta_rule`, each subclass's) on a state of
+    (dk, dv) per value head. A subclass sets conv_q, conv_k, conv_v, head_k_dim, head_v_dim
+    and chunk_size."""
+
+    def delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                   initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                   document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The mixer's rule on convolved q, k (B, T, Hk, dk), v (B, T, Hv, dv), its decay g and
+        beta -> (o (B, T, Hv, dv), the final state (B, Hv, dk, dv) when asked)."""
+        raise NotImplementedError
+
+    def mix(self, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            document_ids: torch.Tensor | None = None, *, state: GatedDeltaNetState | None = None,
+            keep_state: bool = False, channels: tuple[slice, slice] | None = None,
+            ) -> tuple[torch.Tensor, GatedDeltaNetState | None]:
+        """The convolutions and the delta rule from the projections q_in, k_in (B, T, Hk dk),
+        v_in (B, T, Hv dv), g (B, T, Hv; (B, T, Hv, dk) for a channel-wise decay) and beta
+        (B, T, Hv), after `state` (None: from nothing) -> (o (B, T, Hv, dv), the state after
+        them when `keep_state`). `channels`: the key and value channels these projections
+        hold, when they are some of the heads (context parallelism's all-to-all); None: all."""
+        windows = state.conv if state is not None else (None, None, None)
+        q, k, v, windows = self.convolve(q_in, k_in, v_in, document_ids, windows, channels)
+        o, S = self.delta_rule(q, k, v, g, beta, initial_state=state.recurrent if state is not None else None,
+                               output_final_state=keep_state, document_ids=document_ids)  # (B, T, Hv, dv)
+        return o, GatedDeltaNetState(conv=windows, recurrent=S) if keep_state else None
+
+    def convolve(self, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
+                 document_ids: torch.Tensor | None = None, windows: tuple = (None, None, None),
+                 channels: tuple[slice, slice] | None = None) -> tuple:
+        """The three short convolutions (each after its `windows`, the inputs just before)
+        -> q, k (B, T, Hk, dk), v (B, T, Hv, dv) and the new windows, as `mix`."""
+        B, T, _ = q_in.shape
+        keys, values = channels if channels is not None else (slice(None), slice(None))
+        weights = (self.conv_q.weight[keys], self.conv_k.weight[keys], self.conv_v.weight[values])
+        outs = [causal_conv(x, w, window, document_ids) for x, w, window in zip((q_in, k_in, v_in), weights, windows)]
+        (q, q_window), (k, k_window), (v, v_window) = outs
+        q = q.view(B, T, -1, self.head_k_dim)  # (B, T, Hk, dk)
+        k = k.view(B, T, -1, self.head_k_dim)
+        v = v.view(B, T, -1, self.head_v_dim)  # (B, T, Hv, dv)
+        return q, k, v, (q_window, k_window, v_window)
+
+
+class GatedDeltaNet(DeltaRuleMixer):
     """Gated DeltaNet with n_k_heads query/key heads, each shared by n_v_heads / n_k_heads
     consecutive value heads. `norm_eps`: the gated output norm's epsilon (Qwen3.5: the
     model's rms_norm_eps; OLMo-Hybrid: 1e-5). `allow_neg_eigval` doubles beta (OLMo-Hybrid).
@@ -153,36 +197,9 @@ class GatedDeltaNet(nn.Module):
         z = self.wz(x).view(B, T, -1, self.head_v_dim)
         return self.wo(self.norm(o, z).reshape(B, T, -1))
 
-    def mix(self, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            document_ids: torch.Tensor | None = None, *, state: GatedDeltaNetState | None = None,
-            keep_state: bool = False, channels: tuple[slice, slice] | None = None,
-            ) -> tuple[torch.Tensor, GatedDeltaNetState | None]:
-        """The convolutions and the delta rule from the projections q_in, k_in (B, T, Hk dk),
-        v_in (B, T, Hv dv), g and beta (B, T, Hv), after `state` (None: from nothing)
-        -> (o (B, T, Hv, dv), the state after them when `keep_state`). `channels`: the key and
-        value channels these projections hold, when they are some of the heads (context
-        parallelism's all-to-all); None: all."""
-        windows = state.conv if state is not None else (None, None, None)
-        q, k, v, windows = self.convolve(q_in, k_in, v_in, document_ids, windows, channels)
-        o, S = gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
-                                initial_state=state.recurrent if state is not None else None,
-                                output_final_state=keep_state, document_ids=document_ids)  # (B, T, Hv, dv)
-        return o, GatedDeltaNetState(conv=windows, recurrent=S) if keep_state else None
-
-    def convolve(self, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
-                 document_ids: torch.Tensor | None = None, windows: tuple = (None, None, None),
-                 channels: tuple[slice, slice] | None = None) -> tuple:
-        """The three short convolutions (each after its `windows`, the inputs just before)
-        -> q, k (B, T, Hk, dk), v (B, T, Hv, dv) and the new windows, as `mix`."""
-        B, T, _ = q_in.shape
-        keys, values = channels if channels is not None else (slice(None), slice(None))
-        weights = (self.conv_q.weight[keys], self.conv_k.weight[keys], self.conv_v.weight[values])
-        outs = [causal_conv(x, w, window, document_ids) for x, w, window in zip((q_in, k_in, v_in), weights, windows)]
-        (q, q_window), (k, k_window), (v, v_window) = outs
-        q = q.view(B, T, -1, self.head_k_dim)  # (B, T, Hk, dk)
-        k = k.view(B, T, -1, self.head_k_dim)
-        v = v.view(B, T, -1, self.head_v_dim)  # (B, T, Hv, dv)
-        return q, k, v, (q_window, k_window, v_window)
+    def delta_rule(self, q, k, v, g, beta, *, initial_state=None, output_final_state=False, document_ids=None):
+        return gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=initial_state,
+                                output_final_state=output_final_state, document_ids=document_ids)
 
 
 def gated_deltanet_init_rule(name: str, *, conv_kernel: int = 4, dt_bias: str = "ones") -> tuple | None:

@@ -11,7 +11,9 @@ gate is low-rank too:
     o       = kimi_delta_rule(q, k, v, g, beta)         (forja/models/common/kimi_delta_rule.py)
     out     = W_o (rmsnorm(o) * sigmoid(x W_ga W_gb))   a sigmoid-gated RMSNorm over each head
 
-Queries, keys and values have the same head count and width (H heads of d). It takes
+Queries, keys and values have the same head count and width (H heads of d). The convolutions
+and the way a state is carried are Gated DeltaNet's (`DeltaRuleMixer`), and so is context
+parallelism (the rule stays affine in its state with a channel-wise decay). It takes
 Attention's place in a TransformerBlock (`rope` ignored: the convolutions and decays carry
 position). Packed documents (`mask.document_ids`) are kept apart in the state and in the
 convolutions' windows. Decoding keeps, per layer in `cache.mixer_states`, the last K - 1
@@ -31,7 +33,7 @@ from torch import nn
 
 from forja.errors import ForjaError
 from forja.models.common.attention import AttentionMask, KVCache
-from forja.models.common.gated_deltanet import GatedDeltaNetState, causal_conv, gated_deltanet_init_rule
+from forja.models.common.gated_deltanet import DeltaRuleMixer, gated_deltanet_init_rule
 from forja.models.common.kimi_delta_rule import DEFAULT_CHUNK, kimi_delta_rule, kimi_delta_rule_flops
 
 
@@ -51,7 +53,7 @@ class SigmoidGatedRMSNorm(nn.Module):
         return (self.weight.float() * normed * gate.float().sigmoid()).to(dtype)
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(DeltaRuleMixer):
     """KDA over n_heads heads of head_dim channels (queries, keys and values alike).
     `norm_eps`: the gated output norm's epsilon (Kimi Linear: the model's rms_norm_eps);
     `chunk_size`: the chunked reference's chunk (fla's kernel uses its own)."""
@@ -95,36 +97,24 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: AttentionMask, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        if mask.sequence is not None:
-            raise ForjaError("parallel.cp > 1 is not supported with Kimi Delta Attention blocks (kimi_linear); "
-                             "set parallel.cp = 1")
         B, T, _ = x.shape
         q_in, k_in, v_in = self.wq(x), self.wk(x), self.wv(x)  # (B, T, H d), before the convolutions
         beta = self.wb(x).sigmoid()  # (B, T, H)
-        state = cache.mixer_states.get(layer) if cache is not None else None
-        o, state = self.mix(q_in, k_in, v_in, self.decay(x), beta, mask.document_ids, state=state,
-                            keep_state=cache is not None)  # (B, T, H, d)
-        if cache is not None:
-            cache.mixer_states[layer] = state
+        g = self.decay(x)  # (B, T, H, d)
+        if mask.sequence is not None:  # the rows are split over ranks (context parallelism)
+            o = mask.sequence.gated_delta(self, q_in, k_in, v_in, g, beta)
+        else:
+            state = cache.mixer_states.get(layer) if cache is not None else None
+            o, state = self.mix(q_in, k_in, v_in, g, beta, mask.document_ids, state=state,
+                                keep_state=cache is not None)  # (B, T, H, d)
+            if cache is not None:
+                cache.mixer_states[layer] = state
         gate = self.wg_b(self.wg_a(x)).view(B, T, -1, self.head_v_dim)  # (B, T, H, d)
         return self.wo(self.norm(o, gate).reshape(B, T, -1))
 
-    def mix(self, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            document_ids: torch.Tensor | None = None, *, state: GatedDeltaNetState | None = None,
-            keep_state: bool = False) -> tuple[torch.Tensor, GatedDeltaNetState | None]:
-        """The convolutions and the rule from the projections q_in, k_in, v_in (B, T, H d), g
-        (B, T, H, d) and beta (B, T, H), after `state` (None: from nothing) -> (o (B, T, H, d),
-        the state after them when `keep_state`)."""
-        B, T, _ = q_in.shape
-        windows = state.conv if state is not None else (None, None, None)
-        convs = (self.conv_q, self.conv_k, self.conv_v)
-        outs = [causal_conv(x, c.weight, w, document_ids) for x, c, w in zip((q_in, k_in, v_in), convs, windows)]
-        q, k, v = (y.view(B, T, -1, self.head_k_dim) for y, _ in outs)  # (B, T, H, d)
-        o, S = kimi_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
-                               initial_state=state.recurrent if state is not None else None,
-                               output_final_state=keep_state, document_ids=document_ids)
-        new_windows = tuple(w for _, w in outs)
-        return o, GatedDeltaNetState(conv=new_windows, recurrent=S) if keep_state else None
+    def delta_rule(self, q, k, v, g, beta, *, initial_state=None, output_final_state=False, document_ids=None):
+        return kimi_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=initial_state,
+                               output_final_state=output_final_state, document_ids=document_ids)
 
 
 def kimi_delta_init_rule(name: str, *, conv_kernel: int = 4) -> tuple | None:

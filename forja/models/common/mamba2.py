@@ -100,48 +100,89 @@ class Mamba2(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: AttentionMask | None, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        if mask is not None and mask.sequence is not None:
-            raise ForjaError("Mamba-2 blocks do not split a sequence over ranks; set parallel.cp = 1")
-        document_ids = mask.document_ids if mask is not None else None
         B, T, _ = x.shape
-        state = cache.mixer_states.get(layer) if cache is not None else None
-        y, state = self.mix(x, document_ids, state)  # (B, T, H, P) fp32
-        if cache is not None:
-            cache.mixer_states[layer] = state
-        y = self.norm(y.reshape(B, T, -1), self.wz(x))
+        x_in, B_in, C_in = self.wx(x), self.wB(x), self.wC(x)  # (B, T, H P), (B, T, G N) twice
+        dt = self.time_steps(x)  # (B, T, H)
+        if mask is not None and mask.sequence is not None:  # the rows are split over ranks (context parallelism)
+            y = mask.sequence.mamba2(self, x_in, B_in, C_in, dt)
+        else:
+            state = cache.mixer_states.get(layer) if cache is not None else None
+            y, state = self.mix(x_in, B_in, C_in, dt, mask.document_ids if mask is not None else None, state)
+            if cache is not None:
+                cache.mixer_states[layer] = state
+        y = self.norm(y.reshape(B, T, -1), self.wz(x))  # y (B, T, H, P) in the compute dtype
         return self.wo(y.to(x.dtype))
 
-    def mix(self, x: torch.Tensor, document_ids: torch.Tensor | None,
-            state: Mamba2State | None) -> tuple[torch.Tensor, Mamba2State]:
-        """The projections, convolutions and scan (with the D skip) of x (B, T, dim) after
-        `state` (None: from nothing) -> (y (B, T, H, P) in the compute dtype, the state after)."""
-        B, T, _ = x.shape
-        windows = state.conv if state is not None else (None, None, None)
-        convs = (self.conv_x, self.conv_B, self.conv_C)
-        outs = [_convolve(proj(x), conv, window, document_ids)
-                for proj, conv, window in zip((self.wx, self.wB, self.wC), convs, windows, strict=True)]
-        (xs, x_window), (Bs, B_window), (Cs, C_window) = outs
+    def time_steps(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, dim) -> dt (B, T, H) in the compute dtype: softplus(x W_dt + dt_bias), clamped."""
         compute = torch.promote_types(x.dtype, torch.float32)
+        dt = F.softplus(self.wdt(x).to(compute) + self.dt_bias.to(compute))
+        return dt.clamp(min=self.dt_limit[0], max=self.dt_limit[1])
+
+    def mix(self, x_in: torch.Tensor, B_in: torch.Tensor, C_in: torch.Tensor, dt: torch.Tensor,
+            document_ids: torch.Tensor | None = None, state: Mamba2State | None = None,
+            heads: slice | None = None) -> tuple[torch.Tensor, Mamba2State]:
+        """The convolutions and the scan (with the D skip) from the projections x_in (B, T, H P),
+        B_in, C_in (B, T, G N) and the time steps dt (B, T, H), after `state` (None: from
+        nothing) -> (y (B, T, H, P) in the compute dtype, the state after). `heads`: the heads
+        these inputs hold, with their groups' B and C, when they are some of them (context
+        parallelism's all-to-all); None: all."""
+        windows = state.conv if state is not None else (None, None, None)
+        xs, Bs, Cs, windows = self.convolve(x_in, B_in, C_in, document_ids, windows, heads)
+        y, S = self.scan(xs, dt, Bs, Cs, document_ids, state.ssm if state is not None else None, heads)
+        return y, Mamba2State(conv=windows, ssm=S)
+
+    def convolve(self, x_in: torch.Tensor, B_in: torch.Tensor, C_in: torch.Tensor,
+                 document_ids: torch.Tensor | None = None, windows: tuple = (None, None, None),
+                 heads: slice | None = None) -> tuple:
+        """The three short convolutions (each after its `windows`, the inputs just before)
+        -> xs (B, T, H, P), Bs, Cs (B, T, G, N) and the new windows, as `mix`."""
+        B, T, _ = x_in.shape
+        inner, groups = self._channels(heads, B_in.shape[-1])
+        parts = (inner, groups, groups)
+        outs = [_convolve(t, conv, part, window, document_ids) for t, conv, part, window
+                in zip((x_in, B_in, C_in), (self.conv_x, self.conv_B, self.conv_C), parts, windows, strict=True)]
+        (xs, x_window), (Bs, B_window), (Cs, C_window) = outs
         xs = xs.view(B, T, -1, self.head_dim)  # (B, T, H, P)
         Bs, Cs = (t.view(B, T, -1, self.state_size) for t in (Bs, Cs))  # (B, T, G, N)
-        dt = F.softplus(self.wdt(x).to(compute) + self.dt_bias.to(compute))  # (B, T, H)
-        dt = dt.clamp(min=self.dt_limit[0], max=self.dt_limit[1])
-        A = -self.A_log.to(compute).exp()  # (H,) negative: a decay
-        y, S = mamba2_scan(xs, dt, A, Bs, Cs, chunk_size=self.chunk_size,
-                           initial_state=state.ssm if state is not None else None, document_ids=document_ids)
-        y = y.to(compute) + self.D.to(compute)[:, None] * xs.to(compute)  # the skip
-        return y, Mamba2State(conv=(x_window, B_window, C_window), ssm=S)
+        return xs, Bs, Cs, (x_window, B_window, C_window)
+
+    def scan(self, xs: torch.Tensor, dt: torch.Tensor, Bs: torch.Tensor, Cs: torch.Tensor,
+             document_ids: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+             heads: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scan of the convolved inputs plus the D skip -> (y (B, T, H, P) in the compute
+        dtype, the final state (B, H, P, N))."""
+        compute = torch.promote_types(xs.dtype, torch.float32)
+        y, S = mamba2_scan(xs, dt, self.decay_rates(xs.dtype, heads), Bs, Cs, chunk_size=self.chunk_size,
+                           initial_state=initial_state, document_ids=document_ids)
+        D = self.D[heads if heads is not None else slice(None)].to(compute)
+        return y.to(compute) + D[:, None] * xs.to(compute), S  # the skip
+
+    def decay_rates(self, dtype: torch.dtype, heads: slice | None = None) -> torch.Tensor:
+        """A = -exp(A_log) (H,), negative (a decay), in the compute dtype of `dtype` inputs."""
+        A_log = self.A_log[heads if heads is not None else slice(None)]
+        return -A_log.to(torch.promote_types(dtype, torch.float32)).exp()
+
+    def _channels(self, heads: slice | None, bc_width: int) -> tuple[slice, slice]:
+        """The channels of x and of B, C (`bc_width` of them here) that `heads` read."""
+        if heads is None:
+            return slice(None), slice(None)
+        per_group = self.A_log.shape[0] * self.state_size // self.conv_B.weight.shape[0]  # heads per group
+        first = heads.start // per_group * self.state_size
+        return slice(heads.start * self.head_dim, heads.stop * self.head_dim), slice(first, first + bc_width)
 
 
-def _convolve(x: torch.Tensor, conv: nn.Conv1d, window: torch.Tensor | None,
+def _convolve(x: torch.Tensor, conv: nn.Conv1d, part: slice, window: torch.Tensor | None,
               document_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`causal_conv` with the convolution's bias: causal_conv1d's kernel on CUDA for a
-    sequence from nothing (training, a prompt), the PyTorch form otherwise (or without it)."""
+    """`causal_conv` with the convolution's bias, on its channels `part`: causal_conv1d's kernel
+    on CUDA for a sequence from nothing (training, a prompt), the PyTorch form otherwise (or
+    without it)."""
+    weight, bias = conv.weight[part], conv.bias[part] if conv.bias is not None else None
     kernel = causal_conv1d_kernel() if x.is_cuda and x.dtype != torch.float64 else None
     if kernel is None or window is not None or document_ids is not None:
-        return causal_conv(x, conv.weight, window, document_ids, conv.bias)
-    K = conv.weight.shape[-1]
-    out = kernel(x.transpose(1, 2), conv.weight.squeeze(1), conv.bias, activation="silu").transpose(1, 2)
+        return causal_conv(x, weight, window, document_ids, bias)
+    K = weight.shape[-1]
+    out = kernel(x.transpose(1, 2), weight.squeeze(1), bias, activation="silu").transpose(1, 2)
     return out, F.pad(x, (0, 0, max(0, K - 1 - x.shape[1]), 0))[:, -(K - 1):]  # the last K - 1 inputs
 
 
@@ -207,8 +248,9 @@ class Mamba2Args:
 
     def head_counts(self) -> dict[str, int]:
         counts = super().head_counts()
-        if "mamba2" in self.layer_types:  # tensor parallelism splits Mamba-2 by whole groups
-            counts.update(mamba_n_groups=self.mamba_n_groups)
+        if "mamba2" in self.layer_types:  # tensor parallelism splits Mamba-2 by whole groups,
+            # all-to-all context parallelism by whole heads (groups repeated where fewer than cp)
+            counts.update(mamba_n_groups=self.mamba_n_groups, mamba_n_heads=self.mamba_n_heads)
         return counts
 
     def mamba2(self, norm_eps: float, bias: bool = False) -> Mamba2:

@@ -130,6 +130,25 @@ def _cut_at_documents(document_ids: torch.Tensor, pad: int, L: int, decay, to_en
     return decay, to_end, from_start, carry
 
 
+def state_reach(dt: torch.Tensor, A: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T, H) in the compute dtype: how much of an initial state each token's state still
+    holds, exp(dt_1 A + ... + dt_t A), zero from the row's second document on. The scan is
+    affine in its initial state S0: a token's state is its state from zero plus this times S0,
+    and its output that plus `read_state`'s."""
+    dtype = _compute_dtype(dt)
+    reach = (dt.to(dtype) * A.to(dtype)).cumsum(1).exp()  # (B, T, H) each term <= 0: no overflow
+    if document_ids is not None:
+        reach = reach * (_segments(document_ids) == 0).to(dtype)[..., None]
+    return reach
+
+
+def read_state(C: torch.Tensor, reach: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """What an initial state (B, H, P, N) adds to the outputs of tokens that still hold `reach`
+    (B, T, H) of it, read through C (B, T, G, N) -> (B, T, H, P) in reach's dtype."""
+    C = _to_heads(C, reach.shape[-1]).to(reach.dtype)
+    return torch.einsum("bthn,bhpn->bthp", C, state.to(reach.dtype)) * reach[..., None]
+
+
 def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, *,
                 chunk_size: int = 128, initial_state: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,9 +74,6 @@ class KimiLinearArgs(KimiDeltaArgs, TransformerArgs, MoEArgs, LatentAttentionArg
     def is_moe_layer(self, layer: int) -> bool:
         return self.n_experts > 0 and layer not in self.dense_layers
 
-    def layout_limits(self) -> dict[str, str]:
-        return {"cp": "Kimi Delta Attention blocks"} if "linear_attention" in self.layer_types else {}
-
 
 class KimiLinear(RotaryDecoder):
     """RotaryDecoder's blocks, norms and feed-forwards with KDA or NoPE latent attention as mixer."""

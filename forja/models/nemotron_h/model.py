@@ -115,9 +115,6 @@ class NemotronHArgs(Mamba2Args, MoEArgs, TransformerArgs):
     def is_moe_layer(self, layer: int) -> bool:
         return self.layer_type(layer) == "moe"
 
-    def layout_limits(self) -> dict[str, str]:
-        return {"cp": "Mamba-2 blocks"} if "mamba2" in self.layer_types else {}
-
     def split_counts(self) -> dict[str, int]:
         return {**self.head_counts(), "ffn_dim": self.ffn_dim}
 
@@ -152,8 +149,6 @@ class NemotronH(Transformer):
         if kind in FEED_FORWARD_KINDS:
             return None
         if kind == "mamba2":
-            if sequence is not None:
-                raise ForjaError("Mamba-2 blocks do not split a sequence over ranks; set parallel.cp = 1")
             kind = "linear_attention"  # a recurrent mixer's mask: the documents themselves
         return super().mask_for(kind, document_ids, T, start, device, sequence)
 

@@ -5,11 +5,12 @@ the `parallel.cp` ranks of a cp group, every sequence mixer seeing the whole row
 - "all-to-all" (Ulysses; Jacobs et al. 2023, "DeepSpeed Ulysses"): rank r holds the r-th
   chunk of each row; a mixer's inputs are re-sharded from the sequence to the heads (one
   all-to-all each), it runs unchanged on whole rows for cp-th of the heads (SDPA,
-  FlexAttention, windows, sinks, document masks, latent attention, Gated DeltaNet), and
-  its output goes back. Key/value heads fewer than cp are repeated so each rank gets one.
+  FlexAttention, windows, sinks, document masks, latent attention, Gated DeltaNet, Kimi Delta
+  Attention, Mamba-2), and its output goes back. Key/value heads (Mamba-2's groups) fewer than
+  cp are repeated so each rank gets one.
 - "ring" (ring.py): rank r holds chunks r and 2 cp - 1 - r of 2 cp; keys and values pass
-  around the ranks with an online-softmax merge; Gated DeltaNet scans across the shards
-  (scan.py).
+  around the ranks with an online-softmax merge; the recurrent mixers (Gated DeltaNet, Kimi
+  Delta Attention, Mamba-2) scan across the shards (scan.py).
 
 The engine splits each micro-batch (`ContextParallel.split`): tokens, labels, their
 positions (RoPE turns each token by its true place) and document ids; the model is handed a
@@ -32,7 +33,7 @@ from forja.models.common.attention import AttentionMask, attend, build_mask, res
 from forja.parallel.cp.comm import RingExchange, heads_to_sequence, sequence_to_heads
 from forja.parallel.cp.layout import SequenceLayout
 from forja.parallel.cp.ring import RingPlan, ring_attention
-from forja.parallel.cp.scan import gated_delta_across
+from forja.parallel.cp.scan import gated_delta_across, mamba2_across
 
 __all__ = ["ContextParallel", "LocalPart", "SequenceLayout"]
 
@@ -152,10 +153,26 @@ class UlyssesMixing:
         keys = _share(q_in.shape[-1], self.cp, self.rank)
         values = _share(v_in.shape[-1], self.cp, self.rank)
         q_in, k_in = self._whole_rows(q_in, dk), self._whole_rows(k_in, dk)  # (B, T, Hk / cp * dk)
-        v_in, g, beta = self._whole_rows(v_in, dv), self._whole_rows(g, 1), self._whole_rows(beta, 1)
+        v_in, beta = self._whole_rows(v_in, dv), self._whole_rows(beta, 1)  # beta (B, T, Hv / cp)
+        # g (B, T, Hv / cp), or (B, T, Hv / cp, dk) where the decay is per key channel (KDA)
+        g = self._whole_rows(g.flatten(2), g.shape[-1] if g.dim() == 4 else 1).view(*beta.shape, *g.shape[3:])
         # (B, T, Hv / cp, dv)
         o, _ = mixer.mix(q_in, k_in, v_in, g, beta, self.whole.document_ids, channels=(keys, values))
         return heads_to_sequence(o.transpose(1, 2), self.group).transpose(1, 2)  # (B, Tl, Hv, dv)
+
+    @eager_only
+    def mamba2(self, mixer: nn.Module, x_in: torch.Tensor, B_in: torch.Tensor, C_in: torch.Tensor,
+               dt: torch.Tensor) -> torch.Tensor:
+        P, N = mixer.head_dim, mixer.state_size
+        groups = B_in.shape[-1] // N
+        if groups % self.cp:  # fewer groups than ranks: each rank gets the one its heads read
+            B_in, C_in = (t.unflatten(-1, (groups, N)).repeat_interleave(self.cp // groups, dim=2).flatten(2)
+                          for t in (B_in, C_in))
+        heads = _share(dt.shape[-1], self.cp, self.rank)
+        x_in, dt = self._whole_rows(x_in, P), self._whole_rows(dt, 1)  # (B, T, H / cp * P), (B, T, H / cp)
+        B_in, C_in = self._whole_rows(B_in, N), self._whole_rows(C_in, N)  # (B, T, G / cp * N)
+        y, _ = mixer.mix(x_in, B_in, C_in, dt, self.whole.document_ids, heads=heads)  # (B, T, H / cp, P)
+        return heads_to_sequence(y.transpose(1, 2), self.group).transpose(1, 2)  # (B, Tl, H, P)
 
     def _whole_rows(self, x: torch.Tensor, d: int) -> torch.Tensor:
         """x (B, Tl, n d), this rank's tokens of n heads -> (B, T, n / cp * d)."""
@@ -192,3 +209,9 @@ class RingMixing:
         shards = self.shards
         return gated_delta_across(mixer, q_in, k_in, v_in, g, beta, shards.layout, shards.document_ids,
                                   shards.cp.group)
+
+    @eager_only
+    def mamba2(self, mixer: nn.Module, x_in: torch.Tensor, B_in: torch.Tensor, C_in: torch.Tensor,
+               dt: torch.Tensor) -> torch.Tensor:
+        shards = self.shards
+        return mamba2_across(mixer, x_in, B_in, C_in, dt, shards.layout, shards.document_ids, shards.cp.group)

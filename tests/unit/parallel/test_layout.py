@@ -29,6 +29,10 @@ def test_good_layouts_pass():
     _check(4, dp_replicate=2)
     _check(8, ep=4, tp=2, model=("qwen3", "debug-moe"))  # 8 experts over 4 of the 4 dp_shard ranks
     _check(4, grad_sync="step", reshard_after_forward=False)  # a distributed optimizer, as Megatron's
+    for kind in ("ring", "all-to-all"):  # the recurrent mixers split a sequence: KDA, Mamba-2
+        _check(2, cp=2, cp_kind=kind, model=("kimi_linear", "debug"))
+        _check(2, cp=2, cp_kind=kind, model=("nemotron_h", "debug"))
+    _check(4, cp=4, cp_kind="all-to-all", model=("nemotron_h", "debug"))  # 2 Mamba-2 groups, each on 2 ranks
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -41,6 +45,8 @@ def test_good_layouts_pass():
     (dict(world=8, cp=4, tp=2, cp_kind="all-to-all"),
      r"model n_heads = 4 / parallel.tp = 2 = 2 per tensor-parallel rank is not divisible by parallel.cp = 4"),
     (dict(world=2, cp=2, seq_len=8, model=("qwen3_5", "debug")), r"leaves 2 tokens per chunk, fewer than the 3"),
+    (dict(world=2, cp=2, seq_len=8, model=("kimi_linear", "debug")), r"fewer than the 3 a Gated DeltaNet's or Kimi"),
+    (dict(world=2, cp=2, seq_len=8, model=("nemotron_h", "debug")), r"fewer than the 3 a Mamba-2's convolution"),
     (dict(world=2, tp=2, async_tp=True), r"parallel.async_tp needs CUDA"),
     (dict(world=4, gbs=6), r"train.global_batch_size = 6 is not divisible by the data-parallel degree 4"),
     (dict(world=2, gbs=8, mbs=3), r"= 4 is not divisible by train.micro_batch_size = 3"),

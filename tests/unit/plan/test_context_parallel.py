@@ -15,6 +15,7 @@ from forja.errors import ForjaError
 from forja.models import model_args
 from forja.plan.activations import block_activations
 from forja.plan.cli import print_plan, set_items
+from forja.plan.context_parallel import a2a_elements
 from forja.plan.hardware import get_hardware
 from forja.plan.job import Job
 from forja.plan.layout import Layout, SearchSpace, enumerate_layouts, parse_fixed
@@ -162,6 +163,26 @@ def test_gated_deltanet_under_ring_gathers_states_where_all_to_all_moves_every_t
     assert cp_block_time(j, ring, H100, block, s) < cp_block_time(j, a2a, H100, block, s) / 20
 
 
+def test_mamba2_and_kda_blocks_move_what_their_mixers_read_and_feed_forward_blocks_nothing():
+    j = job("nemotron_h", "8b", seq=65536, batch=8)  # Mamba-2: 128 heads of 64, 8 groups of 128 states, 4 taps
+    ring, a2a = Layout.of(dp_shard=2, cp=4, cp_kind="ring"), Layout.of(dp_shard=2, cp=4, cp_kind="all-to-all")
+    s, bw = 65536 / 4, H100.intra_node_bytes_per_s
+    mamba = next(b for b in j.shape.blocks if b.kind == "mamba2")
+    gather = 3 * 128 * (64 * 128 + 1) * 4 / bw  # 3 other ranks' fp32 states and decays
+    halo = 3 * (128 * 64 + 2 * 8 * 128) * 2 / bw  # 3 tokens of x, B, C in bf16
+    assert cp_block_time(j, ring, H100, mamba, s) == pytest.approx(2 * (gather + halo), rel=1e-9)
+    moved = 3 / 4 * s * (2 * 128 * 64 + 128 + 2 * 8 * 128) * 2 / bw  # x, dt, B, C in; y back
+    assert cp_block_time(j, a2a, H100, mamba, s) == pytest.approx(2 * moved, rel=1e-9)
+    sixteen = Layout.of(dp_shard=1, cp=16, cp_kind="all-to-all")  # 8 groups over 16 ranks: B and C twice over
+    assert a2a_elements(j, sixteen, mamba) == 2 * 128 * 64 + 128 + 2 * 2 * 8 * 128
+    mlp = next(b for b in j.shape.blocks if b.kind == "mlp")
+    assert cp_block_time(j, ring, H100, mlp, s) == 0 == cp_block_time(j, a2a, H100, mlp, s)
+    k = job("kimi_linear", "48b-a3b", seq=65536, batch=8)  # KDA: 32 heads of 128, a decay per key channel
+    kda = next(b for b in k.shape.blocks if b.kind == "linear_attention")
+    moved = 3 / 4 * s * (4 * 32 * 128 + 32 * 128) * 2 / bw  # q, k, v and the decay in; the output back
+    assert cp_block_time(k, a2a, H100, kda, s) == pytest.approx(2 * moved, rel=1e-9)
+
+
 def block_backward(j, lay: Layout):
     """The moment a block computes its backward (CP's transients live only then)."""
     (rm,) = end_ranks(j, lay)
@@ -201,6 +222,18 @@ def test_gated_deltanet_activations_follow_the_shard_under_ring():
     short = job("qwen3_5", "9b", seq=256, batch=8)
     ring, a2a = (block_activations(short, Layout.of(cp=8, cp_kind=k), block, 0)[0] for k in ("ring", "all-to-all"))
     assert a2a == pytest.approx(block_activations(short, Layout(), block, 0)[0]) and ring > 1.05 * a2a
+
+
+def test_mamba2_activations_follow_the_shard_under_ring():
+    long = job("nemotron_h", "8b", seq=65536, batch=8)
+    block = next(b for b in long.shape.blocks if b.kind == "mamba2")
+    one = block_activations(long, Layout(), block, 0)[0]
+    for kind in ("ring", "all-to-all"):  # per token of the shard: the same but for its halo and chunk states
+        assert block_activations(long, Layout.of(cp=8, cp_kind=kind), block, 0)[0] == pytest.approx(one, rel=0.01)
+    # A ring shard of 256 / 8 = 32 tokens pads its scan to a chunk of 128; all-to-all scans whole rows.
+    short = job("nemotron_h", "8b", seq=256, batch=8)
+    ring, a2a = (block_activations(short, Layout.of(cp=8, cp_kind=k), block, 0)[0] for k in ("ring", "all-to-all"))
+    assert a2a == pytest.approx(block_activations(short, Layout(), block, 0)[0]) and ring > 1.5 * a2a
 
 
 def test_the_table_and_the_set_line_name_the_kind(capsys):
