@@ -55,6 +55,9 @@ class CompressedAttention(nn.Module):
         self.kv_norm = RMSNorm(head_dim, eps)
         self.wo = GroupedLowRankOutput(n_heads * head_dim, dim, o_groups, o_lora_rank)
         self.sinks = nn.Parameter(torch.empty(n_heads))
+        # The one key/value head every query head reads (with the compressed entries): a module only
+        # so that a tensor-parallel plan can hook it (each rank's heads give its gradient a share).
+        self.shared_kv = nn.Identity()
         self.compressor = None
         self.indexer = None
         if kind != "sliding_attention":
@@ -78,7 +81,7 @@ class CompressedAttention(nn.Module):
         with `positions` (T,) set -> (B, T, dim)."""
         B, T, _ = x.shape
         q_latent = self.q_norm(self.wq_a(x))  # (B, T, r)
-        q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        q = self.wq_b(q_latent).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd); TP: this rank's H
         q = rotate_tail(unit_rms(q, self.eps), *rope)
         kv = rotate_tail(self.kv_norm(self.wkv(x)).unsqueeze(1), *rope)  # (B, 1, T, hd)
         if cache is not None:
@@ -90,6 +93,7 @@ class CompressedAttention(nn.Module):
             entries, extra = self._compressed(x, q_latent, rope, mask.positions, cache, layer)  # (B,N,hd),(B,T,N)
             kv = torch.cat([kv, entries.unsqueeze(1)], dim=2)  # (B, 1, Tk + N, hd)
             bias = torch.cat([bias, extra], dim=-1)
+        kv = self.shared_kv(kv)
         scores = (q.float() @ kv.float().transpose(-1, -2)) * self.head_dim**-0.5 + bias.unsqueeze(1)  # (B,H,T,K)
         sink = self.sinks.float().view(1, -1, 1, 1).expand(B, -1, T, 1)
         logits = torch.cat([scores, sink], dim=-1)

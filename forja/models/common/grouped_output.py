@@ -28,7 +28,7 @@ class GroupedLowRankOutput(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        g = self.groups
+        g = self.wo_a.shape[0] // self.rank  # all groups; under tensor parallelism this rank's
         per_group = x.reshape(B * T, g, -1).transpose(0, 1)  # (g, B T, H hd / g)
         w = self.wo_a.view(g, self.rank, -1).transpose(1, 2)  # (g, H hd / g, rank)
         low = torch.bmm(per_group, w).transpose(0, 1)  # (B T, g, rank)

@@ -96,16 +96,19 @@ class SplitTokens(ParallelStyle):
     weights whole on every rank, as replicated DTensors computing on the rank's tokens
     (Shard(0) of the (N, width) rows), so their gradients are partial sums that DTensor (or
     FSDP) reduces over the ranks. The layer's load statistics are summed over the ranks
-    through `token_split_sum`, so its auxiliary losses and bias see the whole micro-batch."""
+    through `token_split_sum`, so its auxiliary losses and bias see the whole micro-batch.
+    `token_ids`: the layer's second input is the (B, T) token ids (DeepSeek-V4's hash routing
+    reads them), whole on every rank, split along T with the tokens."""
 
-    def __init__(self, sequence_parallel: bool):
+    def __init__(self, sequence_parallel: bool, *, token_ids: bool = False):
         super().__init__()
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.token_ids = sequence_parallel, token_ids
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         whole = Shard(1) if self.sequence_parallel else Replicate()
+        ids = ((Replicate(),), (Shard(1),)) if self.token_ids else ((), ())
         PrepareModuleInputOutput(
-            input_layouts=(whole,), desired_input_layouts=(Shard(1),), use_local_input=True,
+            input_layouts=(whole, *ids[0]), desired_input_layouts=(Shard(1), *ids[1]), use_local_input=True,
             output_layouts=(Shard(1),), desired_output_layouts=(whole,), use_local_output=True,
         )._apply(module, device_mesh)
         # The router's gate, not the router: the router returns a Routing, not a tensor.

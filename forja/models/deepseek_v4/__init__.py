@@ -1,5 +1,6 @@
 """DeepSeek-V4: `model.py` the model, `hf.py` its checkpoints (transformers 5.25's
-DeepseekV4ForCausalLM); tests/unit/models/test_deepseek_v4.py checks it against transformers.
+DeepseekV4ForCausalLM), `parallelize.py` its TP plan; tests/unit/models/test_deepseek_v4.py
+checks it against transformers.
 
 FLAVORS holds the test size only: the published checkpoints' per-layer schedules
 (`compress_ratios`) are not known here with certainty, so no published size is given.
@@ -7,6 +8,7 @@ FLAVORS holds the test size only: the published checkpoints' per-layer schedules
 
 from forja.models.deepseek_v4.hf import ADAPTER
 from forja.models.deepseek_v4.model import DeepSeekV4, DeepSeekV4Args
+from forja.models.deepseek_v4.parallelize import deepseek_v4_tp_plan
 from forja.models.spec import ModelSpec
 
 FLAVORS: dict[str, dict] = {
@@ -21,4 +23,4 @@ FLAVORS: dict[str, dict] = {
                   route_scale=1.5, expert_bias=True, swiglu_limit=10.0),
 }
 
-SPEC = ModelSpec("deepseek_v4", DeepSeekV4, DeepSeekV4Args, FLAVORS, ADAPTER)
+SPEC = ModelSpec("deepseek_v4", DeepSeekV4, DeepSeekV4Args, FLAVORS, ADAPTER, tp_plan=deepseek_v4_tp_plan)

@@ -114,11 +114,16 @@ class DeepSeekV4Args(TransformerArgs, ScoredMoEArgs):
 
     def layout_limits(self) -> dict[str, str]:
         # A pipeline stage would pass on (B, T, D) hidden states; here they are hc_mult streams,
-        # and the hash-routed blocks read the token ids. No tensor-parallel plan is written yet.
+        # and the hash-routed blocks read the token ids.
         return {"documents": "DeepSeek-V4's key/value compressors (an entry would span documents)",
-                "tp": "DeepSeek-V4's blocks (no tensor-parallel plan yet)",
                 "cp": "DeepSeek-V4's compressed-attention and hash-routed blocks",
                 "pp": "DeepSeek-V4's hyper-connection streams and token-id (hash) routing"}
+
+    def split_counts(self) -> dict[str, int]:
+        """Tensor parallelism splits the query heads and, with them, the output projection's
+        groups (parallelize.py); the one key/value head, the indexer and the experts' width are
+        not split (every feed-forward is a mixture of experts, split by tokens)."""
+        return {"n_heads": self.n_heads, "o_groups": self.o_groups}
 
     def is_moe_layer(self, layer: int) -> bool:
         return True

@@ -209,11 +209,28 @@ def test_debug_flavor_trains_and_decodes_as_it_prefills():
     assert (torch.cat(parts, dim=1) - whole).abs().max() < 1e-4
 
 
-def test_packed_documents_and_context_parallelism_are_refused():
+def test_packed_documents_context_and_pipeline_parallelism_are_refused():
     from forja.errors import ForjaError
 
     model = _debug_model()
     tokens = torch.zeros(1, 8, dtype=torch.long)
     with pytest.raises(ForjaError, match="one document per row"):
         model(tokens, torch.tensor([[0] * 4 + [1] * 4]))
-    assert set(model.args.layout_limits()) == {"documents", "tp", "cp", "pp"}
+    assert set(model.args.layout_limits()) == {"documents", "cp", "pp"}
+
+
+def test_the_layout_validator_takes_tensor_parallelism_that_splits_whole_heads_and_groups():
+    """TP splits the query heads and the output projection's groups with them (parallelize.py):
+    the validator takes a tp that divides both, and names the field that a tp does not divide."""
+    from forja.models import model_args
+    from forja.parallel.checks import LayoutRequest, layout_errors
+    from forja.parallel.config import ParallelConfig
+
+    def errors(tp: int, **overrides) -> list[str]:
+        args = model_args("deepseek_v4", "debug", **overrides)
+        return layout_errors(LayoutRequest(args=args, parallel=ParallelConfig(tp=tp, dp_shard=1), world_size=tp,
+                                           seq_len=64, global_batch_size=2, micro_batch_size=2))
+
+    assert errors(2) == []  # 4 heads in 2 groups, 6 experts: one key/value head, whole on each rank
+    assert any("model o_groups = 1 (parallel.tp = 2)" in e for e in errors(2, o_groups=1))
+    assert any("model n_heads = 6 (parallel.tp = 4)" in e for e in errors(4, n_heads=6, o_groups=2))

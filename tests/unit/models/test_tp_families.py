@@ -28,7 +28,8 @@ class TPCase:
     flavor: str = "debug"
     """The flavor built, seed 0."""
     grads: tuple[str, ...] | None
-    """The parameters whose gradients are compared; None: every parameter."""
+    """The parameters whose gradients are compared; None: every trained parameter (frozen ones
+    such as DeepSeek-V4's indexers have none)."""
     runs: tuple[tuple[bool, dict], ...] = SP_OFF_AND_ON
     """(sequence_parallel, build_model overrides) of each run, one device's reference built
     with the same overrides."""
@@ -76,6 +77,21 @@ def _qwen3_5_offsets_by_head(model) -> None:
 def _qwen3_5_shards(model) -> None:
     assert model.layers["0"].attention.A_log.to_local().shape == (2,)  # half the value heads
     assert model.layers["0"].attention.conv_q.weight.to_local().shape == (32, 1, 4)  # one key head's channels
+
+
+def _deepseek_v4_offsets(model) -> None:
+    with torch.no_grad():  # sinks, norms, compressor position biases and hyper-connection biases and
+        for name, p in model.named_parameters():  # gains by head or channel, away from their 0 and 1 inits
+            if p.dim() == 1 or name.endswith("position_bias"):
+                p.add_(torch.linspace(-0.5, 0.5, p.numel()).view_as(p))
+
+
+def _deepseek_v4_shards(model) -> None:
+    attention = model.layers["1"].attention
+    assert attention.sinks.to_local().shape == (2,)  # half the heads' sinks, and their rows of wq_b
+    assert attention.wq_b.weight.to_local().shape == (2 * 64, 64)
+    assert attention.wo.wo_a.to_local().shape == (64, 128)  # one of the 2 output groups (rank 64)
+    assert attention.wo.wo_b.weight.to_local().shape == (128, 64)
 
 
 def _deepseek_v3_experts_over_tp_ranks(model, mesh) -> None:
@@ -217,6 +233,15 @@ CASES = (
     TPCase(id="deepseek_v3", family="deepseek_v3",
            grads=None, runs=((False, dict(q_lora_rank=64)), (True, dict(q_lora_rank=0))),
            after_tp=_deepseek_v3_experts_over_tp_ranks, grad_atol=1e-7),
+    # DeepSeek-V4: query heads split (2 a rank) with their sinks and output groups, the query latent,
+    # the shared key/value head, the compressors and the indexers (frozen: no gradient) whole on every
+    # rank, the key/value rows' gradient summed over the ranks; hash- and top-k-routed experts spread
+    # over the ranks (each routing its tokens by their own ids); the hyper-connections whole, under SP
+    # on the rank's slice of the streams. Every trained gradient. One document per row (its
+    # compressors' windows would span documents).
+    TPCase(id="deepseek_v4", family="deepseek_v4", grads=None, prepare=_deepseek_v4_offsets,
+           check_shards=_deepseek_v4_shards, after_tp=_deepseek_v3_experts_over_tp_ranks, grad_atol=1e-6,
+           loss_tol=1e-5),
     # KDA split by head (one of two a rank), its rank-d projections whole, on a packed batch;
     # NoPE latent attention and the experts as DeepSeek-V3's: every gradient.
     TPCase(id="kimi_linear", family="kimi_linear", grads=None, documents=True,
@@ -236,7 +261,8 @@ def _loss_and_grads(case: TPCase, model, tp: int) -> tuple[float, dict[str, torc
         loss.backward()
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
     params = dict(model.named_parameters())
-    return float(full(loss.detach())), {n: full(params[n].grad) for n in case.grads or params}
+    trained = [n for n, p in params.items() if p.requires_grad]
+    return float(full(loss.detach())), {n: full(params[n].grad) for n in case.grads or trained}
 
 
 def _run_case(case: TPCase, mesh, world: int) -> list:
