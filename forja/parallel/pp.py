@@ -114,7 +114,8 @@ def check_pipeline(args: TransformerArgs, dims: ParallelDims, cfg: ParallelConfi
     if dims.pp == 1:
         return
     check_schedule(cfg, device_type)
-    check_layers(args.n_layers, pp=dims.pp, schedule=cfg.pp_schedule, pp_layers=cfg.pp_layers)
+    check_layers(args.n_layers, pp=dims.pp, schedule=cfg.pp_schedule, pp_layers=cfg.pp_layers,
+                 spans=args.pipeline_spans())
     check_microbatches(cfg, dims, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
 
 
@@ -166,16 +167,21 @@ class Pipeline:
     def _stages(self, m: int, T: int) -> list[PipelineStage]:
         """This rank's stages for microbatches of `m` rows of `T` tokens (this rank's part of the
         sequence under context parallelism), each told what it receives and sends: tokens (m, T)
-        into the first, hidden states (m, T / sequence split, dim) between stages, the loss (0-dim)
-        out of the last. Given both, the library builds its buffers from them instead of running
-        every stage once on empty inputs to find out, a forward whose values nobody should see."""
+        into the first, hidden states (m, T / sequence split, dim) between stages (wider where the
+        model sends more along, `stage_widths`), the loss (0-dim) out of the last. Given both, the
+        library builds its buffers from them instead of running every stage once on empty inputs
+        to find out, a forward whose values nobody should see."""
         from torch.distributed.pipelining import PipelineStage  # see _schedule
-        hidden = torch.empty(m, T // self.sequence_split, self.parts[0].args.dim, dtype=self.hidden_dtype,
-                             device="meta", requires_grad=True)  # its gradient travels back
+
+        def hidden(width: int) -> torch.Tensor:  # its gradient travels back
+            return torch.empty(m, T // self.sequence_split, width, dtype=self.hidden_dtype, device="meta",
+                               requires_grad=True)
+
         tokens, loss = torch.empty(m, T, dtype=torch.int64, device="meta"), torch.empty((), device="meta")
-        return [PipelineStage(part, s, self.n_stages, self.device, input_args=tokens if s == 0 else hidden,
-                              output_args=loss if s == self.n_stages - 1 else hidden, group=self.group)
-                for part, s in zip(self.parts, self.stage_ids)]
+        widths = [part.stage_widths() for part in self.parts]  # (received, sent): dim, or more (Gemma 4)
+        return [PipelineStage(part, s, self.n_stages, self.device, input_args=tokens if s == 0 else hidden(w_in),
+                              output_args=loss if s == self.n_stages - 1 else hidden(w_out), group=self.group)
+                for part, s, (w_in, w_out) in zip(self.parts, self.stage_ids, widths)]
 
     def _schedule_for(self, local_batch: int, T: int, n_batches: int,
                       loss_fn: Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]):

@@ -21,12 +21,16 @@ Without `parallel.pp_layers`, blocks are balanced by cost, in training FLOPs per
 `Transformer.flops_per_token` counts them: a block costs 6 x its parameters plus its
 attention scores; the last stage also pays 6 x the output projection's parameters (the
 loss's softmax adds ~1/dim of that and is left out); the embedding is a lookup, with no
-matmul, and adds nothing.
+matmul, and adds nothing. Blocks that hand each other more than hidden states (the args'
+`pipeline_spans`: Gemma 4's shared key/value blocks and the blocks they read) stay in one
+stage: no stage ends inside such a span, whether the split is balanced or given.
 """
 
 from __future__ import annotations
 
 import copy
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from forja.errors import ForjaError
@@ -80,12 +84,24 @@ def model_costs(model: Transformer, seq_len: int) -> StageCosts:
     return StageCosts(block=float(per_block), first=0.0, last=float(last))
 
 
-def balanced_layers(n_layers: int, n_stages: int, costs: StageCosts) -> list[int]:
-    """Blocks per stage (each >= 1) that minimize the costliest stage.
+Span = tuple[int, int, str]
+"""Blocks first..last that must share a stage, and why (TransformerArgs.pipeline_spans)."""
+
+
+def allowed_cut(cut: int, spans: Sequence[Span]) -> bool:
+    """Whether a stage may start at block `cut` (the one before ending at block cut - 1)."""
+    return not any(first < cut <= last for first, last, _ in spans)
+
+
+def balanced_layers(n_layers: int, n_stages: int, costs: StageCosts, spans: Sequence[Span] = ()) -> list[int]:
+    """Blocks per stage (each >= 1) that minimize the costliest stage, no stage ending inside
+    one of `spans`.
 
     Water filling: start with one block each and give every further block to the stage
     that is cheapest so far (the earliest on ties). Blocks all cost the same, so this
-    reaches the smallest possible maximum."""
+    reaches the smallest possible maximum. With spans, `_spanned_layers`."""
+    if spans:
+        return _spanned_layers(n_layers, n_stages, costs, spans)
     counts = [1] * n_stages
     extra = [0.0] * n_stages
     extra[0] += costs.first
@@ -100,6 +116,35 @@ def balanced_layers(n_layers: int, n_stages: int, costs: StageCosts) -> list[int
     return counts
 
 
+def _spanned_layers(n_layers: int, n_stages: int, costs: StageCosts, spans: Sequence[Span]) -> list[int]:
+    """`balanced_layers` with stages ending only where `spans` allow: among the splits whose
+    costliest stage is cheapest, the one with the least sum of squared stage costs (the most
+    even), then the one with more blocks early, as water filling chooses. Two passes over the
+    allowed cut points, each exact: the least maximum, then the least sum under it."""
+    points = [0, *(c for c in range(1, n_layers) if allowed_cut(c, spans)), n_layers]
+    last = len(points) - 1
+    if last < n_stages:
+        raise ForjaError(f"{n_stages} pipeline stages of at least one block each cannot keep together "
+                         f"{'; '.join(why for _, _, why in spans)}; lower parallel.pp")
+
+    def cost(s: int, blocks: int) -> float:
+        return blocks * costs.block + (costs.first if s == 0 else 0.0) + (costs.last if s == n_stages - 1 else 0.0)
+
+    def best(add: Callable[[float | None, float], float]) -> tuple:
+        """The split of least `add`-accumulated stage cost: (that, its counts negated: min keeps more early)."""
+        plans = {0: (None, ())}  # plans[j]: the best stages so far over blocks 0 .. points[j] - 1
+        for s in range(n_stages):
+            ends = range(s + 1, last - (n_stages - 1 - s) + 1)  # room left for the later stages
+            plans = {j: min((add(plans[i][0], cost(s, points[j] - points[i])), (*plans[i][1], points[i] - points[j]))
+                            for i in plans if i < j) for j in ends}
+        return plans[last]
+
+    worst = best(lambda acc, c: c if acc is None else max(acc, c))[0]
+    fits = worst * (1 + 1e-12)  # float sums of the same costs may differ in the last place
+    _, negated = best(lambda acc, c: (acc or 0.0) + (c * c if c <= fits else math.inf))
+    return [-n for n in negated]
+
+
 def _stage_description(pp: int, schedule: str) -> str:
     n = pp * stages_per_rank(schedule)
     if stages_per_rank(schedule) == 1:
@@ -107,7 +152,8 @@ def _stage_description(pp: int, schedule: str) -> str:
     return f"{n} stages (parallel.pp = {pp} x 2 per rank for parallel.pp_schedule = '{schedule}')"
 
 
-def check_explicit_layers(pp_layers: list[int], n_layers: int, pp: int, schedule: str) -> None:
+def check_explicit_layers(pp_layers: list[int], n_layers: int, pp: int, schedule: str,
+                          spans: Sequence[Span] = ()) -> None:
     n_stages = pp * stages_per_rank(schedule)
     where = f"parallel.pp_layers = {list(pp_layers)}"
     if len(pp_layers) != n_stages:
@@ -122,14 +168,24 @@ def check_explicit_layers(pp_layers: list[int], n_layers: int, pp: int, schedule
         if count < 0 or (middle and count == 0):
             raise ForjaError(f"{where}: stage {s} gets {count} blocks; every stage needs at least one "
                              "(only the first and last may hold none, keeping just the embedding or the output)")
+    for cut in (sum(pp_layers[:s]) for s in range(1, n_stages)):
+        for first, last, why in spans:
+            if first < cut <= last:
+                raise ForjaError(f"{where} ends a stage after block {cut - 1}, but blocks {first} to {last} must "
+                                 f"share a stage ({why}); move that cut to block {first} or before, or leave "
+                                 "parallel.pp_layers empty to balance by cost")
 
 
-def check_layers(n_layers: int, *, pp: int, schedule: str, pp_layers: list[int]) -> None:
-    """`parallel.pp_layers` when given, else enough blocks for one per stage."""
+def check_layers(n_layers: int, *, pp: int, schedule: str, pp_layers: list[int], spans: Sequence[Span] = ()) -> None:
+    """`parallel.pp_layers` when given, else enough blocks for one per stage, counting each
+    of `spans` (blocks that must share a stage) as one."""
     if pp_layers:
-        check_explicit_layers(pp_layers, n_layers, pp, schedule)
-    elif n_layers < pp * stages_per_rank(schedule):
-        raise ForjaError(f"the model has n_layers = {n_layers} but the pipeline has "
+        check_explicit_layers(pp_layers, n_layers, pp, schedule, spans)
+        return
+    splittable = 1 + sum(allowed_cut(c, spans) for c in range(1, n_layers))  # blocks, a span counted once
+    if splittable < pp * stages_per_rank(schedule):
+        held = f" ({'; '.join(why for _, _, why in spans)}, so they share a stage)" if spans else ""
+        raise ForjaError(f"the model has n_layers = {n_layers}{held} but the pipeline has "
                          f"{_stage_description(pp, schedule)} of at least one block each; lower parallel.pp, "
                          "choose a schedule with one stage per rank (1f1b, gpipe), or use a deeper model")
 
@@ -137,10 +193,11 @@ def check_layers(n_layers: int, *, pp: int, schedule: str, pp_layers: list[int])
 def layers_per_stage(model: Transformer, *, pp: int, schedule: str, pp_layers: list[int],
                      seq_len: int) -> list[int]:
     """How many consecutive blocks each stage holds, stage 0 first."""
-    check_layers(len(model.layers), pp=pp, schedule=schedule, pp_layers=pp_layers)
+    spans = model.args.pipeline_spans()
+    check_layers(len(model.layers), pp=pp, schedule=schedule, pp_layers=pp_layers, spans=spans)
     if pp_layers:
         return list(pp_layers)
-    return balanced_layers(len(model.layers), pp * stages_per_rank(schedule), model_costs(model, seq_len))
+    return balanced_layers(len(model.layers), pp * stages_per_rank(schedule), model_costs(model, seq_len), spans)
 
 
 def stage_part(model: Transformer, stage: int, counts: list[int]) -> Transformer:

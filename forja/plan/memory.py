@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, fields
 
+from forja.errors import ForjaError
 from forja.parallel.pp_split import StageCosts, balanced_layers, rank_stages
 from forja.plan.activations import FP32, block_activations, widths
 from forja.plan.context_parallel import cp_buffers
@@ -130,7 +131,8 @@ def rank_model(job: Job, lay: Layout, pp_rank: int) -> RankModel:
         return RankModel(0, _group(job, list(range(n_layers))))
     n_stages = lay.pp * lay.stages_per_rank
     mean = sum(b.flops_per_token for b in job.shape.blocks) / n_layers
-    counts = _stage_layers(n_layers, n_stages, mean, job.shape.output_flops_per_token)
+    spans = tuple(job.args.pipeline_spans())  # blocks that share a stage, as the pipeline keeps them
+    counts = _stage_layers(n_layers, n_stages, mean, job.shape.output_flops_per_token, spans)
     starts = [sum(counts[:s]) for s in range(n_stages)]
     stages = rank_stages(pp_rank, lay.pp, lay.pp_schedule)
     stage_layers = tuple(tuple(range(starts[s], starts[s] + counts[s])) for s in stages)
@@ -139,8 +141,12 @@ def rank_model(job: Job, lay: Layout, pp_rank: int) -> RankModel:
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_layers(n_layers: int, n_stages: int, block: float, last: float) -> list[int]:
-    return balanced_layers(n_layers, n_stages, StageCosts(block=block, last=last))
+def _stage_layers(n_layers: int, n_stages: int, block: float, last: float, spans: tuple = ()) -> list[int]:
+    costs = StageCosts(block=block, last=last)
+    try:
+        return balanced_layers(n_layers, n_stages, costs, spans)
+    except ForjaError:  # more stages than the spans leave room for: the validator refuses it, priced without them
+        return balanced_layers(n_layers, n_stages, costs)
 
 
 def inflight_chunks(lay: Layout, pp_rank: int, microbatches: int) -> float:

@@ -55,7 +55,7 @@ from forja.models.common.mlp import SquaredReLUMLP, SwiGLU
 from forja.models.common.step_context import OUTSIDE_A_STEP, AddAuxLoss
 from forja.ops.grouped_mm import GROUPED_MM_IMPLS, grouped_mm
 
-EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu", "relu2")
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu", "relu2", "geglu")
 """`MoEArgs.expert_activation`'s values; "relu2" alone has no gate (no w3)."""
 
 
@@ -88,11 +88,12 @@ class MoEArgs:
     `expert_bias` it is trained by gradients and it weighs the chosen experts too."""
     expert_proj_bias: bool = False
     """Each routed expert's gate, up and down projections add a learned bias (gpt-oss)."""
-    expert_activation: Literal["swiglu", "clamped_swiglu", "relu2"] = "swiglu"
+    expert_activation: Literal["swiglu", "clamped_swiglu", "relu2", "geglu"] = "swiglu"
     """The routed experts' activation: silu(gate) * up, or gpt-oss's clamped variant
     (up + 1) * g * sigmoid(swiglu_alpha * g), g = gate clamped above at swiglu_limit and up
     clamped to +-swiglu_limit; shared experts are then SwiGLU. Or "relu2", no gate: relu(up)^2
-    (Nemotron 3), the shared experts too (`SquaredReLUMLP`)."""
+    (Nemotron 3), the shared experts too (`SquaredReLUMLP`). Or "geglu": gelu_tanh(gate) * up
+    (Gemma 4, whose experts have no shared ones)."""
     swiglu_limit: float = 7.0
     """Clamp of the clamped SwiGLU (gpt-oss's `swiglu_limit`)."""
     swiglu_alpha: float = 1.702
@@ -146,6 +147,9 @@ class MoEArgs:
              f"score_func = {self.score_func!r} must be softmax, sigmoid or topk_softmax"),
             (self.expert_activation in EXPERT_ACTIVATIONS,
              f"expert_activation = {self.expert_activation!r} must be one of {', '.join(EXPERT_ACTIVATIONS)}"),
+            (self.expert_activation != "geglu" or not self.n_shared_experts,
+             f"n_shared_experts = {self.n_shared_experts}: GeGLU experts (Gemma 4's) have no shared ones, so "
+             "it must be 0"),
             (self.swiglu_limit > 0, f"swiglu_limit = {self.swiglu_limit} must be positive"),
             (self.n_expert_groups >= 1 and e % self.n_expert_groups == 0,
              f"n_experts = {e} must split into n_expert_groups = {self.n_expert_groups} equal groups"),
@@ -326,9 +330,12 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor | None, activation: st
                      alpha: float = 1.702) -> torch.Tensor:
     """silu(gate) * up ("swiglu"), or gpt-oss's "clamped_swiglu": both clamped (the gate only
     from above), a sigmoid-GELU gate g * sigmoid(alpha g), and up + 1; or "relu2", ungated:
-    relu(gate)^2, `gate` being w1's output and `up` None (So et al. 2021, "Primer")."""
+    relu(gate)^2, `gate` being w1's output and `up` None (So et al. 2021, "Primer"); or "geglu",
+    gelu_tanh(gate) * up (Gemma 4)."""
     if activation == "swiglu":
         return F.silu(gate) * up
+    if activation == "geglu":
+        return F.gelu(gate, approximate="tanh") * up
     if activation == "relu2":
         return F.relu(gate).square()
     gate = gate.clamp(max=limit)

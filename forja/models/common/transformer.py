@@ -139,6 +139,12 @@ class TransformerArgs:
         naming them; {}: none."""
         return {}
 
+    def pipeline_spans(self) -> list[tuple[int, int, str]]:
+        """Runs of blocks (first, last, why) that must sit in one pipeline stage, because they
+        hand each other more than the hidden states (Gemma 4's shared key/value blocks and the
+        blocks they read); []: a stage may end after any block (forja/parallel/pp_split.py)."""
+        return []
+
     @property
     def supported_layer_types(self) -> tuple[str, ...]:
         """The kinds of block the family builds: attention, full or sliding, unless it says more."""
@@ -311,6 +317,11 @@ class Transformer(nn.Module):
                                      mask=mask)
             loss = self.mtp.attach(loss, losses)  # the same value; the MTP losses join its backward
         return loss
+
+    def stage_widths(self) -> tuple[int, int]:
+        """Widths of the hidden states this model, as a pipeline stage, receives and sends on:
+        dim both; a family that sends more along (Gemma 4's per-layer inputs) says so."""
+        return self.args.dim, self.args.dim
 
     def run_blocks(self, h: torch.Tensor, kinds: dict[str, str], ropes: dict, masks: dict,
                    cache: KVCache | None) -> torch.Tensor:

@@ -20,7 +20,11 @@ What differs from Gemma 3's attention:
 The block is Gemma's sandwich block plus the per-layer input (`ple`): after the feed-forward,
 h += norm(W_up(gelu_tanh(W_gate h) * p_l)), p_l the block's slice of the per-layer embeddings
 (forja/models/gemma4/model.py), and the block's output multiplied by `layer_scalar`, a stored
-per-block constant (a buffer, not trained: the released checkpoints carry its value).
+per-block constant (a buffer, not trained: the released checkpoints carry its value). With a
+mixture of experts (forja/models/gemma4/moe.py) the experts run beside the dense MLP on the same
+h, each output normalized on its own before their sum goes under post_ffn_norm. The mixture is
+then the block's `feed_forward`, as in every forja block with experts (the tensor-parallel plan,
+expert parallelism and the planner find it there), and the dense MLP beside it is `mlp`.
 """
 
 from __future__ import annotations
@@ -97,15 +101,20 @@ class Gemma4Attention(Attention):
 class Gemma4Block(nn.Module):
     """Gemma's sandwich block, then the per-layer input and the layer scalar:
     h = x + post_attention_norm(attn(attention_norm(x)));  h = h + post_ffn_norm(ffn(ffn_norm(h)));
-    h = h + ple_norm(ple_proj(gelu_tanh(ple_gate(h)) * p));  out = h * layer_scalar."""
+    h = h + ple_norm(ple_proj(gelu_tanh(ple_gate(h)) * p));  out = h * layer_scalar.
+    With a mixture of experts as `feed_forward` and `beside` = (the dense MLP, the norms of
+    its output and of the experts'), ffn(ffn_norm(h)) becomes
+    post_mlp_norm(mlp(ffn_norm(h))) + post_moe_norm(feed_forward(h))."""
 
     placement: ClassVar[str] = "sandwich"
 
     def __init__(self, attention: Gemma4Attention, feed_forward: nn.Module, norms: list[nn.Module],
-                 ple: tuple[int, int, float] | None = None):
+                 ple: tuple[int, int, float] | None = None,
+                 beside: tuple[nn.Module, nn.Module, nn.Module] | None = None):
         super().__init__()
         self.attention_norm, self.post_attention_norm, self.ffn_norm, self.post_ffn_norm = norms
         self.attention, self.feed_forward = attention, feed_forward
+        self.mlp, self.post_mlp_norm, self.post_moe_norm = beside or (None, None, None)
         if ple is not None:  # (dim, per-layer width, eps)
             dim, width, eps = ple
             self.ple_gate = nn.Linear(dim, width, bias=False)
@@ -120,7 +129,11 @@ class Gemma4Block(nn.Module):
     def forward(self, x, rope, mask, cache: KVCache | None = None, layer: int = 0,
                 per_layer: torch.Tensor | None = None, shared: SharedKV | None = None):
         h = x + self.post_attention_norm(self.attention(self.attention_norm(x), rope, mask, cache, layer, shared))
-        h = h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))  # (B, T, dim)
+        if self.mlp is None:
+            ffn = self.feed_forward(self.ffn_norm(h))  # (B, T, dim)
+        else:  # the experts read h itself: their router and input norm are their own
+            ffn = self.post_mlp_norm(self.mlp(self.ffn_norm(h))) + self.post_moe_norm(self.feed_forward(h))
+        h = h + self.post_ffn_norm(ffn)
         if self.ple_gate is not None:
             gated = F.gelu(self.ple_gate(h), approximate="tanh") * per_layer  # (B, T, P)
             h = h + self.ple_norm(self.ple_proj(gated))

@@ -9,8 +9,17 @@ heads and the local ones nothing (any other per-layer difference is refused). fo
 unpermuted. Norm weights are the scales themselves (no offset from one), copied as they are;
 each block's `layer_scalar` buffer is read and written like a weight. Shared key/value blocks
 store no k/v projections or norms. The multimodal checkpoints (Gemma4ForConditionalGeneration,
-model_type gemma4: vision and audio towers) are not read, and the mixture-of-experts block
-(`enable_moe_block`, the 26B-A4B) is refused.
+model_type gemma4: vision and audio towers) are not read.
+
+The mixture of experts (`enable_moe_block`, the 26B-A4B; forja/models/gemma4/moe.py) in every
+block: `num_experts`, `top_k_experts`, `moe_intermediate_size`; its tensors as transformers'
+modules hold them (no conversion of names on save or load): in forja the block's feed_forward
+is then the mixture and `mlp` the dense MLP beside it. router.proj/scale/per_expert_scale ->
+feed_forward.router.gate/norm/per_expert_scale, experts.gate_up_proj (E, 2H, D, gate rows
+first) -> feed_forward.experts.w1, w3 and experts.down_proj (E, D, H) -> w2,
+pre_feedforward_layernorm_2 -> feed_forward.expert_norm, mlp.* -> mlp.*,
+post_feedforward_layernorm_1/_2 -> post_mlp_norm/post_moe_norm. Without enable_moe_block the
+expert keys are not read (transformers builds no experts then either).
 """
 
 from __future__ import annotations
@@ -34,8 +43,6 @@ def _check_supported(cfg: dict) -> None:
                             key="hidden_activation"),
         hf_rules.Unsupported("use_bidirectional_attention", lambda v: v in (None, "vision"),
                              "forja's decoder attends causally ('vision' concerns image tokens only)"),
-        hf_rules.Unsupported("enable_moe_block", lambda v: not v,
-                             "forja's Gemma 4 has no mixture-of-experts block (the 26B-A4B's) yet"),
         hf_rules.NO_ATTENTION_DROPOUT,
     ], _refuse)
 
@@ -101,7 +108,7 @@ def args_from_config(cfg: dict) -> Gemma4Args:
     global_head_dim, global_kv_heads = _global_shape(cfg, kinds, args["n_kv_heads"])
     ple_dim = cfg.get("hidden_size_per_layer_input", 256) or 0
     return Gemma4Args(
-        **args, **_rope(cfg), sliding_window=cfg.get("sliding_window", 512), layer_types=kinds,
+        **args, **_rope(cfg), **_experts(cfg), sliding_window=cfg.get("sliding_window", 512), layer_types=kinds,
         global_head_dim=global_head_dim, global_kv_heads=global_kv_heads,
         attention_k_eq_v=bool(cfg.get("attention_k_eq_v", False)),
         kv_shared_layers=int(cfg.get("num_kv_shared_layers") or 0),
@@ -111,12 +118,40 @@ def args_from_config(cfg: dict) -> Gemma4Args:
     )
 
 
-def config_from_args(a: Gemma4Args) -> dict:
-    hf_rules.check_exportable(a, "a Gemma 4", {
+def _experts(cfg: dict) -> dict:
+    """The MoEArgs fields of `enable_moe_block`'s mixture; {} (none) without it."""
+    if not cfg.get("enable_moe_block"):
+        return {}
+    missing = [k for k in ("num_experts", "top_k_experts", "moe_intermediate_size") if not cfg.get(k)]
+    if missing:
+        raise _refuse(missing[0], cfg.get(missing[0]), "enable_moe_block needs num_experts, top_k_experts and "
+                      "moe_intermediate_size")
+    return dict(n_experts=int(cfg["num_experts"]), top_k=int(cfg["top_k_experts"]),
+                moe_ffn_dim=int(cfg["moe_intermediate_size"]), score_func="softmax", norm_topk_prob=True)
+
+
+def _export_problems(a: Gemma4Args) -> dict[str, tuple[bool, str]]:
+    """What transformers' Gemma 4 cannot express, by args field."""
+    problems = {
         "query_pre_attn_scalar": (a.query_pre_attn_scalar != 1, "Gemma 4 does not scale attention scores"),
         "layer_types": (a.layer_type(a.n_layers - 1) != "full_attention",
                         "transformers makes a Gemma 4's last block global"),
-    })
+    }
+    if a.n_experts:
+        problems |= {
+            **hf_rules.router_problems(a, "Gemma 4", "its"),
+            "norm_topk_prob": (not a.norm_topk_prob, "its router renormalizes the chosen experts' weights"),
+            "router_bias": (a.router_bias, "its router has no bias"),
+            "expert_proj_bias": (a.expert_proj_bias, "its experts have no biases"),
+            "expert_activation": (a.expert_activation != "geglu", "its experts are GeGLUs"),
+            "n_shared_experts": (a.n_shared_experts > 0, "its dense MLP beside the experts has their place"),
+            "scale_expert_input": (a.scale_expert_input, "its experts weigh their outputs"),
+        }
+    return problems
+
+
+def config_from_args(a: Gemma4Args) -> dict:
+    hf_rules.check_exportable(a, "a Gemma 4", _export_problems(a))
     full = {"rope_type": "proportional", "partial_rotary_factor": a.global_rotary_fraction, "rope_theta": a.rope_theta}
     if a.rope_linear_factor != 1.0:
         full["factor"] = a.rope_linear_factor
@@ -127,7 +162,10 @@ def config_from_args(a: Gemma4Args) -> dict:
             "final_logit_softcapping": a.final_logit_softcap, "attention_k_eq_v": a.attention_k_eq_v,
             "num_kv_shared_layers": a.kv_shared_layers, "use_double_wide_mlp": a.double_wide_mlp,
             "hidden_size_per_layer_input": a.ple_dim, "vocab_size_per_layer_input": a.ple_vocab_size or a.vocab_size,
-            "enable_moe_block": False, "per_layer_config": per_layer,
+            "enable_moe_block": bool(a.n_experts), "num_experts": a.n_experts or None,
+            "top_k_experts": a.top_k if a.n_experts else None,
+            "moe_intermediate_size": a.moe_ffn_dim if a.n_experts else None,
+            "per_layer_config": per_layer,
             **hf_rules.layer_types_config(a, full, a.local_rope_theta)}
 
 
@@ -140,13 +178,23 @@ def _layer_rules(a: Gemma4Args, i: int) -> list[TensorRule]:
              if not (p == "k" and shared) and not (p == "v" and no_v)]
     pairs += [(f"self_attn.{n}.weight", f"attention.{n}.weight") for n in ("q_norm", "k_norm")
               if not (n == "k_norm" and shared)]
-    pairs += [*hf_rules.NORM_PAIRS["sandwich"], *hf_rules.MLP_PAIRS, ("layer_scalar", "layer_scalar")]
+    # With experts the block's feed_forward is the mixture, and the dense MLP is `mlp` in both.
+    mlp = [(f"mlp.{h}", f"mlp.{f}") for h, f in hf_rules.SWIGLU_PAIRS] if a.n_experts else hf_rules.MLP_PAIRS
+    pairs += [*hf_rules.NORM_PAIRS["sandwich"], *mlp, ("layer_scalar", "layer_scalar")]
     if a.ple_dim:
         pairs += [("per_layer_input_gate.weight", "ple_gate.weight"),
                   ("per_layer_projection.weight", "ple_proj.weight"),
                   ("post_per_layer_input_norm.weight", "ple_norm.weight")]
+    if a.n_experts:
+        pairs += [("router.proj.weight", "feed_forward.router.gate.weight"),
+                  ("router.scale", "feed_forward.router.norm.weight"),
+                  ("router.per_expert_scale", "feed_forward.router.per_expert_scale"),
+                  ("pre_feedforward_layernorm_2.weight", "feed_forward.expert_norm.weight"),
+                  ("post_feedforward_layernorm_1.weight", "post_mlp_norm.weight"),
+                  ("post_feedforward_layernorm_2.weight", "post_moe_norm.weight")]
     layer, ours = f"model.layers.{i}.", f"layers.{i}."
-    return hf_rules.renamed(pairs, layer, ours)
+    experts = hf_rules.expert_rules(a, layer, ours + "feed_forward.", fused=True) if a.n_experts else []
+    return hf_rules.renamed(pairs, layer, ours) + experts
 
 
 def rules(a: Gemma4Args) -> list[TensorRule]:

@@ -16,9 +16,18 @@ What it adds to Gemma 3:
   base rope_theta over the whole width, the others zero, so those dimensions pass through).
 - Norm weights are the scale itself (not Gemma 3's offset from one), unscaled attention
   scores, a per-block stored `layer_scalar`, final logits soft-capped (30 in the releases).
+- Optionally (`n_experts` > 0, transformers' `enable_moe_block`: the 26B-A4B) a mixture of
+  GeGLU experts beside every block's dense MLP (forja/models/gemma4/moe.py).
+
+Under pipeline parallelism a stage past the first receives the hidden states and, beside them
+in the same tensor, the per-layer inputs of its blocks and of the later ones (`stage_widths`);
+the shared key/value blocks sit in one stage with the blocks they read (`pipeline_spans`).
 
 Parameter names follow the TP plan (`parallelize.py`): attention.wq/wk/wv/wo, attention.q_norm/
-k_norm, feed_forward.w1 (gate)/w3 (up)/w2 (down), ple_gate/ple_proj/ple_norm in each block.
+k_norm, feed_forward.w1 (gate)/w3 (up)/w2 (down), ple_gate/ple_proj/ple_norm in each block; with
+experts feed_forward.router.gate/norm/per_expert_scale, feed_forward.expert_norm,
+feed_forward.experts.w1/w3/w2, and the dense MLP beside them mlp.w1/w3/w2, post_mlp_norm and
+post_moe_norm.
 """
 
 from __future__ import annotations
@@ -27,22 +36,27 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from forja.errors import ForjaError
 from forja.models.common.attention import KVCache, SequenceShards
 from forja.models.common.decoder import RotaryDecoder
 from forja.models.common.mlp import GeGLU
+from forja.models.common.moe import MoEArgs
 from forja.models.common.norms import RMSNorm
 from forja.models.common.rope import rope_frequencies
 from forja.models.gemma3.model import Gemma3, Gemma3Args, gemma3_layer_types
 from forja.models.gemma4.attention import Gemma4Attention, Gemma4Block, SharedKV
+from forja.models.gemma4.moe import Gemma4MoE
 
 
 @dataclass(kw_only=True)
-class Gemma4Args(Gemma3Args):
+class Gemma4Args(Gemma3Args, MoEArgs):
     """A Gemma 4 text model's shape; the package's FLAVORS hold the published sizes. Of Gemma 3's
     fields, rope_linear_factor scales the global blocks' frequencies (proportional RoPE's
-    `factor`) and query_pre_attn_scalar stays 1 (scores unscaled); rope_scaling is not used."""
+    `factor`) and query_pre_attn_scalar stays 1 (scores unscaled); rope_scaling is not used.
+    With n_experts > 0 every block has experts beside its dense MLP (MoEArgs: n_experts,
+    top_k, moe_ffn_dim; a softmax router renormalizing its top k, as transformers')."""
 
     query_pre_attn_scalar: int | None = 1
     """Attention scores are multiplied by query_pre_attn_scalar ** -0.5: 1 in Gemma 4."""
@@ -66,6 +80,8 @@ class Gemma4Args(Gemma3Args):
     """Width P of each block's per-layer embedding (`hidden_size_per_layer_input`); 0: none."""
     ple_vocab_size: int = 0
     """Rows of the per-layer embedding table (`vocab_size_per_layer_input`); 0: vocab_size."""
+    expert_activation: str = "geglu"
+    """The experts' activation (MoEArgs): Gemma 4's are GeGLUs, gelu_tanh(gate) * up."""
 
     def __post_init__(self) -> None:
         if not self.layer_types:  # transformers' default: five local blocks to one global, the last global
@@ -78,6 +94,7 @@ class Gemma4Args(Gemma3Args):
         if self.ple_dim and not self.ple_vocab_size:
             self.ple_vocab_size = self.vocab_size
         self._check_gemma4()
+        self.check_moe()
 
     def _check_gemma4(self) -> None:
         if self.rope_scaling is not None:
@@ -125,10 +142,14 @@ class Gemma4Args(Gemma3Args):
     def head_counts(self) -> dict[str, int]:
         return {**super().head_counts(), "global_kv_heads": self.global_kv_heads}
 
-    def layout_limits(self) -> dict[str, str]:
-        """Gemma 4 runs whole (`Gemma4.forward`): a later pipeline stage would lack the token
-        ids its per-layer embeddings read and the keys and values earlier stages' blocks share."""
-        return {"pp": "Gemma 4's per-layer embeddings and shared key/value layers (read across the whole model)"}
+    def pipeline_spans(self) -> list[tuple[int, int, str]]:
+        """The shared key/value blocks and every block they read from, in one pipeline stage:
+        a producer hands its keys and values on within the forward, not between stages."""
+        if not self.kv_shared_layers:
+            return []
+        first, last = min(self.producer(i) for i in range(self.first_shared_layer, self.n_layers)), self.n_layers - 1
+        return [(first, last, f"Gemma 4's shared key/value blocks {self.first_shared_layer}-{last} read the keys "
+                              f"and values of blocks from {first} on")]
 
 
 class Gemma4(Gemma3):
@@ -156,7 +177,11 @@ class Gemma4(Gemma3):
                                     scale=a.query_pre_attn_scalar**-0.5)
         width = a.ffn_dim * (2 if a.double_wide_mlp and shared else 1)
         ple = (a.dim, a.ple_dim, a.norm_eps) if a.ple_dim else None
-        return Gemma4Block(attention, GeGLU(a.dim, width), [self.build_norm() for _ in range(4)], ple)
+        norms = [self.build_norm() for _ in range(4)]
+        if not a.is_moe_layer(layer):
+            return Gemma4Block(attention, GeGLU(a.dim, width), norms, ple)
+        beside = (GeGLU(a.dim, width), self.build_norm(), self.build_norm())  # the dense MLP, both outputs' norms
+        return Gemma4Block(attention, Gemma4MoE(a.dim, a, a.norm_eps), norms, ple, beside)
 
     def build_norm(self) -> RMSNorm:
         return RMSNorm(self.args.dim, self.args.norm_eps)
@@ -185,6 +210,8 @@ class Gemma4(Gemma3):
         if name.endswith("attention.q_norm.weight") and name.startswith("layers."):
             head_dim = self.args.attention_shape(int(name.split(".")[1]))[1]
             return ("uniform", head_dim**-0.5, head_dim**-0.5)  # a constant: U(c, c) draws c
+        if name.endswith("router.per_expert_scale"):
+            return ("ones",)  # each expert's weight as routed, as transformers starts it
         return RotaryDecoder.init_rule(self, name)
 
     # -- per-layer embeddings ----------------------------------------------------------------
@@ -206,29 +233,72 @@ class Gemma4(Gemma3):
                 labels: torch.Tensor | None = None, sequence: SequenceShards | None = None) -> torch.Tensor:
         """As `Transformer.forward` (tokens (B, T) -> logits (B, T, vocab), or with labels the
         mean loss), each block also given its per-layer input and the forward's shared keys and
-        values. The whole model only: a pipeline stage would need the token ids and the
-        producers' keys and values of stages before it."""
-        if self.tok_embeddings is None or self.output is None:
-            raise ForjaError("a Gemma 4 with per-layer embeddings or shared key/value layers runs whole; "
-                             "set parallel.pp = 1")
+        values. A pipeline stage past the first receives, as `tokens`, what the stage before
+        sent (`stage_output`); a stage before the last returns what it sends on."""
         start = cache.length if cache is not None else 0
         if positions is None:
             positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         T = positions.shape[0]
-        h = self.add_positions(self.tok_embeddings(tokens), positions)  # (B, T, dim)
-        per_layer = self.per_layer_inputs(tokens, h)  # (B, T, L, P) or None
+        first, end = self.stage_layers()
+        if self.tok_embeddings is not None:
+            h = self.add_positions(self.tok_embeddings(tokens), positions)  # (B, T, dim)
+            per_layer = self.per_layer_inputs(tokens, h)  # (B, T, L, P) or None
+            first = 0  # the per-layer inputs start at block 0 whatever blocks this stage holds
+        else:
+            h, per_layer = self.stage_input(tokens, first)  # (B, T, dim), (B, T, L - first, P) or None
         kinds = {name: self.args.layer_type(int(name)) for name in self.layers}
         ropes = {kind: self.rope_tables_for(kind, positions) for kind in set(kinds.values())}
         masks = {kind: self.mask_for(kind, document_ids, T, start, tokens.device, sequence) for kind in ropes}
         shared = SharedKV()
         for name, block in self.layers.items():
             i = int(name)
+            # per_layer and shared by keyword: a later pipeline stage's first block has a layout hook
+            # for the usual five positional inputs under sequence parallelism (forja/parallel/tp.py).
             h = block(h, ropes[kinds[name]], masks[kinds[name]], cache, i,
-                      None if per_layer is None else per_layer[:, :, i], shared)
+                      per_layer=None if per_layer is None else per_layer[:, :, i - first], shared=shared)
         if cache is not None:
             cache.advance(T)
+        if self.output is None:
+            return self.stage_output(h, per_layer, end - first)
         h = self.norm(h)
         return self.logits(h) if labels is None else self.loss(h, labels)
+
+    # -- pipeline stages ---------------------------------------------------------------------
+    def stage_layers(self) -> tuple[int, int]:
+        """(first block, one past the last) this model or pipeline stage holds; a stage of no
+        blocks sits before block 0 (the first) or after the last."""
+        held = [int(name) for name in self.layers]
+        if held:
+            return min(held), max(held) + 1
+        at = 0 if self.tok_embeddings is not None else self.args.n_layers
+        return at, at
+
+    def stage_widths(self) -> tuple[int, int]:
+        """Widths of the hidden states a pipeline stage receives and sends: dim, and P for each
+        later block's per-layer input (Transformer.stage_widths)."""
+        a = self.args
+        first, end = self.stage_layers()
+        return a.dim + (a.n_layers - first) * a.ple_dim, a.dim + (a.n_layers - end) * a.ple_dim
+
+    def stage_input(self, x: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a stage receives, x (B, T, dim + (L - first) P) -> hidden states (B, T, dim) and
+        the per-layer inputs of blocks first.. (B, T, L - first, P), or None without them."""
+        a = self.args
+        if not a.ple_dim:
+            return x, None
+        per_layer = x[..., a.dim:].unflatten(-1, (a.n_layers - first, a.ple_dim))
+        if isinstance(per_layer, DTensor):  # sequence parallel: the blocks take the rank's slice (B, T / tp, ...)
+            per_layer = per_layer.to_local()
+        return x[..., :a.dim], per_layer
+
+    @staticmethod
+    def stage_output(h: torch.Tensor, per_layer: torch.Tensor | None, done: int) -> torch.Tensor:
+        """What a stage sends on: the hidden states (B, T, dim) and the per-layer inputs past the
+        `done` blocks of `per_layer` it ran, (B, T, dim + (rest) P) in one tensor (a pipeline
+        schedule moves one)."""
+        if per_layer is None:
+            return h
+        return torch.cat([h, per_layer[:, :, done:].flatten(2).to(h.dtype)], dim=-1)
 
     # -- cache, counts, FLOPs ----------------------------------------------------------------
     def new_kv_cache(self, batch: int, max_len: int | None = None) -> KVCache:

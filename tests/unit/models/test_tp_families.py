@@ -74,6 +74,19 @@ def _qwen3_5_offsets_by_head(model) -> None:
                     p.add_(torch.linspace(-0.5, 0.5, p.numel()))
 
 
+def _gemma4_scales(model) -> None:
+    gen = torch.Generator().manual_seed(0)  # the same on every rank and for the reference
+    with torch.no_grad():  # the router's per-expert scales away from one, so that their gradients tell
+        for block in model.layers.values():
+            block.feed_forward.router.per_expert_scale.uniform_(0.5, 1.5, generator=gen)
+
+
+def _gemma4_shards(model) -> None:
+    block = model.layers["0"]
+    assert block.mlp.w1.weight.to_local().shape == (128, 128)  # half the dense MLP beside the experts
+    assert block.feed_forward.router.per_expert_scale.placements[0].is_replicate()
+
+
 def _qwen3_5_shards(model) -> None:
     assert model.layers["0"].attention.A_log.to_local().shape == (2,)  # half the value heads
     assert model.layers["0"].attention.conv_q.weight.to_local().shape == (32, 1, 4)  # one key head's channels
@@ -157,6 +170,19 @@ CASES = (
            # Sums of the ranks' partial sums, rounded otherwise: the per-layer projection's gradient (up to
            # ~0.3: its input is the sqrt(dim)-scaled embedding) measured 7.4e-6 apart, the gates' 2.1e-6.
            documents=True, grad_atol=2e-5, loss_tol=1e-5),
+    # Gemma 4 with experts beside every dense MLP: the dense MLPs split as above, each rank routing
+    # half the tokens through whole experts; the router's own scales (LocalParameters) and the
+    # experts' input norm (SplitTokens) whole on each rank, their gradients summed, as the norms on
+    # the dense and expert outputs' under SP.
+    TPCase(id="gemma4-debug-moe", family="gemma4", flavor="debug-moe",
+           grads=("layers.0.feed_forward.router.gate.weight", "layers.1.feed_forward.router.norm.weight",
+                  "layers.2.feed_forward.router.per_expert_scale", "layers.3.feed_forward.expert_norm.weight",
+                  "layers.4.feed_forward.experts.w1", "layers.5.feed_forward.experts.w2",
+                  "layers.1.post_mlp_norm.weight", "layers.2.post_moe_norm.weight", "layers.5.mlp.w2.weight",
+                  "layers.0.mlp.w1.weight", "layers.3.ple_gate.weight"),
+           # Measured: gradients 1.8e-7 apart at most (ple_gate), the loss equal, with and without SP.
+           documents=True, prepare=_gemma4_scales, check_shards=_gemma4_shards, sum_experts=True, grad_atol=1e-6,
+           loss_tol=1e-5),
     # Gated DeltaNet split by head (one key head and two value heads a rank), on a packed
     # batch. Every kind of its parameters (projections, convolutions, decay, the shared norm)
     # and the gated attention's gate: a misplaced shard shows in one of them.

@@ -14,6 +14,7 @@ from forja.parallel.pp import check_microbatches, check_pipeline, check_schedule
 from forja.parallel.pp_split import (
     StageCosts,
     balanced_layers,
+    check_layers,
     layers_per_stage,
     model_costs,
     rank_stages,
@@ -40,6 +41,29 @@ def test_the_stage_paying_for_the_output_gets_fewer_blocks():
     # Output = 1.5 blocks: [5, 4, 4, 3] costs [5, 4, 4, 4.5]; an even [4, 4, 4, 4] would cost 5.5.
     assert balanced_layers(16, 4, StageCosts(block=1.0, last=1.5)) == [5, 4, 4, 3]
     assert balanced_layers(16, 4, StageCosts(block=1.0, first=2.0)) == [3, 5, 4, 4]  # costs [5, 5, 4, 4]
+
+
+def test_no_stage_ends_inside_a_span_of_blocks_that_share_one():
+    # Blocks 3..6 together: the even [4, 4, 4, 4] would cut them; of the splits whose costliest
+    # stage holds 5, [3, 5, 4, 4] is the most even with more blocks early.
+    span = [(3, 6, "they hand each other keys")]
+    assert balanced_layers(16, 4, StageCosts(block=1.0), span) == [3, 5, 4, 4]
+    assert balanced_layers(6, 2, StageCosts(block=1.0), [(2, 5, "")]) == [2, 4]  # the span ends the model
+    assert balanced_layers(16, 4, StageCosts(block=1.0), [(4, 7, "")]) == [4, 4, 4, 4]  # cuts at 4 and 8 are free
+    # A span that forbids no cut: the split is water filling's.
+    assert balanced_layers(16, 4, StageCosts(block=1.0, last=1.5), [(0, 0, "")]) == [5, 4, 4, 3]
+
+
+def test_a_span_refuses_a_cut_inside_it_and_too_many_stages():
+    span = [(2, 5, "blocks 4-5 read blocks 2-3")]
+    check_layers(8, pp=2, schedule="1f1b", pp_layers=[2, 6], spans=span)
+    with pytest.raises(ForjaError, match=r"parallel.pp_layers = \[4, 4\] ends a stage after block 3, but blocks 2 "
+                                         r"to 5 must share a stage \(blocks 4-5 read blocks 2-3\)"):
+        check_layers(8, pp=2, schedule="1f1b", pp_layers=[4, 4], spans=span)
+    check_layers(6, pp=3, schedule="1f1b", pp_layers=[], spans=span)  # cuts after blocks 0 and 1
+    with pytest.raises(ForjaError, match=r"n_layers = 6 \(blocks 4-5 read blocks 2-3, so they share a stage\) but "
+                                         r"the pipeline has 4 stages"):
+        check_layers(6, pp=4, schedule="1f1b", pp_layers=[], spans=span)
 
 
 @pytest.mark.parametrize(("n_layers", "pp", "schedule", "expected"), [
