@@ -74,6 +74,8 @@ SWITCHES = {
     "zero-init projections": ["model.overrides={zero_init_projections = true}"],
     "u-net skips": ["model.overrides={unet_skips = true}"],
     "logit soft cap 15": ["model.overrides={logit_softcap = 15.0}"],
+    "value embeddings (2 tables)": ["model.overrides={value_embeddings = 2}"],
+    "multi-token prediction (depth 1)": ["model.mtp.depth=1"],
 }
 
 

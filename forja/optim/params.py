@@ -4,7 +4,7 @@ preconditioning), and which go to its AdamW groups.
 Rule: the own update takes the hidden matrices, parameters with two or more dimensions
 (3-D: stacked experts), except those whose rows are not a linear map between hidden features:
 
-- token and position embeddings (a lookup table: each row is updated only by its own tokens),
+- token, position and value embeddings (a lookup table: each row is updated only by its own tokens),
 - the output projection (its rows are per-token logits; Muon's and SOAP's practice keeps it on
   AdamW; its vocabulary side would also make SOAP's factors vocab x vocab),
 - MoE routers (a small E x D gate whose rows compete through the softmax).
@@ -25,8 +25,8 @@ from forja.names import named_unique_parameters
 from forja.optim.config import OptimConfig
 
 # Canonical names (forja/models/common/init.py) the rule keeps on AdamW though >= 2-D.
-ADAMW_BY_RULE = ("tok_embeddings.weight", "mtp.embed.weight", "pos_embeddings.weight", "output.weight",
-                 "*.router.gate.weight")
+ADAMW_BY_RULE = ("tok_embeddings.weight", "mtp.embed.weight", "pos_embeddings.weight", "value_embeds.*.weight",
+                 "output.weight", "*.router.gate.weight")
 
 
 def takes_own_update(name: str, ndim: int, adamw_patterns: Sequence[str], own_patterns: Sequence[str]) -> bool:

@@ -319,6 +319,10 @@ class Attention(MaxLogitTracking, nn.Module):
     after RoPE; `temperature=(floor_scale, attn_scale)` multiplies each query at position p
     by 1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)), the mask's `positions` giving p
     (Nakanishi 2025, "Scalable-Softmax Is Superior for Attention", arXiv 2501.19399).
+
+    `value_embedding=True` (the speedrun's value embeddings, modded-nanogpt 2024-2025): the
+    forward's `value` (B, T, Hkv * hd), a lookup of the tokens, mixes into the values as
+    v = lambda_0 v + lambda_1 value, the two learned scalars `value_lambdas` starting at 0.5.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
@@ -326,7 +330,8 @@ class Attention(MaxLogitTracking, nn.Module):
                  sinks: bool = False, out_bias: bool | None = None, output_gate: bool = False,
                  rotary_dim: int | None = None, zero_centered_norm: bool = False,
                  qk_norm_over_heads: bool = False, scale: float | None = None, rotary: bool = True,
-                 unit_qk: bool = False, temperature: tuple[int, float] | None = None):
+                 unit_qk: bool = False, temperature: tuple[int, float] | None = None,
+                 value_embedding: bool = False):
         super().__init__()
         self.head_dim = head_dim
         self.scale = scale
@@ -346,13 +351,15 @@ class Attention(MaxLogitTracking, nn.Module):
         self.k_norm = RMSNorm(k_width, norm_eps, zero_centered=zero_centered_norm) if qk_norm else None
         # One learned logit per query head (see `attend`); under TP sharded with the heads.
         self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
+        self.value_lambdas = nn.Parameter(torch.empty(2)) if value_embedding else None
 
     def structure_fields(self) -> dict:
         """What it adds to its block's structure record (forja/models/common/blocks.py)."""
         return {"mixer": "attention", "output_gate": self.wg is not None, "sinks": self.sinks is not None}
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: AttentionMask, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+                mask: AttentionMask, cache: KVCache | None = None, layer: int = 0,
+                value: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k = self.wq(x), self.wk(x)  # (B, T, H * hd), (B, T, Hkv * hd)
         if self.q_norm is not None and self.qk_norm_over_heads:  # one RMS over all heads together
@@ -361,6 +368,8 @@ class Attention(MaxLogitTracking, nn.Module):
         q = q.view(B, T, -1, self.head_dim)  # (B, T, H, hd)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, Hkv, hd)
         v = self.wv(x).view(B, T, -1, self.head_dim)
+        if value is not None:  # (B, T, Hkv * hd): the tokens' value embedding
+            v = self.value_lambdas[0] * v + self.value_lambdas[1] * value.view_as(v)
         if self.q_norm is not None and not self.qk_norm_over_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None and self.rotary:

@@ -104,11 +104,12 @@ class RotaryDecoder(Transformer):
     def build_norm(self) -> RMSNorm:
         return RMSNorm(self.args.dim, self.args.norm_eps, fused="rms_norm" in self.args.fused_ops)
 
-    def gqa_attention(self) -> Attention:
-        """Grouped-query attention with the args' heads, QK-norm and fused RoPE settings."""
+    def gqa_attention(self, *, value_embedding: bool = False) -> Attention:
+        """Grouped-query attention with the args' heads, QK-norm and fused RoPE settings
+        (`value_embedding`: it mixes a value embedding into its values, Attention's docstring)."""
         a = self.args
         return Attention(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, qk_norm=a.qk_norm, norm_eps=a.norm_eps,
-                         fused_rope="rope" in a.fused_ops, sinks=a.attention_sinks)
+                         fused_rope="rope" in a.fused_ops, sinks=a.attention_sinks, value_embedding=value_embedding)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         device = positions.device

@@ -19,6 +19,7 @@ from torch import nn
 from forja.names import named_unique_parameters
 
 # A rule maps a parameter name to ("normal", std), ("trunc_normal", std), ("ones",), ("zeros",),
+# ("constant", value),
 # ("uniform", low, high), ("uniform_log", low, high): the log of a U(low, high) draw (a decay
 # rate kept as its log), or ("inv_softplus", low, high, floor): softplus^-1 of a time step drawn
 # log-uniformly in [low, high] and at least floor (a bias that softplus turns back into it).
@@ -37,6 +38,8 @@ def full_value(shape: torch.Size, rule: tuple, gen: torch.Generator) -> torch.Te
         return torch.ones(shape)
     if kind == "zeros":
         return torch.zeros(shape)
+    if kind == "constant":
+        return torch.full(shape, float(rule[1]))
     out = torch.empty(shape)
     if kind == "normal":
         return out.normal_(0.0, rule[1], generator=gen)

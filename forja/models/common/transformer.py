@@ -295,7 +295,8 @@ class Transformer(nn.Module):
         kinds = {name: self.args.layer_type(int(name)) for name in self.layers}
         ropes = {kind: self.rope_tables_for(kind, positions) for kind in set(kinds.values())}
         masks = {kind: self.mask_for(kind, document_ids, T, start, tokens.device, sequence) for kind in ropes}
-        h = self.run_blocks(h, kinds, ropes, masks, cache)
+        # A pipeline stage past the first has hidden states, not token ids, to give its blocks.
+        h = self.run_blocks(h, kinds, ropes, masks, cache, tokens=tokens if self.tok_embeddings is not None else None)
         if cache is not None:
             cache.advance(T)
         if self.norm is not None:
@@ -324,9 +325,10 @@ class Transformer(nn.Module):
         return self.args.dim, self.args.dim
 
     def run_blocks(self, h: torch.Tensor, kinds: dict[str, str], ropes: dict, masks: dict,
-                   cache: KVCache | None) -> torch.Tensor:
+                   cache: KVCache | None, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden states (B, T, dim) through this part's blocks in order, each with its kind's
-        rotary tables and mask."""
+        rotary tables and mask; `tokens` (B, T), the ids, for a family whose blocks read them
+        (None on a pipeline stage past the first)."""
         for name, block in self.layers.items():
             h = block(h, ropes[kinds[name]], masks[kinds[name]], cache, int(name))
         return h

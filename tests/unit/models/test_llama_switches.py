@@ -1,6 +1,6 @@
 """The speedrun switches of forja's Llama (LlamaArgs): a squared-ReLU feed-forward, a soft cap
-on the logits, zero-initialized projections, U-net skips; each checked against the model
-without it, and refused where it cannot go (transformers' Llama, tensor and pipeline parallelism)."""
+on the logits, zero-initialized projections, U-net skips, value embeddings; each checked against
+the model without it, and refused where it cannot go (transformers' Llama, tensor and pipeline parallelism)."""
 
 import math
 
@@ -87,7 +87,65 @@ def test_unet_skips_by_hand_on_an_odd_depth():
         torch.testing.assert_close(model(TOKENS), model.logits(model.norm(h)), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("switch", [dict(ffn_activation="relu2"), dict(logit_softcap=30.0), dict(unet_skips=True)])
+def test_value_embeddings_by_hand_and_the_plain_model_when_their_mix_is_off():
+    """Two tables over four blocks: blocks 0 and 2 read table 0, blocks 1 and 3 table 1, each as
+    v = l0 wv(x) + l1 table(tokens); l = (1, 0) is the plain model."""
+    plain, model = _model(), _model(value_embeddings=2)
+    assert [model.args.value_table(i) for i in range(4)] == [0, 1, 0, 1]
+    assert model.num_params() == plain.num_params() + 2 * 2048 * 64 + 4 * 2
+    assert model.num_params(exclude_embeddings=True) == plain.num_params(exclude_embeddings=True) + 4 * 2
+    model.load_state_dict(plain.state_dict(), strict=False)
+    with torch.no_grad():
+        for i in range(4):
+            model.layers[str(i)].attention.value_lambdas.copy_(torch.tensor([1.0, 0.0]))
+        torch.testing.assert_close(model(TOKENS), plain(TOKENS), rtol=0, atol=0)
+        model.layers["2"].attention.value_lambdas.copy_(torch.tensor([0.5, 2.0]))
+        attention = plain.layers["2"].attention
+        wv = attention.wv.weight.clone()
+        # block 2's values by hand: 0.5 v + 2 table_0(tokens), through a plain model's weights
+        table = model.value_embeds[0].weight  # (vocab, Hkv * hd)
+        h = plain.tok_embeddings(TOKENS)
+        rope = plain.rope_tables(torch.arange(TOKENS.shape[1]))
+        mask = plain.mask_for("full_attention", None, TOKENS.shape[1], 0, TOKENS.device)
+        for i in range(4):
+            block = plain.layers[str(i)]
+            if i == 2:
+                x = block.attention_norm(h)
+                attention.wv.weight.copy_(0.5 * wv)
+                shift = 2.0 * table[TOKENS]  # (B, T, Hkv * hd): added to every value, as a bias per token
+                attention.wv.register_forward_hook(lambda m, inp, out: out + shift)
+                h = h + attention(x, rope, mask)
+                h = h + block.feed_forward(block.ffn_norm(h))
+            else:
+                h = block(h, rope, mask, None, i)
+        torch.testing.assert_close(model(TOKENS), plain.logits(plain.norm(h)), rtol=1e-6, atol=1e-5)
+    model(TOKENS, labels=TOKENS.roll(-1, 1)).backward()
+    assert model.value_embeds[0].weight.grad.abs().sum() > 0  # block 2 mixes it in
+    assert model.value_embeds[1].weight.grad.abs().sum() == 0  # its blocks' l1 is 0
+    assert model.layers["3"].attention.value_lambdas.grad.abs().min() > 0  # l1 learns from 0
+
+
+def test_value_embeddings_decode_through_the_cache_as_the_whole_forward():
+    from forja.generate import SamplingConfig, generate
+
+    model = _model(value_embeddings=2, unet_skips=True)  # both switches in one run_blocks
+    cfg = SamplingConfig(max_new_tokens=6)
+    cached = generate(model, TOKENS[:, :8], cfg)
+    assert torch.equal(cached, generate(model, TOKENS[:, :8], cfg, use_cache=False))
+
+
+def test_value_embeddings_go_to_adamw_under_muon_and_fit_half_the_depth():
+    from forja.optim.config import OptimConfig
+    from forja.optim.params import muon_split
+
+    split = muon_split(_model(value_embeddings=1), OptimConfig(name="muon"))
+    assert "value_embeds.0.weight" in split["adamw"] and "layers.0.attention.wv.weight" in split["muon"]
+    with pytest.raises(ForjaError, match=r"model.value_embeddings=3 must be between 0 and n_layers // 2 = 2"):
+        model_args("llama", "debug", value_embeddings=3)
+
+
+@pytest.mark.parametrize("switch", [dict(ffn_activation="relu2"), dict(logit_softcap=30.0), dict(unet_skips=True),
+                                    dict(value_embeddings=1)])
 def test_transformers_has_no_such_llama_and_the_export_says_so(switch):
     name = next(iter(switch))
     with pytest.raises(ForjaError, match=f"a Llama with {name} has no LlamaForCausalLM equivalent"):
@@ -96,8 +154,11 @@ def test_transformers_has_no_such_llama_and_the_export_says_so(switch):
 
 
 @pytest.mark.parametrize("axis", ["tp", "pp"])
-def test_unet_skips_are_refused_on_tensor_and_pipeline_parallelism(axis):
-    request = LayoutRequest(args=model_args("llama", "debug", unet_skips=True), parallel=ParallelConfig(**{axis: 2}),
+@pytest.mark.parametrize(("switch", "named"), [(dict(unet_skips=True), r"U-net skips \(model.unet_skips\)"),
+                                               (dict(value_embeddings=1),
+                                                r"value embeddings \(model.value_embeddings\)")])
+def test_skips_and_value_embeddings_are_refused_on_tensor_and_pipeline_parallelism(axis, switch, named):
+    request = LayoutRequest(args=model_args("llama", "debug", **switch), parallel=ParallelConfig(**{axis: 2}),
                             world_size=2, seq_len=64, global_batch_size=8, micro_batch_size=2)
-    with pytest.raises(ForjaError, match=rf"parallel.{axis} = 2 .* U-net skips \(model.unet_skips\)"):
+    with pytest.raises(ForjaError, match=rf"parallel.{axis} = 2 .* {named}"):
         check_layout(request)
