@@ -232,10 +232,29 @@ class RunSummaryCallback(Callback):
             steps = [(f"forja generate {run} --prompt 'def '", "continue a prompt"),
                      (f"forja export {run} --hf {run}/hf", "a Hugging Face model directory"),
                      (f"forja report {run}", "its curves and figures")]
+            why = _not_exportable(trainer)
+            if why is not None:  # suggest no export that would refuse
+                steps.pop(1)
             width = max(len(command) for command, _ in steps)
             lines += [f"  its model: {self.checkpoint}", "  next:"]
-            lines += [f"    {command.ljust(width)}  # {why}" for command, why in steps]
+            lines += [f"    {command.ljust(width)}  # {what}" for command, what in steps]
+            if why is not None:
+                lines.append(f"  no Hugging Face export: {why}")
         print("\n".join(lines), flush=True)
+
+
+def _not_exportable(trainer: TrainerView) -> str | None:
+    """Why `forja export --hf` would refuse this run's model (its family's adapter says), or None."""
+    from forja.errors import ForjaError
+    from forja.models.config import run_model_args
+    from forja.models.registry import spec_of
+
+    try:
+        args = run_model_args(trainer.cfg.model, trainer.tokenizer.vocab_size)
+        spec_of(args).hf.config_from_args(args)
+    except ForjaError as e:
+        return str(e)
+    return None
 
 
 class StragglerCallback(Callback):
