@@ -146,7 +146,7 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
         sdpa += cp_saved_extra(job, lay)  # ring's fp32 output, or all-to-all's full-sequence one
         sdpa += 2 * heads * FP32 if block.sinks else 0.0  # FlexAttention's sinks: sigmoid(lse - sink), its cast
         sdpa += _mask_saved(job, lay, block)
-    extra += indexer_saved(job, block, w)
+    extra += indexer_saved(job, lay, block, w)
     gate = 2 * hq * w.lin if block.output_gate else 0.0  # sigmoid(x W_g) and the gated output (wo's input)
     post = post_norm_saved(job, lay, block, w) if block.norms != "pre" else 0.0
     # Op-level AC keeps the projections' outputs (q, k, v before RoPE; wo's) and attention's.
@@ -155,20 +155,26 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
     return _sublayer_input(job, lay, block, w, readers) + qk_norm + sdpa + extra + gate + post, matmuls
 
 
-def indexer_saved(job: Job, block: BlockShape, w: Widths) -> float:
+def indexer_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> float:
     """Bytes per token a DeepSeek Sparse Attention block's selection keeps (replicated over TP), as
     forja computes it (forja/models/common/sparse_attention.py): the selected keys are a (B, 1, T, T)
     boolean mask over dense SDPA, which keeps it as an additive bias (the compute dtype on GPUs,
     fp32 on CPUs) where rows are longer than top-k (shorter ones, and the dense warm-up, run
-    causal: no mask). The untrained indexer runs without gradients: its scores, (B, T, chunk, T)
-    at a time (`INDEXER_HEAD_CHUNK`), are transients that nothing keeps (op-level AC recomputes
-    them, forja/parallel/ac.py). Trained (a dsa_stage), also its query heads, key and fp32
-    weights, each head's ReLU scores over the T keys and the summed scores' log-softmax."""
+    causal: no mask). Under all-to-all CP that bias covers the whole rows, cp times a rank's
+    tokens; under ring the plan keeps the rank's queries' selection as booleans (a byte a key),
+    each block's mask cut from it as it runs. The untrained indexer runs without gradients: its
+    scores, (B, T, chunk, T) at a time (`INDEXER_HEAD_CHUNK`), are transients that nothing keeps
+    (op-level AC recomputes them, forja/parallel/ac.py). Trained (a dsa_stage), also its query
+    heads, key and fp32 weights, each head's ReLU scores over the T keys and the summed scores'
+    log-softmax (under CP a rank's queries by the whole rows' keys: the same per token)."""
     if not block.indexer:
         return 0.0
     heads, width, topk, stage = block.indexer
     masked = stage != 1 and job.seq_len > topk
-    kept = job.seq_len * (2 if job.gpu and job.bf16 else FP32) if masked else 0.0
+    bias = 2 if job.gpu and job.bf16 else FP32
+    if lay.cp > 1:
+        bias = 1 if lay.cp_kind == "ring" else bias * lay.cp
+    kept = job.seq_len * bias if masked else 0.0
     if stage:
         kept += (heads * width + width) * w.lin + heads * FP32 + (heads + 2) * job.seq_len * FP32
     return kept

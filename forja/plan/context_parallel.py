@@ -14,6 +14,14 @@ buffers the memory model adds. Formulas in docs/planner.md ("CP").
   recurrent mixer moves its projections (Mamba-2's groups of B and C replicated as KV heads
   are) and its output.
 MLP and MoE blocks (Nemotron-H's) mix no sequence: nothing moves.
+DeepSeek-V4's blocks, under either kind, keep their queries: they all-gather each chunk's
+window of the one key/value head and its compressors' lead-in, and the whole rows' compressed
+entries (forja/parallel/cp/compressed.py), the gradients summed back.
+A DeepSeek Sparse Attention block moves latent attention's tensors and, for its indexer, the
+whole rows' indexer keys (an all-gather; their gradient summed back when trained); all-to-all
+also gathers the whole rows' selection (a byte a query and key). Trained, its target moves:
+all-to-all sends the head sums of the whole rows' probabilities (fp32) to the queries' ranks,
+ring takes K round once more (forja/parallel/cp/__init__.py `attend_selected`).
 """
 
 from __future__ import annotations
@@ -132,7 +140,7 @@ def cp_buffers(job: Job, lay: Layout, block: BlockShape, tokens_mb: float) -> fl
     if lay.cp == 1 or block.kind in NO_MIXER:
         return 0.0
     if lay.cp_kind == "all-to-all":
-        return tokens_mb * a2a_elements(job, lay, block) * act_bytes(job)
+        return tokens_mb * a2a_elements(job, lay, block) * act_bytes(job) + indexer_buffers(job, lay, block, tokens_mb)
     if block.kind in SCANNED:
         sequences = lay.sequences_per_microbatch(job.global_batch_size)
         return lay.cp * ring_scan_bytes(job, lay, block, sequences)[0]
@@ -143,7 +151,48 @@ def cp_buffers(job: Job, lay: Layout, block: BlockShape, tokens_mb: float) -> fl
     per_token = (copies + q + 3 * (k + v)) * FP32
     sequences = lay.sequences_per_microbatch(job.global_batch_size)
     c = job.seq_len / (2 * lay.cp)
-    return tokens_mb * per_token + RING_SCORE_TEMPS * sequences * job.args.n_heads / lay.tp * c * c * FP32
+    temps = RING_SCORE_TEMPS * sequences * job.args.n_heads / lay.tp * c * c * FP32
+    return tokens_mb * per_token + temps + indexer_buffers(job, lay, block, tokens_mb)
+
+
+def indexer_gathers(job: Job, lay: Layout, block: BlockShape, tokens_mb: float) -> tuple[float, float]:
+    """(bytes a DeepSeek Sparse Attention block all-gathers over cp per micro-batch, the whole
+    gathered tensors; bytes it all-reduces in backward): the whole rows' indexer keys, and their
+    gradient where the indexer trains; under all-to-all the whole rows' selection too (uint8),
+    where the rows are longer than top-k (not in the dense warm-up) or the target needs it."""
+    if lay.cp == 1 or not block.indexer:
+        return 0.0, 0.0
+    _, width, topk, stage = block.indexer
+    whole = tokens_mb * lay.cp  # the rows' tokens
+    gathered = whole * width * act_bytes(job)
+    if lay.cp_kind == "all-to-all" and (stage or job.seq_len > topk):
+        gathered += whole * job.seq_len
+    return gathered, whole * width * act_bytes(job) if stage else 0.0
+
+
+def indexer_target_bytes(job: Job, lay: Layout, block: BlockShape, tokens_mb: float) -> float:
+    """Bytes per micro-batch a trained indexer's target moves from one rank, forward only:
+    all-to-all's head sums of the whole rows' probabilities (B, T, T) fp32, each query's row to
+    its rank; ring's K (fp32) taken round again, cp - 1 hops."""
+    if lay.cp == 1 or not block.indexer or not block.indexer[3]:
+        return 0.0
+    if lay.cp_kind == "all-to-all":
+        return tokens_mb * lay.cp * job.seq_len * FP32
+    return (lay.cp - 1) * tokens_mb * attention_widths(job, lay)[1] * FP32
+
+
+def indexer_buffers(job: Job, lay: Layout, block: BlockShape, tokens_mb: float) -> float:
+    """Transient bytes a DeepSeek Sparse Attention block's CP adds: the whole rows' indexer keys;
+    under all-to-all the whole rows' selection (a byte a query and key) and, trained, this
+    rank's heads' probability sums over the whole rows with the two copies their exchange makes
+    (fp32); under ring, trained, the target of this rank's queries (fp32)."""
+    if not block.indexer:
+        return 0.0
+    _, width, _, stage = block.indexer
+    held = tokens_mb * lay.cp * width * act_bytes(job)
+    if lay.cp_kind == "all-to-all":
+        return held + tokens_mb * lay.cp * job.seq_len * (1 + (3 * FP32 if stage else 0))
+    return held + (tokens_mb * job.seq_len * FP32 if stage else 0.0)
 
 
 def cp_saved_extra(job: Job, lay: Layout) -> float:

@@ -21,6 +21,8 @@ from forja.plan.context_parallel import (
     SCANNED,
     a2a_elements,
     act_bytes,
+    indexer_gathers,
+    indexer_target_bytes,
     ring_attention_work,
     ring_kv_bytes,
     ring_scan_bytes,
@@ -305,9 +307,10 @@ def cp_block_time(job: Job, lay: Layout, hw: Hardware, block, tokens_mb: float) 
     if lay.cp == 1 or block.kind in NO_MIXER:
         return 0.0
     reruns = forward_reruns(lay)
+    indexer = indexer_cp_time(job, lay, hw, block, tokens_mb)
     if lay.cp_kind == "all-to-all":
         volume = tokens_mb * a2a_elements(job, lay, block) * act_bytes(job)
-        return (2 + reruns) * all_to_all_time(volume, lay.cp, hw, lay.tp)
+        return (2 + reruns) * all_to_all_time(volume, lay.cp, hw, lay.tp) + indexer
     bw = link_bandwidth(hw, lay, Axis.CP)
     if block.kind in SCANNED:
         state, halo = ring_scan_bytes(job, lay, block, lay.sequences_per_microbatch(job.global_batch_size))
@@ -317,7 +320,22 @@ def cp_block_time(job: Job, lay: Layout, hw: Hardware, block, tokens_mb: float) 
     hops = lay.cp - 1
     forward = hops * max(0.0, kv / bw - attention_forward / lay.cp)
     backward = hops * max(0.0, (kv + dkv) / bw - attention_backward / lay.cp) + dkv / bw
-    return (1 + reruns) * forward + backward
+    return (1 + reruns) * forward + backward + indexer
+
+
+def indexer_cp_time(job: Job, lay: Layout, hw: Hardware, block, tokens_mb: float) -> float:
+    """Seconds of a DeepSeek Sparse Attention block's indexer traffic under CP per micro-batch
+    (context_parallel.py `indexer_gathers`, `indexer_target_bytes`), none hidden: the gathers
+    and the target with every forward (AC's again too), the keys' gradient summed in backward.
+    Ring's second pass of K is counted whole, though each hop runs beside its blocks."""
+    gathered, summed = indexer_gathers(job, lay, block, tokens_mb)
+    target = indexer_target_bytes(job, lay, block, tokens_mb)
+    if not (gathered or target):
+        return 0.0
+    bw = link_bandwidth(hw, lay, Axis.CP)
+    moved = all_to_all_time(target, lay.cp, hw, lay.tp) if lay.cp_kind == "all-to-all" else target / bw
+    forward = ring_time(gathered, lay.cp, bw) + moved
+    return (1 + forward_reruns(lay)) * forward + ring_time(summed, lay.cp, bw, all_reduce=True)
 
 
 def forward_reruns(lay: Layout) -> float:

@@ -75,6 +75,22 @@ class SequenceMixing(Protocol):
         """A Mamba-2's convolutions, scan and skip over the whole rows, from this rank's
         projections and time steps (forja/models/common/mamba2.py `Mamba2.mix`) -> (B, Tl, H, P)."""
 
+    # What DeepSeek Sparse Attention (forja/models/common/sparse_attention.py) asks: its indexer
+    # scores this rank's queries against the whole rows' keys and selects among them.
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, Tl, ...) of this rank's tokens -> (B, T, ...) the whole rows in order; each
+        rank's use of a token sends its gradient back to the token's rank."""
+
+    def visible_keys(self, device: torch.device) -> torch.Tensor:
+        """(B or 1, Tl, T) bool: the whole rows' keys each of this rank's queries may see."""
+
+    def attend_selected(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
+                        selected: bool, scale: float, probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`attend` (shapes as there) over the keys `keep` (B or 1, Tl, T) lets each query see;
+        `selected` False when keep is `visible_keys` (the layer's own mask then runs as built).
+        With `probs`, also the attention's probabilities summed over every head (B, Tl, T),
+        fp32, without gradients."""
+
 
 class SequenceShards(Protocol):
     """A forward's rows split over ranks (context parallelism): it makes each kind of

@@ -42,6 +42,19 @@ In both the target p is computed apart from the attention's output (which SDPA r
 its probabilities), without gradients, a chunk of heads at a time: one more q k^T forward.
 The KL, averaged over the block's tokens and times `indexer_loss_weight`, joins the step's loss
 as the mixture of experts' auxiliary losses do (`AddAuxLoss`, scaled by the step context's share).
+
+Under context parallelism (forja/parallel/cp) a rank holds part of each row, and the forward's
+mask carries the `SequenceMixing` that sees the whole rows. The indexer needs no more than a
+rank's own queries and every earlier key, and its keys are narrow (one of d_I a token, shared
+by its heads): the rank gathers the whole rows' indexer keys (`gather_rows`; their gradients go
+home), scores its own queries against them and keeps their top-k, as one process would for
+those queries. The sequence object then runs the attention over the whole rows under that
+selection (`attend_selected`: all-to-all gathers the selection of the whole rows for this
+rank's heads, ring masks each block with it) and, for the indexer's target, returns this rank's
+queries' probabilities summed over every head (all-to-all sums the ranks' heads; ring takes the
+keys round once more against the merged log-sum-exp). The KL is then the mean over this rank's
+queries, which the ranks' average of gradients makes the mean over the rows: both stages are
+the same numbers as in one process.
 """
 
 from __future__ import annotations
@@ -79,9 +92,8 @@ def check_dsa_fields(n_heads: int, head_dim: int, topk: int, rope_dim: int, stag
 def allowed_keys(mask: AttentionMask, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     """(B or 1, Tq, Tk) bool: the keys each query may see, from a forward's mask (the queries are
     the last Tq of Tk positions)."""
-    if mask.sequence is not None or mask.block_mask is not None:
-        raise ForjaError("DeepSeek Sparse Attention reads dense masks only: set model.attention = \"sdpa\" "
-                         "and parallel.cp = 1")
+    if mask.block_mask is not None:
+        raise ForjaError("DeepSeek Sparse Attention reads dense masks only: set model.attention = \"sdpa\"")
     if mask.dense is not None:
         return mask.dense[:, 0].to(device)
     if mask.is_causal:
@@ -151,6 +163,26 @@ def head_summed_probs(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, s
     return total
 
 
+class WholeRows:
+    """The rows all here (no context parallelism): what `SparseMLA` asks of a `SequenceMixing`
+    (forja/models/common/attention.py) for rows split over ranks, done in one process. `mask` is
+    the forward's, for `q_len` queries after `k_len - q_len` cached positions."""
+
+    def __init__(self, mask: AttentionMask, q_len: int, k_len: int):
+        self.mask, self.q_len, self.k_len = mask, q_len, k_len
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def visible_keys(self, device: torch.device) -> torch.Tensor:
+        return allowed_keys(self.mask, self.q_len, self.k_len, device)
+
+    def attend_selected(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
+                        selected: bool, scale: float, probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = attend(q, k, v, AttentionMask(dense=keep[:, None]) if selected else self.mask, scale=scale)
+        return out, head_summed_probs(q, k, keep, scale) if probs else None
+
+
 def indexer_kl(p: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """KL(p || softmax(scores)) averaged over queries: p (B, Tq, n) the main attention's
     probabilities summed over heads (detached), scores (B, Tq, n) the indexer's, valid (B, Tq, n)
@@ -209,24 +241,26 @@ class SparseMLA(MLA):
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, H, Tk, ...)
-        allowed = allowed_keys(mask, T, k.shape[2], x.device)  # (B or 1, T, Tk)
+        # Under context parallelism the rows are split: `rows` scores against and attends over
+        # the whole rows' keys (T of them) for this rank's queries.
+        rows = mask.sequence or WholeRows(mask, T, k.shape[2])
         train_indexer = self.stage is not None and self.training and torch.is_grad_enabled()
         with torch.set_grad_enabled(train_indexer):  # transformers' indexer runs without gradients
             x_in, latent_in = (x.detach(), q_latent.detach()) if train_indexer else (x, q_latent)
-            keys = self._indexer_keys(x_in, rope, cache, layer)
+            keys = rows.gather_rows(self._indexer_keys(x_in, rope, cache, layer))  # (B, Tk, d_I) whole rows
             scores = self.indexer(x_in, latent_in, rope, keys)  # (B, T, Tk) fp32
+        allowed = rows.visible_keys(x.device)  # (B or 1, T, Tk)
         self.track_logits(q, k, mask, self.softmax_scale)
-        if self.stage == "dense_warmup" or k.shape[2] <= self.topk:  # every key it may see: the layer's own mask
-            keep, out = allowed, attend(q, k, v, mask, scale=self.softmax_scale)
-        else:
-            keep = self.selected(scores, allowed)  # (B, T, Tk)
-            out = attend(q, k, v, AttentionMask(dense=keep[:, None]), scale=self.softmax_scale)  # (B, H, T, dv)
+        selected = self.stage != "dense_warmup" and keys.shape[1] > self.topk  # else every key it may see
+        keep = self.selected(scores, allowed) if selected else allowed  # (B or 1, T, Tk)
+        out, p = rows.attend_selected(q, k, v, keep, selected=selected, scale=self.softmax_scale,
+                                      probs=train_indexer)  # (B, H, T, dv), (B, T, Tk) or None
         aux = None
         if not train_indexer:
             del scores, keep, allowed  # no longer needed: let the (B, T, Tk) tensors go before wo
         else:
             keep = keep.expand_as(scores)
-            aux = indexer_kl(head_summed_probs(q, k, keep, self.softmax_scale), scores, keep)
+            aux = indexer_kl(p, scores, keep)
         out = self.wo(out.transpose(1, 2).reshape(B, T, -1))
         if aux is not None:
             self.last_indexer_loss = aux.detach()

@@ -132,11 +132,10 @@ class TransformerArgs:
 
     def layout_limits(self) -> dict[str, str]:
         """What of this model cannot take a parallel axis yet, by axis: "tp" (no tensor-parallel
-        plan), "cp" (blocks that cannot run on a sequence split over ranks, e.g. "DeepSeek
-        Sparse Attention blocks"), "pp" (parts a pipeline stage cannot run: a stage sees only
-        the hidden states of the one before); and "documents": parts that cannot keep packed documents apart
-        (model.document_mask). The preflight refuses that axis above 1 (or document masks)
-        naming them; {}: none."""
+        plan), "cp" (blocks that cannot run on a sequence split over ranks), "pp" (parts a
+        pipeline stage cannot run: a stage sees only the hidden states of the one before); and
+        "documents": parts that cannot keep packed documents apart (model.document_mask). The
+        preflight refuses that axis above 1 (or document masks) naming them; {}: none."""
         return {}
 
     def pipeline_spans(self) -> list[tuple[int, int, str]]:

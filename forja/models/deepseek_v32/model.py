@@ -52,7 +52,9 @@ class DeepSeekV32Args(DeepSeekV3Args):
                          self.dsa_stage, self.indexer_loss_weight)
 
     def layout_limits(self) -> dict[str, str]:
-        return {"cp": "DeepSeek Sparse Attention blocks"}
+        # The indexer's target sums the attention of every head, of which a TP rank holds a share
+        # (context parallelism gathers it: forja/parallel/cp).
+        return {"tp": "the indexer's training stages (model.dsa_stage)"} if self.dsa_stage is not None else {}
 
 
 class DeepSeekV32(DeepSeekV3):

@@ -21,6 +21,7 @@ averaged over both (forja/parallel/dims.py): a cp group sees one batch, in piece
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +31,10 @@ from torch import nn
 from forja import fallbacks
 from forja.eager import eager_only
 from forja.models.common.attention import AttentionMask, attend, build_mask, rescale_for_sinks
-from forja.parallel.cp.comm import RingExchange, heads_to_sequence, sequence_to_heads
+from forja.models.common.sparse_attention import head_summed_probs
+from forja.parallel.cp.comm import RingExchange, all_gather, all_to_all, heads_to_sequence, sequence_to_heads
 from forja.parallel.cp.layout import SequenceLayout
-from forja.parallel.cp.ring import RingPlan, ring_attention
+from forja.parallel.cp.ring import RingPlan, ring_attention, ring_probs
 from forja.parallel.cp.scan import gated_delta_across, mamba2_across
 
 __all__ = ["ContextParallel", "LocalPart", "SequenceLayout"]
@@ -123,28 +125,84 @@ class ContextShards:
             T = self.layout.seq_len
             whole = AttentionMask(document_ids=docs) if kind == "linear_attention" else build_mask(
                 docs, q_len=T, kv_len=T, backend=backend, window=window, device=self.device, flex_causal=flex_causal)
-            mixing = UlyssesMixing(self, whole)
+            mixing = UlyssesMixing(self, whole, window)
         return AttentionMask(document_ids=self.local_document_ids, sequence=mixing)
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, Tl, ...) this rank's tokens -> (B, T, ...) the whole rows in order (comm.py's
+        all_gather: each rank's gradient of a token goes back to the token's rank)."""
+        got = all_gather(x, self.cp.group)  # (cp, B, Tl, ...) by rank
+        by_rank = got.transpose(0, 1).flatten(1, 2)  # (B, T, ...): rank 0's tokens, then rank 1's...
+        if self.cp.kind != "ring":  # a chunk per rank, in rank order: already the row's
+            return by_rank
+        c, layout = self.layout.chunk, self.layout
+        held = torch.cat([torch.arange(a * c, (a + 1) * c) for r in range(self.cp.cp) for a in layout.chunks_of(r)])
+        return by_rank.index_select(1, torch.argsort(held).to(x.device))  # (B, T, ...) in row order
+
+    def visible_keys(self, device: torch.device, window: int | None) -> torch.Tensor:
+        """(B or 1, Tl, T) bool: the whole rows' keys each of this rank's queries may see
+        (causal, within `window` and its document)."""
+        q_pos = self.layout.positions(device)[:, None]
+        k_pos = torch.arange(self.layout.seq_len, device=device)[None, :]
+        allowed = q_pos >= k_pos  # (Tl, T)
+        if window is not None:
+            allowed = allowed & (q_pos - k_pos < window)
+        allowed = allowed[None]  # (1, Tl, T)
+        if self.document_ids is not None:
+            local, docs = self.local_document_ids.to(device), self.document_ids.to(device)
+            allowed = allowed & (local[:, :, None] == docs[:, None, :])  # (B, Tl, T)
+        return allowed
 
 
 class UlyssesMixing:
     """A mixer on whole rows for this rank's cp-th of the heads (all-to-all)."""
 
-    def __init__(self, shards: ContextShards, whole: AttentionMask):
-        self.shards, self.whole = shards, whole
+    def __init__(self, shards: ContextShards, whole: AttentionMask, window: int | None):
+        self.shards, self.whole, self.window = shards, whole, window
         self.group, self.cp, self.rank = shards.cp.group, shards.cp.cp, shards.cp.rank
+
+    def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v (B, n, Tl, d) -> (B, n / cp, T, d): the whole rows of this rank's heads."""
+        if k.shape[1] % self.cp:  # fewer key/value heads than ranks: each rank gets one
+            repeat = self.cp // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        return tuple(sequence_to_heads(t, self.group) for t in (q, k, v))
 
     @eager_only
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                sinks: torch.Tensor | None) -> torch.Tensor:
-        if k.shape[1] % self.cp:  # fewer key/value heads than ranks: each rank gets one
-            repeat = self.cp // k.shape[1]
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        q, k, v = (sequence_to_heads(t, self.group) for t in (q, k, v))  # (B, heads / cp, T, d)
+        q, k, v = self._heads(q, k, v)  # (B, heads / cp, T, d)
         if sinks is not None:
             sinks = _local(sinks).chunk(self.cp)[self.rank]
         out = attend(q, k, v, self.whole, scale=scale, sinks=sinks)  # (B, H / cp, T, dv)
         return heads_to_sequence(out, self.group)  # (B, H, Tl, dv)
+
+    @eager_only
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shards.gather_rows(x)
+
+    def visible_keys(self, device: torch.device) -> torch.Tensor:
+        return self.shards.visible_keys(device, self.window)
+
+    @eager_only
+    def attend_selected(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
+                        selected: bool, scale: float, probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole rows' selection (every rank's queries') gathered: this rank's heads attend
+        under it as one process would; the probabilities' head sums are added over the ranks."""
+        q, k, v = self._heads(q, k, v)  # (B, H / cp, T, d)
+        if selected or probs:
+            with torch.no_grad():
+                keep = self.shards.gather_rows(keep.to(torch.uint8)).bool()  # (B or 1, T, T)
+        out = attend(q, k, v, AttentionMask(dense=keep[:, None]) if selected else self.whole, scale=scale)
+        summed = None
+        if probs:
+            with torch.no_grad():
+                mine = head_summed_probs(q, k, keep, scale)  # (B, T, T): this rank's heads' share
+                B, T, _ = mine.shape
+                # (cp, B, Tl, T): the rows of chunk j go to rank j, which adds up every rank's share
+                pieces = mine.view(B, self.cp, T // self.cp, T).transpose(0, 1).contiguous()
+                summed = all_to_all(pieces, self.group).sum(0)  # (B, Tl, T): every head's, for these queries
+        return heads_to_sequence(out, self.group), summed
 
     @eager_only
     def gated_delta(self, mixer: nn.Module, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
@@ -202,6 +260,22 @@ class RingMixing:
                sinks: torch.Tensor | None) -> torch.Tensor:
         out, lse = ring_attention(q, k, v, self.plan, scale, sinks=sinks is not None)  # (B, H, Tl, dv), (B, H, Tl)
         return out if sinks is None else rescale_for_sinks(out, lse, _local(sinks))
+
+    @eager_only
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shards.gather_rows(x)
+
+    def visible_keys(self, device: torch.device) -> torch.Tensor:
+        return self.shards.visible_keys(device, self.plan.window)
+
+    @eager_only
+    def attend_selected(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
+                        selected: bool, scale: float, probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each ring block masked by this rank's queries' selection; the probabilities from the
+        merged log-sum-exp, the keys taken round once more."""
+        plan = dataclasses.replace(self.plan, selection=keep) if selected else self.plan
+        out, lse = ring_attention(q, k, v, plan, scale)  # (B, H, Tl, dv), (B, H, Tl)
+        return out, ring_probs(q, k, lse, plan, scale) if probs else None
 
     @eager_only
     def gated_delta(self, mixer: nn.Module, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,

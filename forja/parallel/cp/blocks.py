@@ -1,6 +1,8 @@
 """One block of ring attention: a tile of queries against one chunk of keys, its output and
 log-sum-exp (forward), and its share of the gradients given the whole row's output and
-log-sum-exp (backward, as flash attention's backward takes them).
+log-sum-exp (backward, as flash attention's backward takes them); and, given that log-sum-exp,
+its probabilities summed over heads (`block_probs`, written out: DeepSeek Sparse Attention's
+indexer target).
 
 Two implementations, the same numbers to fp32 rounding (tests/distributed/test_cp_mixing.py):
 - fused: PyTorch's CPU flash-attention kernels, the ones SDPA runs on CPU, called directly
@@ -71,6 +73,12 @@ def block_backward(q, k, v, out, lse, d_out, D, mask, scale: float, fused: bool)
     dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k) * scale
     dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q) * scale
     return dq, dk, dv
+
+
+def block_probs(q, k, lse, mask, scale: float) -> torch.Tensor:
+    """The block's attention probabilities summed over the query heads (B, r, ck), from the
+    whole row's finite `lse` (B, Hkv, g, r); 0 at hidden keys."""
+    return torch.exp(_scores(q, k, mask, scale) - lse[..., None]).sum((1, 2))
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forja.parallel.cp.blocks import block_backward, block_forward, can_fuse, finite
+from forja.parallel.cp.blocks import block_backward, block_forward, block_probs, can_fuse, finite
 from forja.parallel.cp.comm import RingExchange
 from forja.parallel.cp.layout import SequenceLayout
 
@@ -38,6 +38,9 @@ class RingPlan:
     """(B, T) the whole rows' documents; None: one document per row."""
     window: int | None
     """Sliding window (a query sees keys less than this far back); None: all."""
+    selection: torch.Tensor | None = None
+    """(B, Tl, T) bool: of the keys the rest allows, those each of this rank's queries (in its
+    order) attends to, by their place in the row (DeepSeek Sparse Attention's top-k); None: all."""
 
     def block_mask(self, a: int, b: int, device: torch.device) -> torch.Tensor | None | bool:
         """Which keys of chunk b the queries of chunk a see: False when none can (the block
@@ -49,7 +52,7 @@ class RingPlan:
         if self.window is not None and nearest >= self.window:
             return False
         needs_window = self.window is not None and farthest >= self.window
-        if a > b and not needs_window and self.document_ids is None:
+        if a > b and not needs_window and self.document_ids is None and self.selection is None:
             return None
         q_pos = torch.arange(a * c, (a + 1) * c, device=device)[:, None]
         k_pos = torch.arange(b * c, (b + 1) * c, device=device)[None, :]
@@ -60,8 +63,11 @@ class RingPlan:
         if self.document_ids is not None:
             docs = self.document_ids.to(device)
             allowed = allowed & (docs[:, a * c:(a + 1) * c, None] == docs[:, None, b * c:(b + 1) * c])
-            if not bool(allowed.any()):
-                return False
+        if self.selection is not None:
+            i = self.layout.my_chunks.index(a)  # the selection's rows are this rank's queries, in its order
+            allowed = allowed & self.selection[:, i * c:(i + 1) * c, b * c:(b + 1) * c].to(device)
+        if (self.document_ids is not None or self.selection is not None) and not bool(allowed.any()):
+            return False
         return allowed
 
     def blocks(self, owner: int, device: torch.device, heads: int):
@@ -167,3 +173,27 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Ring
     -> (out (B, H, Tl, dv) in q's dtype, lse (B, H, Tl) fp32, natural log). `sinks`: the
     caller differentiates through lse (the blocks are then written out)."""
     return _RingAttention.apply(q, k, v, plan, scale, sinks)
+
+
+@torch.no_grad()
+def ring_probs(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, plan: RingPlan, scale: float) -> torch.Tensor:
+    """The attention's probabilities summed over heads, without gradients (DeepSeek Sparse
+    Attention's indexer target): q (B, H, Tl, d) and k (B, Hkv, Tl, d) this rank's, lse (B, H, Tl)
+    `ring_attention`'s under the same plan -> (B, Tl, T) fp32, the keys in row order. The keys
+    go round the ring once more; each block's probabilities come from the merged lse."""
+    B, H, Tl, d = q.shape
+    Hkv = k.shape[1]
+    layout, c = plan.layout, plan.layout.chunk
+    qg = q.float().view(B, Hkv, H // Hkv, Tl, d)
+    lse = finite(lse.float().view(B, Hkv, H // Hkv, Tl))
+    total = q.new_zeros(B, Tl, layout.seq_len, dtype=torch.float32)
+    keys = k.float()
+    for step in range(layout.cp):
+        owner = (layout.rank - step) % layout.cp
+        pending = plan.exchange.start((keys,), KV_TAG) if step + 1 < layout.cp else None
+        for qs, ks, mask in plan.blocks(owner, q.device, B * H):
+            b = layout.chunks_of(owner)[ks.start // c]  # the key chunk's place in the row
+            total[:, qs, b * c:(b + 1) * c] = block_probs(qg[..., qs, :], keys[:, :, ks], lse[..., qs], mask, scale)
+        if pending is not None:
+            (keys,) = pending.wait()
+    return total

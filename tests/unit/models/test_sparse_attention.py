@@ -96,3 +96,26 @@ def test_flops_formula_within_5_percent_of_counted(stage):
     print(f"stage {stage}: formula/measured {model.flops_per_token(256) / measured[256]:.4f}, "
           f"growth {growth / counted:.4f}")
     assert abs(growth / counted - 1) < 0.05
+
+
+def test_the_preflight_takes_context_parallelism_and_refuses_a_trained_indexer_under_tp():
+    """Both kinds of CP run every stage (tests/distributed/test_cp_sparse_attention.py); under TP
+    the indexer's training is refused in the preflight, the plan still made (the planner and the
+    memory check count parameters through it, whatever the stage)."""
+    from forja.models import model_args
+    from forja.parallel.checks import LayoutRequest, layout_errors
+    from forja.parallel.config import ParallelConfig
+    from forja.plan.shape import model_shape
+
+    def errors(stage: str | None, tp: int = 1, cp: int = 1, kind: str = "ring") -> list[str]:
+        args = model_args("deepseek_v32", "debug", dsa_stage=stage)
+        return layout_errors(LayoutRequest(args=args, parallel=ParallelConfig(tp=tp, cp=cp, cp_kind=kind, dp_shard=1),
+                                           world_size=tp * cp, seq_len=64, global_batch_size=2, micro_batch_size=2,
+                                           document_mask=True))
+
+    for stage in (None, "dense_warmup", "sparse"):
+        assert errors(stage, cp=2) == [] and errors(stage, cp=2, kind="all-to-all") == []
+        assert model_shape(model_args("deepseek_v32", "debug", dsa_stage=stage), 64).blocks[-1].indexer
+    assert errors(None, tp=2) == []
+    assert errors("sparse", tp=2) == ["parallel.tp = 2 splits each block's weights over ranks, which the indexer's "
+                                      "training stages (model.dsa_stage) do not support yet; set parallel.tp = 1"]

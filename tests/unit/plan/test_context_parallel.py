@@ -15,7 +15,7 @@ from forja.errors import ForjaError
 from forja.models import model_args
 from forja.plan.activations import block_activations
 from forja.plan.cli import print_plan, set_items
-from forja.plan.context_parallel import a2a_elements
+from forja.plan.context_parallel import a2a_elements, cp_buffers
 from forja.plan.hardware import get_hardware
 from forja.plan.job import Job
 from forja.plan.layout import Layout, SearchSpace, enumerate_layouts, parse_fixed
@@ -252,3 +252,35 @@ def test_the_table_and_the_set_line_name_the_kind(capsys):
     assert "--set parallel.cp_kind=" in capsys.readouterr().out
     cfg = load_config("llama3-8b", set_items(Layout.of(dp_shard=2, cp=4, cp_kind="all-to-all")))
     assert (cfg.parallel.cp, cfg.parallel.cp_kind) == (4, "all-to-all")
+
+
+@pytest.mark.parametrize("stage", [None, "sparse"])
+def test_sparse_attention_adds_its_indexer_traffic_and_selection(stage):
+    """DeepSeek Sparse Attention under CP: latent attention's exchanges plus its indexer's (the
+    whole rows' keys gathered, all-to-all's selection, a trained target's exchange), and the
+    selection kept: all-to-all's bias over whole rows, ring's booleans of its own queries."""
+    T = 8192
+    args = dataclasses.replace(model_args("deepseek_v32", "debug"), dsa_stage=stage)  # 4 heads of 48; d_I 32
+    j = job(args=args, seq=T, batch=4)
+    dsa = j.shape.blocks[-1]
+    plain = dataclasses.replace(dsa, indexer=())  # the same block, latent attention alone
+    ring, a2a = Layout.of(dp_shard=1, cp=4, cp_kind="ring"), Layout.of(dp_shard=1, cp=4, cp_kind="all-to-all")
+    s, bw = T / 4, H100.intra_node_bytes_per_s
+    keys = 4 * s * 32 * 2  # the whole rows' indexer keys, bf16
+    summed = 2 * 3 / 4 * keys / bw if stage else 0.0  # their gradient all-reduced
+    target = 4 * s * T * 4 if stage else 0.0  # the whole rows' head sums, fp32
+    by_hand = {"all-to-all": 3 / 4 * (keys + 4 * s * T + target) / bw + summed,  # the selection, a byte a key
+               "ring": 3 / 4 * keys / bw + (3 * s * 4 * 48 * 4 if stage else 0.0) / bw + summed}  # K round again
+    for lay in (ring, a2a):
+        extra = cp_block_time(j, lay, H100, dsa, s) - cp_block_time(j, lay, H100, plain, s)
+        assert extra == pytest.approx(by_hand[lay.cp_kind], rel=1e-9)
+    buffers = {"all-to-all": keys + 4 * s * T * (1 + (12 if stage else 0)), "ring": keys + (s * T * 4 if stage else 0)}
+    for lay in (ring, a2a):
+        assert cp_buffers(j, lay, dsa, s) - cp_buffers(j, lay, plain, s) == pytest.approx(buffers[lay.cp_kind])
+
+    def kept(lay: Layout) -> float:  # bytes per token the indexer adds to the block
+        return block_activations(j, lay, dsa, 0)[0] - block_activations(j, lay, plain, 0)[0]
+
+    one = kept(Layout.of(dp_shard=4))
+    assert kept(a2a) - one == pytest.approx(3 * T * 2)  # bf16 bias over cp times the rows
+    assert kept(ring) - one == pytest.approx(T * 1 - T * 2)  # a byte a key instead of the bias
