@@ -14,7 +14,9 @@ linear cross-entropy works there too). Neither document ids nor labels travel be
 stages: the pp ranks of one data-parallel position load the same batches (the loader is
 split over dp ranks only), so each rank passes its own copy to the schedule as keyword
 arguments, which the library splits into microbatches and gives to every stage's
-forward. Only hidden states travel, so no integer tensor enters the library's backward.
+forward; so do the token ids, for a model whose blocks read them (`stages_read_tokens`:
+DeepSeek-V4's hash-routed experts). Only hidden states travel, so no integer tensor enters
+the library's backward.
 
 What a microbatch's loss counts for in the step (its share of the mean, auxiliary terms)
 is the step engine's business: it hands `step` the function that turns the last stage's
@@ -219,6 +221,8 @@ class Pipeline:
         kwargs = {"labels": labels}  # every stage's forward gets its microbatch's slice
         if document_ids is not None:
             kwargs["document_ids"] = document_ids
+        if self.parts[0].stages_read_tokens:  # blocks that route by token id (DeepSeek-V4's hash layers)
+            kwargs["token_ids"] = tokens
         if cp_rows is not None:
             kwargs["cp_rows"] = cp_rows
         args = (tokens,) if self.has_first else ()
@@ -246,7 +250,8 @@ class Pipeline:
                 x = self._recv(self.owners[s - 1])  # (m, T, dim): hidden states
             else:
                 x = h  # the previous stage ran here (the bottom of a V)
-            h = part(x, document_ids=document_ids, labels=labels)  # hidden states are the only positional input
+            ids = {"token_ids": tokens} if part.stages_read_tokens else {}
+            h = part(x, document_ids=document_ids, labels=labels, **ids)  # hidden states: the only positional input
             if s == self.n_stages - 1:
                 out = h
             elif self.owners[s + 1] != self.pp_rank:

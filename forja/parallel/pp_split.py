@@ -3,13 +3,13 @@
 A stage is a copy of the whole model (still on the meta device) with the blocks of
 other stages deleted from `layers` and the modules it does not run set to None, so every
 parameter it keeps has its name in the whole model ("layers.5.attention.wq.weight") and
-checkpoints load across layouts. The embeddings (every direct child besides `layers`,
-`norm` and `output`: token and, for GPT-2, position embeddings) belong to the first stage;
-the final norm, the output projection and the multi-token prediction modules to the last,
-with a copy of the token embedding for them (`mtp.embed`: the ids come from the labels). A model that ties its output
-projection to the embedding keeps the tie
-inside a stage that holds both (a V schedule's
-rank 0 holds both ends, but as two parts); otherwise the last stage's `output.weight`
+checkpoints load across layouts. The embeddings (every direct child besides `layers` and
+the model's `output_side`: token and, for GPT-2, position embeddings) belong to the first stage;
+the output side (the final norm, the output projection, the multi-token prediction modules;
+DeepSeek-V4's collapse of its residual streams, `hc_head`) to the last, with a copy of the
+token embedding for them (`mtp.embed`: the ids come from the labels). A model that ties its
+output projection to the embedding keeps the tie inside a stage that holds both (a V
+schedule's rank 0 holds both ends, but as two parts); otherwise the last stage's `output.weight`
 becomes its own copy of the embedding, which `Transformer.tied_parameters` names so that
 it is initialized, checkpointed and kept equal as the embedding (see train/step/engine.py).
 
@@ -38,9 +38,6 @@ from forja.models.common.transformer import Transformer
 
 MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "dualpipev")
 V_SCHEDULES = ("zero-bubble", "dualpipev")
-# The model's own modules that are not input-side: the rest feeds the first block. Multi-token
-# prediction reads the final hidden state and the output head, so it goes with them.
-_OUTPUT_SIDE = ("norm", "output", "mtp")
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -79,7 +76,7 @@ def model_costs(model: Transformer, seq_len: int) -> StageCosts:
     block = next(iter(model.layers.values()))
     attention = 12 * a.n_heads * a.head_dim * seq_len  # scores and weighted values, as flops_per_token
     per_block = 6 * sum(p.numel() for p in block.parameters()) + attention
-    last = 6 * sum(p.numel() for name in _OUTPUT_SIDE if getattr(model, name, None) is not None
+    last = 6 * sum(p.numel() for name in model.output_side if getattr(model, name, None) is not None
                    for p in getattr(model, name).parameters())
     return StageCosts(block=float(per_block), first=0.0, last=float(last))
 
@@ -210,10 +207,10 @@ def stage_part(model: Transformer, stage: int, counts: list[int]) -> Transformer
             del part.layers[name]
     if stage > 0:  # the embeddings feed the first block only
         for name, _ in list(part.named_children()):
-            if name != "layers" and name not in _OUTPUT_SIDE:
+            if name != "layers" and name not in part.output_side:
                 setattr(part, name, None)
     if stage < len(counts) - 1:
-        for name in _OUTPUT_SIDE:
+        for name in part.output_side:
             setattr(part, name, None)
     elif part.mtp is not None and part.tok_embeddings is None:  # MTP embeds the next tokens here too
         part.mtp.embed = copy.deepcopy(model.tok_embeddings)

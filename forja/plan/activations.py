@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from forja.models.common.mla import LatentAttentionArgs
 from forja.parallel.regather import regathers
-from forja.plan.context_parallel import cp_saved_extra, mixer_length, replicas
+from forja.plan.context_parallel import compressed_block, compressed_keys, cp_saved_extra, mixer_length, replicas
 from forja.plan.job import Job
 from forja.plan.layout import Layout
 from forja.plan.shape import BlockShape
@@ -135,8 +135,8 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
     # (fp32 in a (1 + w) norm; such blocks' QK-norms are (1 + w) too).
     qk_norm = (FP32 + (FP32 if block.zero_centered else w.lin)) * (hq + hkv) if a.qk_norm else 0.0
     flex = job.gpu and a.attention == "flex"
-    if block.sinks and not flex:  # `_attend_with_sinks`: the scores written out
-        T = job.seq_len
+    if block.sinks and not flex:  # `_attend_with_sinks` (DeepSeek-V4's attention too): the scores written out
+        T = compressed_keys(job, lay, block) if compressed_block(job, block) else job.seq_len
         sdpa = 3 * hq * w.lin  # q, and k and v repeated to every query head, as the matmuls take them
         sdpa += heads * (T + 1) * FP32  # softmax's fp32 output, the sink's column included
         sdpa += heads * T * w.lin if w.lin != FP32 else 0.0  # its cast for probs @ v under autocast

@@ -26,8 +26,10 @@ ring takes K round once more (forja/parallel/cp/__init__.py `attend_selected`).
 
 from __future__ import annotations
 
+from forja.models.common.compressed_attention import V4_LAYER_TYPES
 from forja.models.common.kimi_delta_attention import KimiDeltaArgs
 from forja.models.common.mla import LatentAttentionArgs
+from forja.models.deepseek_v4.model import DeepSeekV4Args
 from forja.plan.job import Job
 from forja.plan.layout import Layout
 from forja.plan.shape import BlockShape
@@ -136,9 +138,12 @@ def cp_buffers(job: Job, lay: Layout, block: BlockShape, tokens_mb: float) -> fl
     """Transient bytes one block's context parallelism holds while it computes, beyond what
     autograd keeps: ring's two receive buffers of K, V and, in backward, of dK, dV (or a
     recurrent mixer's gathered transitions); all-to-all's other form of q, k, v and the output
-    (the local (B, T/cp, H/tp) one or the full-sequence (B, T, H/(tp cp)) one, the same size)."""
+    (the local (B, T/cp, H/tp) one or the full-sequence (B, T, H/(tp cp)) one, the same size);
+    a DeepSeek-V4 block's gathered halos and entries."""
     if lay.cp == 1 or block.kind in NO_MIXER:
         return 0.0
+    if compressed_block(job, block):  # DeepSeek-V4: the gathered halos and entries
+        return compressed_gathers(job, lay, block, tokens_mb)[0]
     if lay.cp_kind == "all-to-all":
         return tokens_mb * a2a_elements(job, lay, block) * act_bytes(job) + indexer_buffers(job, lay, block, tokens_mb)
     if block.kind in SCANNED:
@@ -208,3 +213,50 @@ def mixer_length(job: Job, lay: Layout) -> float:
     """Tokens of each sequence a rank's sequence mixer runs over: its T/cp shard under ring,
     the whole sequence (for its share of the heads) under all-to-all."""
     return job.seq_len / lay.cp if lay.cp > 1 and lay.cp_kind == "ring" else float(job.seq_len)
+
+
+def compressed_block(job: Job, block: BlockShape) -> bool:
+    """A DeepSeek-V4 block: under either kind its compressed attention keeps the rank's queries
+    and gathers what its chunks need (forja/parallel/cp/compressed.py), not q, k, v's exchange."""
+    return isinstance(job.args, DeepSeekV4Args) and block.kind in V4_LAYER_TYPES
+
+
+def _chunks(job: Job, lay: Layout) -> tuple[int, float]:
+    """(chunks of a row, tokens a chunk) under the layout's kind."""
+    n = 2 * lay.cp if lay.cp_kind == "ring" else lay.cp
+    return n, job.seq_len / n
+
+
+def compressed_keys(job: Job, lay: Layout, block: BlockShape) -> float:
+    """Keys a query's scores span in a DeepSeek-V4 block as forja computes them (fp32, written
+    out): the row's T (the window a mask over them) and its T / ratio compressed entries; under
+    CP the window's reach before its chunk, the chunk and the entries."""
+    a = job.args
+    entries = job.seq_len // a.ratio(block.kind) if a.ratio(block.kind) else 0
+    if lay.cp == 1:
+        return float(job.seq_len + entries)
+    _, c = _chunks(job, lay)
+    reach = job.seq_len - c if a.sliding_window is None else min(a.sliding_window - 1, job.seq_len - c)
+    return reach + c + entries
+
+
+def compressed_gathers(job: Job, lay: Layout, block: BlockShape, tokens_mb: float) -> tuple[float, float]:
+    """(bytes a DeepSeek-V4 block all-gathers over cp per micro-batch, the whole gathered tensors;
+    bytes whose gradient it all-reduces in backward): every chunk's last window - 1 positions of
+    the key/value head; every chunk's last ratio - 1 positions (2 ratio - 1 for CSA) of each
+    compressor's projections (values and gates); the whole rows' entries. The indexer's keys
+    pass no gradient."""
+    if lay.cp == 1 or not compressed_block(job, block):
+        return 0.0, 0.0
+    a, sequences = job.args, tokens_mb * lay.cp / job.seq_len
+    n, c = _chunks(job, lay)
+    reach = job.seq_len - c if a.sliding_window is None else min(a.sliding_window - 1, job.seq_len - c)
+    summed = n * min(reach, c) * a.head_dim  # elements a row
+    gathered, m = summed, a.ratio(block.kind)
+    if m:
+        csa = block.kind == "compressed_sparse_attention"
+        lead = min(m - 1 + (m if csa else 0), c)
+        compressor = n * lead * 2 * (2 if csa else 1) * a.head_dim + job.seq_len / m * a.head_dim
+        summed += compressor
+        gathered += compressor + (n * lead * 4 * a.index_head_dim + job.seq_len / m * a.index_head_dim if csa else 0)
+    return sequences * gathered * act_bytes(job), sequences * summed * act_bytes(job)

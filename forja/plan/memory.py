@@ -306,9 +306,10 @@ def _pipeline_buffers(job: Job, lay: Layout, rm: RankModel, tokens: float, micro
 
 
 def _stage_io(job: Job, lay: Layout, tokens: float) -> float:
-    """Bytes of what a pipeline stage sends or receives for one micro-batch: its hidden states,
-    split over the TP ranks under sequence parallelism."""
-    return tokens / lay.sp_degree * job.args.dim * widths(job).lin
+    """Bytes of what a pipeline stage sends or receives for one micro-batch: its hidden states
+    (`stage_width` a token: DeepSeek-V4's streams are hc_mult x dim), split over the TP ranks
+    under sequence parallelism."""
+    return tokens / lay.sp_degree * (job.shape.stage_width or job.args.dim) * widths(job).lin
 
 
 def _gathered(lay: Layout, rm: RankModel, h: _Held, order: str) -> float:

@@ -91,6 +91,10 @@ class ModelShape:
     multi-token prediction module."""
     root_matrices: tuple[tuple[str, int, int], ...] = ()
     """(name, rows, columns) of the embeddings and the output projection, whole."""
+    stage_width: int = 0
+    """Elements per token a pipeline stage hands the next, as the whole model's last block sends
+    them (`Transformer.stage_widths`): dim, DeepSeek-V4's hc_mult x dim streams (Gemma 4's
+    per-layer inputs, which only earlier stages send along, not counted); 0: dim."""
 
     @property
     def n_params(self) -> int:
@@ -131,7 +135,8 @@ def _model_shape(args: TransformerArgs, seq_len: int) -> ModelShape:
                               **structure)
                    for i, (split, replicated, experts, moe, gated, layer_norm, active, matrices, structure)
                    in enumerate(counted))
-    return ModelShape(args, blocks, embedding, output, final_norm, 6.0 * output_matmul, root_matrices)
+    return ModelShape(args, blocks, embedding, output, final_norm, 6.0 * output_matmul, root_matrices,
+                      model.stage_widths()[1])
 
 
 _COUNTS: dict[str, tuple] = {}

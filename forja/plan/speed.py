@@ -21,6 +21,8 @@ from forja.plan.context_parallel import (
     SCANNED,
     a2a_elements,
     act_bytes,
+    compressed_block,
+    compressed_gathers,
     indexer_gathers,
     indexer_target_bytes,
     ring_attention_work,
@@ -227,7 +229,7 @@ def _compute_time(job: Job, lay: Layout, hw: Hardware, rm, tokens_mb: float, tok
         linear += n * dense * recompute_factor(lay) / lay.tp
         if lay.op_level_alternate:  # the matmuls it recomputes, their forward again (per rank already)
             linear += n * (alternate_recomputed(job, lay, b) or (0.0, 0.0))[1] / linear_rate
-        if ring and attention:  # forja's ring blocks, not the fused kernel (per micro-batch -> per token)
+        if ring and attention and not compressed_block(job, b):  # forja's ring blocks (per micro-batch -> token)
             attn += n * (ring[0] * (1 + forward_reruns(lay)) + ring[1]) / tokens_mb
         else:
             attn += n * attention * masked_tiles(job, b) * recompute_factor(lay) / lay.tp / attn_rate
@@ -262,7 +264,8 @@ def _rank_time(job: Job, lay: Layout, hw: Hardware, rm) -> TimeBreakdown:
     t.offload = offload_time(job, lay, rm)
     if lay.pp > 1:
         t.pp_bubble = compute * bubble_fraction(lay, micro)
-        t.pp_comm = 2 * micro * tokens_mb * a.dim * act / link_bandwidth(hw, lay, Axis.PP) * rm.stages
+        width = job.shape.stage_width or a.dim  # what a stage hands on a token (DeepSeek-V4: hc_mult x dim)
+        t.pp_comm = 2 * micro * tokens_mb * width * act / link_bandwidth(hw, lay, Axis.PP) * rm.stages
     return t
 
 
@@ -303,10 +306,16 @@ def cp_block_time(job: Job, lay: Layout, hw: Hardware, block, tokens_mb: float) 
     rank's (causal masking skips the hidden blocks, the load-balanced chunks even the rest);
     what a hop's transfer takes beyond that shows, and the last dK, dV hop home. A recurrent
     block (Gated DeltaNet, Kimi Delta Attention, Mamba-2) under ring all-gathers its state
-    transitions and sends its halo instead; a block without a sequence mixer moves nothing."""
+    transitions and sends its halo instead; a block without a sequence mixer moves nothing.
+    DeepSeek-V4's blocks, under either kind, all-gather the halos and entries their chunks
+    need (context_parallel.py `compressed_gathers`), none hidden."""
     if lay.cp == 1 or block.kind in NO_MIXER:
         return 0.0
     reruns = forward_reruns(lay)
+    if compressed_block(job, block):  # DeepSeek-V4, either kind: its gathers with every forward, a sum back
+        gathered, summed = compressed_gathers(job, lay, block, tokens_mb)
+        bw = link_bandwidth(hw, lay, Axis.CP)
+        return (1 + reruns) * ring_time(gathered, lay.cp, bw) + ring_time(summed, lay.cp, bw, all_reduce=True)
     indexer = indexer_cp_time(job, lay, hw, block, tokens_mb)
     if lay.cp_kind == "all-to-all":
         volume = tokens_mb * a2a_elements(job, lay, block) * act_bytes(job)

@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from forja.cli import main
 from forja.versions import torch_version
 from tests.distributed.parity import (
+    MOE_TOL,
     PARITY_STEPS,
     PP_COMMON,
     PP_TOL,
@@ -44,6 +45,10 @@ def _schedule(name: str) -> dict[str, str]:
 
 SCHEDULES = ["1f1b", "gpipe", "interleaved-1f1b"] + ([] if torch_version() < (2, 12) else ["zero-bubble", "dualpipev"])
 FUSED = {"model.fused_ops_overrides": "{cross_entropy=true}"}
+# DeepSeek-V4: stages hand on its hc_mult residual streams, and hash-routed blocks (n_hash_layers
+# = 3 of its 4) sit on stages past the first, which read the token ids the pipeline hands them.
+V4 = {"model.family": '"deepseek_v4"', "model.flavor": '"debug"', "model.document_mask": "false",
+      "model.overrides": "{n_hash_layers=3}"}
 # The pipeline layouts train one after another in a shared process group per rank count
 # (one start-up each rather than one torchrun each); a test that resumes one copies it.
 LAYOUTS = {
@@ -52,6 +57,8 @@ LAYOUTS = {
     "PP 2 fused loss": (2, {**PP2, **FUSED}),
     "PP 2 x TP 2": (4, {**PP2, "parallel.tp": "2"}),
     "PP 2 x FSDP 2": (4, PP2),
+    "DeepSeek-V4 PP 2 (interleaved-1f1b)": (2, {**PP2, **_schedule("interleaved-1f1b"), **V4}),
+    "DeepSeek-V4 PP 2 x TP 2": (4, {**PP2, **V4, "parallel.tp": "2"}),
 }
 # The first test of a shared group trains the whole group (under a minute a layout on a busy CPU).
 GROUP_TIMEOUT = pytest.mark.timeout(600)
@@ -118,6 +125,21 @@ def test_pp2_computes_the_fused_loss_on_the_last_stage(tmp_path, train_data, sha
     reference = tmp_path / "reference"
     single_process_losses(reference, train_data, **PP_COMMON, **FUSED)
     _check("PP 2 (1f1b) + fused cross-entropy", reference, shared_runs.run("PP 2 fused loss", tmp_path / "run"))
+
+
+@pytest.fixture(scope="module")
+def v4_reference_run(tmp_path_factory, train_data):
+    run = tmp_path_factory.mktemp("ref-v4") / "run"
+    single_process_losses(run, train_data, **PP_COMMON, **V4)
+    return run
+
+
+@GROUP_TIMEOUT
+@pytest.mark.parametrize("name", ["DeepSeek-V4 PP 2 (interleaved-1f1b)", "DeepSeek-V4 PP 2 x TP 2"])
+def test_deepseek_v4_pipelines_match_single_process(name, tmp_path, v4_reference_run, shared_runs):
+    # interleaved: four stages of one block each, two per rank, the streams crossing between ranks
+    # three times; x TP 2: a later stage receives its (B, T / tp, hc_mult x dim) slice of them (SP).
+    _check(name, v4_reference_run, shared_runs.run(name, tmp_path / "run"), tol=MOE_TOL)
 
 
 @GROUP_TIMEOUT

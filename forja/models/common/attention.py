@@ -75,6 +75,13 @@ class SequenceMixing(Protocol):
         """A Mamba-2's convolutions, scan and skip over the whole rows, from this rank's
         projections and time steps (forja/models/common/mamba2.py `Mamba2.mix`) -> (B, Tl, H, P)."""
 
+    def compressed_attention(self, mixer: nn.Module, x: torch.Tensor, q_latent: torch.Tensor, q: torch.Tensor,
+                             kv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                             positions: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V4's attention (forja/models/common/compressed_attention.py) for this rank's
+        queries over the whole rows' window keys and compressed entries, from its x (B, Tl, dim),
+        q_latent, q (B, H, Tl, hd), kv (B, 1, Tl, hd) and positions (Tl,) -> (B, H, Tl, hd)."""
+
     # What DeepSeek Sparse Attention (forja/models/common/sparse_attention.py) asks: its indexer
     # scores this rank's queries against the whole rows' keys and selects among them.
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +104,8 @@ class SequenceShards(Protocol):
     block's mask, one per forward, holding that kind's `SequenceMixing`."""
 
     def mask(self, kind: str, *, window: int | None, backend: str, flex_causal: bool) -> AttentionMask:
-        """The mask of blocks of `kind` (a layer type), with `window` for sliding ones."""
+        """The mask of blocks of `kind` (a layer type, or "compressed_attention": every
+        DeepSeek-V4 block), with `window` for sliding ones."""
 
     def within_chunks(self, chunk: int) -> SequenceShards:
         """The same rows with every `chunk` positions of a document a document of their own:

@@ -78,29 +78,53 @@ class CompressedAttention(nn.Module):
                 cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         """x (B, T, dim); rope: this kind's cos, sin (T, R/2) at the queries' positions
         (`half_rope_tables`); mask: causal within the window over the cached and new positions,
-        with `positions` (T,) set -> (B, T, dim)."""
+        with `positions` (T,) set -> (B, T, dim). Under context parallelism (`mask.sequence`)
+        x is this rank's part of the rows, and the window's keys and the compressed entries
+        come from the whole rows (forja/parallel/cp/compressed.py)."""
         B, T, _ = x.shape
         q_latent = self.q_norm(self.wq_a(x))  # (B, T, r)
         q = self.wq_b(q_latent).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd); TP: this rank's H
         q = rotate_tail(unit_rms(q, self.eps), *rope)
         kv = rotate_tail(self.kv_norm(self.wkv(x)).unsqueeze(1), *rope)  # (B, 1, T, hd)
-        if cache is not None:
-            kv = cache.update(layer, kv, kv[..., :1])[0]  # values unused: K = V
-        bias = torch.zeros(mask.dense.shape[-2:], device=x.device).masked_fill(~mask.dense[0, 0].to(x.device),
-                                                                              float("-inf"))  # (T, Tk)
-        bias = bias.expand(B, -1, -1)
-        if self.compressor is not None:
-            entries, extra = self._compressed(x, q_latent, rope, mask.positions, cache, layer)  # (B,N,hd),(B,T,N)
-            kv = torch.cat([kv, entries.unsqueeze(1)], dim=2)  # (B, 1, Tk + N, hd)
-            bias = torch.cat([bias, extra], dim=-1)
+        if mask.sequence is not None:  # the rows are split over ranks (context parallelism)
+            out = mask.sequence.compressed_attention(self, x, q_latent, q, kv, rope, mask.positions)
+        else:
+            if cache is not None:
+                kv = cache.update(layer, kv, kv[..., :1])[0]  # values unused: K = V
+            bias = torch.zeros(mask.dense.shape[-2:], device=x.device).masked_fill(
+                ~mask.dense[0, 0].to(x.device), float("-inf"))  # (T, Tk)
+            bias = bias.expand(B, -1, -1)
+            if self.compressor is not None:
+                entries, extra = self._compressed(x, q_latent, rope, mask.positions, cache, layer)  # (B,N,hd),(B,T,N)
+                kv = torch.cat([kv, entries.unsqueeze(1)], dim=2)  # (B, 1, Tk + N, hd)
+                bias = torch.cat([bias, extra], dim=-1)
+            out = self.attend(q, kv, bias)
+        out = rotate_tail(out.to(x.dtype), rope[0], -rope[1])  # undo the values' rotation at the query's position
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """q (B, H, T, hd) over the one key/value head kv (B, 1, K, hd) (window keys, then
+        compressed entries), bias (B, T, K) additive (0 or -inf), with each head's sink
+        -> (B, H, T, hd) in kv's dtype, the values' rotation still on."""
+        B, _, T, _ = q.shape
         kv = self.shared_kv(kv)
         scores = (q.float() @ kv.float().transpose(-1, -2)) * self.head_dim**-0.5 + bias.unsqueeze(1)  # (B,H,T,K)
         sink = self.sinks.float().view(1, -1, 1, 1).expand(B, -1, T, 1)
         logits = torch.cat([scores, sink], dim=-1)
         probs = (logits - logits.amax(-1, keepdim=True)).softmax(dim=-1)[..., :-1]  # the sink's share dropped
-        out = (probs.to(kv.dtype) @ kv).to(x.dtype)  # (B, H, T, hd)
-        out = rotate_tail(out, rope[0], -rope[1])  # undo the values' rotation at the query's position
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        return probs.to(kv.dtype) @ kv  # (B, H, T, hd)
+
+    def entry_bias(self, x: torch.Tensor, q_latent: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   positions: torch.Tensor, n_entries: int, index_keys: torch.Tensor | None) -> torch.Tensor:
+        """Which of `n_entries` compressed entries the queries x (B, T, dim) at `positions` (T,)
+        see, as an additive bias (B, T, N): in CSA the indexer's picks over `index_keys`
+        (B, N, index_head_dim), in HCA every complete window."""
+        if self.indexer is not None:
+            picks = self.indexer.pick(x, q_latent, positions, rope, index_keys)  # (B, T, k)
+            return chosen_entries_bias(picks, n_entries, torch.float32)
+        visible = entries_visible(positions, n_entries, self.compressor.ratio)  # (T, N)
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=x.device).masked_fill(~visible, float("-inf"))
+        return bias.unsqueeze(0).expand(x.shape[0], -1, -1)
 
     def _compressed(self, x, q_latent, rope, positions, cache, layer):
         """(every compressed entry so far (B, N, hd), the queries' additive bias on them (B, T, N))."""
@@ -108,11 +132,8 @@ class CompressedAttention(nn.Module):
         if cache is not None:
             state = cache.mixer_states.setdefault(layer, CompressorState())
         entries = self.compressor(x, state)
-        N = entries.shape[1]
+        index_keys = None
         if self.indexer is not None:
             index_state = None if state is None else state.extra.setdefault("indexer", CompressorState())
-            picks = self.indexer(x, q_latent, positions, rope, index_state)  # (B, T, k)
-            return entries, chosen_entries_bias(picks, N, torch.float32)
-        visible = entries_visible(positions, N, self.compressor.ratio)  # (T, N)
-        bias = torch.zeros(visible.shape, dtype=torch.float32, device=x.device).masked_fill(~visible, float("-inf"))
-        return entries, bias.unsqueeze(0).expand(x.shape[0], -1, -1)
+            index_keys = self.indexer.compressor(x, index_state)  # (B, N, index_head_dim)
+        return entries, self.entry_bias(x, q_latent, rope, positions, entries.shape[1], index_keys)

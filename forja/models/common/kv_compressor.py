@@ -82,52 +82,66 @@ class KVCompressor(nn.Module):
         self.position_bias = nn.Parameter(torch.empty(ratio, width))
         self.norm = RMSNorm(head_dim, eps)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, dim) -> each token's values and gates (B, T, width): what `pool` mixes."""
+        return self.wkv(x), self.wgate(x)
+
     def forward(self, x: torch.Tensor, state: CompressorState | None = None) -> torch.Tensor:
         """x (B, T, dim) -> every entry so far (B, N, hd): those of x's complete windows, after
         the state's (which then holds x's unfinished window). Without a state, positions start
         at 0 and an unfinished last window is dropped."""
-        B = x.shape[0]
-        kv, gate = self.wkv(x), self.wgate(x)  # (B, T, width)
-        first = 0
+        kv, gate = self.project(x)  # (B, T, width)
+        first, prev = 0, None
         if state is not None:
             first = 0 if state.entries is None else state.entries.shape[1] * self.ratio
             if state.pending_kv is not None:
                 kv, gate = torch.cat([state.pending_kv, kv], 1), torch.cat([state.pending_gate, gate], 1)
+            if state.prev_kv is not None:
+                prev = (state.prev_kv, state.prev_gate)
         usable = kv.shape[1] // self.ratio * self.ratio
         if state is not None:
             state.pending_kv, state.pending_gate = kv[:, usable:], gate[:, usable:]
-        n = usable // self.ratio
-        if n:
-            kv = kv[:, :usable].view(B, n, self.ratio, -1)  # (B, n, m, width)
-            gate = gate[:, :usable].view(B, n, self.ratio, -1) + self.position_bias
-            if self.overlap:
-                kv, gate = self._overlapping(kv, gate, state)  # (B, n, 2m, hd)
-            weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
-            entries = self.norm((kv * weights).sum(dim=2))  # (B, n, hd)
-            positions = torch.arange(n, device=x.device) * self.ratio + first
-            entries = rotate_tail(entries, *half_rope_tables(self.inv_freq, positions))
-        else:
-            entries = x.new_zeros(B, 0, self.head_dim)
+        entries, last = self.pool(kv[:, :usable], gate[:, :usable], first, prev)
         if state is None:
             return entries
+        if last is not None:
+            state.prev_kv, state.prev_gate = last[0].clone(), last[1].clone()
         state.entries = entries if state.entries is None else torch.cat([state.entries, entries], 1)
         return state.entries
 
-    def _overlapping(self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState | None):
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: int,
+             prev: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple | None]:
+        """kv, gate (B, n m, width): the projections of n whole windows, the first starting at
+        position `first`; `prev`: the window before's Ca and gate (B, m, hd) each, its position
+        bias added (overlap only; None: empty slots) -> (the n entries (B, n, hd), the last
+        window's Ca and gate for the next window's overlap, or None)."""
+        B, n = kv.shape[0], kv.shape[1] // self.ratio
+        if not n:
+            return kv.new_zeros(B, 0, self.head_dim), None
+        kv = kv.reshape(B, n, self.ratio, -1)  # (B, n, m, width)
+        gate = gate.reshape(B, n, self.ratio, -1) + self.position_bias
+        last = None
+        if self.overlap:
+            last = (kv[:, -1, :, :self.head_dim], gate[:, -1, :, :self.head_dim])
+            kv, gate = self._overlapping(kv, gate, prev)  # (B, n, 2m, hd)
+        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
+        entries = self.norm((kv * weights).sum(dim=2))  # (B, n, hd)
+        positions = torch.arange(n, device=kv.device) * self.ratio + first
+        return rotate_tail(entries, *half_rope_tables(self.inv_freq, positions)), last
+
+    def _overlapping(self, kv: torch.Tensor, gate: torch.Tensor, prev: tuple[torch.Tensor, torch.Tensor] | None):
         """(B, n, m, 2 hd) projections -> (B, n, 2m, hd): window w's slots are window w-1's Ca
-        then its own Cb. Window 0's Ca slots come from the state (the previous forward's last
-        window), else they are empty: value 0, gate -inf (softmax weight 0)."""
+        then its own Cb. Window 0's Ca slots are `prev`'s (the window before, from an earlier
+        forward or another rank), else empty: value 0, gate -inf (softmax weight 0)."""
         B, n, m, _ = kv.shape
         hd = self.head_dim
         slots_kv = kv.new_zeros(B, n, 2 * m, hd)
         slots_gate = gate.new_full((B, n, 2 * m, hd), float("-inf"))
         slots_kv[:, :, m:], slots_gate[:, :, m:] = kv[..., hd:], gate[..., hd:]
         slots_kv[:, 1:, :m], slots_gate[:, 1:, :m] = kv[:, :-1, :, :hd], gate[:, :-1, :, :hd]
-        if state is not None:
-            if state.prev_kv is not None:
-                slots_kv[:, 0, :m] = state.prev_kv.to(kv.dtype)
-                slots_gate[:, 0, :m] = state.prev_gate.to(gate.dtype)
-            state.prev_kv, state.prev_gate = kv[:, -1, :, :hd].clone(), gate[:, -1, :, :hd].clone()
+        if prev is not None:
+            slots_kv[:, 0, :m] = prev[0].to(kv.dtype)
+            slots_gate[:, 0, :m] = prev[1].to(gate.dtype)
         return slots_kv, slots_gate
 
 
@@ -148,8 +162,13 @@ class CompressedIndexer(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor], state: CompressorState | None = None) -> torch.Tensor:
         """x (B, T, dim), q_latent (B, T, r), positions (T,), rope: the queries' cos, sin (T, R/2)
         -> the chosen entries (B, T, k), k = min(topk, entries), -1 where a pick is not visible."""
+        return self.pick(x, q_latent, positions, rope, self.compressor(x, state))
+
+    def pick(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
+             rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
+        """`forward` for queries x, q_latent at `positions` over compressed keys (B, N, hd) made
+        already (under context parallelism: the whole rows' keys, for this rank's queries)."""
         B, T, _ = x.shape
-        keys = self.compressor(x, state)  # (B, N, hd)
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
         q = rotate_tail(q, *rope).transpose(1, 2)  # (B, T, h, hd)
         scores = F.relu(q.float() @ keys.float().transpose(-1, -2).unsqueeze(1)) * self.head_dim**-0.5  # (B,T,h,N)

@@ -203,6 +203,12 @@ class Transformer(nn.Module):
     `positions_embedding`, `rope_tables` and `init_rule`."""
 
     args: TransformerArgs
+    output_side: ClassVar[tuple[str, ...]] = ("norm", "output", "mtp")
+    """The model's own modules besides `layers` that read the last block's output: a pipeline's
+    last stage holds them; every other one feeds the first block (forja/parallel/pp_split.py)."""
+    stages_read_tokens: ClassVar[bool] = False
+    """Whether blocks read the token ids (DeepSeek-V4's hash routing): the pipeline then hands
+    every stage its micro-batch's ids as the keyword `token_ids` (forja/parallel/pp.py)."""
 
     def __init__(self, args: TransformerArgs):
         super().__init__()

@@ -113,17 +113,21 @@ class DeepSeekV4Args(TransformerArgs, ScoredMoEArgs):
         return V4_LAYER_TYPES
 
     def layout_limits(self) -> dict[str, str]:
-        # A pipeline stage would pass on (B, T, D) hidden states; here they are hc_mult streams,
-        # and the hash-routed blocks read the token ids.
-        return {"documents": "DeepSeek-V4's key/value compressors (an entry would span documents)",
-                "cp": "DeepSeek-V4's compressed-attention and hash-routed blocks",
-                "pp": "DeepSeek-V4's hyper-connection streams and token-id (hash) routing"}
+        # Pipeline stages hand on the hc_mult streams and get the token ids (`DeepSeekV4.forward`);
+        # context parallelism runs compressed attention on the rank's chunks
+        # (forja/parallel/cp/compressed.py). An entry of the compressors would span documents.
+        return {"documents": "DeepSeek-V4's key/value compressors (an entry would span documents)"}
 
     def split_counts(self) -> dict[str, int]:
         """Tensor parallelism splits the query heads and, with them, the output projection's
         groups (parallelize.py); the one key/value head, the indexer and the experts' width are
         not split (every feed-forward is a mixture of experts, split by tokens)."""
         return {"n_heads": self.n_heads, "o_groups": self.o_groups}
+
+    def head_counts(self) -> dict[str, int]:
+        """None handed out whole: all-to-all context parallelism keeps every query head on its
+        rank (forja/parallel/cp/compressed.py), and tensor parallelism splits `split_counts`."""
+        return {}
 
     def is_moe_layer(self, layer: int) -> bool:
         return True
@@ -161,6 +165,10 @@ class HyperConnectedBlock(nn.Module):
 
 class DeepSeekV4(Transformer):
     args: DeepSeekV4Args
+    # The streams' final collapse goes with the output norm (a pipeline's last stage), and the
+    # hash-routed blocks read the token ids on whichever stage they are.
+    output_side = (*Transformer.output_side, "hc_head")
+    stages_read_tokens = True
 
     def __init__(self, args: DeepSeekV4Args):
         super().__init__(args)
@@ -194,34 +202,57 @@ class DeepSeekV4(Transformer):
 
     def mask_for(self, kind: str, document_ids: torch.Tensor | None, T: int, start: int,
                  device: torch.device, sequence: SequenceShards | None = None) -> AttentionMask:
-        mask = build_mask(None, q_len=T, kv_len=start + T, window=self.args.sliding_window, device=device)
-        mask.positions = torch.arange(start, start + T, device=device)
-        return mask
+        """One mask for every block: causal within the window (the compressed entries' visibility
+        is the attention's own); with `sequence` (context parallelism) the whole rows' mixing."""
+        if sequence is not None:
+            return sequence.mask("compressed_attention", window=self.args.sliding_window, backend="sdpa",
+                                 flex_causal=False)
+        return build_mask(None, q_len=T, kv_len=start + T, window=self.args.sliding_window, device=device)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, *,
                 cache: KVCache | None = None, positions: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, sequence: SequenceShards | None = None) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, vocab), or with `labels` the mean next-token loss."""
-        if sequence is not None or self.tok_embeddings is None or self.norm is None or self.output is None:
-            raise ForjaError("DeepSeek-V4 runs whole on one device per replica (no context or pipeline "
-                             "parallelism); set parallel.cp = 1 and parallel.pp = 1")
+                labels: torch.Tensor | None = None, sequence: SequenceShards | None = None,
+                token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab), or with `labels` the mean next-token loss.
+
+        A pipeline stage past the first receives the streams flattened, (B, T, hc_mult x dim),
+        as `tokens`, and the ids (B, T) as `token_ids` for its hash-routed blocks; a stage
+        before the last returns its streams so (`stage_widths`). Under context parallelism
+        tokens are this rank's part of each row, at `positions` (T,), and `sequence` the rows'."""
         if document_ids is not None and not bool((document_ids == document_ids[:, :1]).all()):
             raise ForjaError("DeepSeek-V4's compressed attention mixes tokens across documents; "
                              "train it on one document per row (data.packing = none)")
+        a = self.args
+        ids = tokens if self.tok_embeddings is not None else token_ids  # (B, T), the hash layers' routing
+        if ids is None and any(int(name) < a.n_hash_layers for name in self.layers):
+            raise ForjaError("a DeepSeek-V4 pipeline stage with hash-routed blocks needs the token ids; "
+                             "pass token_ids (forja's pipeline does: Transformer.stages_read_tokens)")
         start = cache.length if cache is not None else 0
-        T = tokens.shape[1]
-        positions = torch.arange(start, start + T, device=tokens.device)
-        h = self.tok_embeddings(tokens)  # (B, T, D)
-        streams = h.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()  # (B, T, n, D)
-        kinds = {name: self.args.layer_type(int(name)) for name in self.layers}
+        if positions is None:
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        T = positions.shape[0]
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)  # (B, T, D)
+            streams = h.unsqueeze(2).expand(-1, -1, a.hc_mult, -1).contiguous()  # (B, T, n, D)
+        else:
+            streams = tokens.unflatten(-1, (a.hc_mult, a.dim))  # (B, T, n D) from the stage before
+        kinds = {name: a.layer_type(int(name)) for name in self.layers}
         ropes = {kind: self.rope_tables_for(kind, positions) for kind in set(kinds.values())}
-        mask = self.mask_for("sliding_attention", None, T, start, tokens.device)
+        mask = self.mask_for("sliding_attention", None, T, start, tokens.device, sequence)
+        mask.positions = positions
         for name, block in self.layers.items():
-            streams = block(streams, ropes[kinds[name]], mask, cache, int(name), tokens)
+            # the ids by keyword: a later stage's first block under SP takes (streams, rope, mask, cache, layer)
+            streams = block(streams, ropes[kinds[name]], mask, cache, int(name), token_ids=ids)
         if cache is not None:
             cache.advance(T)
+        if self.norm is None:  # a pipeline stage before the last hands on the streams
+            return streams.flatten(2)  # (B, T, n D)
         h = self.norm(self.hc_head(streams))
         return self.logits(h) if labels is None else self.loss(h, labels)
+
+    def stage_widths(self) -> tuple[int, int]:
+        """A pipeline stage receives and sends the hc_mult streams, flattened: hc_mult x dim."""
+        return self.args.hc_mult * self.args.dim, self.args.hc_mult * self.args.dim
 
     def new_kv_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         a = self.args

@@ -33,6 +33,7 @@ from forja.eager import eager_only
 from forja.models.common.attention import AttentionMask, attend, build_mask, rescale_for_sinks
 from forja.models.common.sparse_attention import head_summed_probs
 from forja.parallel.cp.comm import RingExchange, all_gather, all_to_all, heads_to_sequence, sequence_to_heads
+from forja.parallel.cp.compressed import CompressedMixing
 from forja.parallel.cp.layout import SequenceLayout
 from forja.parallel.cp.ring import RingPlan, ring_attention, ring_probs
 from forja.parallel.cp.scan import gated_delta_across, mamba2_across
@@ -119,6 +120,8 @@ class ContextShards:
 
     def mask(self, kind: str, *, window: int | None, backend: str, flex_causal: bool) -> AttentionMask:
         docs = self.document_ids
+        if kind == "compressed_attention":  # DeepSeek-V4's blocks, one document per row: either kind's layout
+            return AttentionMask(sequence=CompressedMixing(self.layout, self.cp.group, window))
         if self.cp.kind == "ring":
             mixing = RingMixing(self, RingPlan(self.layout, self.cp.exchange, docs, window))
         else:

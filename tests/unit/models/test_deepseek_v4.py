@@ -209,14 +209,45 @@ def test_debug_flavor_trains_and_decodes_as_it_prefills():
     assert (torch.cat(parts, dim=1) - whole).abs().max() < 1e-4
 
 
-def test_packed_documents_context_and_pipeline_parallelism_are_refused():
+def test_packed_documents_are_refused():
     from forja.errors import ForjaError
 
     model = _debug_model()
     tokens = torch.zeros(1, 8, dtype=torch.long)
     with pytest.raises(ForjaError, match="one document per row"):
         model(tokens, torch.tensor([[0] * 4 + [1] * 4]))
-    assert set(model.args.layout_limits()) == {"documents", "cp", "pp"}
+    assert set(model.args.layout_limits()) == {"documents"}  # context and pipeline parallelism run
+
+
+def test_pipeline_stages_in_a_row_compute_the_whole_models_loss_and_gradients():
+    """Stages as forja/parallel/pp_split.py cuts them, run one after the other: each hands the
+    next its hc_mult streams flattened (stage_widths), reads the token ids for its hash-routed
+    blocks, and only the last holds the streams' head; the loss and every gradient equal the
+    whole model's."""
+    from forja.errors import ForjaError
+    from forja.parallel.pp_split import stage_part
+
+    model = _debug_model(n_hash_layers=2)  # blocks 0 and 1 hash-routed: one on the middle stage
+    counts = [1, 2, 1]
+    tokens = torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(5))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    model(inputs, labels=labels).backward()
+    parts = [stage_part(model, s, counts) for s in range(3)]
+    for part in parts:
+        part.zero_grad()
+    assert [part.hc_head is not None for part in parts] == [False, False, True]
+    with pytest.raises(ForjaError, match="needs the token ids"):
+        parts[1](parts[0](inputs))
+    h = inputs
+    for part in parts[:-1]:
+        h = part(h, token_ids=inputs)
+        assert h.shape == (2, 32, part.stage_widths()[1]) == (2, 32, 4 * 128)
+    loss = parts[-1](h, labels=labels, token_ids=inputs)
+    loss.backward()
+    assert loss.item() == model(inputs, labels=labels).item()
+    grads = {n: p.grad for part in parts for n, p in part.named_parameters() if p.grad is not None}
+    assert set(grads) == {n for n, p in model.named_parameters() if p.grad is not None}
+    assert max((grads[n] - p.grad).abs().max().item() for n, p in model.named_parameters() if n in grads) < 1e-6
 
 
 def test_the_layout_validator_takes_tensor_parallelism_that_splits_whole_heads_and_groups():
@@ -234,3 +265,23 @@ def test_the_layout_validator_takes_tensor_parallelism_that_splits_whole_heads_a
     assert errors(2) == []  # 4 heads in 2 groups, 6 experts: one key/value head, whole on each rank
     assert any("model o_groups = 1 (parallel.tp = 2)" in e for e in errors(2, o_groups=1))
     assert any("model n_heads = 6 (parallel.tp = 4)" in e for e in errors(4, n_heads=6, o_groups=2))
+
+
+def test_the_layout_validator_takes_context_and_pipeline_parallelism_but_not_document_masks():
+    """All-to-all context parallelism keeps every query head on its rank (forja/parallel/cp/
+    compressed.py), so its degree need not divide n_heads; both kinds and pipelines pass, with
+    each other and with tensor parallelism; packed documents with their masks stay refused."""
+    from forja.models import model_args
+    from forja.parallel.checks import LayoutRequest, layout_errors
+    from forja.parallel.config import ParallelConfig
+
+    def errors(documents: bool = False, **degrees) -> list[str]:
+        world = degrees.get("cp", 1) * degrees.get("pp", 1) * degrees.get("tp", 1)
+        request = LayoutRequest(args=model_args("deepseek_v4", "debug"), world_size=world,
+                                parallel=ParallelConfig(dp_shard=1, **degrees), seq_len=64, global_batch_size=4,
+                                micro_batch_size=2, document_mask=documents)
+        return layout_errors(request)
+
+    assert errors(cp=8, cp_kind="all-to-all") == []  # 4 query heads, 8 ranks
+    assert errors(cp=2, cp_kind="ring", pp=2) == [] and errors(cp=2, cp_kind="all-to-all", tp=2) == []
+    assert any("model.document_mask = true" in e for e in errors(documents=True, cp=2))
