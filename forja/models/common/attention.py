@@ -32,6 +32,7 @@ from forja import fallbacks
 from forja.eager import before_compile
 from forja.models.common.max_logit import MaxLogitTracking
 from forja.models.common.norms import RMSNorm
+from forja.models.common.precision import at_least_fp32
 from forja.models.common.rope import apply_rope
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
@@ -258,7 +259,7 @@ def rescale_for_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor)
 
 def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float,
                        sinks: torch.Tensor) -> torch.Tensor:
-    """Attention with sink logits, the scores materialized (B, H, Tq, Tk) in fp32."""
+    """Attention with sink logits, the scores materialized (B, H, Tq, Tk) in fp32 (fp64 for fp64 q)."""
     B, H, Tq, _ = q.shape
     Tk = k.shape[2]
     if q.device.type == "cuda":
@@ -266,7 +267,7 @@ def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
                          why="SDPA cannot add a sink to the softmax", fix='model.attention = "flex"')
     group = H // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, Tk, hd)
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, H, Tq, Tk)
+    scores = (at_least_fp32(q) @ at_least_fp32(k).transpose(-1, -2)) * scale  # (B, H, Tq, Tk)
     if mask.dense is not None:
         allowed = mask.dense.to(q.device)
     elif mask.is_causal:  # queries are the last Tq positions of the Tk
@@ -276,14 +277,14 @@ def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         allowed = None
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    sink = sinks.float().view(1, H, 1, 1).expand(B, H, Tq, 1)
+    sink = sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, Tq, 1)
     probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :Tk]  # the sink's share dropped
-    return (probs @ v.float()).to(q.dtype)
+    return (probs @ at_least_fp32(v)).to(q.dtype)
 
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x divided by its RMS over the last dim, in fp32 (a weightless RMSNorm)."""
-    xf = x.float()
+    """x divided by its RMS over the last dim, in fp32 (fp64 for fp64 x; a weightless RMSNorm)."""
+    xf = at_least_fp32(x)
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 

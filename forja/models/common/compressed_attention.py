@@ -32,6 +32,7 @@ from forja.models.common.kv_compressor import (
     rotate_tail,
 )
 from forja.models.common.norms import RMSNorm
+from forja.models.common.precision import at_least_fp32
 
 V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
@@ -108,8 +109,8 @@ class CompressedAttention(nn.Module):
         -> (B, H, T, hd) in kv's dtype, the values' rotation still on."""
         B, _, T, _ = q.shape
         kv = self.shared_kv(kv)
-        scores = (q.float() @ kv.float().transpose(-1, -2)) * self.head_dim**-0.5 + bias.unsqueeze(1)  # (B,H,T,K)
-        sink = self.sinks.float().view(1, -1, 1, 1).expand(B, -1, T, 1)
+        scores = (at_least_fp32(q) @ at_least_fp32(kv).transpose(-1, -2)) * self.head_dim**-0.5 + bias.unsqueeze(1)
+        sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(B, -1, T, 1)  # scores (B, H, T, K)
         logits = torch.cat([scores, sink], dim=-1)
         probs = (logits - logits.amax(-1, keepdim=True)).softmax(dim=-1)[..., :-1]  # the sink's share dropped
         return probs.to(kv.dtype) @ kv  # (B, H, T, hd)

@@ -1,6 +1,6 @@
 """The gated delta rule (Yang, Kautz, Hatamizadeh 2024, "Gated Delta Networks"), as pure
-functions on tensors: the PyTorch reference (fp32 math inside, any device) and a dispatch
-to flash-linear-attention's kernel on CUDA.
+functions on tensors: the PyTorch reference (fp32 math inside, fp64 for fp64 inputs; any
+device) and a dispatch to flash-linear-attention's kernel on CUDA.
 
 Per head, a state S (dk, dv) is decayed, corrected towards the new value and read:
 
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from forja import fallbacks
+from forja.models.common.precision import at_least_fp32
 
 _NORM_EPS = 1e-6  # the L2 norm's epsilon, as in transformers' reference and fla's kernel
 
@@ -41,12 +42,12 @@ def l2_normalize(x: torch.Tensor, eps: float = _NORM_EPS) -> torch.Tensor:
 
 
 def _heads_first(q, k, v, g, beta):
-    """fp32, heads before time, q/k repeated to the value heads, normalized and q scaled.
+    """At least fp32, heads before time, q/k repeated to the value heads, normalized and q scaled.
     q, k (B, T, Hk, dk); v (B, T, Hv, dv); g, beta (B, T, Hv) -> (B, Hv, T, ...)."""
     group = v.shape[2] // k.shape[2]
     if group > 1:  # each q/k head serves `group` consecutive value heads
         q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
-    q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (at_least_fp32(t.transpose(1, 2)) for t in (q, k, v, g, beta))
     q = l2_normalize(q) * q.shape[-1] ** -0.5
     return q, l2_normalize(k), v, g, beta
 
@@ -67,11 +68,11 @@ def recurrent_gated_delta_rule(
     """The gated delta rule one token at a time. q, k (B, T, Hk, dk); v (B, T, Hv, dv);
     g (log decay, <= 0) (B, T, Hv), or (B, T, Hv, dk) for a decay per key channel (Kimi's:
     forja/models/common/kimi_delta_rule.py); beta (B, T, Hv); initial_state (B, Hv, dk, dv)
-    -> o (B, T, Hv, dv) in q's dtype, and the final state (B, Hv, dk, dv) fp32 when asked."""
+    -> o (B, T, Hv, dv) in q's dtype, and the final state (B, Hv, dk, dv) fp32 (fp64 for fp64 q) when asked."""
     dtype = q.dtype
     B, T, H, dv = v.shape
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)  # (B, H, T, ...)
-    S = q.new_zeros(B, H, q.shape[-1], dv) if initial_state is None else initial_state.float()
+    S = q.new_zeros(B, H, q.shape[-1], dv) if initial_state is None else initial_state.to(q.dtype)
     keep = None if document_ids is None else (~_new_documents(document_ids)).float()  # (B, T)
     out = []
     for t in range(T):
@@ -143,7 +144,7 @@ def _chunk_scan(q, k, v, g, beta, C: int, S: torch.Tensor | None, keep: torch.Te
     q_read = q * gc.exp()[..., None]  # reads the state as it stood before the chunk
     k_write = k * (gc[..., -1:] - gc).exp()[..., None]  # decayed to the chunk's end
     chunk_decay = gc[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
-    S = q.new_zeros(B, H, dk, dv) if S is None else S.float()
+    S = q.new_zeros(B, H, dk, dv) if S is None else S.to(q.dtype)
     return across_chunks(u, w, q_read, attn, k_write, chunk_decay, S, keep)
 
 

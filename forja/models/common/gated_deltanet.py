@@ -30,6 +30,7 @@ from torch import nn
 from forja.errors import ForjaError
 from forja.models.common.attention import AttentionMask, KVCache
 from forja.models.common.gated_delta_rule import gated_delta_rule, gated_delta_rule_flops
+from forja.models.common.precision import at_least_fp32
 
 
 @dataclass
@@ -84,7 +85,7 @@ def _conv_within_documents(ext: torch.Tensor, weight: torch.Tensor, document_ids
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm of each value head, times silu(gate): weight * norm(x) * silu(z), the norm in
-    fp32 and cast back before the weight (as transformers' Qwen3.5 and OLMo-Hybrid)."""
+    fp32 (fp64 for fp64 x) and cast back before the weight (as transformers' Qwen3.5 and OLMo-Hybrid)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -93,9 +94,9 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.float()
+        x32 = at_least_fp32(x)
         normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (self.weight * normed * F.silu(gate.float())).to(dtype)
+        return (self.weight * normed * F.silu(at_least_fp32(gate))).to(dtype)
 
 
 class DeltaRuleMixer(nn.Module):
@@ -184,8 +185,8 @@ class GatedDeltaNet(DeltaRuleMixer):
         beta = self.wb(x).sigmoid()  # (B, T, Hv)
         if self.allow_neg_eigval:
             beta = beta * 2.0
-        # fp32: in half precision exp(A_log) may overflow
-        g = -self.A_log.float().exp() * F.softplus(self.wa(x).float() + self.dt_bias)  # (B, T, Hv)
+        # at least fp32: in half precision exp(A_log) may overflow
+        g = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(self.wa(x)) + self.dt_bias)  # (B, T, Hv)
         if mask.sequence is not None:  # the rows are split over ranks (context parallelism)
             o = mask.sequence.gated_delta(self, q_in, k_in, v_in, g, beta)
         else:

@@ -35,11 +35,12 @@ from forja.errors import ForjaError
 from forja.models.common.attention import AttentionMask, KVCache
 from forja.models.common.gated_deltanet import DeltaRuleMixer, gated_deltanet_init_rule
 from forja.models.common.kimi_delta_rule import DEFAULT_CHUNK, kimi_delta_rule, kimi_delta_rule_flops
+from forja.models.common.precision import at_least_fp32
 
 
 class SigmoidGatedRMSNorm(nn.Module):
-    """RMSNorm of each head times sigmoid(gate), all in fp32 (the weight included), cast back
-    at the end: fla's and transformers' Kimi Linear output norm."""
+    """RMSNorm of each head times sigmoid(gate), all in fp32 (fp64 for fp64 x; the weight
+    included), cast back at the end: fla's and transformers' Kimi Linear output norm."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -48,9 +49,9 @@ class SigmoidGatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.float()
+        x32 = at_least_fp32(x)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * normed * gate.float().sigmoid()).to(dtype)
+        return (self.weight.to(x32.dtype) * normed * at_least_fp32(gate).sigmoid()).to(dtype)
 
 
 class KimiDeltaAttention(DeltaRuleMixer):
@@ -86,14 +87,15 @@ class KimiDeltaAttention(DeltaRuleMixer):
         return {"mixer": "kimi_delta_attention", "gated_deltanet": self.shape}
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, T, dim) -> g (B, T, H, d) fp32, the log decay of each head's key channels:
-        -exp(A_log) softplus(x W_fa W_fb + dt_bias), in fp32 where exp(A_log) may be large."""
+        """x (B, T, dim) -> g (B, T, H, d) fp32 (fp64 for fp64 x), the log decay of each head's key
+        channels: -exp(A_log) softplus(x W_fa W_fb + dt_bias), in fp32 where exp(A_log) may be large."""
         B, T, _ = x.shape
-        f = (self.wf_b(self.wf_a(x)).float() + self.dt_bias.float()).view(B, T, -1, self.head_k_dim)
+        f = at_least_fp32(self.wf_b(self.wf_a(x)))
+        f = (f + self.dt_bias.to(f.dtype)).view(B, T, -1, self.head_k_dim)
         # softplus as transformers writes it, log(1 + exp(f)) (linear above 20), so that both
-        # round alike: it runs in fp32 whatever the model's dtype, on both sides.
+        # round alike: it runs in fp32 whatever the model's dtype (fp64 in fp64), on both sides.
         softplus = torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))
-        return -self.A_log.float().exp()[:, None] * softplus  # (B, T, H, d)
+        return -self.A_log.to(f.dtype).exp()[:, None] * softplus  # (B, T, H, d)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: AttentionMask, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The channel-wise gated delta rule of Kimi Delta Attention (Kimi Team 2025, "Kimi Linear:
 An Expressive, Efficient Attention Architecture", arXiv 2510.26692), as pure functions on
-tensors: the PyTorch reference (fp32 math inside, any device) and a dispatch to
-flash-linear-attention's `chunk_kda` kernel on CUDA.
+tensors: the PyTorch reference (fp32 math inside, fp64 for fp64 inputs; any device) and a
+dispatch to flash-linear-attention's `chunk_kda` kernel on CUDA.
 
 It is the gated delta rule of forja/models/common/gated_delta_rule.py with one change: the
 decay is a vector over the key channels, not one number per head. Per head, with
@@ -82,7 +82,7 @@ def _chunk_scan(q, k, v, g, beta, C: int, S: torch.Tensor | None, keep: torch.Te
     q_read = q * gc.exp()  # reads the state as it stood before the chunk
     k_write = k * (gc[..., -1:, :] - gc).exp()  # decayed to the chunk's end
     chunk_decay = gc[..., -1, :].exp()[..., None]  # (B, H, N, dk, 1): each state row's decay over the chunk
-    S = q.new_zeros(B, H, dk, dv) if S is None else S.float()
+    S = q.new_zeros(B, H, dk, dv) if S is None else S.to(q.dtype)
     return across_chunks(u, w, q_read, attn, k_write, chunk_decay, S, keep)
 
 

@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from forja.errors import ForjaError
 from forja.models.common.mlp import SquaredReLUMLP, SwiGLU
+from forja.models.common.precision import compute_dtype
 from forja.models.common.step_context import OUTSIDE_A_STEP, AddAuxLoss
 from forja.ops.grouped_mm import GROUPED_MM_IMPLS, grouped_mm
 
@@ -199,13 +200,14 @@ class MoEStats:
 
 class RouterGate(nn.Linear):
     """The router's linear layer (with `MoEArgs.router_bias`, a bias too), computed in fp32
-    whatever the weight's and the autocast dtype: top-k picks are sensitive to rounding, and
-    bf16 logits would reorder near-ties."""
+    whatever the weight's and the autocast dtype (fp64 in a fp64 model): top-k picks are
+    sensitive to rounding, and bf16 logits would reorder near-ties."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
-            bias = self.bias.float() if self.bias is not None else None
-            return F.linear(x.float(), self.weight.float(), bias)
+            dtype = compute_dtype(x.dtype)
+            bias = self.bias.to(dtype) if self.bias is not None else None
+            return F.linear(x.to(dtype), self.weight.to(dtype), bias)
 
 
 class Router(nn.Module):
@@ -222,9 +224,9 @@ class Router(nn.Module):
             self.expert_bias = None
 
     def forward(self, x: torch.Tensor) -> Routing:
-        """x (N, D) -> Routing; scores in fp32 (`RouterGate`)."""
+        """x (N, D) -> Routing; scores in fp32, fp64 in a fp64 model (`RouterGate`)."""
         a = self.args
-        logits = self.gate(x)  # (N, E) fp32
+        logits = self.gate(x)  # (N, E) at least fp32
         if a.score_func == "topk_softmax":
             return self._topk_softmax(logits)
         scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()  # (N, E)

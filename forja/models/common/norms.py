@@ -1,13 +1,16 @@
 """Normalization layers.
 
 RMSNorm computes in float32 whatever the input dtype (as Llama's reference and
-Hugging Face do): the mean of squares of bf16 activations loses too much precision.
+Hugging Face do): the mean of squares of bf16 activations loses too much precision. A
+float64 input stays float64 (forja/models/common/precision.py).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from forja.models.common.precision import at_least_fp32
 
 
 class RMSNorm(nn.Module):
@@ -31,10 +34,10 @@ class RMSNorm(nn.Module):
 
             return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
-        x = x.float()
+        x = at_least_fp32(x)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centered:
-            return (x * (1.0 + self.weight.float())).to(dtype)
+            return (x * (1.0 + self.weight.to(x.dtype))).to(dtype)
         return self.weight * x.to(dtype)
 
     def extra_repr(self) -> str:

@@ -71,6 +71,8 @@ CASE = checks.FamilyCase(
     # transformers' products in fp32 (the same selection); attention runs dense under the
     # selection's mask, as transformers' does. float64: 0.
     tol=1e-5,
+    # float64: transformers' RMSNorm and router in float64, as forja's (tests/unit/models/float64_casts.py).
+    float64_kept=("deepseek_v32.DeepseekV32RMSNorm.forward", "deepseek_v32.DeepseekV32TopkRouter.forward"),
     same_tensors=True,
     # Not `uncached`: a full forward and a cached step compute the index scores with other shapes,
     # and top-k selection (a discrete choice) can flip on a tie: transformers' own full forward

@@ -75,10 +75,13 @@ CASE = checks.FamilyCase(
     make=_make,
     # Bound on max |logit difference| in float32; measured (transformers 5.25, torch 2.13, CPU): see the report.
     tol=1e-5,
-    # Both sides compute the hyper-connections, every RMSNorm, the rotary tables, the compressors'
-    # softmax and the indexer's scores in float32 whatever the dtype (transformers' modeling file
-    # casts them; forja follows): 1.2e-6 measured in float64, transformers' own float32 error 3.4e-6.
-    float64_tol=5e-6,
+    # float64: both sides compute the hyper-connections, the rotary tables, the compressors' softmax
+    # and the indexer's scores in float32 whatever the dtype (transformers' modeling file casts
+    # them; forja follows). The RMSNorms (the weightless one of the queries too) forja computes at
+    # least in float32, transformers on x.float(): those run in float64 on both sides
+    # (tests/unit/models/float64_casts.py), and forja's attention with sinks scores at least in
+    # float32 as transformers' in the model's dtype. Measured 0 (1.2e-6 as they were).
+    float64_kept=("deepseek_v4.DeepseekV4RMSNorm.forward", "deepseek_v4.DeepseekV4UnweightedRMSNorm.forward"),
     same_tensors=True,
     greedy={"all_kinds": 16, "yarn_tied": 16},
     prepare_export=_noisy,

@@ -18,6 +18,8 @@ CASE = checks.FamilyCase(
              "whole_tied": checks.HFConfig("GlmMoeDsaForCausalLM", WHOLE)},
     make=make("GlmMoeDsaForCausalLM"),
     tol=1e-5,  # measured 1.1e-6, 0; 2.2e-6 over the random configs
+    # float64: transformers' RMSNorm and router in float64, as forja's (tests/unit/models/float64_casts.py).
+    float64_kept=("glm_moe_dsa.GlmMoeDsaRMSNorm.forward", "glm_moe_dsa.GlmMoeDsaTopkRouter.forward"),
     same_tensors=True,
     # Not `uncached`: a full forward and a cached step compute the index scores with other shapes,
     # and top-k selection (a discrete choice) can flip on a tie: transformers' own full forward

@@ -38,6 +38,8 @@ CASE = checks.FamilyCase(
     pick=lambda key, p: "norm" in key, draw=lambda p: p.normal_(1.0, 0.3),
     # Bound on max |logit difference| in float32, against transformers 5.24, torch 2.13, CPU.
     tol=1e-5,
+    # float64: transformers' RMSNorm in float64, as forja's (tests/unit/models/float64_casts.py).
+    float64_kept=("olmo2.Olmo2RMSNorm.forward",),
     tokens=40,
     layout=checks.stored_names,
     greedy={"debug": 12, "llama3-rope": 12},
