@@ -17,6 +17,7 @@ import torch
 
 from forja.errors import ForjaError
 from forja.models import load_hf_checkpoint, save_hf_checkpoint
+from tests.helpers import max_logit_diff
 from tests.unit.models import family_checks as checks
 from tests.unit.models.test_conformance import CASES
 
@@ -144,8 +145,24 @@ def test_a_random_valid_config_loads_exactly_and_saves_back(family, seed, tmp_pa
     if case.logits is not None:
         _hybrid_logits(case, hf, model, tokens)
     else:
-        checks.check_logits(hf, model, tokens, case.tol, family=family, flavor=None, label=f"{family} {name}")
+        _float32_logits(case, hf, model, tokens, f"{family} {name}")
     _check_round_trip(model, hf, tmp_path / "export", config.cls, tokens)
+
+
+def _float32_logits(case, hf, model, tokens, label: str) -> None:
+    """forja's float32 logits within `case.tol` of transformers'. A draw whose peaked logits carry
+    the two sides' last-place rounding past it (Gemma 4's experts: transformers takes the GELU of
+    a strided half of its fused gate/up output, forja of a contiguous gate, and torch's CPU kernel
+    rounds the two apart) is held instead to what rounding is held to: the same function
+    in float64 (`case.float64_tol`), and float32 logits within transformers' own float32 error."""
+    diff = max_logit_diff(hf, model, tokens)
+    print(f"{label}: max |logit diff| = {diff:.3e}")
+    if diff < case.tol:
+        return
+    hf.config._experts_implementation = "eager"  # transformers' grouped_mm has no float64
+    diffs = checks.float64_diffs(hf, model, tokens, case)
+    print(f"{label}: float64 {diffs.float64:.3e}, transformers' own float32 error {diffs.hf_rounding:.3e}")
+    assert diffs.float64 < case.float64_tol and diff < diffs.hf_rounding
 
 
 def _hybrid_logits(case, hf, model, tokens) -> None:
