@@ -20,7 +20,8 @@ import loss_race  # noqa: E402
 
 
 def test_the_race_trains_each_recipe_and_scores_it_on_held_out_windows(tmp_path, train_data):
-    only = f"{loss_race.DEFAULT},{loss_race.SPEEDRUN},default + qk-norm,{loss_race.NANOGPT},{loss_race.TITAN}"
+    only = (f"{loss_race.DEFAULT},{loss_race.SPEEDRUN},default + qk-norm,default + value embeddings (2 tables),"
+            f"{loss_race.NANOGPT},{loss_race.TITAN}")
     sets = [f"data.path={json.dumps(str(train_data))}", 'model.flavor="debug"', "train.seq_len=64",
             "schedule.warmup_steps=1"]
     argv = ["--steps", "3", "--eval-every", "2", "--windows", "2", "--ablate", "--peers", "--only", only,
@@ -43,3 +44,10 @@ def test_the_race_trains_each_recipe_and_scores_it_on_held_out_windows(tmp_path,
     race = result["race"]
     assert race["target"] == rows[loss_race.DEFAULT]["final_loss"] and race["cost_per_step"] > 0
     assert (tmp_path / "loss_race.md").read_text().startswith(result["meta"]["date"])
+
+
+def test_the_speedrun_cost_bench_times_every_variant_in_turn():
+    import speedrun_cost
+
+    medians = speedrun_cost.main(["--rounds", "1", "--set", 'model.flavor="debug"', "--set", "train.seq_len=32"])
+    assert list(medians) == list(speedrun_cost.VARIANTS) and all(s > 0 for s in medians.values())
