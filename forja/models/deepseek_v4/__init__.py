@@ -2,8 +2,16 @@
 DeepseekV4ForCausalLM), `parallelize.py` its TP plan; tests/unit/models/test_deepseek_v4.py
 checks it against transformers.
 
-FLAVORS holds the test size only: the published checkpoints' per-layer schedules
-(`compress_ratios`) are not known here with certainty, so no published size is given.
+"flash" is the shape of DeepSeek-V4-Flash (284B total, 13B active, as published): the values of
+transformers 5.25's DeepseekV4Config defaults, which it documents against
+deepseek-ai/DeepSeek-V4-Flash-Base (43 blocks of width 4,096, 64 query heads of 512 over one
+shared key/value head, a 1,024-wide query latent, 8 output groups, 256 routed experts 2,048 wide,
+top 6, one shared expert, the first 3 hash-routed, 4 hyper-connection streams), with the attention
+schedule of the Flash model card (two sliding-window blocks, then compressed sparse attention at
+ratio 4 and heavily compressed attention at ratio 128 alternating). Its total, 284.33B, equals
+transformers' model built from that config on the meta device (tests/unit/models/test_deepseek_v4.py).
+Not set: the long-context RoPE scaling of the released checkpoint (not confirmed here), nor its
+MTP layer, which transformers does not build. DeepSeek-V4-Pro's config is not known here.
 """
 
 from forja.models.deepseek_v4.hf import ADAPTER
@@ -20,6 +28,16 @@ FLAVORS: dict[str, dict] = {
                   layer_types=("heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
                                "compressed_sparse_attention"),
                   n_hash_layers=1, n_experts=6, top_k=2, n_shared_experts=1, score_func="sqrtsoftplus",
+                  route_scale=1.5, expert_bias=True, swiglu_limit=10.0),
+    "flash": dict(dim=4096, n_layers=43, n_heads=64, n_kv_heads=1, head_dim=512, ffn_dim=2048, moe_ffn_dim=2048,
+                  vocab_size=129_280, max_seq_len=1_048_576, norm_eps=1e-6, q_lora_rank=1024, rope_dim=64,
+                  rope_theta=10_000.0, compress_rope_theta=160_000.0, o_groups=8, o_lora_rank=1024,
+                  index_n_heads=64, index_head_dim=128, index_topk=512, csa_ratio=4, hca_ratio=128,
+                  sliding_window=128, hc_mult=4, hc_sinkhorn_iters=20,
+                  layer_types=("sliding_attention",) * 2 + ("compressed_sparse_attention",
+                                                            "heavily_compressed_attention") * 20
+                  + ("compressed_sparse_attention",),
+                  n_hash_layers=3, n_experts=256, top_k=6, n_shared_experts=1, score_func="sqrtsoftplus",
                   route_scale=1.5, expert_bias=True, swiglu_limit=10.0),
 }
 

@@ -85,6 +85,9 @@ CASE = checks.FamilyCase(
     same_tensors=True,
     greedy={"all_kinds": 16, "yarn_tied": 16},
     prepare_export=_noisy,
+    # DeepSeek-V4-Flash's shape (forja/models/deepseek_v4/__init__.py): 284B total and 13B
+    # active as published; (total, active, active without the embedding).
+    published={"flash": (284_332_230_231, 13_799_622_231, 13_270_091_351)},
     fused={"all_kinds": ("model.layers.1.mlp.experts.gate_up_proj",)},
     refusals=(
         ("all_kinds", {"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
