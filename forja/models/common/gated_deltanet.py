@@ -112,6 +112,18 @@ class DeltaRuleMixer(nn.Module):
         beta -> (o (B, T, Hv, dv), the final state (B, Hv, dk, dv) when asked)."""
         raise NotImplementedError
 
+    def run(self, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            mask: AttentionMask, cache: KVCache | None, layer: int) -> torch.Tensor:
+        """`mix` for a forward: over the ranks' slices of the rows (context parallelism, the
+        mask's `sequence`), or here after the cache's state, keeping the new one -> o (B, T, Hv, dv)."""
+        if mask.sequence is not None:
+            return mask.sequence.gated_delta(self, q_in, k_in, v_in, g, beta)
+        state = cache.mixer_states.get(layer) if cache is not None else None
+        o, state = self.mix(q_in, k_in, v_in, g, beta, mask.document_ids, state=state, keep_state=cache is not None)
+        if cache is not None:
+            cache.mixer_states[layer] = state
+        return o
+
     def mix(self, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             document_ids: torch.Tensor | None = None, *, state: GatedDeltaNetState | None = None,
             keep_state: bool = False, channels: tuple[slice, slice] | None = None,
@@ -187,14 +199,7 @@ class GatedDeltaNet(DeltaRuleMixer):
             beta = beta * 2.0
         # at least fp32: in half precision exp(A_log) may overflow
         g = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(self.wa(x)) + self.dt_bias)  # (B, T, Hv)
-        if mask.sequence is not None:  # the rows are split over ranks (context parallelism)
-            o = mask.sequence.gated_delta(self, q_in, k_in, v_in, g, beta)
-        else:
-            state = cache.mixer_states.get(layer) if cache is not None else None
-            o, state = self.mix(q_in, k_in, v_in, g, beta, mask.document_ids, state=state,
-                                keep_state=cache is not None)  # (B, T, Hv, dv)
-            if cache is not None:
-                cache.mixer_states[layer] = state
+        o = self.run(q_in, k_in, v_in, g, beta, mask, cache, layer)  # (B, T, Hv, dv)
         z = self.wz(x).view(B, T, -1, self.head_v_dim)
         return self.wo(self.norm(o, z).reshape(B, T, -1))
 

@@ -103,14 +103,7 @@ class KimiDeltaAttention(DeltaRuleMixer):
         q_in, k_in, v_in = self.wq(x), self.wk(x), self.wv(x)  # (B, T, H d), before the convolutions
         beta = self.wb(x).sigmoid()  # (B, T, H)
         g = self.decay(x)  # (B, T, H, d)
-        if mask.sequence is not None:  # the rows are split over ranks (context parallelism)
-            o = mask.sequence.gated_delta(self, q_in, k_in, v_in, g, beta)
-        else:
-            state = cache.mixer_states.get(layer) if cache is not None else None
-            o, state = self.mix(q_in, k_in, v_in, g, beta, mask.document_ids, state=state,
-                                keep_state=cache is not None)  # (B, T, H, d)
-            if cache is not None:
-                cache.mixer_states[layer] = state
+        o = self.run(q_in, k_in, v_in, g, beta, mask, cache, layer)  # (B, T, H, d)
         gate = self.wg_b(self.wg_a(x)).view(B, T, -1, self.head_v_dim)  # (B, T, H, d)
         return self.wo(self.norm(o, gate).reshape(B, T, -1))
 

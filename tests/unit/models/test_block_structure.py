@@ -99,4 +99,5 @@ def test_the_records_tell_the_kinds_apart():
                           ("ffn", {"swiglu", "geglu", "gelu", "relu2", "moe", "none"})):
         assert {getattr(r, field) for r in records} == values, field
     assert any(r.sinks for r in records) and any(r.output_gate for r in records)
-    assert {r.expert_activation for r in records} == {"", "swiglu", "clamped_swiglu", "relu2", "limited_swiglu"}
+    assert {r.expert_activation for r in records} == {"", "swiglu", "clamped_swiglu", "relu2", "limited_swiglu",
+                                                      "geglu"}
