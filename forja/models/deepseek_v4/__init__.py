@@ -11,7 +11,19 @@ schedule of the Flash model card (two sliding-window blocks, then compressed spa
 ratio 4 and heavily compressed attention at ratio 128 alternating). Its total, 284.33B, equals
 transformers' model built from that config on the meta device (tests/unit/models/test_deepseek_v4.py).
 Not set: the long-context RoPE scaling of the released checkpoint (not confirmed here), nor its
-MTP layer, which transformers does not build. DeepSeek-V4-Pro's config is not known here.
+MTP layer, which transformers does not build.
+
+"pro" is the shape of DeepSeek-V4-Pro (1.6T total, 49B active, as published): the values of its
+config.json as public code quotes it (this machine cannot reach the hub: one project's copy of the
+whole file, the others' Pro presets and fixtures agreeing key by key): 61 blocks of width 7,168,
+128 query heads of 512 over one shared key/value head, a 1,536-wide query latent, 16 output groups
+of rank 1,024, an indexer of 64 heads of 128 keeping the top 1,024, 384 routed experts 3,072 wide,
+top 6, scaled by 2.5, one shared expert, the first 3 hash-routed, 4 hyper-connection streams, and
+its `compress_ratios` schedule (two heavily compressed blocks, then ratio 4 and ratio 128
+alternating, no sliding-only block; the list's 62nd entry is the MTP layer's). Its total,
+1,572,997,179,491 (49.78B active), equals transformers' model built from that config on the meta
+device. Not set, as for "flash": the YaRN scaling the quoted config carries (factor 16 over 65,536
+positions, which changes no parameter), nor its MTP layer.
 """
 
 from forja.models.deepseek_v4.hf import ADAPTER
@@ -39,6 +51,16 @@ FLAVORS: dict[str, dict] = {
                   + ("compressed_sparse_attention",),
                   n_hash_layers=3, n_experts=256, top_k=6, n_shared_experts=1, score_func="sqrtsoftplus",
                   route_scale=1.5, expert_bias=True, swiglu_limit=10.0),
+    "pro": dict(dim=7168, n_layers=61, n_heads=128, n_kv_heads=1, head_dim=512, ffn_dim=3072, moe_ffn_dim=3072,
+                vocab_size=129_280, max_seq_len=1_048_576, norm_eps=1e-6, q_lora_rank=1536, rope_dim=64,
+                rope_theta=10_000.0, compress_rope_theta=160_000.0, o_groups=16, o_lora_rank=1024,
+                index_n_heads=64, index_head_dim=128, index_topk=1024, csa_ratio=4, hca_ratio=128,
+                sliding_window=128, hc_mult=4, hc_sinkhorn_iters=20,
+                layer_types=("heavily_compressed_attention",) * 2 + ("compressed_sparse_attention",
+                                                                     "heavily_compressed_attention") * 29
+                + ("compressed_sparse_attention",),
+                n_hash_layers=3, n_experts=384, top_k=6, n_shared_experts=1, score_func="sqrtsoftplus",
+                route_scale=2.5, expert_bias=True, swiglu_limit=10.0),
 }
 
 SPEC = ModelSpec("deepseek_v4", DeepSeekV4, DeepSeekV4Args, FLAVORS, ADAPTER, tp_plan=deepseek_v4_tp_plan)

@@ -15,6 +15,18 @@ Hugging Face's `hybrid_override_pattern`: M Mamba-2, * attention, - MLP, E mixtu
   of 128, Mamba-2 64 heads of 64 in 8 groups with a 128-wide state, experts: 128 routed of
   1,856 (6 a token, weights renormalized and scaled by 2.5) and one shared of 3,712, a
   262,144-token context.
+- `super-120b-a12b` is nvidia/NVIDIA-Nemotron-3-Super-120B-A12B (Nemotron 3 Super): width 4096,
+  88 blocks (40 Mamba-2, 8 attention, 40 mixture-of-experts), 32 query heads and 2 key/value
+  heads of 128, Mamba-2 128 heads of 64 in 8 groups with a 128-wide state, latent experts: 512
+  routed of 2,688 computing in a 1,024-wide latent (22 a token, weights renormalized and scaled
+  by 5.0), one shared expert of 5,376 on the full width, a 262,144-token context. 120.67B total,
+  12.77B active (published: 120B / 12B). Its values were read from public code quoting the
+  checkpoint's config.json (NVIDIA's Megatron-Bridge Nemotron3SuperProvider and its training
+  scripts, other projects' checks of the released config, one listing its safetensors headers):
+  all agree, and the total equals those headers' 123,611,012,096 BF16 weights less the
+  2,942,324,736 of the multi-token prediction block. That block (`mtp_hybrid_override_pattern`
+  "*E") is not built here, as transformers builds none; `intermediate_size`, which no block of
+  this pattern reads, is set to the experts' width.
 
 Parameter counts: tests/unit/models/test_nemotron_h.py (equal to transformers' model built on
 the meta device).
@@ -28,6 +40,7 @@ from forja.models.spec import ModelSpec
 _8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 _NANO_9B_V2 = "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"
 _NANO_30B_A3B = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+_SUPER_120B_A12B = "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"
 
 FLAVORS: dict[str, dict] = {
     # ~1.2M parameters: three Mamba-2 blocks (8 heads of 32 in 2 groups, a 16-wide state,
@@ -48,6 +61,11 @@ FLAVORS: dict[str, dict] = {
                          vocab_size=131_072, max_seq_len=262_144, layer_types=nemotron_h_layer_types(_NANO_30B_A3B),
                          mamba_n_heads=64, mamba_head_dim=64, mamba_n_groups=8, mamba_state_size=128,
                          n_experts=128, top_k=6, moe_ffn_dim=1856, shared_ffn_dim=3712, route_scale=2.5),
+    "super-120b-a12b": dict(dim=4096, n_layers=88, n_heads=32, n_kv_heads=2, head_dim=128, ffn_dim=2688,
+                            vocab_size=131_072, max_seq_len=262_144,
+                            layer_types=nemotron_h_layer_types(_SUPER_120B_A12B), mamba_n_heads=128,
+                            mamba_head_dim=64, mamba_n_groups=8, mamba_state_size=128, n_experts=512, top_k=22,
+                            moe_ffn_dim=2688, shared_ffn_dim=5376, route_scale=5.0, moe_latent_dim=1024),
 }
 
 SPEC = ModelSpec("nemotron_h", NemotronH, NemotronHArgs, FLAVORS, ADAPTER, tp_plan=nemotron_h_tp_plan)

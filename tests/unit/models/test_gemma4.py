@@ -2,7 +2,7 @@
 (per-layer embeddings, shared key/value layers with double-wide MLPs, global blocks with
 their own head width and key/value heads, values = keys, proportional RoPE, value norms,
 unscaled scores, stored layer scalars, soft-capped logits, the mixture of experts beside the
-dense MLPs; sequences longer than the window; the published E2B's size; refusals) and what is
+dense MLPs; sequences longer than the window; the published sizes; refusals) and what is
 Gemma 4's own: the released config dialect, the KV cache holding only the producers' keys,
 FLOPs, the router, pipeline stages (split and chained in one process; trained over 2 ranks in
 tests/distributed/test_parity_families.py). Tensor parallelism: test_tp_families.py."""
@@ -104,9 +104,12 @@ CASE = checks.FamilyCase(
     greedy={"debug": 12, "debug-moe": 12, "plain": 12},
     export_flavors=("debug", "debug-moe"),
     prepare_export=_scales,
-    # Text model, tied embedding once; equal to transformers' count for the same config.json
-    # (built on the meta device). The per-layer embedding table is 35 x 256 x 262,144 = 2.35B of it.
-    published={"e2b": (4_628_569_344,), "debug": (1_663_280,), "debug-moe": (2_852_192, 1_967_456)},
+    # Text models, tied embedding once; equal to transformers' count for the same config.json
+    # (built on the meta device). The E2B's per-layer embedding table is 35 x 256 x 262,144 =
+    # 2.35B of it, the E4B's 42 x 256 x 262,144 = 2.82B; the 26B-A4B's (total, active) are the
+    # model card's 25.2B / 3.8B, the 31B's its 30.7B (forja/models/gemma4/__init__.py).
+    published={"e2b": (4_628_569_344,), "e4b": (7_463_013_376,), "26b-a4b": (25_233_141_760, 3_822_530_560),
+               "31b": (30_697_345_280,), "debug": (1_663_280,), "debug-moe": (2_852_192, 1_967_456)},
     refusals=(
         ("debug", dict(enable_moe_block=True), r"num_experts=None is not supported"),
         ("debug", dict(hidden_activation="gelu"), r"hidden_activation='gelu' is not supported"),

@@ -1,6 +1,6 @@
 """Nemotron-H against transformers: the conformance CASE (Mamba-2, attention, MLP and
 mixture-of-experts blocks, Nemotron 3 Super's latent experts, float32 and float64; the
-published sizes, Nemotron 3 Nano's included; refusals) and what is Nemotron-H's own: the
+published sizes, Nemotron 3 Nano's and Super's included; refusals) and what is Nemotron-H's own: the
 chunked Mamba-2 scan against its recurrence, the state reset at document boundaries,
 decoding in chunks against the full forward, FLOPs and the planner's activation count.
 Tensor parallelism: test_tp_families.py."""
@@ -105,7 +105,10 @@ CASE = checks.FamilyCase(
                   "nemotron_h.NemotronHTopkRouter.forward", "nemotron_h.NemotronHForCausalLM.forward"),
     greedy={"debug": 20, "pattern_bias": 20, "latent": 12},
     published={"8b": (8_100_852_736,), "nano-9b-v2": (8_888_227_328,),  # equal to transformers' for the config
-               "nano-30b-a3b": (31_577_937_344, 3_580_073_408, 3_227_751_872)},
+               "nano-30b-a3b": (31_577_937_344, 3_580_073_408, 3_227_751_872),
+               # Nemotron 3 Super: its safetensors headers' BF16 weights less the MTP block's
+               # (forja/models/nemotron_h/__init__.py); published 120B / 12B.
+               "super-120b-a12b": (120_668_687_360, 12_770_216_960, 12_233_346_048)},
     fused={"debug": ("model.layers.6.mixer.experts.up_proj", "model.layers.6.mixer.experts.down_proj")},
     refusals=(
         ("debug", dict(layers_block_type=["linear_attention", "moe", "attention"]), "layers_block_type='attention'"),
