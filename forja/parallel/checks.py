@@ -166,6 +166,10 @@ def _check_model_limits(r: LayoutRequest, dims: ParallelDims) -> None:
     if r.document_mask and "documents" in limits:
         raise ForjaError(f"model.document_mask = true keeps attention within each packed document, which "
                          f"{limits['documents']} do not support yet; set model.document_mask = false")
+    if r.document_mask and dims.cp > 1 and "cp_documents" in limits:
+        raise ForjaError(f"model.document_mask = true with parallel.cp = {dims.cp} keeps each packed document "
+                         f"apart across ranks, which {limits['cp_documents']} do not support yet; set "
+                         "model.document_mask = false or parallel.cp = 1")
     for axis, degree in (("tp", dims.tp), ("cp", dims.cp), ("pp", dims.pp)):
         if degree > 1 and axis in limits:
             raise ForjaError(f"parallel.{axis} = {degree} {_AXIS_DOES[axis]}, which {limits[axis]} do not support "

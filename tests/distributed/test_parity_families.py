@@ -57,8 +57,9 @@ def _has_experts(family: str) -> bool:
 
 
 def _model(family: str) -> dict[str, str]:
-    """The family's run: its debug flavor, document masks off where its blocks cannot keep documents apart."""
-    one_document = "documents" in model_args(family, _flavor(family)).layout_limits()
+    """The family's run: its debug flavor, document masks off where its blocks cannot keep
+    documents apart, on one rank or (the card's CP cells, one reference for every cell) over several."""
+    one_document = bool({"documents", "cp_documents"} & set(model_args(family, _flavor(family)).layout_limits()))
     return {**SMALL, "model.family": f'"{family}"', "model.flavor": f'"{_flavor(family)}"',
             **({"model.document_mask": "false"} if one_document else {})}
 

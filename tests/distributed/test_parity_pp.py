@@ -46,8 +46,9 @@ def _schedule(name: str) -> dict[str, str]:
 SCHEDULES = ["1f1b", "gpipe", "interleaved-1f1b"] + ([] if torch_version() < (2, 12) else ["zero-bubble", "dualpipev"])
 FUSED = {"model.fused_ops_overrides": "{cross_entropy=true}"}
 # DeepSeek-V4: stages hand on its hc_mult residual streams, and hash-routed blocks (n_hash_layers
-# = 3 of its 4) sit on stages past the first, which read the token ids the pipeline hands them.
-V4 = {"model.family": '"deepseek_v4"', "model.flavor": '"debug"', "model.document_mask": "false",
+# = 3 of its 4) sit on stages past the first, which read the token ids the pipeline hands them;
+# packed documents with their masks, each compressed alone (DocumentWindows).
+V4 = {"model.family": '"deepseek_v4"', "model.flavor": '"debug"', "model.document_mask": "true",
       "model.overrides": "{n_hash_layers=3}"}
 # The pipeline layouts train one after another in a shared process group per rank count
 # (one start-up each rather than one torchrun each); a test that resumes one copies it.

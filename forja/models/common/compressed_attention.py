@@ -13,6 +13,10 @@ Three kinds of block: "sliding_attention" (the window only), "heavily_compressed
 (HCA: the window and every complete window of `ratio` tokens compressed to one entry) and
 "compressed_sparse_attention" (CSA: overlapping windows of `ratio`, of which each query
 attends only the `topk` a lightning indexer picks).
+
+Packed rows (the mask's `document_ids`): the window stays within each document and the
+compressors pool each document's windows as if it were alone (`DocumentWindows`), so a packed
+row computes what its documents would one row each.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from forja.models.common.grouped_output import GroupedLowRankOutput
 from forja.models.common.kv_compressor import (
     CompressedIndexer,
     CompressorState,
+    DocumentWindows,
     KVCompressor,
     chosen_entries_bias,
     entries_visible,
@@ -92,11 +97,14 @@ class CompressedAttention(nn.Module):
         else:
             if cache is not None:
                 kv = cache.update(layer, kv, kv[..., :1])[0]  # values unused: K = V
-            bias = torch.zeros(mask.dense.shape[-2:], device=x.device).masked_fill(
-                ~mask.dense[0, 0].to(x.device), float("-inf"))  # (T, Tk)
+            allowed = mask.dense[:, 0].to(x.device)  # (B or 1, T, Tk): the window, within documents
+            bias = torch.zeros(allowed.shape, device=x.device).masked_fill(~allowed, float("-inf"))
             bias = bias.expand(B, -1, -1)
             if self.compressor is not None:
-                entries, extra = self._compressed(x, q_latent, rope, mask.positions, cache, layer)  # (B,N,hd),(B,T,N)
+                windows = None if mask.document_ids is None else DocumentWindows.of(mask.document_ids,
+                                                                                   self.compressor.ratio)
+                entries, extra = self._compressed(x, q_latent, rope, mask.positions, cache, layer,
+                                                  windows)  # (B, N, hd), (B, T, N)
                 kv = torch.cat([kv, entries.unsqueeze(1)], dim=2)  # (B, 1, Tk + N, hd)
                 bias = torch.cat([bias, extra], dim=-1)
             out = self.attend(q, kv, bias)
@@ -116,25 +124,31 @@ class CompressedAttention(nn.Module):
         return probs.to(kv.dtype) @ kv  # (B, H, T, hd)
 
     def entry_bias(self, x: torch.Tensor, q_latent: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   positions: torch.Tensor, n_entries: int, index_keys: torch.Tensor | None) -> torch.Tensor:
+                   positions: torch.Tensor, n_entries: int, index_keys: torch.Tensor | None,
+                   windows: DocumentWindows | None = None) -> torch.Tensor:
         """Which of `n_entries` compressed entries the queries x (B, T, dim) at `positions` (T,)
         see, as an additive bias (B, T, N): in CSA the indexer's picks over `index_keys`
-        (B, N, index_head_dim), in HCA every complete window."""
+        (B, N, index_head_dim), in HCA every complete window (of the query's own document,
+        with `windows`)."""
+        if windows is not None:
+            visible = windows.visible(n_entries)  # (B, T, N)
+        else:
+            visible = entries_visible(positions, n_entries, self.compressor.ratio)[None]  # (1, T, N)
         if self.indexer is not None:
-            picks = self.indexer.pick(x, q_latent, positions, rope, index_keys)  # (B, T, k)
+            picks = self.indexer.pick(x, q_latent, positions, rope, index_keys, visible)  # (B, T, k)
             return chosen_entries_bias(picks, n_entries, torch.float32)
-        visible = entries_visible(positions, n_entries, self.compressor.ratio)  # (T, N)
         bias = torch.zeros(visible.shape, dtype=torch.float32, device=x.device).masked_fill(~visible, float("-inf"))
-        return bias.unsqueeze(0).expand(x.shape[0], -1, -1)
+        return bias.expand(x.shape[0], -1, -1)
 
-    def _compressed(self, x, q_latent, rope, positions, cache, layer):
-        """(every compressed entry so far (B, N, hd), the queries' additive bias on them (B, T, N))."""
+    def _compressed(self, x, q_latent, rope, positions, cache, layer, windows: DocumentWindows | None = None):
+        """(every compressed entry so far (B, N, hd), the queries' additive bias on them (B, T, N));
+        `windows`: packed documents, each compressed alone (no cache then)."""
         state = None
         if cache is not None:
             state = cache.mixer_states.setdefault(layer, CompressorState())
-        entries = self.compressor(x, state)
+        entries = self.compressor(x, state, windows)
         index_keys = None
         if self.indexer is not None:
             index_state = None if state is None else state.extra.setdefault("indexer", CompressorState())
-            index_keys = self.indexer.compressor(x, index_state)  # (B, N, index_head_dim)
-        return entries, self.entry_bias(x, q_latent, rope, positions, entries.shape[1], index_keys)
+            index_keys = self.indexer.compressor(x, index_state, windows)  # (B, N, index_head_dim)
+        return entries, self.entry_bias(x, q_latent, rope, positions, entries.shape[1], index_keys, windows)

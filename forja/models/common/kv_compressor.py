@@ -18,6 +18,13 @@ its own compressed keys).
 A query at position t may see entry w only once the window is complete: w < (t + 1) // ratio.
 For decoding, `CompressorState` carries the tokens of an unfinished window, the last Ca slice
 and the entries so far from one forward to the next.
+
+Packed rows (`DocumentWindows`): every document is compressed as if it were alone, its windows
+counted from its first token. Each document's projections are laid out from a multiple of
+`ratio` (zeros fill its last window's tail, a window no query of it sees complete), a
+document's first CSA window has no window before it (empty slots), each entry rotates at the
+packed position of its window's first token, and a query sees only its own document's
+complete windows.
 """
 
 from __future__ import annotations
@@ -32,8 +39,8 @@ from forja.models.common.norms import RMSNorm
 
 
 def half_rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (T, R/2) float32 of `positions` (T,): one angle per interleaved pair."""
-    angles = positions.float()[:, None] * inv_freq.to(positions.device).float()[None, :]
+    """cos and sin (..., T, R/2) float32 of `positions` (..., T): one angle per interleaved pair."""
+    angles = positions.float()[..., None] * inv_freq.to(positions.device).float()
     return angles.cos(), angles.sin()
 
 
@@ -53,6 +60,53 @@ def entries_visible(positions: torch.Tensor, n_entries: int, ratio: int) -> torc
     """(T, N) bool: query at positions[t] may see compressed entry w (its window is complete)."""
     ready = (positions + 1) // ratio  # (T,)
     return torch.arange(n_entries, device=positions.device)[None, :] < ready[:, None]
+
+
+@dataclass
+class DocumentWindows:
+    """Where the tokens of packed rows go when every document starts a window of `ratio`:
+    each document's tokens keep their order from a multiple of `ratio` on (its last window's
+    tail left empty), so the compressor pools each document's windows as if it were alone."""
+
+    ratio: int
+    index: torch.Tensor  # (B, T) long: each token's slot in the laid-out rows
+    doc_start: torch.Tensor  # (B, T) long: the slot of the token's document's first token
+    window_starts_doc: torch.Tensor  # (B, n) bool: the window is its document's first
+    entry_positions: torch.Tensor  # (B, n) long: the packed position of each window's first token
+
+    @classmethod
+    def of(cls, document_ids: torch.Tensor, ratio: int) -> DocumentWindows:
+        """The layout of rows whose documents (B, T) are contiguous runs of equal ids."""
+        B, T = document_ids.shape
+        t = torch.arange(T, device=document_ids.device).expand(B, T)
+        starts = torch.ones_like(document_ids, dtype=torch.bool)
+        starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        run = starts.long().cumsum(1) - 1  # (B, T): the document's index within its row
+        first = torch.where(starts, t, 0).cummax(1).values  # (B, T): its first token's position
+        lengths = torch.zeros(B, T, dtype=torch.long, device=t.device).scatter_add_(1, run, torch.ones_like(run))
+        padded = (lengths + ratio - 1) // ratio * ratio  # (B, T) per document, 0 past the row's last
+        offsets = padded.cumsum(1) - padded  # (B, T): each document's first slot
+        doc_start = offsets.gather(1, run)
+        index = doc_start + t - first
+        n = int(padded.sum(1).max()) // ratio
+        window_starts_doc = torch.zeros(B, n + 1, dtype=torch.bool, device=t.device)
+        window_starts_doc.scatter_(1, torch.where(lengths > 0, offsets // ratio, n), True)
+        slot_position = torch.zeros(B, n * ratio, dtype=torch.long, device=t.device).scatter_(1, index, t)
+        return cls(ratio, index, doc_start, window_starts_doc[:, :n], slot_position[:, ::ratio])
+
+    @property
+    def n_windows(self) -> int:
+        return self.entry_positions.shape[1]
+
+    def lay_out(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, w) -> (B, n ratio, w), each token in its slot, zeros elsewhere."""
+        out = x.new_zeros(x.shape[0], self.n_windows * self.ratio, x.shape[-1])
+        return out.scatter(1, self.index[..., None].expand(-1, -1, x.shape[-1]), x)
+
+    def visible(self, n_entries: int) -> torch.Tensor:
+        """(B, T, N) bool: the query may see entry w, a complete window of its own document."""
+        w = torch.arange(n_entries, device=self.index.device)[None, None, :] * self.ratio  # first slot of each
+        return (w >= self.doc_start[..., None]) & (w + self.ratio <= self.index[..., None] + 1)
 
 
 @dataclass
@@ -86,11 +140,15 @@ class KVCompressor(nn.Module):
         """x (B, T, dim) -> each token's values and gates (B, T, width): what `pool` mixes."""
         return self.wkv(x), self.wgate(x)
 
-    def forward(self, x: torch.Tensor, state: CompressorState | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: CompressorState | None = None,
+                windows: DocumentWindows | None = None) -> torch.Tensor:
         """x (B, T, dim) -> every entry so far (B, N, hd): those of x's complete windows, after
         the state's (which then holds x's unfinished window). Without a state, positions start
-        at 0 and an unfinished last window is dropped."""
+        at 0 and an unfinished last window is dropped. `windows`: packed rows' documents, each
+        pooled alone (no state then): N = windows.n_windows, some never visible."""
         kv, gate = self.project(x)  # (B, T, width)
+        if windows is not None:
+            return self.pool(windows.lay_out(kv), windows.lay_out(gate), 0, windows=windows)[0]
         first, prev = 0, None
         if state is not None:
             first = 0 if state.entries is None else state.entries.shape[1] * self.ratio
@@ -110,11 +168,13 @@ class KVCompressor(nn.Module):
         return state.entries
 
     def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: int,
-             prev: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple | None]:
+             prev: tuple[torch.Tensor, torch.Tensor] | None = None,
+             windows: DocumentWindows | None = None) -> tuple[torch.Tensor, tuple | None]:
         """kv, gate (B, n m, width): the projections of n whole windows, the first starting at
         position `first`; `prev`: the window before's Ca and gate (B, m, hd) each, its position
         bias added (overlap only; None: empty slots) -> (the n entries (B, n, hd), the last
-        window's Ca and gate for the next window's overlap, or None)."""
+        window's Ca and gate for the next window's overlap, or None). `windows`: laid out by
+        document (`DocumentWindows.lay_out`), whose first windows get empty slots too."""
         B, n = kv.shape[0], kv.shape[1] // self.ratio
         if not n:
             return kv.new_zeros(B, 0, self.head_dim), None
@@ -124,10 +184,20 @@ class KVCompressor(nn.Module):
         if self.overlap:
             last = (kv[:, -1, :, :self.head_dim], gate[:, -1, :, :self.head_dim])
             kv, gate = self._overlapping(kv, gate, prev)  # (B, n, 2m, hd)
+            if windows is not None:  # a document's first window has none before it
+                gate = gate.masked_fill(self._ca_slots(windows.window_starts_doc), float("-inf"))
         weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
         entries = self.norm((kv * weights).sum(dim=2))  # (B, n, hd)
-        positions = torch.arange(n, device=kv.device) * self.ratio + first
+        positions = torch.arange(n, device=kv.device) * self.ratio + first  # (n,), or per row (B, n)
+        if windows is not None:
+            positions = windows.entry_positions
         return rotate_tail(entries, *half_rope_tables(self.inv_freq, positions)), last
+
+    def _ca_slots(self, starts: torch.Tensor) -> torch.Tensor:
+        """(B, n, 2m, 1) bool: the Ca slots (the window before's) of the windows in starts (B, n)."""
+        slots = torch.zeros(2 * self.ratio, dtype=torch.bool, device=starts.device)
+        slots[:self.ratio] = True
+        return (starts[:, :, None] & slots)[..., None]
 
     def _overlapping(self, kv: torch.Tensor, gate: torch.Tensor, prev: tuple[torch.Tensor, torch.Tensor] | None):
         """(B, n, m, 2 hd) projections -> (B, n, 2m, hd): window w's slots are window w-1's Ca
@@ -165,9 +235,12 @@ class CompressedIndexer(nn.Module):
         return self.pick(x, q_latent, positions, rope, self.compressor(x, state))
 
     def pick(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
-             rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
+             rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+             visible: torch.Tensor | None = None) -> torch.Tensor:
         """`forward` for queries x, q_latent at `positions` over compressed keys (B, N, hd) made
-        already (under context parallelism: the whole rows' keys, for this rank's queries)."""
+        already (under context parallelism: the whole rows' keys, for this rank's queries);
+        `visible` (B, T, N): which entries each query may pick, if not the complete windows
+        before it (packed documents: `DocumentWindows.visible`)."""
         B, T, _ = x.shape
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
         q = rotate_tail(q, *rope).transpose(1, 2)  # (B, T, h, hd)
@@ -178,10 +251,11 @@ class CompressedIndexer(nn.Module):
         k = min(self.topk, N)
         if N == 0:
             return scores.topk(k, dim=-1).indices
-        visible = entries_visible(positions, N, self.ratio)  # (T, N)
+        if visible is None:
+            visible = entries_visible(positions, N, self.ratio)  # (T, N)
+        visible = visible.expand(B, T, N)
         picks = scores.masked_fill(~visible, float("-inf")).topk(k, dim=-1).indices  # (B, T, k)
-        ready = ((positions + 1) // self.ratio)[None, :, None]  # (1, T, 1)
-        return torch.where(picks >= ready, torch.full_like(picks, -1), picks)
+        return torch.where(visible.gather(-1, picks), picks, torch.full_like(picks, -1))
 
 
 def chosen_entries_bias(picks: torch.Tensor, n_entries: int, dtype: torch.dtype) -> torch.Tensor:

@@ -29,7 +29,9 @@ inputs from the next one, but their targets are ignored and no earlier position 
 A family reuses this with its own block and tensor names: `MultiTokenPrediction` takes the
 blocks to run (anything called as block(x, rope, mask)), a norm factory and the index of the
 first module ("layers.{first + k - 1}"; DeepSeek-V3's checkpoints number them after the main
-layers). Qwen3-Next's single module (`mtp.fc`, `mtp.pre_fc_norm_hidden`,
+layers), and optionally its own module class: DeepSeek-V4's carries its `hc_mult` residual
+streams from depth to depth and collapses them only for the head (`head_input`).
+Qwen3-Next's single module (`mtp.fc`, `mtp.pre_fc_norm_hidden`,
 `mtp.pre_fc_norm_embedding`, `mtp.layers.0`, `mtp.norm`) is one depth whose HF rules name
 proj, hnorm, enorm, block and norm.
 
@@ -84,8 +86,13 @@ class MTPModule(nn.Module):
         self.norm = norm()
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor, rope, mask) -> torch.Tensor:
+        """What the next depth reads: here the normalized state the head reads too."""
         x = self.proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))  # (B, T, 2d) -> (B, T, d)
         return self.norm(self.block(x, rope, mask))  # (B, T, d)
+
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """The (B, T, d) state the output head reads from this depth's output."""
+        return h
 
 
 @dataclass
@@ -101,11 +108,11 @@ class MultiTokenPrediction(nn.Module):
     """`depth` sequential modules after a main model, and their losses."""
 
     def __init__(self, dim: int, blocks: list[nn.Module], norm: Callable[[], nn.Module], *, first: int,
-                 loss_weight: float):
+                 loss_weight: float, module: Callable[..., nn.Module] = MTPModule):
         super().__init__()
         # Keyed by the layer index a checkpoint gives each module (DeepSeek-V3: after the main layers);
         # a mixture of experts in a block is then reported as that layer (forja/train/step/experts.py).
-        self.layers = nn.ModuleDict({str(first + k): MTPModule(dim, b, norm) for k, b in enumerate(blocks)})
+        self.layers = nn.ModuleDict({str(first + k): module(dim, b, norm) for k, b in enumerate(blocks)})
         self.loss_weight = loss_weight
         self.step_context = OUTSIDE_A_STEP  # the step engine's: this micro-batch's share of the step's loss
         # A pipeline's last stage holds its own copy of the token embedding here (set by
@@ -121,14 +128,15 @@ class MultiTokenPrediction(nn.Module):
                document_ids: torch.Tensor | None, *, embed: nn.Module,
                head_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rope, mask) -> list[torch.Tensor]:
         """The mean cross-entropy of each depth (0-dim each, depth 1 first), from the main
-        model's final (normalized) hidden states h (B, T, d), its tokens and labels (B, T)
-        and document ids (B, T) or None. `head_loss(h, targets)` is the main model's output
-        head and loss (mean over the targets that are not IGNORE)."""
+        model's final (normalized) hidden states h (B, T, d) (DeepSeek-V4: its residual streams
+        (B, T, n, d) before their collapse), its tokens and labels (B, T) and document ids
+        (B, T) or None. `head_loss(h, targets)` is the main model's output head and loss (mean
+        over the targets that are not IGNORE)."""
         out = []
         for k, module in enumerate(self.layers.values(), start=1):
             inputs, targets = mtp_targets(tokens, labels, document_ids, k)  # (B, T) each
-            h = module(h, embed(inputs), rope, mask)  # (B, T, d)
-            out.append(head_loss(h, targets))
+            h = module(h, embed(inputs), rope, mask)  # what depth k + 1 reads
+            out.append(head_loss(module.head_input(h), targets))
         return out
 
     def attach(self, loss: torch.Tensor, losses: list[torch.Tensor]) -> torch.Tensor:

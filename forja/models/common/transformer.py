@@ -134,8 +134,9 @@ class TransformerArgs:
         """What of this model cannot take a parallel axis yet, by axis: "tp" (no tensor-parallel
         plan), "cp" (blocks that cannot run on a sequence split over ranks), "pp" (parts a
         pipeline stage cannot run: a stage sees only the hidden states of the one before); and
-        "documents": parts that cannot keep packed documents apart (model.document_mask). The
-        preflight refuses that axis above 1 (or document masks) naming them; {}: none."""
+        "documents": parts that cannot keep packed documents apart (model.document_mask), and
+        "cp_documents": parts that can, but not with the rows split over ranks. The preflight
+        refuses that axis above 1 (or document masks) naming them; {}: none."""
         return {}
 
     def pipeline_spans(self) -> list[tuple[int, int, str]]:
@@ -315,14 +316,20 @@ class Transformer(nn.Module):
             kind = "full_attention"
             rope = ropes[kind] if kind in ropes else self.rope_tables_for(kind, positions)
             mask = masks[kind] if kind in masks else self.mask_for(kind, document_ids, T, start, tokens.device)
-            # A pipeline's last stage has hidden states, not ids: t_{i+1} is labels[i], and only
-            # positions past 0 are read; its embedding is the stage's copy.
-            ids = tokens if self.tok_embeddings is not None else F.pad(labels[:, :-1].clamp(min=0), (1, 0))
-            embed = self.tok_embeddings if self.tok_embeddings is not None else self.mtp.embed
-            losses = self.mtp.losses(h, ids, labels, document_ids, embed=embed, head_loss=self.loss, rope=rope,
-                                     mask=mask)
-            loss = self.mtp.attach(loss, losses)  # the same value; the MTP losses join its backward
+            loss = self.with_mtp(loss, h, tokens, labels, document_ids, rope, mask)
         return loss
+
+    def with_mtp(self, loss: torch.Tensor, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
+                 document_ids: torch.Tensor | None, rope, mask) -> torch.Tensor:
+        """The main `loss`, unchanged in value, with the multi-token prediction losses joined to
+        its backward; `h` is what the first module reads, `tokens` the forward's input (the ids
+        on a first stage, hidden states on a pipeline's later stage)."""
+        # A pipeline's last stage has hidden states, not ids: t_{i+1} is labels[i], and only
+        # positions past 0 are read; its embedding is the stage's copy.
+        ids = tokens if self.tok_embeddings is not None else F.pad(labels[:, :-1].clamp(min=0), (1, 0))
+        embed = self.tok_embeddings if self.tok_embeddings is not None else self.mtp.embed
+        losses = self.mtp.losses(h, ids, labels, document_ids, embed=embed, head_loss=self.loss, rope=rope, mask=mask)
+        return self.mtp.attach(loss, losses)
 
     def stage_widths(self) -> tuple[int, int]:
         """Widths of the hidden states this model, as a pipeline stage, receives and sends on:

@@ -11,7 +11,7 @@ schedule of the Flash model card (two sliding-window blocks, then compressed spa
 ratio 4 and heavily compressed attention at ratio 128 alternating). Its total, 284.33B, equals
 transformers' model built from that config on the meta device (tests/unit/models/test_deepseek_v4.py).
 Not set: the long-context RoPE scaling of the released checkpoint (not confirmed here), nor its
-MTP layer, which transformers does not build.
+MTP layer, which transformers does not build (`[model.mtp] depth = 1` adds it: 6.61B more).
 
 "pro" is the shape of DeepSeek-V4-Pro (1.6T total, 49B active, as published): the values of its
 config.json as public code quotes it (this machine cannot reach the hub: one project's copy of the
@@ -23,7 +23,7 @@ its `compress_ratios` schedule (two heavily compressed blocks, then ratio 4 and 
 alternating, no sliding-only block; the list's 62nd entry is the MTP layer's). Its total,
 1,572,997,179,491 (49.78B active), equals transformers' model built from that config on the meta
 device. Not set, as for "flash": the YaRN scaling the quoted config carries (factor 16 over 65,536
-positions, which changes no parameter), nor its MTP layer.
+positions, which changes no parameter), nor its MTP layer (`[model.mtp] depth = 1`: 25.84B more).
 """
 
 from forja.models.deepseek_v4.hf import ADAPTER

@@ -13,8 +13,14 @@ first), another activation, MLP biases, a main table other than plain RoPE, a Ya
 factor other than 1, per-table rotary widths that differ, hash-routed blocks after top-k ones.
 Keys transformers builds nothing from are ignored: num_key_value_heads (one shared key/value
 head always), n_shared_experts (one shared expert always), norm_topk_prob (always
-renormalized), attention_bias, num_nextn_predict_layers (no MTP module is built; its
-`mtp.*` tensors are skipped), router_jitter_noise and the aux-loss keys.
+renormalized), attention_bias, router_jitter_noise and the aux-loss keys.
+
+Multi-token prediction: `num_nextn_predict_layers` = D builds D modules (forja's own; the
+release holds one, transformers none) from DeepSeek's release names "mtp.{k}." (e_proj,
+h_proj, enorm, hnorm, norm, hc_head_{fn,base,scale}, and a block's tensors named as the main
+layers' are in DeepSeek's spelling, each expert apart), and forja saves them so. transformers
+skips every `mtp.*` tensor, so it reads forja's save as the main model. A checkpoint whose
+config says D but holds no `mtp.0.e_proj.weight` (transformers' own saves) loads with none.
 
 Layouts: forja writes what transformers' save_pretrained writes (DeepSeek's own names under
 "model.layers.{i}.": attn.wq_a, ffn.experts.{e}.w1, hc_attn_fn, ...; "head.weight"), and
@@ -25,6 +31,7 @@ prefix (embed.weight, layers.{i}.*, hc_head_fn).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from forja.errors import ForjaError
@@ -34,7 +41,7 @@ from forja.models.common.rope import LinearScaling, RopeScaling, YarnScaling, ro
 from forja.models.deepseek_v4.model import DeepSeekV4Args
 
 ARCHITECTURES = ("DeepseekV4ForCausalLM",)
-IGNORED = (r"mtp\..*", r"model\.mtp\..*")  # the multi-token prediction module transformers does not build
+IGNORED = (r"mtp\..*",)  # multi-token prediction modules the args do not hold (num_nextn_predict_layers = 0)
 CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 _RATIO_KIND = {0: SLIDING, 4: CSA, 128: HCA}  # transformers' legacy `compress_ratios` values
 
@@ -113,9 +120,20 @@ def _check_supported(cfg: dict) -> None:
     ], _refuse)
 
 
+def _check_mtp(cfg: dict, n: int) -> None:
+    """The release lists its MTP layer's ratio after the main layers' (`compress_ratios`, 0:
+    sliding-window only, the one kind forja builds such a module with)."""
+    depth = _get(cfg, "num_nextn_predict_layers", 0)
+    extra = list(cfg.get("compress_ratios") or [])[n:n + depth]
+    if any(r != 0 for r in extra):
+        raise _refuse("compress_ratios", extra, "forja's DeepSeek-V4 multi-token prediction modules attend "
+                      "within the sliding window only (ratio 0)")
+
+
 def args_from_config(cfg: dict) -> DeepSeekV4Args:
     _check_supported(cfg)
     n, head_dim = cfg.get("num_hidden_layers", 43), _get(cfg, "head_dim", 512)
+    _check_mtp(cfg, n)
     kinds, n_hash = _layer_types(cfg, n)
     factor = cfg.get("partial_rotary_factor")
     if factor is None:
@@ -137,7 +155,7 @@ def args_from_config(cfg: dict) -> DeepSeekV4Args:
         n_experts=g("n_routed_experts", g("num_local_experts", 256)), top_k=g("num_experts_per_tok", 6),
         n_shared_experts=1, score_func=g("scoring_func", "sqrtsoftplus"),
         route_scale=float(g("routed_scaling_factor", 1.5)), expert_bias=True,
-        swiglu_limit=float(g("swiglu_limit", 10.0)))
+        swiglu_limit=float(g("swiglu_limit", 10.0)), mtp_depth=g("num_nextn_predict_layers", 0))
 
 
 def _rope_config(a: DeepSeekV4Args) -> dict:
@@ -164,7 +182,6 @@ def config_from_args(a: DeepSeekV4Args) -> dict:
         "expert_bias": (not a.expert_bias, "its top-k routers always hold the balancing bias"),
         "n_expert_groups": (a.n_expert_groups != 1, "it routes without expert groups"),
         "qk_norm": (a.qk_norm, "it has no such norm"),
-        "mtp_depth": (a.mtp_depth != 0, "it builds no multi-token prediction module"),
     })
     hash_types = ["hash_moe"] * min(a.n_hash_layers, a.n_layers)
     return {
@@ -181,7 +198,7 @@ def config_from_args(a: DeepSeekV4Args) -> dict:
         "hc_sinkhorn_iters": a.hc_sinkhorn_iters, "hc_eps": a.hc_eps, "n_routed_experts": a.n_experts,
         "num_experts_per_tok": a.top_k, "n_shared_experts": 1, "scoring_func": a.score_func,
         "norm_topk_prob": True, "routed_scaling_factor": a.route_scale, "swiglu_limit": a.swiglu_limit,
-        "num_nextn_predict_layers": 0, "bos_token_id": None, "eos_token_id": None,
+        "num_nextn_predict_layers": a.mtp_depth, "bos_token_id": None, "eos_token_id": None,
     }
 
 
@@ -196,9 +213,9 @@ _INDEXER = (("wq_b.weight", "indexer.wq_b.weight", "compressor.indexer.q_b_proj.
             ("weights_proj.weight", "indexer.weights_proj.weight", "compressor.indexer.scorer.weights_proj.weight"))
 
 
-def _attention_rules(a: DeepSeekV4Args, i: int, fused: bool) -> list[TensorRule]:
+def _attention_rules(a: DeepSeekV4Args, i: int, fused: bool, hf: str, ours: str) -> list[TensorRule]:
     kind = a.layer_type(i)
-    hf, ours = f"model.layers.{i}." + ("self_attn." if fused else "attn."), f"layers.{i}.attention."
+    hf, ours = hf + ("self_attn." if fused else "attn."), ours + "attention."
     pairs = [(f, h if fused else d) for f, d, h in _ATTENTION]
     if kind != SLIDING:
         pairs += [("compressor." + f, "compressor." + (h if fused else d)) for f, d, h in _COMPRESSOR]
@@ -209,8 +226,8 @@ def _attention_rules(a: DeepSeekV4Args, i: int, fused: bool) -> list[TensorRule]
     return [TensorRule(hf + h, (ours + f,)) for f, h in pairs]
 
 
-def _block_rules(a: DeepSeekV4Args, i: int, fused: bool) -> list[TensorRule]:
-    hf, ours = f"model.layers.{i}.", f"layers.{i}."
+def _block_rules(a: DeepSeekV4Args, i: int, fused: bool, hf: str, ours: str) -> list[TensorRule]:
+    """Block i's tensors under the prefixes `hf` ("model.layers.{i}.") and `ours` ("layers.{i}.")."""
     if fused:
         pairs = [("input_layernorm.weight", "attention_norm.weight"), ("post_attention_layernorm.weight",
                  "ffn_norm.weight")] + [(f"{s}_hc.{p}", f"{s}_hc.{p}") for s in ("attn", "ffn") for p in ("fn", "base",
@@ -225,7 +242,7 @@ def _block_rules(a: DeepSeekV4Args, i: int, fused: bool) -> list[TensorRule]:
         ffn, gate = hf + "ffn.", [("gate.weight", "router.gate.weight")]
         gate += [("gate.tid2eid", "router.tid2eid")] if i < a.n_hash_layers else [("gate.bias", "router.expert_bias")]
         shared = [(f"shared_experts.w{k}.weight", f"shared_experts.w{k}.weight") for k in (1, 2, 3)]
-    out = hf_rules.renamed(pairs, hf, ours) + _attention_rules(a, i, fused)
+    out = hf_rules.renamed(pairs, hf, ours) + _attention_rules(a, i, fused, hf, ours)
     out += hf_rules.renamed(gate + shared, ffn, ours + "feed_forward.")
     names = hf_rules.EXPERT_NAMES if fused else (("w1", "w1"), ("w3", "w3"), ("w2", "w2"))
     return out + hf_rules.expert_rules(a, ffn, ours + "feed_forward.", fused=fused, names=names)
@@ -237,11 +254,37 @@ def _rules(a: DeepSeekV4Args, fused: bool) -> list[TensorRule]:
     out += [TensorRule(f"model.hc_head.hc_{p}", (f"hc_head.{p}",)) for p in ("fn", "base", "scale")]
     if not a.tie_embeddings:
         out.append(TensorRule("lm_head.weight" if fused else "head.weight", ("output.weight",)))
-    return out + [r for i in range(a.n_layers) for r in _block_rules(a, i, fused)]
+    out += [r for i in range(a.n_layers) for r in _block_rules(a, i, fused, f"model.layers.{i}.", f"layers.{i}.")]
+    return out + _mtp_rules(a)
+
+
+_MTP = (("e_proj.weight", "e_proj.weight"), ("h_proj.weight", "h_proj.weight"), ("enorm.weight", "enorm.weight"),
+        ("hnorm.weight", "hnorm.weight"), ("norm.weight", "norm.weight"),
+        *((f"hc_head_{p}", f"hc_head.{p}") for p in ("fn", "base", "scale")))
+
+
+def _mtp_rules(a: DeepSeekV4Args) -> list[TensorRule]:
+    """The multi-token prediction modules under DeepSeek's release names, "mtp.{k}." (transformers
+    builds none and skips them, so they have no other spelling), its experts one tensor each."""
+    out = []
+    for k in range(a.mtp_depth):
+        hf, ours = f"mtp.{k}.", f"mtp.layers.{a.n_layers + k}."
+        out += hf_rules.renamed(_MTP, hf, ours) + _block_rules(a, a.n_layers + k, False, hf, ours + "block.")
+    return out
+
+
+def held_args(a: DeepSeekV4Args, names: set[str]) -> DeepSeekV4Args:
+    """`a` without multi-token prediction when the checkpoint holds none: transformers' config
+    says num_nextn_predict_layers = 1 by default and its save holds no `mtp.*` tensor. When the
+    first module's projection is stored the count holds, and a missing tensor is named."""
+    if a.mtp_depth and "mtp.0.e_proj.weight" not in names:
+        return dataclasses.replace(a, mtp_depth=0)
+    return a
 
 
 _RELEASE = ((r"^embed\.weight$", "model.embed_tokens.weight"), (r"^norm\.weight$", "model.norm.weight"),
-            (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"), (r"^layers\.", "model.layers."))
+            (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"), (r"^layers\.", "model.layers."),
+            (r"^model\.mtp\.", "mtp."))
 
 
 def normalize_name(name: str) -> str:
@@ -253,4 +296,4 @@ def normalize_name(name: str) -> str:
 
 
 ADAPTER = HFAdapter(ARCHITECTURES, args_from_config, config_from_args, ignored=IGNORED,
-                    normalize_name=normalize_name, **hf_rules.expert_layouts(_rules))
+                    normalize_name=normalize_name, **hf_rules.expert_layouts(_rules), held_args=held_args)

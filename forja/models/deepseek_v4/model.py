@@ -13,16 +13,25 @@
   residual is `hc_mult` streams, collapsed before and expanded after each sublayer, and
   collapsed once more before the final norm.
 
-Multi-token prediction (`num_nextn_predict_layers`) is not built, as transformers builds none.
+Multi-token prediction (`mtp_depth`, Hugging Face `num_nextn_predict_layers`; transformers
+builds none, DeepSeek's release carries one module) as DeepSeek's own inference code runs it:
+each depth keeps the `hc_mult` streams. It normalizes the incoming streams (hnorm, per stream)
+and the next tokens' embeddings (enorm), adds e_proj(embedding) to every stream's h_proj, runs
+one hyper-connected block with sliding-window attention (the release's module holds no
+compressor) and a top-k routed mixture of experts, and hands its streams to the next depth;
+the head reads them collapsed by the module's own hc_head and normalized by its own norm.
+Training only (forja/models/common/mtp.py: targets, documents, the loss's route).
 
 Parameter names: layers.{i}.{attn_hc, attention_norm, attention, ffn_hc, ffn_norm,
 feed_forward}; attention.{wq_a, q_norm, wq_b, wkv, kv_norm, wo.wo_a, wo.wo_b, sinks,
-compressor.*, indexer.*}; hc_head.{fn, base, scale}.
+compressor.*, indexer.*}; hc_head.{fn, base, scale}; mtp.layers.{n_layers + k - 1}.{e_proj,
+h_proj, enorm, hnorm, norm, hc_head.*, block.*}.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +45,7 @@ from forja.models.common.decoder import llama_weight_rule
 from forja.models.common.hash_moe import ScoredMoE, ScoredMoEArgs
 from forja.models.common.hyper_connections import HyperConnection, HyperHead
 from forja.models.common.kv_compressor import half_rope_tables
+from forja.models.common.mtp import MultiTokenPrediction
 from forja.models.common.norms import RMSNorm
 from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
 from forja.models.common.transformer import Transformer, TransformerArgs
@@ -115,8 +125,9 @@ class DeepSeekV4Args(TransformerArgs, ScoredMoEArgs):
     def layout_limits(self) -> dict[str, str]:
         # Pipeline stages hand on the hc_mult streams and get the token ids (`DeepSeekV4.forward`);
         # context parallelism runs compressed attention on the rank's chunks
-        # (forja/parallel/cp/compressed.py). An entry of the compressors would span documents.
-        return {"documents": "DeepSeek-V4's key/value compressors (an entry would span documents)"}
+        # (forja/parallel/cp/compressed.py), whose windows are counted from the row's start.
+        return {"cp_documents": "DeepSeek-V4's compressors split over ranks (they count windows from the row's "
+                                "start)"}
 
     def split_counts(self) -> dict[str, int]:
         """Tensor parallelism splits the query heads and, with them, the output projection's
@@ -131,6 +142,10 @@ class DeepSeekV4Args(TransformerArgs, ScoredMoEArgs):
 
     def is_moe_layer(self, layer: int) -> bool:
         return True
+
+    def layer_type(self, layer: int) -> str:
+        """Past the main layers (a multi-token prediction module's block): sliding-window only."""
+        return "sliding_attention" if layer >= self.n_layers else super().layer_type(layer)
 
     def ratio(self, kind: str) -> int:
         return {"compressed_sparse_attention": self.csa_ratio, "heavily_compressed_attention": self.hca_ratio}.get(
@@ -161,6 +176,26 @@ class HyperConnectedBlock(nn.Module):
         x = HyperConnection.merge(x, self.attention(self.attention_norm(h), rope, mask, cache, layer), post, comb)
         post, comb, h = self.ffn_hc(x)
         return HyperConnection.merge(x, self.feed_forward(self.ffn_norm(h), token_ids), post, comb)
+
+
+class HyperConnectedMTP(nn.Module):
+    """One multi-token prediction depth over the streams: (previous streams (B, T, n, D),
+    next-token embeddings (B, T, D)) -> streams (B, T, n, D); `head_input` collapses them."""
+
+    def __init__(self, dim: int, block: HyperConnectedBlock, norm, *, hc_mult: int, eps: float, norm_eps: float):
+        super().__init__()
+        self.enorm, self.hnorm, self.norm = norm(), norm(), norm()
+        self.e_proj = nn.Linear(dim, dim, bias=False)
+        self.h_proj = nn.Linear(dim, dim, bias=False)
+        self.block = block
+        self.hc_head = HyperHead(dim, hc_mult, eps=eps, norm_eps=norm_eps)
+
+    def forward(self, streams: torch.Tensor, emb: torch.Tensor, rope, mask) -> torch.Tensor:
+        x = self.e_proj(self.enorm(emb)).unsqueeze(2) + self.h_proj(self.hnorm(streams))  # (B, T, n, D)
+        return self.block(x, rope, mask)
+
+    def head_input(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.hc_head(streams))  # (B, T, D)
 
 
 class DeepSeekV4(Transformer):
@@ -196,18 +231,30 @@ class DeepSeekV4(Transformer):
     def build_norm(self) -> RMSNorm:
         return RMSNorm(self.args.dim, self.args.norm_eps)
 
+    def build_mtp(self) -> MultiTokenPrediction:
+        a = self.args
+        blocks = [self.build_block(a.n_layers + k) for k in range(a.mtp_depth)]
+        module = functools.partial(HyperConnectedMTP, hc_mult=a.hc_mult, eps=a.hc_eps, norm_eps=a.norm_eps)
+        return MultiTokenPrediction(a.dim, blocks, self.build_norm, first=a.n_layers, loss_weight=a.mtp_loss_weight,
+                                    module=module)
+
     def rope_tables_for(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Half tables (T, rope_dim / 2): interleaved RoPE, one angle per pair."""
         return half_rope_tables(self._inv_freq(kind != "sliding_attention"), positions)
 
     def mask_for(self, kind: str, document_ids: torch.Tensor | None, T: int, start: int,
                  device: torch.device, sequence: SequenceShards | None = None) -> AttentionMask:
-        """One mask for every block: causal within the window (the compressed entries' visibility
-        is the attention's own); with `sequence` (context parallelism) the whole rows' mixing."""
+        """One mask for every block: causal within the window and the document (the compressed
+        entries' visibility is the attention's own, by `document_ids` too); with `sequence`
+        (context parallelism) the whole rows' mixing."""
         if sequence is not None:
             return sequence.mask("compressed_attention", window=self.args.sliding_window, backend="sdpa",
                                  flex_causal=False)
-        return build_mask(None, q_len=T, kv_len=start + T, window=self.args.sliding_window, device=device)
+        if document_ids is not None and bool((document_ids == document_ids[:, :1]).all()):
+            document_ids = None  # one document a row: the compressors' plain windows
+        mask = build_mask(document_ids, q_len=T, kv_len=start + T, window=self.args.sliding_window, device=device)
+        mask.document_ids = document_ids
+        return mask
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, *,
                 cache: KVCache | None = None, positions: torch.Tensor | None = None,
@@ -219,9 +266,6 @@ class DeepSeekV4(Transformer):
         as `tokens`, and the ids (B, T) as `token_ids` for its hash-routed blocks; a stage
         before the last returns its streams so (`stage_widths`). Under context parallelism
         tokens are this rank's part of each row, at `positions` (T,), and `sequence` the rows'."""
-        if document_ids is not None and not bool((document_ids == document_ids[:, :1]).all()):
-            raise ForjaError("DeepSeek-V4's compressed attention mixes tokens across documents; "
-                             "train it on one document per row (data.packing = none)")
         a = self.args
         ids = tokens if self.tok_embeddings is not None else token_ids  # (B, T), the hash layers' routing
         if ids is None and any(int(name) < a.n_hash_layers for name in self.layers):
@@ -238,7 +282,7 @@ class DeepSeekV4(Transformer):
             streams = tokens.unflatten(-1, (a.hc_mult, a.dim))  # (B, T, n D) from the stage before
         kinds = {name: a.layer_type(int(name)) for name in self.layers}
         ropes = {kind: self.rope_tables_for(kind, positions) for kind in set(kinds.values())}
-        mask = self.mask_for("sliding_attention", None, T, start, tokens.device, sequence)
+        mask = self.mask_for("sliding_attention", document_ids, T, start, tokens.device, sequence)
         mask.positions = positions
         for name, block in self.layers.items():
             # the ids by keyword: a later stage's first block under SP takes (streams, rope, mask, cache, layer)
@@ -248,7 +292,14 @@ class DeepSeekV4(Transformer):
         if self.norm is None:  # a pipeline stage before the last hands on the streams
             return streams.flatten(2)  # (B, T, n D)
         h = self.norm(self.hc_head(streams))
-        return self.logits(h) if labels is None else self.loss(h, labels)
+        if labels is None:
+            return self.logits(h)
+        loss = self.loss(h, labels)
+        if self.mtp is not None and self.training:  # its depths read the streams, not h
+            kind = "sliding_attention"
+            rope = ropes[kind] if kind in ropes else self.rope_tables_for(kind, positions)
+            loss = self.with_mtp(loss, streams, tokens, labels, document_ids, rope, mask)
+        return loss
 
     def stage_widths(self) -> tuple[int, int]:
         """A pipeline stage receives and sends the hc_mult streams, flattened: hc_mult x dim."""

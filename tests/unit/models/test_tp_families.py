@@ -263,11 +263,11 @@ CASES = (
     # the shared key/value head, the compressors and the indexers (frozen: no gradient) whole on every
     # rank, the key/value rows' gradient summed over the ranks; hash- and top-k-routed experts spread
     # over the ranks (each routing its tokens by their own ids); the hyper-connections whole, under SP
-    # on the rank's slice of the streams. Every trained gradient. One document per row (its
-    # compressors' windows would span documents).
+    # on the rank's slice of the streams. Every trained gradient, on a packed batch (each document's
+    # windows compressed alone).
     TPCase(id="deepseek_v4", family="deepseek_v4", grads=None, prepare=_deepseek_v4_offsets,
            check_shards=_deepseek_v4_shards, after_tp=_deepseek_v3_experts_over_tp_ranks, grad_atol=1e-6,
-           loss_tol=1e-5),
+           loss_tol=1e-5, documents=True),
     # KDA split by head (one of two a rank), its rank-d projections whole, on a packed batch;
     # NoPE latent attention and the experts as DeepSeek-V3's: every gradient.
     TPCase(id="kimi_linear", family="kimi_linear", grads=None, documents=True,
