@@ -2,8 +2,10 @@
 them, and its FLOPs, counted from the model itself (built on the meta device: no memory).
 
 Which parameters tensor parallelism splits is read from the family's own TP plan (the
-modules it makes Colwise/Rowwise), so the planner and `forja train` cannot disagree; routed
-experts are split by expert parallelism instead; everything else is replicated over TP.
+modules it makes Colwise/Rowwise, and the parameters forja's `LocalParameters` shards with
+their heads: sinks, short convolutions, decays, DeepSeek-V4's grouped `wo_a`), so the planner
+and `forja train` cannot disagree; routed experts are split by expert parallelism instead;
+everything else is replicated over TP.
 """
 
 from __future__ import annotations
@@ -15,9 +17,25 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from forja.models import build_from_args, spec_of
 from forja.models.common.blocks import BlockStructure
+from forja.models.common.tp_plan import LocalParameters
 from forja.models.common.transformer import Transformer, TransformerArgs
 
-_SPLIT_STYLES = (ColwiseParallel, RowwiseParallel)
+
+def _split_by_plan(styles: dict) -> tuple[set[str], set[str]]:
+    """(modules whose every parameter the plan splits, parameters it splits by name), paths
+    within a block. A style's `then` (LocalParameters' other style) applies to the same module.
+    A row-parallel Linear splits its weight, not its bias (added once, after the sum)."""
+    modules, params = set(), set()
+    for path, style in styles.items():
+        while style is not None:
+            if isinstance(style, RowwiseParallel):
+                params.add(f"{path}.weight")
+            elif isinstance(style, ColwiseParallel):
+                modules.add(path)
+            elif isinstance(style, LocalParameters):
+                params |= {f"{path}.{name}" if path else name for name in style.names}
+            style = getattr(style, "then", None)
+    return modules, params
 
 
 @dataclass(frozen=True)
@@ -157,16 +175,16 @@ def _counts(args: TransformerArgs) -> tuple:
     for block, inner in [*((b, b) for b in model.layers.values()), *((m, m.block) for m in mtp)]:
         structure: BlockStructure = inner.structure  # an MTP module's: its transformer block's
         moe = structure.ffn == "moe"
-        styles = plan.block_plan(moe, args.layer_type(len(counted)))  # a kind's own mixer plan
+        split_modules, split_params = _split_by_plan(plan.block_plan(moe, args.layer_type(len(counted))))
         split = replicated = experts = 0
         matrices = []
         for name, p in block.named_parameters():
-            module = name.rsplit(".", 1)[0].removeprefix("block.")  # the plan names a block's modules
+            name = name.removeprefix("block.")  # the plan names a block's modules
             if p.dim() >= 2:  # (stack, rows, columns): a 3-D expert stack is `stack` matrices
                 matrices.append((p.numel() // (p.shape[-2] * p.shape[-1]), p.shape[-2], p.shape[-1]))
             if ".experts." in f".{name}" and moe:
                 experts += p.numel()
-            elif isinstance(styles.get(module), _SPLIT_STYLES):
+            elif name.rsplit(".", 1)[0] in split_modules or name in split_params:
                 split += p.numel()
             else:
                 replicated += p.numel()

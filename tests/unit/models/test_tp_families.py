@@ -303,8 +303,22 @@ def _run_case(case: TPCase, mesh, world: int) -> list:
             case.after_tp(model, mesh)
         if case.check_shards is not None:
             case.check_shards(model)
-        out.append(_loss_and_grads(case, model, world))
+        out.append((*_loss_and_grads(case, model, world), _held_by_blocks(model)))
     return out
+
+
+def _held_by_blocks(model) -> int:
+    """The elements of the blocks' parameters this rank holds, the routed experts aside (what
+    expert parallelism spreads, which some cases leave whole)."""
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731
+    return sum(local(p).numel() for n, p in model.layers.named_parameters() if ".experts." not in f".{n}")
+
+
+def _planned_per_rank(args, tp: int) -> float:
+    """What the planner (forja/plan/shape.py) says a TP rank holds of the same parameters."""
+    from forja.plan.shape import model_shape
+
+    return sum(b.tp_split / tp + b.replicated for b in model_shape(args, 64).blocks)
 
 
 def _run_every_case(rank: int, world: int) -> dict:
@@ -354,5 +368,7 @@ def test_tensor_parallel_loss_and_gradients_equal_one_device(tp_ranks, card, cas
         for r in ranks:
             assert abs(r[i][0] - loss) < case.loss_tol, (sequence_parallel, r[i][0], loss)
             loss_diff = max(loss_diff, abs(r[i][0] - loss))
+            # the planner's per-rank count of the blocks' split and replicated parameters is what a rank holds
+            assert r[i][2] == _planned_per_rank(case.build(overrides).args, len(ranks)), (sequence_parallel, r[i][2])
     if any(sequence_parallel for sequence_parallel, _ in case.runs):
         card(case.family, "tp_sp", loss_diff)
