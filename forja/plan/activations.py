@@ -30,6 +30,7 @@ from forja.plan.context_parallel import compressed_block, compressed_keys, cp_sa
 from forja.plan.job import Job
 from forja.plan.layout import Layout
 from forja.plan.shape import BlockShape
+from forja.plan.v4_activations import v4_block_saved
 
 FP32 = 4
 
@@ -134,9 +135,11 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
     # QK-norm (per head or over the whole projection alike): its input upcast, the normalized x
     # (fp32 in a (1 + w) norm; such blocks' QK-norms are (1 + w) too).
     qk_norm = (FP32 + (FP32 if block.zero_centered else w.lin)) * (hq + hkv) if a.qk_norm else 0.0
-    flex = job.gpu and a.attention == "flex"
-    if block.sinks and not flex:  # `_attend_with_sinks` (DeepSeek-V4's attention too): the scores written out
-        T = compressed_keys(job, lay, block) if compressed_block(job, block) else job.seq_len
+    # DeepSeek-V4's attention always writes its scores out (compressed_attention.py `attend`).
+    flex = job.gpu and a.attention == "flex" and not compressed_block(job, block)
+    written_out = block.sinks and not flex  # `_attend_with_sinks` (DeepSeek-V4's attention too)
+    T = compressed_keys(job, lay, block) if compressed_block(job, block) else job.seq_len  # keys a query scores
+    if written_out:  # the scores written out
         sdpa = 3 * hq * w.lin  # q, and k and v repeated to every query head, as the matmuls take them
         sdpa += heads * (T + 1) * FP32  # softmax's fp32 output, the sink's column included
         sdpa += heads * T * w.lin if w.lin != FP32 else 0.0  # its cast for probs @ v under autocast
@@ -149,8 +152,10 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
     extra += indexer_saved(job, lay, block, w)
     gate = 2 * hq * w.lin if block.output_gate else 0.0  # sigmoid(x W_g) and the gated output (wo's input)
     post = post_norm_saved(job, lay, block, w) if block.norms != "pre" else 0.0
-    # Op-level AC keeps the projections' outputs (q, k, v before RoPE; wo's) and attention's.
-    matmuls = (hq + k_width + v_width + a.dim + out_width) * w.lin + heads * FP32 + gate / 2
+    # Op-level AC keeps the projections' outputs (q, k, v before RoPE; wo's) and attention's;
+    # attention written out keeps its score matmul's fp32 output too (a bmm, as AC sees it).
+    scores = heads * T * FP32 if written_out else 0.0
+    matmuls = (hq + k_width + v_width + a.dim + out_width) * w.lin + heads * FP32 + gate / 2 + scores
     readers = 4 if block.output_gate else 3  # wq, wk, wv (, wg)
     return _sublayer_input(job, lay, block, w, readers) + qk_norm + sdpa + extra + gate + post, matmuls
 
@@ -331,10 +336,16 @@ def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> t
     """(bytes one block keeps per token until its backward, bytes its backward needs at once
     on top: recomputation under AC plus the gradient working set)."""
     w = replace(widths(job), float8_gathered=job.float8 and lay.sp_degree > 1)
-    attn, attn_mm = attention_saved(job, lay, block, w)
-    ffn, ffn_mm = ffn_saved(job, lay, block, w)
-    full = attn + ffn + (mtp_saved(job, lay, w) if block.mtp else 0.0)
-    block_input = job.args.dim * _sp(lay) * w.res
+    if compressed_block(job, block):  # DeepSeek-V4's: hc_mult streams in, its own count (v4_activations.py)
+        full, attn_mm = v4_block_saved(job, lay, block, w.lin, w.res, compressed_keys(job, lay, block))
+        attn, ffn, ffn_mm = full, 0.0, 0.0
+        full += mtp_saved(job, lay, w) if block.mtp else 0.0
+        block_input = job.args.hc_mult * job.args.dim * _sp(lay) * w.res
+    else:
+        attn, attn_mm = attention_saved(job, lay, block, w)
+        ffn, ffn_mm = ffn_saved(job, lay, block, w)
+        full = attn + ffn + (mtp_saved(job, lay, w) if block.mtp else 0.0)
+        block_input = job.args.dim * _sp(lay) * w.res
     ffn_width = job.args.ffn_dim if not block.moe else job.args.top_k * job.args.moe_ffn_dim
     ffn_width = 0 if block.ffn == "none" else ffn_width
     ffn_width /= lay.tp  # the dense FFN's columns, or the MoE layer's tokens, split over TP
@@ -354,7 +365,7 @@ def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> t
         if lay.op_level_alternate:
             kept -= (alternate_recomputed(job, lay, block) or (0.0, 0.0))[0] * w.lin
         return kept, (full - kept) + working
-    if regathered(job, lay, w):
+    if regathered(job, lay, w) and not compressed_block(job, block):
         split = replace(w, gathered=1 / lay.tp)
         kept = attention_saved(job, lay, block, split)[0] + ffn_saved(job, lay, block, split)[0] + (full - attn - ffn)
         return kept, working + job.args.dim * w.lin  # backward gathers the input whole again

@@ -135,7 +135,8 @@ class CompressedAttention(nn.Module):
         else:
             visible = entries_visible(positions, n_entries, self.compressor.ratio)[None]  # (1, T, N)
         if self.indexer is not None:
-            picks = self.indexer.pick(x, q_latent, positions, rope, index_keys, visible)  # (B, T, k)
+            with torch.no_grad():  # frozen, and its top-k passes no gradient: autograd (and AC) keep nothing
+                picks = self.indexer.pick(x, q_latent, positions, rope, index_keys, visible)  # (B, T, k)
             return chosen_entries_bias(picks, n_entries, torch.float32)
         bias = torch.zeros(visible.shape, dtype=torch.float32, device=x.device).masked_fill(~visible, float("-inf"))
         return bias.expand(x.shape[0], -1, -1)
@@ -150,5 +151,6 @@ class CompressedAttention(nn.Module):
         index_keys = None
         if self.indexer is not None:
             index_state = None if state is None else state.extra.setdefault("indexer", CompressorState())
-            index_keys = self.indexer.compressor(x, index_state, windows)  # (B, N, index_head_dim)
+            with torch.no_grad():  # its keys only rank entries
+                index_keys = self.indexer.compressor(x, index_state, windows)  # (B, N, index_head_dim)
         return entries, self.entry_bias(x, q_latent, rope, positions, entries.shape[1], index_keys, windows)

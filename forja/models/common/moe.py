@@ -66,6 +66,9 @@ class Routing:
     probs: torch.Tensor  # (N, E) fp32: per-token distribution over experts (for the aux loss)
 
 
+_KEPT_RECORDS = 1024  # a layer's forwards kept between reads of its statistics (a step's micro-batches)
+
+
 @dataclass
 class MoEStats:
     """What one layer saw since the engine last read it (a step's micro-batches). Counts
@@ -255,7 +258,7 @@ class MoE(nn.Module):
             self.shared_experts = SwiGLU(dim, shared, fused=fused_swiglu, bias=shared_bias) if shared else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared and args.shared_expert_gate else None
         self.step_context = OUTSIDE_A_STEP  # the step engine's: this micro-batch's share of the loss
-        self.stats = MoEStats()
+        self._records: list[tuple] = []  # each training forward's totals, until `take_stats`
         # Sums a small (S,) float64 tensor over the ranks that each route a slice of this
         # micro-batch's tokens (set by the tensor-parallel plan); None: the whole batch is here.
         self.token_split_sum = None
@@ -349,21 +352,27 @@ class MoE(nn.Module):
         z_value = (lse2_all / n_all).float() if z is not None else None
         return aux, z, (routed_all, aux_value, z_value, dropped_all)
 
-    @torch.no_grad()
     def _record(self, routed: torch.Tensor, aux: torch.Tensor | None, z: torch.Tensor | None,
                 dropped: torch.Tensor) -> None:
-        s = self.stats
-        s.tokens_per_expert = routed if s.tokens_per_expert is None else s.tokens_per_expert + routed
-        s.dropped += dropped
-        if aux is not None:
-            s.aux_loss = s.aux_loss + aux.detach()
-        if z is not None:
-            s.z_loss = s.z_loss + z.detach()
-        s.forwards += 1
+        # Kept as they are and summed when read: activation checkpointing's recompute must run
+        # exactly the ops the forward ran, and a running sum's first add is not its later ones.
+        # A loop that never reads them (no step engine) keeps the latest _KEPT_RECORDS.
+        self._records.append((routed, None if aux is None else aux.detach(), None if z is None else z.detach(),
+                              dropped))
+        if len(self._records) > _KEPT_RECORDS:
+            del self._records[0]
 
     def take_stats(self) -> MoEStats:
         """This layer's statistics since the last call, and a fresh start."""
-        stats, self.stats = self.stats, MoEStats()
+        records, self._records = self._records, []
+        stats = MoEStats(forwards=len(records))
+        with torch.no_grad():
+            for routed, aux, z, dropped in records:
+                before = stats.tokens_per_expert
+                stats.tokens_per_expert = routed if before is None else before + routed
+                stats.dropped = stats.dropped + dropped
+                stats.aux_loss = stats.aux_loss if aux is None else stats.aux_loss + aux
+                stats.z_loss = stats.z_loss if z is None else stats.z_loss + z
         return stats
 
     def active_fraction(self) -> float:

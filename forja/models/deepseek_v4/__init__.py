@@ -10,8 +10,10 @@ top 6, one shared expert, the first 3 hash-routed, 4 hyper-connection streams), 
 schedule of the Flash model card (two sliding-window blocks, then compressed sparse attention at
 ratio 4 and heavily compressed attention at ratio 128 alternating). Its total, 284.33B, equals
 transformers' model built from that config on the meta device (tests/unit/models/test_deepseek_v4.py).
-Not set: the long-context RoPE scaling of the released checkpoint (not confirmed here), nor its
-MTP layer, which transformers does not build (`[model.mtp] depth = 1` adds it: 6.61B more).
+The compressed blocks' YaRN (factor 16 over 65,536 positions, beta 32 and 1, cos and sin
+unscaled) is the released config.json's, as copies of it in public code quote it and as
+transformers' DeepseekV4Config comments it. Not set: its MTP layer, which transformers does not
+build (`[model.mtp] depth = 1` adds it: 6.61B more).
 
 "pro" is the shape of DeepSeek-V4-Pro (1.6T total, 49B active, as published): the values of its
 config.json as public code quotes it (this machine cannot reach the hub: one project's copy of the
@@ -22,14 +24,18 @@ top 6, scaled by 2.5, one shared expert, the first 3 hash-routed, 4 hyper-connec
 its `compress_ratios` schedule (two heavily compressed blocks, then ratio 4 and ratio 128
 alternating, no sliding-only block; the list's 62nd entry is the MTP layer's). Its total,
 1,572,997,179,491 (49.78B active), equals transformers' model built from that config on the meta
-device. Not set, as for "flash": the YaRN scaling the quoted config carries (factor 16 over 65,536
-positions, which changes no parameter), nor its MTP layer (`[model.mtp] depth = 1`: 25.84B more).
+device. The YaRN scaling is the quoted config's, as for "flash". Not set: its MTP layer
+(`[model.mtp] depth = 1`: 25.84B more).
 """
 
+from forja.models.common.rope import YarnScaling
 from forja.models.deepseek_v4.hf import ADAPTER
 from forja.models.deepseek_v4.model import DeepSeekV4, DeepSeekV4Args
 from forja.models.deepseek_v4.parallelize import deepseek_v4_tp_plan
 from forja.models.spec import ModelSpec
+
+# The released checkpoints' compressed-block YaRN (the sliding blocks' RoPE is plain).
+_YARN = YarnScaling(factor=16.0, original_max_seq_len=65_536, beta_fast=32.0, beta_slow=1.0, attention_factor=1.0)
 
 FLAVORS: dict[str, dict] = {
     # ~1.5M parameters: every mechanism on (HCA, CSA with its indexer, a sliding block, hash
@@ -50,7 +56,7 @@ FLAVORS: dict[str, dict] = {
                                                             "heavily_compressed_attention") * 20
                   + ("compressed_sparse_attention",),
                   n_hash_layers=3, n_experts=256, top_k=6, n_shared_experts=1, score_func="sqrtsoftplus",
-                  route_scale=1.5, expert_bias=True, swiglu_limit=10.0),
+                  route_scale=1.5, expert_bias=True, swiglu_limit=10.0, rope_scaling=_YARN),
     "pro": dict(dim=7168, n_layers=61, n_heads=128, n_kv_heads=1, head_dim=512, ffn_dim=3072, moe_ffn_dim=3072,
                 vocab_size=129_280, max_seq_len=1_048_576, norm_eps=1e-6, q_lora_rank=1536, rope_dim=64,
                 rope_theta=10_000.0, compress_rope_theta=160_000.0, o_groups=16, o_lora_rank=1024,
@@ -60,7 +66,7 @@ FLAVORS: dict[str, dict] = {
                                                                      "heavily_compressed_attention") * 29
                 + ("compressed_sparse_attention",),
                 n_hash_layers=3, n_experts=384, top_k=6, n_shared_experts=1, score_func="sqrtsoftplus",
-                route_scale=2.5, expert_bias=True, swiglu_limit=10.0),
+                route_scale=2.5, expert_bias=True, swiglu_limit=10.0, rope_scaling=_YARN),
 }
 
 SPEC = ModelSpec("deepseek_v4", DeepSeekV4, DeepSeekV4Args, FLAVORS, ADAPTER, tp_plan=deepseek_v4_tp_plan)
