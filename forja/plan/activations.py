@@ -135,6 +135,8 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
     # QK-norm (per head or over the whole projection alike): its input upcast, the normalized x
     # (fp32 in a (1 + w) norm; such blocks' QK-norms are (1 + w) too).
     qk_norm = (FP32 + (FP32 if block.zero_centered else w.lin)) * (hq + hkv) if a.qk_norm else 0.0
+    if block.unit_qk:  # Llama 4's weightless per-head RMS: q and k in fp32, and their inverse RMS per head
+        qk_norm += FP32 * (hq + hkv + heads + a.n_kv_heads / t)
     # DeepSeek-V4's attention always writes its scores out (compressed_attention.py `attend`).
     flex = job.gpu and a.attention == "flex" and not compressed_block(job, block)
     written_out = block.sinks and not flex  # `_attend_with_sinks` (DeepSeek-V4's attention too)

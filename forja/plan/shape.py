@@ -90,6 +90,8 @@ class BlockShape:
     expert_width: int = 0
     """The routed experts' width where the layer projects to it and back (Nemotron 3 Super's
     latent experts, `LatentMoE`); 0: the model's."""
+    unit_qk: bool = False
+    """Attention's weightless per-head RMS of q and k (`BlockStructure.unit_qk`, Llama 4)."""
     indexer: tuple[int, ...] = ()
     """DeepSeek Sparse Attention's indexer (`BlockStructure.indexer`): (heads, width, top-k, stage
     0 untrained / 1 dense warm-up / 2 sparse); () for dense attention."""
@@ -209,4 +211,4 @@ def _structure(s: BlockStructure, kind: str, mtp: bool) -> dict:
     return dict(kind=kind, norms=s.norms, ffn=s.ffn, output_gate=s.output_gate, sinks=s.sinks,
                 mixer=s.gated_deltanet, mamba2=s.mamba2, mtp=mtp, zero_centered=s.norm == "zero_centered",
                 expert_activation=s.expert_activation, shared_expert_gate=s.shared_expert_gate, indexer=s.indexer,
-                expert_width=s.expert_width)
+                unit_qk=s.unit_qk, expert_width=s.expert_width)

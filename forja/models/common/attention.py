@@ -380,7 +380,8 @@ class Attention(MaxLogitTracking, nn.Module):
 
     def structure_fields(self) -> dict:
         """What it adds to its block's structure record (forja/models/common/blocks.py)."""
-        return {"mixer": "attention", "output_gate": self.wg is not None, "sinks": self.sinks is not None}
+        return {"mixer": "attention", "output_gate": self.wg is not None, "sinks": self.sinks is not None,
+                "unit_qk": getattr(self, "unit_qk", False)}  # a subclass with its own __init__ (Gemma 4) has none
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: AttentionMask, cache: KVCache | None = None, layer: int = 0,

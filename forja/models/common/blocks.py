@@ -52,6 +52,9 @@ class BlockStructure:
     expert_width: int = 0
     """The width a mixture of experts' routed experts compute in where it projects their input
     down and their sum back up (Nemotron 3 Super's latent experts); 0: the model's width."""
+    unit_qk: bool = False
+    """Attention divides each head's query and key by their RMS, without a weight (Llama 4's
+    rotary layers: `Attention(unit_qk=True)`)."""
     indexer: tuple[int, ...] = ()
     """DeepSeek Sparse Attention's lightning indexer as built (forja/models/common/sparse_attention.py):
     (indexer heads, indexer head width, top-k keys, dsa_stage: 0 untrained, 1 dense warm-up, 2 sparse);

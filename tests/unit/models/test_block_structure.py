@@ -75,7 +75,7 @@ def _expected(block: nn.Module) -> BlockStructure:
         sinks=isinstance(mixer, (Attention, CompressedAttention)) and mixer.sinks is not None,
         gated_deltanet=linear, expert_activation=ff.experts.activation if moe else "",
         shared_expert_gate=moe and ff.shared_gate is not None, indexer=indexer,
-        mamba2=mixer.shape if isinstance(mixer, Mamba2) else ())
+        mamba2=mixer.shape if isinstance(mixer, Mamba2) else (), unit_qk=attention and getattr(mixer, "unit_qk", False))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

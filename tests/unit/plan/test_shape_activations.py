@@ -19,13 +19,14 @@ from forja.plan.shape import model_shape
 # 0.987; gpt2 0.998; qwen3_5 Gated DeltaNet 0.999, gated attention 0.994, MoE 0.999; gpt_oss
 # (sinks, scores written out on CPU) sliding 0.981, full 0.981; gemma3 0.987; olmo3 0.989;
 # olmo_hybrid 0.999, 0.999; qwen3_next 0.999; nemotron_h Mamba-2 0.999, MLP 0.999, attention 0.999,
-# MoE 1.001.
+# MoE 1.001; llama4 chunked rotary with its weightless QK RMS 0.986 (0.905 before it was counted),
+# NoPE global with experts 1.000.
 CASES = [("llama", "debug", "0"), ("llama", "tiny", "0"), ("qwen3", "debug", "0"), ("qwen3", "debug-moe", "1"),
          ("gpt2", "debug", "0"), ("qwen3_5", "debug", "0"), ("qwen3_5", "debug", "3"), ("qwen3_5", "debug-moe", "0"),
          ("gpt_oss", "debug", "0"), ("gpt_oss", "debug", "1"), ("gemma3", "debug", "0"), ("olmo3", "debug", "0"),
          ("olmo_hybrid", "debug", "0"), ("olmo_hybrid", "debug", "3"), ("qwen3_next", "debug", "0"),
          ("nemotron_h", "debug", "0"), ("nemotron_h", "debug", "1"), ("nemotron_h", "debug", "3"),
-         ("nemotron_h", "debug", "6")]
+         ("nemotron_h", "debug", "6"), ("llama4", "debug", "0"), ("llama4", "debug", "1")]
 
 
 @functools.cache
