@@ -24,10 +24,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from forja.models.common.kimi_delta_attention import KimiDeltaArgs
 from forja.models.common.mla import LatentAttentionArgs
 from forja.parallel.regather import regathers
 from forja.plan.context_parallel import compressed_block, compressed_keys, cp_saved_extra, mixer_length, replicas
 from forja.plan.job import Job
+from forja.plan.kda_activations import kda_saved
 from forja.plan.layout import Layout
 from forja.plan.shape import BlockShape
 from forja.plan.v4_activations import v4_block_saved
@@ -115,6 +117,9 @@ def _mask_saved(job: Job, lay: Layout, block: BlockShape) -> float:
 
 def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
     """(saved bytes per token of one block's sequence-mixing half, of which matmul/attention outputs)."""
+    if block.kind == "linear_attention" and isinstance(job.args, KimiDeltaArgs):  # Kimi Delta Attention's own count
+        mixer, matmuls = kda_saved(job, lay, block, w.lin)
+        return norm_saved(job, lay, block, w, readers=6) + mixer, matmuls  # wq wk wv wb wf_a wg_a
     if block.kind == "linear_attention":
         return linear_attention_saved(job, lay, block, w)
     if block.kind == "mamba2":
