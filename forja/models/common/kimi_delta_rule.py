@@ -75,7 +75,8 @@ def _chunk_scan(q, k, v, g, beta, C: int, S: torch.Tensor | None, keep: torch.Te
     k_beta = k * beta[..., None]
     # (I + A) U = V with A[i, j] = beta_i sum_d k_i[d] k_j[d] decay[i, j, d], j < i; the
     # unitriangular solve reads only the strictly lower part of `system`.
-    system = torch.einsum("bhnijd,bhnjd->bhnij", decay * k_beta[..., :, None, :], k)  # (B, H, N, C, C)
+    # In fp32 whatever the einsum's (bf16 under autocast): the triangular solve has no bf16 kernel.
+    system = torch.einsum("bhnijd,bhnjd->bhnij", decay * k_beta[..., :, None, :], k).float()  # (B, H, N, C, C)
     u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(system, k_beta * gc.exp(), upper=False, unitriangular=True)
     attn = torch.einsum("bhnijd,bhnjd->bhnij", decay * q[..., :, None, :], k)  # causal, diagonal included
