@@ -117,6 +117,9 @@ def _mask_saved(job: Job, lay: Layout, block: BlockShape) -> float:
 
 def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
     """(saved bytes per token of one block's sequence-mixing half, of which matmul/attention outputs)."""
+    if block.gemma4:  # each Gemma 4 block by its own heads (gemma4_activations.py reads this module's norms)
+        from forja.plan.gemma4_activations import gemma4_attention_saved
+        return gemma4_attention_saved(job, lay, block, w)
     if block.kind == "linear_attention" and isinstance(job.args, KimiDeltaArgs):  # Kimi Delta Attention's own count
         mixer, matmuls = kda_saved(job, lay, block, w.lin)
         return norm_saved(job, lay, block, w, readers=6) + mixer, matmuls  # wq wk wv wb wf_a wg_a
@@ -282,6 +285,9 @@ def ssd_scan_saved(T: int, C: int, P: int, N: int, w: Widths) -> tuple[float, fl
 
 def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[float, float]:
     """(saved bytes per token of one block's feed-forward half, of which matmul outputs)."""
+    if block.gemma4:  # its own GeGLU width, the experts beside it, the per-layer input
+        from forja.plan.gemma4_activations import gemma4_ffn_saved
+        return gemma4_ffn_saved(job, lay, block, w)
     if block.ffn == "none":  # a block that is only a sequence mixer (Nemotron-H)
         return 0.0, 0.0
     a, t = job.args, lay.tp

@@ -29,6 +29,7 @@ from forja.errors import ForjaError
 from forja.parallel.pp_split import StageCosts, balanced_layers, rank_stages
 from forja.plan.activations import FP32, block_activations, widths
 from forja.plan.context_parallel import cp_buffers
+from forja.plan.gemma4_activations import per_layer_inputs_saved
 from forja.plan.job import Job
 from forja.plan.layout import Layout
 from forja.plan.optimizer_memory import optimizer_memory
@@ -196,7 +197,9 @@ def _logits(job: Job, lay: Layout, tokens: float) -> tuple[float, float]:
     # The loss's fp32 cast of bf16 logits keeps nothing of them (its backward casts the
     # gradient back); under TP the vocabulary-parallel loss (loss_parallel) keeps the same but
     # its backward makes a third fp32 copy (measured by the rehearsal, forja/train/rehearse/).
-    return tokens * vocab * FP32, (3 if lay.tp > 1 else 2) * tokens * vocab * FP32
+    # Soft-capped logits (Gemma 4's cap * tanh(logits / cap)) also keep tanh's output, in the logits' dtype.
+    capped = tokens * vocab * widths(job).lin if getattr(job.args, "final_logit_softcap", None) else 0.0
+    return tokens * vocab * FP32 + capped, (3 if lay.tp > 1 else 2) * tokens * vocab * FP32
 
 
 def predict_memory(job: Job, lay: Layout) -> MemoryBreakdown:
@@ -277,7 +280,10 @@ def rank_moments(job: Job, lay: Layout, rm: RankModel) -> list[MemoryBreakdown]:
     # the final norm's, or a tied embedding's with them. An untied embedding's comes last (its
     # backward ends the step), and the root's unit keeps them all until then (measured by the
     # rehearsal, forja/train/rehearse/).
-    output_grad = ((h.root if job.args.tie_embeddings else output_root) * FP32) if rm.last else 0.0
+    # With Gemma 4's per-layer embeddings the root also holds their table and projection, whose
+    # gradients come with the embedding's, last: a tied root makes only the token table's here.
+    tied = job.args.vocab_size * job.args.dim / lay.tp if job.args.tie_embeddings and rm.first else 0.0
+    output_grad = (output_root + tied) * FP32 if rm.last else 0.0
     moments = [
         snap("loss backward", acts=kept, logits=loss_kept + loss_backward, grads_now=accumulated),
         snap("first block backward", acts=kept + working,
@@ -396,6 +402,8 @@ def _kept_activations(job: Job, lay: Layout, rm: RankModel, tokens: float, micro
         output = _stage_io(job, lay, tokens)
         sends = [0.0 if rm.last and i == len(per_stage) - 1 else output for i in range(len(per_stage))]
         kept = _in_flight(lay, rm.pp_rank, micro, [b + o for b, o in zip(per_stage, sends)]) - max(sends)
+    if rm.first:  # Gemma 4's per-layer inputs, made before the first block and read by every one
+        kept += tokens * per_layer_inputs_saved(job, lay) * inflight_chunks(lay, rm.pp_rank, micro)
     if rm.last:
         # The final norm's input and output, split over tp under sequence parallelism, and the
         # output projection's input, whole (gathered for the vocabulary-split projection).

@@ -95,6 +95,9 @@ class BlockShape:
     indexer: tuple[int, ...] = ()
     """DeepSeek Sparse Attention's indexer (`BlockStructure.indexer`): (heads, width, top-k, stage
     0 untrained / 1 dense warm-up / 2 sparse); () for dense attention."""
+    gemma4: tuple[int, ...] = ()
+    """A Gemma 4 block's own shapes (`BlockStructure.gemma4`: query and key/value heads, head width,
+    values = keys, dense GeGLU width, per-layer input width; forja/plan/gemma4_activations.py)."""
 
 
 @dataclass(frozen=True)
@@ -211,4 +214,4 @@ def _structure(s: BlockStructure, kind: str, mtp: bool) -> dict:
     return dict(kind=kind, norms=s.norms, ffn=s.ffn, output_gate=s.output_gate, sinks=s.sinks,
                 mixer=s.gated_deltanet, mamba2=s.mamba2, mtp=mtp, zero_centered=s.norm == "zero_centered",
                 expert_activation=s.expert_activation, shared_expert_gate=s.shared_expert_gate, indexer=s.indexer,
-                unit_qk=s.unit_qk, expert_width=s.expert_width)
+                unit_qk=s.unit_qk, expert_width=s.expert_width, gemma4=s.gemma4)

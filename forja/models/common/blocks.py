@@ -59,6 +59,11 @@ class BlockStructure:
     """DeepSeek Sparse Attention's lightning indexer as built (forja/models/common/sparse_attention.py):
     (indexer heads, indexer head width, top-k keys, dsa_stage: 0 untrained, 1 dense warm-up, 2 sparse);
     () without."""
+    gemma4: tuple[int, ...] = ()
+    """A Gemma 4 block as built (forja/models/gemma4/attention.py), whose shapes are its own, not
+    the model's: (query heads, key/value heads it projects (0 where it reads another block's),
+    head width, values = keys (1) or not (0), its dense GeGLU's width, per-layer input width);
+    () in other families' blocks."""
 
     @classmethod
     def of(cls, norms: str, mixer: nn.Module, feed_forward: nn.Module, norm: nn.Module) -> BlockStructure:

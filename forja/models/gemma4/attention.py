@@ -29,6 +29,7 @@ expert parallelism and the planner find it there), and the dense MLP beside it i
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -124,7 +125,18 @@ class Gemma4Block(nn.Module):
             self.ple_gate = self.ple_proj = self.ple_norm = None
         # A stored constant per block (checkpoints carry it; 1 in a model trained from scratch).
         self.register_buffer("layer_scalar", torch.ones(1))
-        self.structure = BlockStructure.of(self.placement, attention, feed_forward, self.attention_norm)
+        self.structure = replace(BlockStructure.of(self.placement, attention, feed_forward, self.attention_norm),
+                                 gemma4=self._shape())
+
+    def _shape(self) -> tuple[int, ...]:
+        """`BlockStructure.gemma4`: the planner prices each block by its own heads and widths (a
+        global block's wider heads, a shared block's borrowed keys and values, a double-wide or
+        a dense GeGLU beside experts, the per-layer input), not the model's."""
+        attn, dense = self.attention, self.mlp or self.feed_forward
+        kv_heads = 0 if attn.wk is None else attn.wk.out_features // attn.head_dim
+        k_eq_v = int(attn.wk is not None and attn.wv is None)
+        ple = 0 if self.ple_gate is None else self.ple_gate.out_features
+        return (attn.wq.out_features // attn.head_dim, kv_heads, attn.head_dim, k_eq_v, dense.w1.out_features, ple)
 
     def forward(self, x, rope, mask, cache: KVCache | None = None, layer: int = 0,
                 per_layer: torch.Tensor | None = None, shared: SharedKV | None = None):

@@ -20,6 +20,7 @@ from forja.models.common.mla import MLA
 from forja.models.common.mlp import GeGLU, GeluMLP, SquaredReLUMLP, SwiGLU
 from forja.models.common.moe import MoE
 from forja.models.common.norms import RMSNorm
+from forja.models.gemma4.attention import Gemma4Block
 
 MIXERS = {Attention: "attention", MLA: "latent_attention", GatedDeltaNet: "gated_deltanet",
           KimiDeltaAttention: "kimi_delta_attention", Mamba2: "mamba2", CompressedAttention: "compressed_attention",
@@ -49,6 +50,18 @@ def _norm_kind(norm: nn.Module) -> str:
     return "zero_centered" if norm.zero_centered else "rms"
 
 
+def _gemma4(block: nn.Module) -> tuple[int, ...]:
+    """A Gemma 4 block's own shapes, read off its projections: (query heads, key/value heads it
+    projects, head width, values = keys, dense GeGLU width, per-layer input width)."""
+    if not isinstance(block, Gemma4Block):
+        return ()
+    attn, dense = block.attention, block.mlp or block.feed_forward
+    hd = attn.q_norm.weight.numel()
+    kv = 0 if attn.wk is None else attn.wk.weight.shape[0] // hd
+    ple = 0 if block.ple_proj is None else block.ple_proj.weight.shape[1]
+    return attn.wq.weight.shape[0] // hd, kv, hd, int(kv > 0 and attn.wv is None), dense.w3.weight.shape[0], ple
+
+
 def _expected(block: nn.Module) -> BlockStructure:
     """The record the block's modules call for, read off the modules themselves."""
     norms = [getattr(block, n) for n in NORM_NAMES if hasattr(block, n)]
@@ -75,7 +88,8 @@ def _expected(block: nn.Module) -> BlockStructure:
         sinks=isinstance(mixer, (Attention, CompressedAttention)) and mixer.sinks is not None,
         gated_deltanet=linear, expert_activation=ff.experts.activation if moe else "",
         shared_expert_gate=moe and ff.shared_gate is not None, indexer=indexer,
-        mamba2=mixer.shape if isinstance(mixer, Mamba2) else (), unit_qk=attention and getattr(mixer, "unit_qk", False))
+        mamba2=mixer.shape if isinstance(mixer, Mamba2) else (), unit_qk=attention and getattr(mixer, "unit_qk", False),
+        gemma4=_gemma4(block))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
