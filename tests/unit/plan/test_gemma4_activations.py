@@ -7,21 +7,19 @@ per-layer inputs the model keeps before its first block."""
 from __future__ import annotations
 
 import functools
-import gc
 import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from forja.models import build_from_args, model_args
 from forja.models.gemma4.attention import SharedKV
-from forja.parallel.ac import CheckpointedBlock
 from forja.plan.gemma4_activations import per_layer_inputs_saved
 from forja.plan.job import Job
 from forja.plan.layout import Layout
 from forja.plan.memory import block_activations, weight_casts
 from forja.plan.shape import model_shape
+from tests.unit.plan.kept import kept_by_checkpoint
 
 B, T = 2, 64
 # (flavor and overrides, layer): the debug flavors' blocks are sliding, sliding, full, sliding,
@@ -91,28 +89,6 @@ def _saved_by_autograd(block, args, kwargs, bf16: bool) -> int:
     return sum(seen.values())
 
 
-def _kept_by_checkpoint(block, args, kwargs, bf16: bool) -> int:
-    """Bytes of the storages the block's forward made under op-level AC that outlive it (its
-    output and parameters aside, and a producer's keys and values, which the forward's record
-    holds for the shared blocks): what the policy kept."""
-    made: list[weakref.ref] = []
-
-    class Track(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, a=(), kw=None):
-            out = func(*a, **(kw or {}))
-            made.extend(weakref.ref(t.untyped_storage()) for t in torch.utils._pytree.tree_leaves(out)
-                        if isinstance(t, torch.Tensor))
-            return out
-
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), Track():
-        out = CheckpointedBlock(block, op_level=True)(*args, **kwargs)
-    gc.collect()
-    skip = {p.untyped_storage().data_ptr() for p in block.parameters()}  # their views (mm's transposed weights)
-    skip |= {out.untyped_storage().data_ptr()} | _made_before(args, kwargs)
-    alive = {s.data_ptr(): s.nbytes() for ref in made if (s := ref()) is not None}
-    return sum(n for ptr, n in alive.items() if ptr not in skip)
-
-
 def predicted_and_actual(name: str, bf16: bool, ac: str) -> tuple[float, int]:
     """(the planner's bytes for the block at B 2, T 64 on a CPU, what the block keeps)."""
     flavor, layer = BLOCKS[name]
@@ -125,7 +101,7 @@ def predicted_and_actual(name: str, bf16: bool, ac: str) -> tuple[float, int]:
     if ac == "none":  # the weights' bf16 casts under autocast are priced per block (weight_casts)
         return kept * B * T + weight_casts(job, lay, shape, layer), _saved_by_autograd(block, args, kwargs, bf16)
     kept -= model.args.dim * 4  # the block's input, which AC keeps but the block did not make
-    return kept * B * T, _kept_by_checkpoint(block, args, kwargs, bf16)
+    return kept * B * T, kept_by_checkpoint(block, args, kwargs, bf16=bf16, skip=lambda: _made_before(args, kwargs))
 
 
 # Measured predicted / saved (local, global, kv-shared local, kv-shared global, moe, moe global,

@@ -25,7 +25,7 @@ from forja.plan.job import Job
 from forja.plan.layout import Layout
 from forja.plan.memory import block_activations, weight_casts
 from forja.plan.shape import model_shape
-from tests.unit.plan.test_v4_activations import _kept_by_checkpoint
+from tests.unit.plan.kept import kept_by_checkpoint
 
 B = 2
 LENGTHS = [64, 56, 12]  # four whole chunks, a padded last chunk, one padded chunk
@@ -79,7 +79,7 @@ def _predicted_and_actual(layer: int, T: int, bf16: bool, ac: str) -> tuple[floa
     if ac == "none":
         return kept * B * T + weight_casts(job, lay, shape, layer), _saved_bytes(block, h, mask, bf16)
     kept -= h.shape[-1] * 4  # the block's fp32 input, which AC keeps but the block did not make
-    return kept * B * T, _kept_by_checkpoint(block, h, None, mask, bf16)
+    return kept * B * T, kept_by_checkpoint(block, (h, None, mask), bf16=bf16)
 
 
 def _mixer_under_op_level_ac(layer: int, T: int) -> tuple[float, int]:
@@ -88,7 +88,7 @@ def _mixer_under_op_level_ac(layer: int, T: int) -> tuple[float, int]:
     block, h, mask, job, shape, lay = _setting(layer, T, False, "selective")
     x = block.attention_norm(h).detach().requires_grad_()
     matmuls = attention_saved(job, lay, shape, widths(job))[1] - x.shape[-1] * 4  # the mixer's own output aside
-    return matmuls * B * T, _kept_by_checkpoint(block.attention, x, None, mask, False)
+    return matmuls * B * T, kept_by_checkpoint(block.attention, (x, None, mask))
 
 
 # Measured predicted / saved in fp32, blocks 0, 1, 2 (block 0 a dense SwiGLU, 1 and 2 experts):

@@ -7,45 +7,20 @@ The chunk sizes cover several chunks, a padded last chunk and one padded chunk."
 
 from __future__ import annotations
 
-import gc
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from forja.models import build_from_args, model_args
-from forja.parallel.ac import CheckpointedBlock
 from forja.plan.job import Job
 from forja.plan.layout import Layout
 from forja.plan.memory import block_activations, weight_casts
 from forja.plan.shape import model_shape
+from tests.unit.plan.kept import kept_by_checkpoint
 from tests.unit.plan.test_shape_activations import saved_bytes
 
 B = 2
 # (tokens, chunk): two chunks, four chunks, a padded last chunk, one padded chunk.
 SIZES = [(64, 32), (64, 16), (48, 32), (64, 128)]
-
-
-def _kept_by_checkpoint(block: torch.nn.Module, h: torch.Tensor, bf16: bool) -> int:
-    """Bytes of the storages made in the forward of `block` under op-level AC that are still
-    alive once it returns and autocast's weight casts are dropped (its output and parameters
-    excluded): the outputs the policy saved."""
-    made: list[weakref.ref] = []
-
-    class Track(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            made.extend(weakref.ref(t.untyped_storage()) for t in torch.utils._pytree.tree_leaves(out)
-                        if isinstance(t, torch.Tensor))
-            return out
-
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), Track():
-        out = CheckpointedBlock(block, op_level=True)(h, None, None)
-    gc.collect()
-    skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {out.untyped_storage().data_ptr()}
-    alive = {s.data_ptr(): s.nbytes() for ref in made if (s := ref()) is not None}
-    return sum(n for ptr, n in alive.items() if ptr not in skip)
 
 
 def _predicted_and_actual(T: int, chunk: int, bf16: bool, ac: str) -> tuple[float, int]:
@@ -63,7 +38,7 @@ def _predicted_and_actual(T: int, chunk: int, bf16: bool, ac: str) -> tuple[floa
             actual = saved_bytes(block, h, None, None)
         return kept * B * T + weight_casts(job, lay, shape, 0), actual
     kept -= args.dim * 4  # the block's fp32 input, which AC keeps but the block did not make
-    return kept * B * T, _kept_by_checkpoint(block, h, bf16)
+    return kept * B * T, kept_by_checkpoint(block, (h, None, None), bf16=bf16)
 
 
 # Measured predicted / saved, fp32 and bf16: 0.999, 0.986 (two chunks); 1.000, 0.986 (four);

@@ -6,19 +6,16 @@ keeps (the matmuls' outputs: the merges' streams and the written-out scores most
 from __future__ import annotations
 
 import functools
-import gc
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from forja.models import build_from_args, model_args
-from forja.parallel.ac import CheckpointedBlock
 from forja.plan.job import Job
 from forja.plan.layout import Layout
 from forja.plan.memory import block_activations, weight_casts
 from forja.plan.shape import model_shape
+from tests.unit.plan.kept import kept_by_checkpoint
 from tests.unit.plan.test_shape_activations import saved_bytes
 
 B, T = 2, 64
@@ -39,27 +36,6 @@ def _inputs(kind: str):
     return streams, model.rope_tables_for(kind, torch.arange(T)), mask
 
 
-def _kept_by_checkpoint(block, streams, rope, mask, bf16: bool) -> int:
-    """Bytes of the storages the block's forward made under op-level AC that outlive it (its
-    output, parameters and input streams aside): what the policy saved."""
-    made: list[weakref.ref] = []
-
-    class Track(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            made.extend(weakref.ref(t.untyped_storage()) for t in torch.utils._pytree.tree_leaves(out)
-                        if isinstance(t, torch.Tensor))
-            return out
-
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), Track():
-        out = CheckpointedBlock(block, op_level=True)(streams, rope, mask)
-    gc.collect()
-    skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    skip |= {out.untyped_storage().data_ptr(), streams.untyped_storage().data_ptr()}
-    alive = {s.data_ptr(): s.nbytes() for ref in made if (s := ref()) is not None}
-    return sum(n for ptr, n in alive.items() if ptr not in skip)
-
-
 def _predicted_and_actual(kind: str, bf16: bool, ac: str) -> tuple[float, int]:
     model, layer = _model(), KINDS[kind]
     block, (streams, rope, mask) = model.layers[str(layer)], _inputs(kind)
@@ -73,7 +49,7 @@ def _predicted_and_actual(kind: str, bf16: bool, ac: str) -> tuple[float, int]:
             actual = saved_bytes(block, streams, rope, mask)
         return kept * B * T + weight_casts(job, lay, shape, layer), actual
     kept -= model.args.hc_mult * model.args.dim * 4  # the input streams, which AC keeps but the block did not make
-    return kept * B * T, _kept_by_checkpoint(block, streams, rope, mask, bf16)
+    return kept * B * T, kept_by_checkpoint(block, (streams, rope, mask), bf16=bf16)
 
 
 # Measured predicted / saved (HCA, CSA, sliding): fp32 0.995, 0.995, 0.995; bf16 0.996, 1.007,
