@@ -32,7 +32,7 @@ every family (forja/plan/activations.py).
 
 from __future__ import annotations
 
-from forja.plan import activations as base
+from forja.plan import saved_parts as base
 from forja.plan.context_parallel import cp_saved_extra, replicas
 from forja.plan.job import Job
 from forja.plan.layout import Layout

@@ -38,6 +38,7 @@ from forja.models.common.gated_delta_rule import (
     gated_delta_rule_flops,
     recurrent_gated_delta_rule,
 )
+from forja.models.common.precision import at_least_fp32
 
 DEFAULT_CHUNK = 16
 """The reference's chunk: its (C, C, dk) decay tensor grows with C (fla's kernel uses its own)."""
@@ -75,8 +76,8 @@ def _chunk_scan(q, k, v, g, beta, C: int, S: torch.Tensor | None, keep: torch.Te
     k_beta = k * beta[..., None]
     # (I + A) U = V with A[i, j] = beta_i sum_d k_i[d] k_j[d] decay[i, j, d], j < i; the
     # unitriangular solve reads only the strictly lower part of `system`.
-    # In fp32 whatever the einsum's (bf16 under autocast): the triangular solve has no bf16 kernel.
-    system = torch.einsum("bhnijd,bhnjd->bhnij", decay * k_beta[..., :, None, :], k).float()  # (B, H, N, C, C)
+    # At least fp32 whatever the einsum's (bf16 under autocast): the triangular solve has no bf16 kernel.
+    system = at_least_fp32(torch.einsum("bhnijd,bhnjd->bhnij", decay * k_beta[..., :, None, :], k))  # (B, H, N, C, C)
     u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(system, k_beta * gc.exp(), upper=False, unitriangular=True)
     attn = torch.einsum("bhnijd,bhnjd->bhnij", decay * q[..., :, None, :], k)  # causal, diagonal included
