@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from forja.models import build_model, get_family
+from forja.models import build_model, get_family, model_args
 
 SP_OFF_AND_ON = ((False, {}), (True, {}))  # (sequence_parallel, build_model overrides) per run
 
@@ -365,10 +365,11 @@ def test_tensor_parallel_loss_and_gradients_equal_one_device(tp_ranks, card, cas
             for got in whole:
                 err = (got - want).abs().max().item()
                 assert torch.allclose(got, want, atol=case.grad_atol, rtol=1e-5), (sequence_parallel, name, err)
+        # the planner's per-rank count of the blocks' split and replicated parameters is what a rank holds
+        planned = _planned_per_rank(model_args(case.family, case.flavor, **overrides), len(ranks))
         for r in ranks:
             assert abs(r[i][0] - loss) < case.loss_tol, (sequence_parallel, r[i][0], loss)
             loss_diff = max(loss_diff, abs(r[i][0] - loss))
-            # the planner's per-rank count of the blocks' split and replicated parameters is what a rank holds
-            assert r[i][2] == _planned_per_rank(case.build(overrides).args, len(ranks)), (sequence_parallel, r[i][2])
+            assert r[i][2] == planned, (sequence_parallel, r[i][2], planned)
     if any(sequence_parallel for sequence_parallel, _ in case.runs):
         card(case.family, "tp_sp", loss_diff)
