@@ -55,6 +55,9 @@ class AttentionMask:
     positions: torch.Tensor | None = None
     """(Tq,) the queries' places in their rows, for a mixer that depends on them beyond RoPE
     (Llama 4's attention temperature); None where the family's blocks ask for none."""
+    windows: dict[int, Any] | None = None
+    """Packed rows' documents laid out for key/value compressors, by ratio (DeepSeek-V4:
+    kv_compressor.py `DocumentWindows`), made once a forward for every block; None: none."""
 
 
 class SequenceMixing(Protocol):

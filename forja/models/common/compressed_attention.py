@@ -14,7 +14,7 @@ Three kinds of block: "sliding_attention" (the window only), "heavily_compressed
 "compressed_sparse_attention" (CSA: overlapping windows of `ratio`, of which each query
 attends only the `topk` a lightning indexer picks).
 
-Packed rows (the mask's `document_ids`): the window stays within each document and the
+Packed rows (the mask's `windows`, one layout a ratio): the window stays within each document and the
 compressors pool each document's windows as if it were alone (`DocumentWindows`), so a packed
 row computes what its documents would one row each.
 """
@@ -101,8 +101,7 @@ class CompressedAttention(nn.Module):
             bias = torch.zeros(allowed.shape, device=x.device).masked_fill(~allowed, float("-inf"))
             bias = bias.expand(B, -1, -1)
             if self.compressor is not None:
-                windows = None if mask.document_ids is None else DocumentWindows.of(mask.document_ids,
-                                                                                   self.compressor.ratio)
+                windows = None if mask.windows is None else mask.windows[self.compressor.ratio]
                 entries, extra = self._compressed(x, q_latent, rope, mask.positions, cache, layer,
                                                   windows)  # (B, N, hd), (B, T, N)
                 kv = torch.cat([kv, entries.unsqueeze(1)], dim=2)  # (B, 1, Tk + N, hd)

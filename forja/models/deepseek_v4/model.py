@@ -44,7 +44,7 @@ from forja.models.common.compressed_attention import V4_LAYER_TYPES, CompressedA
 from forja.models.common.decoder import llama_weight_rule
 from forja.models.common.hash_moe import ScoredMoE, ScoredMoEArgs
 from forja.models.common.hyper_connections import HyperConnection, HyperHead
-from forja.models.common.kv_compressor import half_rope_tables
+from forja.models.common.kv_compressor import DocumentWindows, half_rope_tables
 from forja.models.common.mtp import MultiTokenPrediction
 from forja.models.common.norms import RMSNorm
 from forja.models.common.rope import RopeScaling, YarnScaling, rope_frequencies, rope_scaling_from
@@ -253,7 +253,9 @@ class DeepSeekV4(Transformer):
         if document_ids is not None and bool((document_ids == document_ids[:, :1]).all()):
             document_ids = None  # one document a row: the compressors' plain windows
         mask = build_mask(document_ids, q_len=T, kv_len=start + T, window=self.args.sliding_window, device=device)
-        mask.document_ids = document_ids
+        if document_ids is not None:  # each compressor ratio's layout once, for every block
+            ratios = {self.args.ratio(kind) for kind in self.args.layer_types} - {0}
+            mask.windows = {r: DocumentWindows.of(document_ids, r) for r in ratios}
         return mask
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, *,
