@@ -2,11 +2,15 @@
 environment) and a plain loop over `transformers`' LlamaForCausalLM, on the same device, Llama
 shape, tokens, precision, batch and sequence length, at equal settings: every contender under the
 same process settings (forja's host malloc and confined intra-op threads, or nobody's: --host),
-causal attention for all (no document masks), the HF loop on fused AdamW as `TrainingArguments`
-sets it, forja's recommended mode paired with each peer's fastest mode in the run.
+the same attention for all (--attention: causal, or causal within the loader's documents, each
+framework masking them its own way: forja's document mask, torchtitan's FlexAttention with
+block-causal masks, transformers' packed rows; the pairs each one's mask lets through are
+counted and must agree), the HF loop on fused AdamW as `TrainingArguments` sets it, forja's
+recommended mode paired with each peer's fastest mode in the run.
 
     python bench/peers.py [--size cpu|smoke|1b] [--rounds 5] [--steps 5] [--only NAMES]
-                          [--host forja|none] [--no-titan] [--set KEY=VALUE ...] [--out runs/bench-peers]
+                          [--host forja|none] [--attention causal|documents] [--no-titan]
+                          [--set KEY=VALUE ...] [--out runs/bench-peers]
 
 Each contender is a process of its own (bench/peers_worker.py's protocol) that builds, compiles
 and warms up once, then waits. On a CPU the rounds alternate: every round runs each contender for
@@ -39,14 +43,16 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-# The sizes: forja's recipe and overrides (the shape every contender builds), batch, length.
+# The sizes: forja's recipe and overrides (the shape every contender builds), batch, length, and
+# the attention by default: on a GPU, each framework's own FlexAttention over packed documents
+# (torchtitan's default); on a CPU, where FlexAttention is slow, causal SDPA for all.
 SIZES = {
-    "cpu": dict(recipe="default", sets=[], batch=8, seq_len=256, precision="fp32"),
-    "smoke": dict(recipe="debug", batch=2, seq_len=32, precision="fp32",
+    "cpu": dict(recipe="default", sets=[], batch=8, seq_len=256, precision="fp32", attention="causal"),
+    "smoke": dict(recipe="debug", batch=2, seq_len=32, precision="fp32", attention="causal",
                   sets=['model.overrides={dim = 64, n_layers = 2, n_heads = 4, n_kv_heads = 2, ffn_dim = 128}']),
     # Llama 3.2-1B with its 128,256-token vocabulary; the tokens come from a small tokenizer trained
     # on the embedded corpus (a GPU machine has no hub), which changes no shape.
-    "1b": dict(recipe="llama3-1b", batch=1, seq_len=4096, precision="bf16",
+    "1b": dict(recipe="llama3-1b", batch=1, seq_len=4096, precision="bf16", attention="documents",
                sets=["data.vocab_size=2048", "model.overrides={vocab_size = 128256}"]),
 }
 OPTIM = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0}
@@ -144,12 +150,42 @@ def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple
     tokenizer, dataset = data(cfg, rank=0)
     args = run_model_args(cfg.model, tokenizer.vocab_size)
     tokens, documents = loader_rows(cfg, dataset, rows)
-    # The document ids: forja's bare loop masks documents as its Trainer does (the others attend causally).
+    # The document ids: with --attention documents every contender masks them its own way.
     paths = {"tokens": str(out / "tokens.pt"), "documents": str(out / "documents.pt")}
     torch.save(tokens, paths["tokens"])
     torch.save(documents, paths["documents"])
     flops = build_from_args(args, device="meta").flops_per_token(size["seq_len"])
     return model_shape(args, size["seq_len"]), config_from_args(args), flops, paths
+
+
+def same_attention(entries: list[Entry]) -> None:
+    """Stop, naming each contender's count, when the attention masks the started contenders
+    built for the first batch let different (query, key) pairs through (their digests differ):
+    they would not compute the same loss."""
+    started = [e for e in entries if e.ready]
+    if len({e.ready["settings"].get("mask_digest") for e in started}) > 1:
+        counts = {e.name: (e.ready["settings"].get("attended_pairs"), e.ready["settings"].get("mask_digest"))
+                  for e in started}
+        raise SystemExit("the contenders' attention differs on the first batch ((query, key) pairs each one's "
+                         f"mask lets through, and the masks' digests): {counts}")
+
+
+def attention_check(entries: list[Entry], spec: dict, out: Path, timeout: float) -> dict:
+    """--check-attention: each contender built in turn (one alive at a time), its attention on
+    the first batch printed and written to out/attention.json, and compared (same_attention)."""
+    try:
+        for e in entries:
+            start(e, spec, out, timeout)
+            stop([e])
+            print(f"  {e.name}: {e.ready['settings']['attention']}, {e.ready['settings']['attended_pairs']:,} "
+                  "(query, key) pairs on the first batch", flush=True)
+    finally:
+        stop(entries)
+    result = {e.name: {k: e.ready["settings"][k] for k in ("attention", "attended_pairs", "mask_digest")}
+              for e in entries}
+    (out / "attention.json").write_text(json.dumps(result, indent=1))
+    same_attention(entries)
+    return result
 
 
 def send(entry: Entry, order: dict, timeout: float) -> dict:
@@ -247,7 +283,8 @@ def markdown(result: dict, header: str) -> str:
         lo, hi = r["spread"]
         s = r["settings"]
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {lo:,.0f}-{hi:,.0f} | {r['peak_gib']:.2f} | "
-                     f"{100 * r['mfu']:.1f}% | {s.get('host', '-')} | {s.get('attention', '-')} | "
+                     f"{100 * r['mfu']:.1f}% | {s.get('host', '-')} | {s.get('attention', '-')} "
+                     f"({s.get('attended_pairs', 0):,} pairs) | "
                      f"{s.get('optimizer', '-')} | {s.get('parallelism_applied', '-')} |")
     shims = sorted({s for r in result["contenders"].values() for s in r["shims"]})
     if shims:
@@ -268,6 +305,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--host", choices=sorted(HOSTS), default="forja",
                    help="process settings for every contender alike: forja's (malloc thresholds, confined "
                         "intra-op threads) or none (the C library's defaults)")
+    p.add_argument("--attention", choices=["causal", "documents"], default=None,
+                   help="causal for every contender, or causal within each of the loader's documents "
+                        "(default: the size's; documents at 1b)")
+    p.add_argument("--check-attention", action="store_true",
+                   help="only build every contender (no steps with --warmup 0) and compare the attention "
+                        "each one's masks let through on the first batch; exit 1 when they differ")
     p.add_argument("--set", dest="sets", action="append", default=[], help="forja override for the shape")
     p.add_argument("--out", default="runs/bench-peers")
     p.add_argument("--timeout", type=float, default=900, help="seconds a worker may take to build")
@@ -287,19 +330,24 @@ def main(argv: list[str] | None = None) -> dict:
     spec = {"shape": shape, "hf_config": hf_config, "batch": size["batch"], "seq_len": size["seq_len"],
             **paths, "precision": size["precision"], "device": args.device, "ac": "none", "warmup": args.warmup,
             "threads": torch.get_num_threads(), "host": HOSTS[args.host], "optim": OPTIM, "seed": 0,
-            "recipe": size["recipe"],
+            "recipe": size["recipe"], "per_document": (args.attention or size["attention"]) == "documents",
             "forja_sets": [*size["sets"], *args.sets]}
-    print(f"peers: {args.size} on {args.device}, shape {shape}, batch {size['batch']} x {size['seq_len']}", flush=True)
+    print(f"peers: {args.size} on {args.device}, shape {shape}, batch {size['batch']} x {size['seq_len']}, "
+          f"attention {args.attention or size['attention']}", flush=True)
+    if args.check_attention:
+        return attention_check(entries, spec, out, args.timeout)
     one_at_a_time = args.device != "cpu" if args.one_at_a_time is None else args.one_at_a_time
     try:
         if one_at_a_time:
             for e in entries:
                 start(e, spec, out, args.timeout)
+                same_attention(entries)
                 e.rounds = [send(e, {"steps": args.steps}, args.timeout) for _ in range(args.rounds)]
                 stop([e])
         else:
             for e in entries:
                 start(e, spec, out, args.timeout)
+                same_attention(entries)
             for r in range(args.rounds):
                 for e in entries[r % len(entries):] + entries[:r % len(entries)]:
                     e.rounds.append(send(e, {"steps": args.steps}, args.timeout))

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers_worker import Contender, cycle_rows, serve  # noqa: E402
+from peers_worker import Contender, attended_pairs, cycle_rows, first_documents, serve  # noqa: E402
 
 from forja import host  # noqa: E402
 from forja.config import load_config  # noqa: E402
@@ -37,10 +37,22 @@ def forja_sets(spec: dict) -> list[str]:
             "schedule.name=\"constant\"", "schedule.warmup_steps=0",
             f"train.precision=\"{spec['precision']}\"", f"train.device=\"{spec['device']}\"",
             f"parallel.compile={str(spec['compile']).lower()}", f"parallel.ac=\"{spec['ac']}\"",
-            # The harness's process settings (bench/peers_worker.py), and the peers' attention:
-            # causal, no document mask (the same attention work for every contender).
-            f"train.host_malloc=\"{spec.get('host', 'system')}\"", "model.document_mask=false"]
+            # The harness's process settings (bench/peers_worker.py), and the attention every
+            # contender computes: causal, or causal within the loader's documents.
+            f"train.host_malloc=\"{spec.get('host', 'system')}\"",
+            f"model.document_mask={str(spec.get('per_document', False)).lower()}"]
     return sets
+
+
+def attention_settings(model, cfg, spec: dict, device: torch.device) -> dict:
+    """What forja's attention computes on the first batch, from the mask its model builds for
+    it (Transformer.mask_for, as in its forward): the backend, the mask kind, the pairs."""
+    documents = first_documents(spec).to(device) if cfg.model.document_mask else None  # [B, T]
+    mask = model.mask_for("full_attention", documents, spec["seq_len"], 0, device)
+    built = None if mask.is_causal else (mask.dense if mask.dense is not None else mask.block_mask)
+    kind = "causal" if documents is None else "causal within documents"
+    return {"attention": f"{cfg.model.attention}, {kind}",
+            **attended_pairs(built, spec["batch"], spec["seq_len"], device)}
 
 
 class _LastLoss(Callback):
@@ -66,7 +78,7 @@ def _trainer(spec: dict) -> Contender:
     params = sum(p.numel() for part in trainer.parts for p in part.parameters())
     cfg = trainer.cfg
     settings = {"forja": "Trainer.train_one_step", "sets": sets,
-                "attention": f"{cfg.model.attention}, causal (no document mask)",
+                **attention_settings(trainer.parts[0], cfg, spec, torch.device(spec["device"])),
                 "optimizer": f"{cfg.optim.name} (optim.implementation = {cfg.optim.implementation!r})"}
     return Contender(step=step, params=params, settings=settings)
 
@@ -106,8 +118,7 @@ def _bare(spec: dict) -> Contender:
 
     return Contender(step=step, params=sum(p.numel() for p in model.parameters()),
                      settings={"forja": "model alone, plain loop", "optimizer": "torch.optim.AdamW(fused=True)",
-                               "attention": f"{cfg.model.attention}, "
-                                            + ("document mask" if documents is not None else "causal")})
+                               **attention_settings(model, cfg, spec, device)})
 
 
 def build(spec: dict) -> Contender:

@@ -18,7 +18,7 @@ import types
 from dataclasses import dataclass
 
 import torch
-from peers_worker import cycle_rows
+from peers_worker import cycle_rows, document_positions
 
 
 def _cpu_module() -> types.ModuleType:
@@ -52,24 +52,30 @@ def token_rows():
     from torchtitan.components.dataloader import ParallelAwareDataloader
 
     class TokenRows(IterableDataset):
-        def __init__(self, path: str, seq_len: int, batch: int):
-            self.spec = {"tokens": path, "seq_len": seq_len, "batch": batch}
+        def __init__(self, path: str, documents: str, seq_len: int, batch: int):
+            self.spec = {"tokens": path, "documents": documents, "seq_len": seq_len, "batch": batch}
 
         def __iter__(self):
-            positions = torch.arange(self.spec["seq_len"])  # [T]: one document per row
-            for rows in cycle_rows(self.spec, torch.device("cpu")):  # [B, T + 1]
-                for row in rows:
-                    yield {"input": row[:-1], "positions": positions}, row[1:]
+            cpu = torch.device("cpu")
+            if self.spec["documents"]:  # positions restarting at each document: its block-causal masks
+                positions = map(document_positions, cycle_rows(self.spec, cpu, key="documents"))  # [B, T]
+            else:  # one document per row
+                positions = iter(lambda: torch.arange(self.spec["seq_len"]).expand(self.spec["batch"], -1), None)
+            for rows, places in zip(cycle_rows(self.spec, cpu), positions):  # [B, T + 1], [B, T]
+                for row, place in zip(rows, places):
+                    yield {"input": row[:-1], "positions": place}, row[1:]
 
     class TokenRowsLoader(ParallelAwareDataloader):
         @dataclass(kw_only=True, slots=True)
         class Config(ParallelAwareDataloader.Config):
             dataset: str = "forja-peers-token-rows"
+            documents_path: str = ""  # the rows' document ids (bench/peers.py): "" for one document a row
 
         def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                      local_batch_size: int, snapshot_every_n_steps: int | None = None, **kwargs):
             assert dp_world_size == 1, "the harness runs one process"
-            super().__init__(TokenRows(config.dataset_path, seq_len, local_batch_size), dp_rank=dp_rank,
+            rows = TokenRows(config.dataset_path, config.documents_path, seq_len, local_batch_size)
+            super().__init__(rows, dp_rank=dp_rank,
                              dp_world_size=dp_world_size, batch_size=local_batch_size,
                              num_workers=config.num_workers, snapshot_every_n_steps=snapshot_every_n_steps)
 

@@ -12,13 +12,15 @@ Two modes, chosen by spec["recommended"] (default false):
   recipe (ChunkedLossWrapper: lm_head + loss in 8 sequence chunks), CUDA graphs as it sets them
   (on, on CUDA), metrics every log_freq = 10 steps (a host sync each time); compile and AC still
   from the spec.
-In both: attention spec.get("attention", "sdpa"), causal SDPA in place of the llama3 registry's
-default FlexAttention (slow on CPU; the rows are one document each, so the result is the same
-causal attention); AdamW as its default_adamw builds it (its "fused" implementation) with the
-spec's values and a constant lr; gradient clipping at grad_clip; no checkpoint, no validation;
-one process (world size 1, which torchtitan initialises itself from the env:// variables set
-here: gloo on CPU, nccl on CUDA). The step returns the loss its forward_backward_step returned
-(the token-mean loss of the batch), kept by a wrapper, since its train_step returns nothing.
+In both: with spec["per_document"], its own FlexAttention and block-causal masks, made from
+positions that restart at each of the rows' documents (as its loaders give them); without,
+causal SDPA in place of the llama3 registry's default FlexAttention (slow on CPU; the rows are
+one document each, so the result is the same causal attention); AdamW as its default_adamw
+builds it (its "fused" implementation) with the spec's values and a constant lr; gradient
+clipping at grad_clip; no checkpoint, no validation; one process (world size 1, which
+torchtitan initialises itself from the env:// variables set here: gloo on CPU, nccl on CUDA).
+The step returns the loss its forward_backward_step returned (the token-mean loss of the
+batch), kept by a wrapper, since its train_step returns nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers_shims  # noqa: E402
-from peers_worker import Contender, serve  # noqa: E402
+from peers_worker import Contender, attended_pairs, document_positions, first_documents, serve  # noqa: E402
 
 
 def _single_process_env() -> None:
@@ -76,6 +78,25 @@ def llama_config(shape: dict, attention: str):
     return config
 
 
+def attention(spec: dict) -> str:
+    """Its FlexAttention where the rows hold several documents each; SDPA for one a row."""
+    return "flex" if spec.get("per_document") else spec.get("attention", "sdpa")
+
+
+def attention_settings(trainer, spec: dict) -> dict:
+    """What its attention computes on the first batch, from the masks its model builds for it
+    (Decoder.get_attention_masks, as its Trainer calls it; none for SDPA's is_causal)."""
+    device = torch.device(spec["device"])
+    masks = None
+    if attention(spec) == "flex":
+        places = document_positions(first_documents(spec)) if spec.get("per_document") else \
+            torch.arange(spec["seq_len"]).expand(spec["batch"], -1)  # [B, T]
+        masks = trainer.model_parts[0].get_attention_masks(positions=places.to(device))
+    kind = "block-causal (positions restart at each document)" if spec.get("per_document") else "causal"
+    return {"attention": f"{attention(spec)}, {kind}",
+            **attended_pairs(masks, spec["batch"], spec["seq_len"], device)}
+
+
 # The learning-rate schedule of torchtitan's own llama3 recipe (config_registry.llama3_debugmodel),
 # which the loss race trains with (spec["race"]); the throughput rounds keep the lr constant.
 RECIPE_SCHEDULE = dict(warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0)
@@ -94,13 +115,14 @@ def trainer_config(spec: dict, recommended: bool, folder: str, data, tokenizer):
     from torchtitan.trainer import Trainer
 
     shape, o, race = spec["shape"], spec["optim"], bool(spec.get("race"))
-    model_spec = replace(model_registry("debugmodel"), flavor="forja-peers",
-                         model=llama_config(shape, spec.get("attention", "sdpa")))
+    model_spec = replace(model_registry("debugmodel"), flavor="forja-peers", model=llama_config(shape, attention(spec)))
     ce = CrossEntropyLoss.Config(global_vocab_size=shape["vocab_size"])
     bf16 = spec["precision"] == "bf16"  # fp32 master weights, bf16 compute (FSDP2's mixed precision)
     return Trainer.Config(
         model_spec=model_spec, hf_assets_path=folder, dump_folder=folder,
-        tokenizer=tokenizer(vocab_size=shape["vocab_size"]), dataloader=data(dataset_path=spec["tokens"]),
+        tokenizer=tokenizer(vocab_size=shape["vocab_size"]),
+        dataloader=data(dataset_path=spec["tokens"],
+                        documents_path=spec["documents"] if spec.get("per_document") else ""),
         loss=ChunkedLossWrapper.Config(loss_fn=ce) if recommended else ce,
         optimizer=default_adamw(lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"], weight_decay=o["weight_decay"]),
         lr_scheduler=LRSchedulersContainer.Config(**(RECIPE_SCHEDULE if race else dict(warmup_steps=0,
@@ -167,7 +189,7 @@ def build(spec: dict) -> Contender:
     settings = {"torchtitan": torchtitan.__version__, "mode": "recommended" if recommended else "matched",
                 "trainer": "torchtitan.trainer.Trainer, Trainer.train()'s loop body",
                 "model": "llama3 (its _build_llama3_layers: fused QKV, ComplexRoPE without scaling)",
-                "attention": f"{spec.get('attention', 'sdpa')}, causal (no document mask)",
+                **attention_settings(trainer, spec),
                 "loss": "ChunkedLossWrapper(CrossEntropyLoss, 8 chunks)" if recommended else "CrossEntropyLoss",
                 "compile": (f"per TransformerBlock + loss ({config.compile.backend})" if spec["compile"] else "off"),
                 "ac": spec["ac"], "dtype": config.training.dtype,

@@ -12,6 +12,7 @@ ends it. Logs go to stderr: stdout carries the protocol only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import resource
@@ -51,6 +52,41 @@ def cycle_rows(spec: dict, device: torch.device, key: str = "tokens"):
     while True:
         yield rows[(i % n) * batch:(i % n + 1) * batch]
         i += 1
+
+
+def first_documents(spec: dict) -> torch.Tensor:
+    """[batch, seq_len] the document ids of the first batch every contender trains on."""
+    return token_batches(spec, "documents")[:spec["batch"]]
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """[B, T] each token's place in its document, 0 where one starts (and at a row's start):
+    the per-document positions torchtitan's loaders give and transformers reads as packed
+    rows. RoPE is relative, so a block sees the same rotations as with the row's positions."""
+    T = documents.shape[1]
+    idx = torch.arange(T, device=documents.device).expand_as(documents)  # [B, T]
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return idx - torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+def attended_pairs(mask, batch: int, seq_len: int, device: torch.device) -> dict:
+    """Which (query, key) pairs of a batch a contender's attention lets through, read from the
+    mask its own code built: None (causal SDPA, `is_causal`), a boolean tensor broadcast to
+    (B, 1, T, T) (True: attends), or a FlexAttention BlockMask (its mask_mod evaluated on every
+    pair). Returns their count and a digest of the whole (B, T, T) mask: the harness compares
+    the digests, so every contender must do the same attention work, pair for pair."""
+    if mask is None:
+        dense = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    elif isinstance(mask, torch.Tensor):
+        dense = mask.bool()
+    else:
+        from torch.nn.attention.flex_attention import create_mask
+
+        dense = create_mask(mask.mask_mod, batch, 1, seq_len, seq_len, device=device)
+    dense = dense.expand(batch, 1, seq_len, seq_len).reshape(batch, seq_len, seq_len).cpu()  # [B, T, T]
+    digest = hashlib.sha1(dense.numpy().tobytes()).hexdigest()[:16]
+    return {"attended_pairs": int(dense.sum()), "mask_digest": digest}
 
 
 def _sync(device: torch.device) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 import forja
@@ -57,8 +58,28 @@ def _unrecognized(extra: list[str]) -> str:
             "quote the pattern so that forja expands it, e.g. --source 'data/*.txt'")
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, as forja's command raises it (`catch_ctrl_c`). A subclass, because CPython
+    (3.11-3.13) remembers a KeyboardInterrupt of exactly that class that crossed a C
+    extension's PyRun_* call, even when it is then caught, and ends a `python -m` process by
+    SIGINT in place of its exit code: a Ctrl-C while torch was being imported ended the
+    launcher with -2 after it had printed its line and returned 130."""
+
+
+def _raise_interrupted(signum, frame) -> None:
+    raise Interrupted
+
+
+def catch_ctrl_c() -> None:
+    """Ctrl-C raises `Interrupted`, where it raised Python's KeyboardInterrupt (a parent that
+    ignores SIGINT, or a handler someone set, is left alone)."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _raise_interrupted)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    catch_ctrl_c()
     # Import only the module of the command asked for: importing torch for `--help` is slow.
     # `--version` needs none of them ("" matches no command); `forja --help` imports them all.
     only = argv[0] if argv and argv[0] in _COMMANDS else ("" if "--version" in argv else None)

@@ -188,7 +188,9 @@ class PreemptionCallback(Callback):
         def handler(signum, _frame):
             trainer.request_stop(signal.Signals(signum).name)
             self.requested_at = time.monotonic()
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            # The next Ctrl-C raises as it did before (`forja`'s own Interrupted, forja/cli.py).
+            before = self.previous.get(signal.SIGINT)
+            signal.signal(signal.SIGINT, before if callable(before) else signal.default_int_handler)
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:

@@ -84,13 +84,14 @@ CASE = checks.FamilyCase(
              "plain": checks.HFConfig("Gemma4ForCausalLM", _PLAIN)},
     make=_make,
     # Bound on max |logit difference| in float32, against transformers 5.25, torch 2.13, CPU:
-    # 0.0 on every config here (the same ops in the same order). A random draw with experts may
+    # 0.0 on every config here on an Intel CPU with AMX; on an AMD EPYC (AVX-512, no AMX)
+    # debug-moe reads 1.37e-5, the experts rounding apart as below. A random draw with experts may
     # differ in the last place (transformers takes the GELU of its fused gate_up output's strided
     # gate half, forja of a contiguous gate, and torch's CPU kernel rounds the two paths apart by
     # 2.4e-7 on an activation), which its peaked logits near the cap of 30 carry to 3.0e-5 at most
     # over 24 draws: test_random_configs.py then holds it to float64 exactness and transformers'
     # own float32 error instead (transformers' grouped_mm and eager experts differ by 1.3e-5 there).
-    tol=1e-5,
+    tol=3e-5,
     # float64: transformers' Gemma4RMSNorm computes on x.float() and multiplies by the weight in
     # float32 (eight norms a block, value and per-layer norms included), its router's softmax in
     # float32; forja's at least in float32: all in float64 (tests/unit/models/float64_casts.py).
@@ -156,11 +157,11 @@ def test_options_reach_the_model(loaded):
 
 
 @pytest.mark.parametrize("name", ["debug", "debug-moe"])
-def test_the_flavors_configs_match_transformers_within_1e_5(checkpoints, loaded, name):
-    """The flavors, dense and with experts, closer than the family's bound (measured: 0.0)."""
+def test_the_flavors_configs_match_transformers_within_the_familys_bound(checkpoints, loaded, name):
+    """The flavors, dense and with experts, closer than the family's bound (CASE.tol's note)."""
     model = loaded[name]
-    assert checks.check_logits(checkpoints[name][1], model, checks.random_tokens(40, 5, vocab_size=2048), 1e-5,
-                               family="gemma4", flavor=name, label=name) < 1e-5
+    assert checks.check_logits(checkpoints[name][1], model, checks.random_tokens(40, 5, vocab_size=2048), CASE.tol,
+                               family="gemma4", flavor=name, label=name) < CASE.tol
 
 
 def test_the_released_config_dialect_reads_the_same(checkpoints, loaded, tmp_path):
