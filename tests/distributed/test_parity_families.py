@@ -15,7 +15,15 @@ import pytest
 
 from forja.cli import main
 from forja.models import FAMILIES, model_args
-from tests.distributed.parity import COMMON, MOE_TOL, PARITY_STEPS, SAVE_HALFWAY, SharedLayouts, max_difference
+from tests.distributed.parity import (
+    COMMON,
+    MOE_TOL,
+    PARITY_STEPS,
+    ROUTED_CP_TOL,
+    SAVE_HALFWAY,
+    SharedLayouts,
+    max_difference,
+)
 from tests.integration.conftest import losses, train_args
 
 RING, A2A = {"parallel.cp_kind": '"ring"'}, {"parallel.cp_kind": '"all-to-all"'}
@@ -129,9 +137,13 @@ def test_family_layout_matches_single_process(family, column, tmp_path, train_da
         card(family, column, diff)
         assert diff == 0.0  # bit for bit
         return
-    diff = max_difference(reference, losses(shared_runs.run(f"{family} {column}", tmp_path / "run")))
+    got = losses(shared_runs.run(f"{family} {column}", tmp_path / "run"))
+    diff = max_difference(reference, got)
     print(f"parity {family} {column}: max |loss diff| = {diff:.2e}")
     card(family, column, diff)
     if column == "ep":  # the other parameters are sharded by FSDP 2 in the same run
         card(family, "fsdp", diff)
-    assert diff < MOE_TOL
+    if column.startswith("cp_") and _has_experts(family):  # a router's near tie may flip (ROUTED_CP_TOL)
+        assert abs(got[1] - reference[1]) < MOE_TOL and diff < ROUTED_CP_TOL, (reference, got)
+    else:
+        assert diff < MOE_TOL
