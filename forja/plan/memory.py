@@ -39,12 +39,19 @@ from forja.plan.shape import BlockShape
 class Breakdown:
     """A dataclass whose float fields are the parts of one total (bytes or seconds)."""
 
+    @classmethod
+    @functools.cache
+    def parts(cls) -> tuple[str, ...]:
+        """The names of the float fields, read once a class: the planner sums a breakdown for
+        each of its thousands of candidates and moments."""
+        return tuple(f.name for f in fields(cls) if f.type == "float")
+
     def as_dict(self) -> dict[str, float]:
-        return {f.name: float(getattr(self, f.name)) for f in fields(self) if f.type == "float"}
+        return {name: float(getattr(self, name)) for name in self.parts()}
 
     @property
     def total(self) -> float:
-        return sum(self.as_dict().values())
+        return sum(float(getattr(self, name)) for name in self.parts())
 
 
 @dataclass
