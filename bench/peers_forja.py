@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers_worker import Contender, attended_pairs, cycle_rows, first_documents, serve  # noqa: E402
+from peers_worker import Contender, attended_pairs, cycle_rows, serve  # noqa: E402
 
 from forja import host  # noqa: E402
 from forja.config import load_config  # noqa: E402
@@ -47,7 +47,8 @@ def forja_sets(spec: dict) -> list[str]:
 def attention_settings(model, cfg, spec: dict, device: torch.device) -> dict:
     """What forja's attention computes on the first batch, from the mask its model builds for
     it (Transformer.mask_for, as in its forward): the backend, the mask kind, the pairs."""
-    documents = first_documents(spec).to(device) if cfg.model.document_mask else None  # [B, T]
+    first = next(cycle_rows(spec, device, key="documents")).to(device)  # [B, T]: the first batch's document ids
+    documents = first if cfg.model.document_mask else None
     mask = model.mask_for("full_attention", documents, spec["seq_len"], 0, device)
     built = None if mask.is_causal else (mask.dense if mask.dense is not None else mask.block_mask)
     kind = "causal" if documents is None else "causal within documents"

@@ -39,13 +39,13 @@ def build(spec: dict) -> w.Contender:
     rows = w.cycle_rows(spec, device)
     # Packed documents as transformers takes them: positions that restart at each document
     # (DataCollatorWithFlattening's way), from which its masks make block-causal attention.
-    documents = w.cycle_rows(spec, device, key="documents") if spec.get("per_document") else None
+    places = w.cycle_positions(spec) if spec.get("per_document") else None
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["precision"] == "bf16")
     attention = attention_settings(model, spec, device)
 
     def step() -> torch.Tensor:
         batch = next(rows).to(device, non_blocking=True)  # [B, T + 1]
-        positions = w.document_positions(next(documents)).to(device) if documents is not None else None  # [B, T]
+        positions = next(places).to(device) if places is not None else None  # [B, T]
         with autocast:
             logits = forward(input_ids=batch[:, :-1], position_ids=positions).logits  # [B, T, V]
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
@@ -73,7 +73,7 @@ def attention_settings(model, spec: dict, device: torch.device) -> dict:
 
     hook = model.model.layers[0].self_attn.register_forward_pre_hook(keep, with_kwargs=True)
     tokens = w.token_batches(spec)[:spec["batch"], :-1].to(device)  # [B, T]
-    positions = w.document_positions(w.first_documents(spec)).to(device) if spec.get("per_document") else None
+    positions = next(w.cycle_positions(spec)).to(device) if spec.get("per_document") else None  # [B, T]
     try:
         with torch.no_grad():
             model(input_ids=tokens, position_ids=positions, logits_to_keep=1)

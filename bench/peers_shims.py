@@ -18,7 +18,7 @@ import types
 from dataclasses import dataclass
 
 import torch
-from peers_worker import cycle_rows, document_positions
+from peers_worker import cycle_positions, cycle_rows
 
 
 def _cpu_module() -> types.ModuleType:
@@ -53,15 +53,13 @@ def token_rows():
 
     class TokenRows(IterableDataset):
         def __init__(self, path: str, documents: str, seq_len: int, batch: int):
-            self.spec = {"tokens": path, "documents": documents, "seq_len": seq_len, "batch": batch}
+            self.spec = {"tokens": path, "documents": documents, "per_document": bool(documents),
+                         "seq_len": seq_len, "batch": batch}
 
         def __iter__(self):
-            cpu = torch.device("cpu")
-            if self.spec["documents"]:  # positions restarting at each document: its block-causal masks
-                positions = map(document_positions, cycle_rows(self.spec, cpu, key="documents"))  # [B, T]
-            else:  # one document per row
-                positions = iter(lambda: torch.arange(self.spec["seq_len"]).expand(self.spec["batch"], -1), None)
-            for rows, places in zip(cycle_rows(self.spec, cpu), positions):  # [B, T + 1], [B, T]
+            # Positions restarting at each document make its block-causal masks; else one document a row.
+            positions = cycle_positions(self.spec)  # [B, T]
+            for rows, places in zip(cycle_rows(self.spec, torch.device("cpu")), positions):  # [B, T + 1], [B, T]
                 for row, place in zip(rows, places):
                     yield {"input": row[:-1], "positions": place}, row[1:]
 

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers_shims  # noqa: E402
-from peers_worker import Contender, attended_pairs, document_positions, first_documents, serve  # noqa: E402
+from peers_worker import Contender, attended_pairs, cycle_positions, serve  # noqa: E402
 
 
 def _single_process_env() -> None:
@@ -89,8 +89,7 @@ def attention_settings(trainer, spec: dict) -> dict:
     device = torch.device(spec["device"])
     masks = None
     if attention(spec) == "flex":
-        places = document_positions(first_documents(spec)) if spec.get("per_document") else \
-            torch.arange(spec["seq_len"]).expand(spec["batch"], -1)  # [B, T]
+        places = next(cycle_positions(spec))  # [B, T]: the first batch's, as its loader gives them
         masks = trainer.model_parts[0].get_attention_masks(positions=places.to(device))
     kind = "block-causal (positions restart at each document)" if spec.get("per_document") else "causal"
     return {"attention": f"{attention(spec)}, {kind}",

@@ -13,6 +13,7 @@ ends it. Logs go to stderr: stdout carries the protocol only.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import resource
@@ -46,17 +47,24 @@ def token_batches(spec: dict, key: str = "tokens") -> torch.Tensor:
 
 def cycle_rows(spec: dict, device: torch.device, key: str = "tokens"):
     """An endless iterator over [batch, seq_len + 1] slices of the run's rows (on the host)."""
-    rows, batch = token_batches(spec, key), spec["batch"]
+    return _cycle(token_batches(spec, key), spec["batch"])
+
+
+def cycle_positions(spec: dict):
+    """An endless iterator over the [batch, seq_len] positions of the batches cycle_rows gives:
+    restarting at each document with spec["per_document"] (document_positions), else 0..T-1.
+    Made once for all the rows, so that no step pays for them."""
+    if not spec.get("per_document"):
+        return itertools.repeat(torch.arange(spec["seq_len"]).expand(spec["batch"], -1))
+    return _cycle(document_positions(token_batches(spec, "documents")), spec["batch"])
+
+
+def _cycle(rows: torch.Tensor, batch: int):
     n = rows.shape[0] // batch
     i = 0
     while True:
         yield rows[(i % n) * batch:(i % n + 1) * batch]
         i += 1
-
-
-def first_documents(spec: dict) -> torch.Tensor:
-    """[batch, seq_len] the document ids of the first batch every contender trains on."""
-    return token_batches(spec, "documents")[:spec["batch"]]
 
 
 def document_positions(documents: torch.Tensor) -> torch.Tensor:
