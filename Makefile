@@ -42,11 +42,13 @@ venv: $(VENV)/.installed-train
 train: $(VENV)/.installed-train
 	$(VENV)/bin/forja train
 
-# The linter first (ruff, [tool.ruff] in pyproject.toml: seconds), then two passes. The
+# The linter first (ruff, [tool.ruff] in pyproject.toml: seconds), then three passes. The
 # single-process tests leave a core idle much of the time (Python-bound steps, a subprocess
 # importing torch), so they run TEST_WORKERS at a time, a test file per
-# worker (its shared runs stay in one process). The serial tests (process groups of 2-4 ranks
-# that already fill the cores, drills timed by sleeps) then run alone.
+# worker (its shared runs stay in one process). The serial tests (process groups of 2-4 ranks,
+# one thread a rank, idle while ranks start and meet) then run two files at a time: 10 min 15 s
+# alone, 8 min 38 s so (2026-12-07). Last, alone, the drills timed by sleeps, deadlines and
+# signals (marked `alone`).
 # 3 on 2 cores: with 2 the pass kept 1.78 cores busy (subprocesses starting, a worker waiting on one).
 TEST_WORKERS ?= 3
 # Three workers' OpenMP teams (torch's intra-op threads, one per core each) share 2 cores. By
@@ -67,7 +69,8 @@ test: $(VENV)/.installed-test
 	$(PY) -m compileall -qq -j 0 forja tests bench scripts
 	rm -f $(CARDS)
 	$(TEST_ENV) $(PY) -m pytest -q -m "not serial" -n $(TEST_WORKERS) --dist loadfile --cards=$(CARDS)
-	$(TEST_ENV) $(PY) -m pytest -q -m serial --cards=$(CARDS)
+	$(TEST_ENV) $(PY) -m pytest -q -m "serial and not alone" -n 2 --dist loadfile --cards=$(CARDS)
+	$(TEST_ENV) $(PY) -m pytest -q -m alone --cards=$(CARDS)
 	$(PY) scripts/model_cards.py --results $(CARDS) --check
 
 # The cards' table in docs/models.md, remade from the card tests alone (-m cards).

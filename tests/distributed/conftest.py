@@ -24,6 +24,9 @@ def pp_reference_run(tmp_path_factory, train_data):  # noqa: F811
 
 # Each test here launches processes; a hung one must fail well before the suite-wide 600 s.
 DISTRIBUTED_TIMEOUT_S = 300
+# Drills timed by sleeps, deadlines and signals: they run alone (`-m alone`, Makefile), after
+# the other process groups have run two at a time.
+ALONE = ("test_drills.py", "test_timeouts.py", "test_watchdog.py", "test_preemption.py", "test_torchrun.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the markers added here
@@ -34,7 +37,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/distributed/" not in item.nodeid:
             continue
-        item.add_marker(pytest.mark.serial)  # a group of 2-4 ranks takes both cores (Makefile)
+        item.add_marker(pytest.mark.serial)  # a group of 2-4 ranks takes a core or two (Makefile)
+        if item.path.name in ALONE:
+            item.add_marker(pytest.mark.alone)
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(limit))
 

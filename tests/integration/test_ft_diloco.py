@@ -11,7 +11,7 @@ import pytest
 from tests.integration.conftest import forja_process, losses, read_metrics, train_args
 
 # Their drills order a kill, a heal and a quorum by sleeps of about a second: run alone (Makefile).
-pytestmark = pytest.mark.serial
+pytestmark = [pytest.mark.serial, pytest.mark.alone]  # groups killed on a clock
 
 BASE = {"train.global_batch_size": "8", "train.micro_batch_size": "2", "train.seq_len": "64",
         "metrics.interval": "1", "train.val_interval": "0", "train.sample_tokens": "0",

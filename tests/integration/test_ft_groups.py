@@ -18,7 +18,7 @@ from forja.checkpoint.verify import damage
 from tests.integration.conftest import forja_process, read_metrics, train_args
 
 # Their drills order a kill, a heal and a quorum by sleeps of about a second: run alone (Makefile).
-pytestmark = pytest.mark.serial
+pytestmark = [pytest.mark.serial, pytest.mark.alone]  # groups killed on a clock
 
 STEPS = 20
 # Each step sleeps 0.3 s (a slow drill on every rank), so the live group is still training when the
