@@ -44,11 +44,11 @@ train: $(VENV)/.installed-train
 
 # The linter first (ruff, [tool.ruff] in pyproject.toml: seconds), then three passes. The
 # single-process tests leave a core idle much of the time (Python-bound steps, a subprocess
-# importing torch), so they run TEST_WORKERS at a time, a test file per
-# worker (its shared runs stay in one process). The serial tests (process groups of 2-4 ranks,
-# one thread a rank, idle while ranks start and meet) then run two files at a time: 10 min 15 s
-# alone, 8 min 38 s so (2026-12-07). Last, alone, the drills timed by sleeps, deadlines and
-# signals (marked `alone`).
+# importing torch), so they run TEST_WORKERS at a time, a test file per worker (its shared runs
+# stay in one process). The serial tests (process groups of 2-4 ranks, one thread a rank, idle
+# while ranks start and meet) then run two files at a time. Last, alone, the drills timed by
+# sleeps, deadlines and signals (marked `alone`). One file at a time these two passes took
+# 10 min 15 s; split so, 6 min 35 s and 3 min 8 s (2026-12-07, .ci/run).
 # 3 on 2 cores: with 2 the pass kept 1.78 cores busy (subprocesses starting, a worker waiting on one).
 TEST_WORKERS ?= 3
 # Three workers' OpenMP teams (torch's intra-op threads, one per core each) share 2 cores. By
