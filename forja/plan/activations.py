@@ -34,13 +34,13 @@ from forja.plan.layout import Layout
 from forja.plan.saved_parts import (  # noqa: F401  (FP32, Widths, widths: read from here by memory.py and tests)
     FP32,
     Widths,
-    _input_copies,
-    _mask_saved,
-    _sp,
-    _sublayer_input,
+    input_copies,
+    mask_saved,
     norm_saved,
     post_norm_saved,
     regathered,
+    sp_share,
+    sublayer_input,
     widths,
 )
 from forja.plan.shape import BlockShape
@@ -89,7 +89,7 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
         sdpa = (hq + (k_width + v_width) * rep + out_width) * w.lin + heads * FP32  # q, k, v, out; log-sum-exp
         sdpa += cp_saved_extra(job, lay)  # ring's fp32 output, or all-to-all's full-sequence one
         sdpa += 2 * heads * FP32 if block.sinks else 0.0  # FlexAttention's sinks: sigmoid(lse - sink), its cast
-        sdpa += _mask_saved(job, lay, block)
+        sdpa += mask_saved(job, lay, block)
     extra += indexer_saved(job, lay, block, w)
     gate = 2 * hq * w.lin if block.output_gate else 0.0  # sigmoid(x W_g) and the gated output (wo's input)
     post = post_norm_saved(job, lay, block, w) if block.norms != "pre" else 0.0
@@ -98,7 +98,7 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
     scores = heads * T * FP32 if written_out else 0.0
     matmuls = (hq + k_width + v_width + a.dim + out_width) * w.lin + heads * FP32 + gate / 2 + scores
     readers = 4 if block.output_gate else 3  # wq, wk, wv (, wg)
-    return _sublayer_input(job, lay, block, w, readers) + qk_norm + sdpa + extra + gate + post, matmuls
+    return sublayer_input(job, lay, block, w, readers) + qk_norm + sdpa + extra + gate + post, matmuls
 
 
 def indexer_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> float:
@@ -228,10 +228,10 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
         # and their gate each their own bf16 cast (the routed rows are gathered copies, below),
         # as latent experts' projection down does.
         shared_readers = ((ups + block.shared_expert_gate) if a.shared_width else 0) + bool(block.expert_width)
-        norm = _sublayer_input(job, lay, block, replace(w, gathered=1.0, float8_gathered=False), 1)  # no gather
+        norm = sublayer_input(job, lay, block, replace(w, gathered=1.0, float8_gathered=False), 1)  # no gather
         norm += (shared_readers * a.dim * w.lin + a.dim * (w.res - w.lin)) if autocast else 0.0
     else:
-        norm = _sublayer_input(job, lay, block, w, 1 if block.ffn in ("gelu", "relu2") else 2)  # w1 (, w3)
+        norm = sublayer_input(job, lay, block, w, 1 if block.ffn in ("gelu", "relu2") else 2)  # w1 (, w3)
     norm += post_norm_saved(job, lay, block, w) if block.norms != "pre" else 0.0
     gated = 3 if "swiglu" in job.fused else 4  # gate, up, silu(gate), product; fused: no silu output
     if block.ffn in ("gelu", "relu2"):  # the first matmul's output and the activation's (relu(x), its square)
@@ -272,7 +272,7 @@ def mtp_saved(job: Job, lay: Layout, w: Widths) -> float:
     """Bytes per token a multi-token prediction module keeps beyond its block: the embedding's
     and the previous depth's norms and its own final norm (input and normalized x each), and
     the (B, T, 2d) concatenation its projection reads."""
-    return 3 * 2 * _sp(lay) * job.args.dim * w.res + 2 * job.args.dim * w.lin
+    return 3 * 2 * sp_share(lay) * job.args.dim * w.res + 2 * job.args.dim * w.lin
 
 
 def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> tuple[float, float]:
@@ -283,12 +283,12 @@ def block_activations(job: Job, lay: Layout, block: BlockShape, index: int) -> t
         full, attn_mm = v4_block_saved(job, lay, block, w.lin, w.res, compressed_keys(job, lay, block))
         attn, ffn, ffn_mm = full, 0.0, 0.0
         full += mtp_saved(job, lay, w) if block.mtp else 0.0
-        block_input = job.args.hc_mult * job.args.dim * _sp(lay) * w.res
+        block_input = job.args.hc_mult * job.args.dim * sp_share(lay) * w.res
     else:
         attn, attn_mm = attention_saved(job, lay, block, w)
         ffn, ffn_mm = ffn_saved(job, lay, block, w)
         full = attn + ffn + (mtp_saved(job, lay, w) if block.mtp else 0.0)
-        block_input = job.args.dim * _sp(lay) * w.res
+        block_input = job.args.dim * sp_share(lay) * w.res
     ffn_width = job.args.ffn_dim if not block.moe else job.args.top_k * job.args.moe_ffn_dim
     ffn_width = 0 if block.ffn == "none" else ffn_width
     ffn_width /= lay.tp  # the dense FFN's columns, or the MoE layer's tokens, split over TP

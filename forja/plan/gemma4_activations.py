@@ -58,7 +58,7 @@ def gemma4_attention_saved(job: Job, lay: Layout, block: BlockShape, w: base.Wid
     elif lin != w.res:  # a shared block's attention casts its producer's keys (fp32: the key norm's weight promotes)
         a = job.args
         kv = (a.global_kv_heads if block.kind == "full_attention" else a.n_kv_heads) * hd / t * lin
-    sdpa = 2 * hq * lin + heads * FP32 + base._mask_saved(job, lay, block) + cp_saved_extra(job, lay)  # q, out; lse
+    sdpa = 2 * hq * lin + heads * FP32 + base.mask_saved(job, lay, block) + cp_saved_extra(job, lay)  # q, out; lse
     saved = base.norm_saved(job, lay, block, w, readers) + q_norm + kv + sdpa + base.post_norm_saved(job, lay, block, w)
     projections = hq + (hkv * (1 if k_eq_v else 2) if kv_heads else 0.0) + job.args.dim  # wq (, wk, wv), wo
     # SDPA's output and log-sum-exp are ops the policy keeps; FlexAttention (a GPU's sliding

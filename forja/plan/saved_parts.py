@@ -45,7 +45,7 @@ def regathered(job: Job, lay: Layout, w: Widths) -> bool:
                                         float8=job.float8)
 
 
-def _sp(lay: Layout) -> float:
+def sp_share(lay: Layout) -> float:
     """The share of the sequence a rank's norms see (sequence parallelism splits it)."""
     return 1 / lay.sp_degree
 
@@ -55,10 +55,10 @@ def norm_saved(job: Job, lay: Layout, block: BlockShape, w: Widths, readers: int
     kernel saves just statistics), and its output as the projections after it save it."""
     one_kernel = block.layer_norm or ("rms_norm" in job.fused and not block.zero_centered)
     normalized = 0.0 if one_kernel else (FP32 if block.zero_centered else w.res)
-    return _sp(lay) * job.args.dim * (w.res + normalized) + _input_copies(job, w, readers)
+    return sp_share(lay) * job.args.dim * (w.res + normalized) + input_copies(job, w, readers)
 
 
-def _input_copies(job: Job, w: Widths, readers: int) -> float:
+def input_copies(job: Job, w: Widths, readers: int) -> float:
     """Bytes per token the `readers` matmuls reading one fp32 tensor keep of it: under
     autocast each casts it to bf16 itself and keeps its own copy (autocast caches only the
     weights' casts); otherwise they all keep the one tensor."""
@@ -72,17 +72,17 @@ def post_norm_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> floa
     input upcast to fp32 (the input itself in fp32) and the normalized x (fp32 for a (1 + w)
     norm); nothing reads its output but the residual add."""
     if "rms_norm" in job.fused and not block.zero_centered:
-        return _sp(lay) * job.args.dim * w.lin
-    return _sp(lay) * job.args.dim * (FP32 + (FP32 if block.zero_centered else w.lin))
+        return sp_share(lay) * job.args.dim * w.lin
+    return sp_share(lay) * job.args.dim * (FP32 + (FP32 if block.zero_centered else w.lin))
 
 
-def _sublayer_input(job: Job, lay: Layout, block: BlockShape, w: Widths, readers: int) -> float:
+def sublayer_input(job: Job, lay: Layout, block: BlockShape, w: Widths, readers: int) -> float:
     """What a sublayer's first matmuls (`readers` of them) keep of their input: a pre-norm's
     tensors, or in a post-norm block the residual stream itself (their copies of it)."""
-    return _input_copies(job, w, readers) if block.norms == "post" else norm_saved(job, lay, block, w, readers)
+    return input_copies(job, w, readers) if block.norms == "post" else norm_saved(job, lay, block, w, readers)
 
 
-def _mask_saved(job: Job, lay: Layout, block: BlockShape) -> float:
+def mask_saved(job: Job, lay: Layout, block: BlockShape) -> float:
     """Bytes per token of the dense mask a block's SDPA keeps (a sliding window's band, or
     packed documents'): (1 or B, 1, T, T), fp32 on CPUs and in the compute dtype on GPUs.
     FlexAttention's block mask and plain causal rows keep none."""
