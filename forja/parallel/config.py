@@ -68,7 +68,7 @@ class ParallelConfig:
     wk, wo and w3, a third of its matmul outputs' memory for their forward again). Only op-level
     AC reads it."""
     compile: bool = False
-    """torch.compile each transformer block, and the loss on the logits (not under TP, nor with the fused loss)."""
+    """torch.compile each transformer block."""
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """torch.compile's backend: inductor generates fused kernels (the fast one); aot_eager traces the
     same forward and backward graphs but runs them op by op (no code generated: for finding whether

@@ -43,8 +43,6 @@ def parallelize(model: Transformer, plan: TPPlan, dims: ParallelDims, cfg: Paral
     if regathers(cfg, tp=dims.tp, sequence_parallel=plan.sequence_parallel, float8=plan.float8):
         regather_sequence_inputs(model, dims.tp_mesh, plan, compiled=cfg.compile)
     if cfg.compile:
-        # Under TP the logits are vocabulary shards that the loss reduces over the TP group
-        # (loss_parallel): that loss stays eager.
-        apply_compile(model, cfg.compile_backend, loss=dims.tp == 1)
+        apply_compile(model, cfg.compile_backend)
     if wants_fsdp(dims, cfg):
         apply_fsdp(model, dims, cfg, device)

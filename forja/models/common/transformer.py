@@ -219,8 +219,6 @@ class Transformer(nn.Module):
         self.norm: nn.Module | None = self.build_norm()
         self.output: nn.Module | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.mtp: MultiTokenPrediction | None = self.build_mtp() if args.mtp_depth else None
-        # logits, labels -> the mean loss: next_token_loss, or its compiled form (forja/parallel/compile.py)
-        self.token_loss = next_token_loss
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -387,7 +385,7 @@ class Transformer(nn.Module):
             h = h if mult == 1.0 else h * (1.0 / mult)
             # (B, T, dim) whole: flattening a sequence-parallel DTensor first would make a strided shard
             return fused_linear_cross_entropy(h, self.output.weight, labels)
-        return self.token_loss(self.logits(h), labels)
+        return next_token_loss(self.logits(h), labels)
 
     def init_weights(self, seed: int = 0) -> None:
         """Fill all parameters from `seed`, identically for any sharding or pipeline split
