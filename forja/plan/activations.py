@@ -11,6 +11,8 @@ T per token per head.
   log-sum-exp; a sliding window changes none of them, only the dense mask SDPA is handed
   (FlexAttention's block mask holds no per-token state). Attention sinks without
   FlexAttention (on CPUs, or model.attention = "sdpa") write the scores out in fp32.
+- Multi-head latent attention (DeepSeek-V3, Kimi Linear): its latents' norms, and on CPUs
+  SDPA's math path with its fp32 scores (values narrower than keys; latent_activations.py).
 - Gated DeltaNet (linear_attention): the convolutions' inputs, the gates, the chunked delta
   rule's per-chunk tensors and one state per chunk boundary, and the gated output norm; on
   CUDA with flash-linear-attention its kernel keeps only its inputs and one C-wide matrix.
@@ -30,6 +32,7 @@ from forja.plan.context_parallel import compressed_block, compressed_keys, cp_sa
 from forja.plan.gemma4_activations import gemma4_attention_saved, gemma4_ffn_saved
 from forja.plan.job import Job
 from forja.plan.kda_activations import kda_saved
+from forja.plan.latent_activations import latent_attention_saved, math_attention
 from forja.plan.layout import Layout
 from forja.plan.saved_parts import (  # noqa: F401  (FP32, Widths, widths: read from here by memory.py and tests)
     FP32,
@@ -60,17 +63,13 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
         return mamba2_saved(job, lay, block, w)
     if block.kind in ("mlp", "moe"):  # a block that is only a feed-forward (Nemotron-H)
         return 0.0, 0.0
+    if isinstance(job.args, LatentAttentionArgs):  # its latents' norms, its own SDPA path (latent_activations.py)
+        mixer, matmuls = latent_attention_saved(job, lay, block, w)
+        return sublayer_input(job, lay, block, w, 2) + mixer + indexer_saved(job, lay, block, w), matmuls  # wq_a, wkv_a
     a, t = job.args, lay.tp
     hq, hkv, heads = a.n_heads * a.head_dim / t, a.n_kv_heads * a.head_dim / t, a.n_heads / t
-    latent = isinstance(a, LatentAttentionArgs)
-    if latent:  # latent attention: every head's keys and values expanded from a latent
-        k_width, v_width = hq, a.v_head_dim * a.n_heads / t
-        extra = 3 * (a.kv_lora_rank + a.qk_rope_head_dim + 2 * a.q_lora_rank) * w.lin
-    else:
-        k_width, v_width, extra = hkv, hkv, 0.0
-    out_width = v_width * a.n_heads / a.n_kv_heads if not latent else v_width
     # All-to-all CP: SDPA keeps k and v as they arrive, a KV head per rank when cp exceeds them.
-    rep = replicas(a.n_kv_heads / t, lay.cp) if lay.cp > 1 and lay.cp_kind == "all-to-all" and not latent else 1.0
+    rep = replicas(a.n_kv_heads / t, lay.cp) if lay.cp > 1 and lay.cp_kind == "all-to-all" else 1.0
     # QK-norm (per head or over the whole projection alike): its input upcast, the normalized x
     # (fp32 in a (1 + w) norm; such blocks' QK-norms are (1 + w) too).
     qk_norm = (FP32 + (FP32 if block.zero_centered else w.lin)) * (hq + hkv) if a.qk_norm else 0.0
@@ -84,39 +83,40 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
         sdpa = 3 * hq * w.lin  # q, and k and v repeated to every query head, as the matmuls take them
         sdpa += heads * (T + 1) * FP32  # softmax's fp32 output, the sink's column included
         sdpa += heads * T * w.lin if w.lin != FP32 else 0.0  # its cast for probs @ v under autocast
-        sdpa += out_width * w.lin + T / lay.sequences_per_microbatch(job.global_batch_size)  # out; bool (T, T) mask
+        sdpa += hq * w.lin + T / lay.sequences_per_microbatch(job.global_batch_size)  # out; bool (T, T) mask
     else:
-        sdpa = (hq + (k_width + v_width) * rep + out_width) * w.lin + heads * FP32  # q, k, v, out; log-sum-exp
+        sdpa = (2 * hq + 2 * hkv * rep) * w.lin + heads * FP32  # q, k, v, out (every query head's); log-sum-exp
         sdpa += cp_saved_extra(job, lay)  # ring's fp32 output, or all-to-all's full-sequence one
         sdpa += 2 * heads * FP32 if block.sinks else 0.0  # FlexAttention's sinks: sigmoid(lse - sink), its cast
         sdpa += mask_saved(job, lay, block)
-    extra += indexer_saved(job, lay, block, w)
     gate = 2 * hq * w.lin if block.output_gate else 0.0  # sigmoid(x W_g) and the gated output (wo's input)
     post = post_norm_saved(job, lay, block, w) if block.norms != "pre" else 0.0
     # Op-level AC keeps the projections' outputs (q, k, v before RoPE; wo's) and attention's;
     # attention written out keeps its score matmul's fp32 output too (a bmm, as AC sees it).
     scores = heads * T * FP32 if written_out else 0.0
-    matmuls = (hq + k_width + v_width + a.dim + out_width) * w.lin + heads * FP32 + gate / 2 + scores
+    matmuls = (2 * hq + 2 * hkv + a.dim) * w.lin + heads * FP32 + gate / 2 + scores
     readers = 4 if block.output_gate else 3  # wq, wk, wv (, wg)
-    return sublayer_input(job, lay, block, w, readers) + qk_norm + sdpa + extra + gate + post, matmuls
+    return sublayer_input(job, lay, block, w, readers) + qk_norm + sdpa + gate + post, matmuls
 
 
 def indexer_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> float:
     """Bytes per token a DeepSeek Sparse Attention block's selection keeps (replicated over TP), as
     forja computes it (forja/models/common/sparse_attention.py): the selected keys are a (B, 1, T, T)
-    boolean mask over dense SDPA, which keeps it as an additive bias (the compute dtype on GPUs,
-    fp32 on CPUs) where rows are longer than top-k (shorter ones, and the dense warm-up, run
-    causal: no mask). Under all-to-all CP that bias covers the whole rows, cp times a rank's
-    tokens; under ring the plan keeps the rank's queries' selection as booleans (a byte a key),
-    each block's mask cut from it as it runs. The untrained indexer runs without gradients: its
-    scores, (B, T, chunk, T) at a time (`INDEXER_HEAD_CHUNK`), are transients that nothing keeps
-    (op-level AC recomputes them, forja/parallel/ac.py). Trained (a dsa_stage), also its query
-    heads, key and fp32 weights, each head's ReLU scores over the T keys and the summed scores'
-    log-softmax (under CP a rank's queries by the whole rows' keys: the same per token)."""
+    boolean mask over dense SDPA, which keeps it as an additive bias (the compute dtype on GPUs)
+    where rows are longer than top-k (shorter ones, and the dense warm-up, run causal: no mask).
+    On a CPU without CP SDPA's math path adds it in place and keeps nothing of it (its values
+    are narrower than its keys: latent_activations.py). Under all-to-all CP that bias covers the
+    whole rows, cp times a rank's tokens; under ring the plan keeps the rank's queries' selection
+    as booleans (a byte a key), each block's mask cut from it as it runs. The untrained indexer
+    runs without gradients: its scores, (B, T, chunk, T) at a time (`INDEXER_HEAD_CHUNK`), are
+    transients that nothing keeps (op-level AC recomputes them, forja/parallel/ac.py). Trained (a
+    dsa_stage), also its query heads, key and fp32 weights, each head's ReLU scores over the T
+    keys and the summed scores' log-softmax (under CP a rank's queries by the whole rows' keys:
+    the same per token)."""
     if not block.indexer:
         return 0.0
     heads, width, topk, stage = block.indexer
-    masked = stage != 1 and job.seq_len > topk
+    masked = stage != 1 and job.seq_len > topk and not math_attention(job, lay)
     bias = 2 if job.gpu and job.bf16 else FP32
     if lay.cp > 1:
         bias = 1 if lay.cp_kind == "ring" else bias * lay.cp
@@ -264,7 +264,11 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
         shared += a.dim * w.lin + FP32  # the shared output and its sigmoid gate, kept for the product
     router = a.n_experts * FP32 * 2 + k * 24  # logits, scores; indices
     router += a.dim * FP32 if w.res != FP32 else 0.0  # the router's fp32 copy of a bf16 input
-    matmuls = (cf * k * (ups * h + L) + ups * a.shared_width + latent * (L + a.dim)) * w.lin
+    # Op-level AC keeps every matmul's output: the routed experts' grouped ones (latent experts'
+    # projections too), the router's fp32 logits, the shared experts' (w2's too) and their gate's.
+    matmuls = (cf * k * (ups * h + L) + latent * (L + a.dim)) * w.lin + a.n_experts * FP32
+    if a.shared_width:
+        matmuls += (ups * a.shared_width + a.dim + block.shared_expert_gate) * w.lin
     return norm + (routed + shared + router) / t, matmuls / t
 
 

@@ -1,7 +1,8 @@
 """What op-level selective activation checkpointing keeps of one block's forward, measured: the
 storages the forward made (seen op by op) that outlive it. Shared by the planner's block tests
 (test_mamba2_activations.py, test_v4_activations.py, test_kda_activations.py,
-test_gemma4_activations.py), each pricing its kinds against it."""
+test_gemma4_activations.py, test_latent_activations.py, test_moe_op_level.py), each pricing its
+kinds against it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from forja.models.common.moe import moe_layers
 from forja.parallel.ac import CheckpointedBlock
+from forja.plan.activations import ffn_saved, widths
+from forja.plan.job import Job
+from forja.plan.layout import Layout
+from forja.plan.memory import block_activations
+from forja.plan.shape import model_shape
+from tests.unit.plan.test_shape_activations import block_inputs, built
 
 
 def kept_by_checkpoint(block: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, bf16: bool = False,
@@ -39,3 +47,31 @@ def kept_by_checkpoint(block: torch.nn.Module, args: tuple, kwargs: dict | None 
     left_out |= {t.untyped_storage().data_ptr() for t in [out, *given]}
     alive = {s.data_ptr(): s.nbytes() for ref in made if (s := ref()) is not None}
     return sum(n for ptr, n in alive.items() if ptr not in left_out)
+
+
+def moe_records(model: torch.nn.Module) -> set[int]:
+    """Storages of the statistics each MoE layer records per training forward (`MoE._records`,
+    held for the step engine to read): no activation, left out of what AC keeps."""
+    return {t.untyped_storage().data_ptr() for _, layer in moe_layers(model) for record in layer._records
+            for t in record if isinstance(t, torch.Tensor)}
+
+
+def block_under_op_level_ac(family: str, flavor: str, layer: str, bf16: bool, part: str = "",
+                            **overrides) -> tuple[float, int]:
+    """(the planner's bytes op-level AC keeps of one block at B 2, T 64 on a CPU, what it keeps),
+    of the flavor with `overrides`; with `part` = "feed_forward" that sublayer alone (its matmul
+    outputs), run on a random input."""
+    model = built(family, flavor, tuple(sorted(overrides.items())))
+    B, T = 2, 64
+    h, rope, mask = block_inputs(model, layer, B, T)
+    job = Job(shape=model_shape(model.args, T), seq_len=T, global_batch_size=B, gpu=False, bf16=bf16)
+    shape, lay = job.shape.blocks[int(layer)], Layout(micro_batch_size=B, ac="selective")
+    block = model.layers[layer]
+    if part == "feed_forward":
+        _, matmuls = ffn_saved(job, lay, shape, widths(job))
+        kept = kept_by_checkpoint(block.feed_forward, (h,), bf16=bf16, skip=lambda: moe_records(model))
+        return matmuls * B * T, kept
+    predicted, _ = block_activations(job, lay, shape, int(layer))
+    predicted -= model.args.dim * 4  # the block's fp32 input, which AC keeps but the block did not make
+    kept = kept_by_checkpoint(block, (h, rope, mask), bf16=bf16, skip=lambda: moe_records(model))
+    return predicted * B * T, kept

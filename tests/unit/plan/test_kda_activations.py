@@ -111,9 +111,9 @@ def test_a_kda_block_under_bf16_autocast_on_fake_tensors(T):
 
 
 # Op-level AC, fp32, measured: the KDA mixer of blocks 0, 1, 2 1.000 at each length; the whole
-# dense block 0 1.000 at each. (The whole blocks 1 and 2 give 0.919-0.924: their mixture of
-# experts' count, activations.py `ffn_saved`, leaves out the shared expert's w2 output and the
-# router's logits, which op-level AC keeps too.)
+# dense block 0 1.000 at each. (The whole blocks 1 and 2 gave 0.919-0.924 while the mixture of
+# experts' count left out the shared expert's w2 output and the router's logits; at T 64 they
+# are 1.000 now, test_moe_op_level.py.)
 @pytest.mark.parametrize("T", LENGTHS)
 @pytest.mark.parametrize("layer", [0, 1, 2])
 def test_op_level_ac_keeps_the_kda_mixers_matmul_outputs(layer, T):

@@ -73,20 +73,25 @@ def saved_bytes(block: torch.nn.Module, h: torch.Tensor, rope, mask) -> int:
     return sum(seen.values())
 
 
-def predicted_and_saved(family: str, flavor: str, layer: str, bf16: bool, **overrides) -> tuple[float, int]:
-    """(the planner's bytes for one block at B 2, T 64 on a CPU, the bytes autograd saves),
-    of the flavor with `overrides` (build_model's)."""
+def block_inputs(model: torch.nn.Module, layer: str, B: int = 2, T: int = 64) -> tuple:
+    """(h (B, T, dim) from the embeddings, rotary tables, mask) for one block of `model`: the
+    block's own kind of mask and rotary tables (a sliding band, local rotary bases; a
+    linear-attention block gets its documents, here none)."""
     torch.manual_seed(0)
-    model = built(family, flavor, tuple(sorted(overrides.items())))
-    B, T = 2, 64
     tokens = torch.randint(0, model.args.vocab_size, (B, T))
     positions = torch.arange(T)
     h = model.add_positions(model.tok_embeddings(tokens), positions).detach().requires_grad_()
-    # The block's own kind of mask and rotary tables (a sliding band, local rotary bases; a
-    # linear-attention block gets its documents, here none).
     kind = model.args.layer_type(int(layer))
-    rope = model.rope_tables_for(kind, positions)
-    mask = model.mask_for(kind, None, T, 0, torch.device("cpu"))
+    return h, model.rope_tables_for(kind, positions), model.mask_for(kind, None, T, 0, torch.device("cpu"))
+
+
+def predicted_and_saved(family: str, flavor: str, layer: str, bf16: bool, **overrides) -> tuple[float, int]:
+    """(the planner's bytes for one block at B 2, T 64 on a CPU, the bytes autograd saves),
+    of the flavor with `overrides` (build_model's)."""
+    model = built(family, flavor, tuple(sorted(overrides.items())))
+    B, T = 2, 64
+    h, rope, mask = block_inputs(model, layer, B, T)
+    kind = model.args.layer_type(int(layer))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         actual = saved_bytes(model.layers[layer], h, rope, mask)
     job = Job(shape=model_shape(model.args, T), seq_len=T, global_batch_size=B, gpu=False, bf16=bf16)
