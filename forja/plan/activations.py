@@ -91,10 +91,11 @@ def attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tupl
         sdpa += mask_saved(job, lay, block)
     gate = 2 * hq * w.lin if block.output_gate else 0.0  # sigmoid(x W_g) and the gated output (wo's input)
     post = post_norm_saved(job, lay, block, w) if block.norms != "pre" else 0.0
-    # Op-level AC keeps the projections' outputs (q, k, v before RoPE; wo's) and attention's;
-    # attention written out keeps its score matmul's fp32 output too (a bmm, as AC sees it).
-    scores = heads * T * FP32 if written_out else 0.0
-    matmuls = (2 * hq + 2 * hkv + a.dim) * w.lin + heads * FP32 + gate / 2 + scores
+    # Op-level AC keeps the projections' outputs (q, k, v before RoPE; wo's) and attention's: the
+    # kernel's output and log-sum-exp, or written out its two bmms' (the scores and probs @ v),
+    # each in the matmuls' dtype (autocast casts the fp32 operands back; the fp32 softmax is recomputed).
+    attention = heads * T * w.lin if written_out else heads * FP32
+    matmuls = (2 * hq + 2 * hkv + a.dim) * w.lin + attention + gate / 2
     readers = 4 if block.output_gate else 3  # wq, wk, wv (, wg)
     return sublayer_input(job, lay, block, w, readers) + qk_norm + sdpa + gate + post, matmuls
 
@@ -160,10 +161,14 @@ def linear_attention_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) 
     # The gated norm: the rule's output and the gate upcast, the normalized output, weight * it,
     # silu(gate) (fp32 alike) and their product cast back for wo; its statistics.
     out = value * (4 * FP32 + 2 * w.lin) + hv * FP32
-    matmuls = (2 * key + 2 * value + job.args.dim) * w.lin + value * w.lin  # q, k, v, z, wo; the rule's output
-    if not (job.gpu and job.fla):  # the chunked reference's own matmuls, which op-level AC keeps too:
+    # Op-level AC keeps the projections' outputs: q, k, v, z, beta's and the decay's (a number a
+    # head each), wo's. Not the rule's output: fla's kernel is an autograd Function, whose forward
+    # runs without gradients (the policy keeps nothing of it); the reference's is a sum of two
+    # of its batched matmuls' outputs, counted below.
+    matmuls = (2 * key + 2 * value + 2 * hv + job.args.dim) * w.lin
+    if not (job.gpu and job.fla):  # the chunked reference's own matmuls, over whole chunks (padded):
         # k_beta k^T and q k^T (C x C a chunk), w S, q S and attn v_new (dv each), k^T v_new (a state a chunk)
-        matmuls += hv * (2 * min(C, T) + 3 * dv + chunks * dk * dv / T) * w.lin
+        matmuls += hv * (chunks * C / T * (2 * C + 3 * dv) + chunks * dk * dv / T) * w.lin
     return norm_saved(job, lay, block, w, readers=6) + conv + gates + rule + out, matmuls  # wq wk wv wz wb wa
 
 

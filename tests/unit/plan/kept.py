@@ -56,13 +56,13 @@ def moe_records(model: torch.nn.Module) -> set[int]:
             for t in record if isinstance(t, torch.Tensor)}
 
 
-def block_under_op_level_ac(family: str, flavor: str, layer: str, bf16: bool, part: str = "",
+def block_under_op_level_ac(family: str, flavor: str, layer: str, bf16: bool, part: str = "", T: int = 64,
                             **overrides) -> tuple[float, int]:
-    """(the planner's bytes op-level AC keeps of one block at B 2, T 64 on a CPU, what it keeps),
-    of the flavor with `overrides`; with `part` = "feed_forward" that sublayer alone (its matmul
-    outputs), run on a random input."""
+    """(the planner's bytes op-level AC keeps of one block at B 2, T tokens on a CPU, what it
+    keeps), of the flavor with `overrides`; with `part` = "feed_forward" that sublayer alone (its
+    matmul outputs), run on a random input."""
     model = built(family, flavor, tuple(sorted(overrides.items())))
-    B, T = 2, 64
+    B = 2
     h, rope, mask = block_inputs(model, layer, B, T)
     job = Job(shape=model_shape(model.args, T), seq_len=T, global_batch_size=B, gpu=False, bf16=bf16)
     shape, lay = job.shape.blocks[int(layer)], Layout(micro_batch_size=B, ac="selective")

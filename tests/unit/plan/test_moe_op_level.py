@@ -4,7 +4,8 @@ autocast: every `mm`, `addmm` and grouped matmul's output (forja/parallel/ac.py)
 fp32 logits and the shared experts' projection down among them. Each family's kind of layer:
 SwiGLU experts without shared ones (Qwen3, Mixtral), with a shared expert (DeepSeek-V3, Kimi
 Linear), a gated shared expert (Qwen3.5), gpt-oss's biased router and clamped experts, Llama 4's
-scaled inputs, Nemotron-H's squared-ReLU experts."""
+scaled inputs, Nemotron-H's squared-ReLU experts; and whole blocks, their mixers with them
+(gpt-oss's attention sinks: the scores written out, their two bmms' outputs kept)."""
 
 from __future__ import annotations
 
@@ -39,11 +40,14 @@ def test_op_level_ac_keeps_an_moe_layers_matmul_outputs(name, bf16):
 # Whole blocks whose sequence mixer is priced exactly, measured 1.000 in each (fp32 and bf16);
 # before: qwen3 0.992, 0.985; deepseek_v3 0.933, 0.941 (0.786, 0.661 before latent attention's
 # own count); llama4 0.872, 0.869; mixtral 0.993, 0.986; nemotron_h 0.790, 0.781; kimi_linear's
-# KDA block 0.919, 0.914 and MLA block 0.924, 0.934. (Gated DeltaNet blocks, Qwen3.5's and
-# Qwen3-Next's, are not here: their mixer's op-level count is 1.05-1.07 with or without experts.)
+# KDA block 0.919, 0.914 and MLA block 0.924, 0.934; Qwen3.5's Gated DeltaNet block 1.053, 1.053
+# (the rule's output counted, wb's and wa's not: test_gated_deltanet_op_level.py); gpt-oss's
+# sliding and full blocks 1.002, 1.146 each (the attention sinks' scores, written out, priced as
+# fp32 with a log-sum-exp: under autocast their bmm gives them in bf16, and there is no lse).
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name,layer", [("qwen3", "1"), ("deepseek_v3", "1"), ("llama4", "1"), ("mixtral", "0"),
-                                        ("nemotron_h", "6"), ("kimi_linear", "1"), ("kimi_linear", "3")])
+                                        ("nemotron_h", "6"), ("kimi_linear", "1"), ("kimi_linear", "3"),
+                                        ("qwen3_5", "0"), ("gpt_oss", "0"), ("gpt_oss", "1")])
 def test_op_level_ac_keeps_an_moe_blocks_matmul_outputs(name, layer, bf16):
     family, flavor, _ = LAYERS[name]
     predicted, actual = block_under_op_level_ac(family, flavor, layer, bf16)
