@@ -36,6 +36,11 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    # cuDNN's SDPA (torch's choice on Hopper and Blackwell where it applies) and FlexAttention's
+    # higher-order op (forja's attention on CUDA): the memory model prices their outputs as kept
+    # (forja/plan/activations.py), and recomputing them would run attention's forward twice.
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.higher_order.flex_attention,
 }
 
 

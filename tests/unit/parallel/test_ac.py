@@ -75,6 +75,26 @@ def test_alternate_matmuls_recompute_every_second_mm_and_match_the_block():
     torch.testing.assert_close(grad_alt, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("op", [torch.ops.aten._scaled_dot_product_flash_attention.default,
+                                torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                                torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+                                torch.ops.higher_order.flex_attention],
+                         ids=["flash", "efficient", "cudnn", "flex"])
+def test_op_level_ac_keeps_every_cuda_attention_kernels_output(op):
+    """The GPU's attention kernels cannot run here with gradients (FlexAttention has no CPU
+    backward): the policy itself is asked. What it keeps is what the memory model prices as
+    kept (forja/plan/activations.py: the output and log-sum-exp); a kernel it left out would be
+    recomputed in backward, attention's forward run twice. Without gradients (an indexer's
+    scores) nothing is kept."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from forja.parallel.ac import _save_matmuls
+
+    assert _save_matmuls(None, op) == CheckpointPolicy.MUST_SAVE
+    with torch.no_grad():
+        assert _save_matmuls(None, op) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def test_alternate_matmuls_compile():
     torch.manual_seed(0)
     block, x = CheckpointedBlock(_FourMatmuls(), op_level=True, alternate=True), torch.randn(4, 16, requires_grad=True)
