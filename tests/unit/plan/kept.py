@@ -2,15 +2,18 @@
 storages the forward made (seen op by op) that outlive it. Shared by the planner's block tests
 (test_mamba2_activations.py, test_v4_activations.py, test_kda_activations.py,
 test_gemma4_activations.py, test_latent_activations.py, test_moe_op_level.py), each pricing its
-kinds against it."""
+kinds against it; and what a block's forward saves for backward without checkpointing, through
+aliases (`saved_through_aliases`)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 from collections.abc import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from forja.models.common.moe import moe_layers
@@ -47,6 +50,33 @@ def kept_by_checkpoint(block: torch.nn.Module, args: tuple, kwargs: dict | None 
     left_out |= {t.untyped_storage().data_ptr() for t in [out, *given]}
     alive = {s.data_ptr(): s.nbytes() for ref in made if (s := ref()) is not None}
     return sum(n for ptr, n in alive.items() if ptr not in left_out)
+
+
+def saved_through_aliases(block: torch.nn.Module, h: torch.Tensor, *rest, fake: bool, bf16: bool,
+                          within: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> int:
+    """Bytes of the distinct storages autograd saves in `block(h, *rest)`'s forward and still
+    holds when it returns (parameters excluded), on fake tensors with `fake`, under bf16 autocast
+    with `bf16`, inside `within()` (a kernel's stand-in). The hook hands autograd a detached alias:
+    the tensor itself would make an output its own node saves (exp's, sigmoid's) hold that node,
+    keeping a branch nothing reads alive."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    to_mode = mode.from_tensor if fake else (lambda t: t)
+    params = [to_mode(p) for p in block.parameters()]  # held: their storages stay theirs
+    skip = {p.untyped_storage()._cdata for p in params}
+    packed: list[weakref.ref] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        alias = t.detach()
+        packed.append(weakref.ref(alias))
+        return alias
+
+    with mode, within(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = block(to_mode(h), *rest)  # held: its graph holds what backward would read
+        storages = [t.untyped_storage() for ref in packed if (t := ref()) is not None]
+        kept = {s._cdata: s.nbytes() for s in storages if s._cdata not in skip}
+    del out
+    return sum(kept.values())
 
 
 def moe_records(model: torch.nn.Module) -> set[int]:

@@ -11,13 +11,10 @@ real token counts."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import weakref
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from forja.models import build_from_args, model_args
 from forja.plan.activations import attention_saved, widths
@@ -25,7 +22,7 @@ from forja.plan.job import Job
 from forja.plan.layout import Layout
 from forja.plan.memory import block_activations, weight_casts
 from forja.plan.shape import model_shape
-from tests.unit.plan.kept import kept_by_checkpoint
+from tests.unit.plan.kept import kept_by_checkpoint, saved_through_aliases
 
 B = 2
 LENGTHS = [64, 56, 12]  # four whole chunks, a padded last chunk, one padded chunk
@@ -34,32 +31,6 @@ LENGTHS = [64, 56, 12]  # four whole chunks, a padded last chunk, one padded chu
 @functools.cache
 def _model():
     return build_from_args(model_args("kimi_linear", "debug"))
-
-
-def _saved_bytes(block: torch.nn.Module, h: torch.Tensor, mask, bf16: bool) -> int:
-    """Bytes of the distinct storages autograd saves in the block's forward and still holds when
-    it returns (parameters excluded), on fake tensors under bf16 autocast. Unlike
-    test_shape_activations' `saved_bytes`, the hook hands autograd a detached alias: the tensor
-    itself would make an output its own node saves (exp's, sigmoid's) hold that node, keeping a
-    branch nothing reads alive (in one chunk the rule's unused state update: 1% of the block)."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if bf16 else contextlib.nullcontext()
-    to_mode = mode.from_tensor if bf16 else (lambda t: t)
-    params = [to_mode(p) for p in block.parameters()]  # held: their storages stay theirs
-    skip = {p.untyped_storage()._cdata for p in params}
-    packed: list[weakref.ref] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        alias = t.detach()
-        packed.append(weakref.ref(alias))
-        return alias
-
-    with mode, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = block(to_mode(h), None, mask)  # held: its graph holds what backward would read
-        storages = [t.untyped_storage() for ref in packed if (t := ref()) is not None]
-        kept = {s._cdata: s.nbytes() for s in storages if s._cdata not in skip}
-    del out
-    return sum(kept.values())
 
 
 def _setting(layer: int, T: int, bf16: bool, ac: str):
@@ -77,7 +48,8 @@ def _predicted_and_actual(layer: int, T: int, bf16: bool, ac: str) -> tuple[floa
     block, h, mask, job, shape, lay = _setting(layer, T, bf16, ac)
     kept, _ = block_activations(job, lay, shape, layer)
     if ac == "none":
-        return kept * B * T + weight_casts(job, lay, shape, layer), _saved_bytes(block, h, mask, bf16)
+        saved = saved_through_aliases(block, h, None, mask, fake=bf16, bf16=bf16)
+        return kept * B * T + weight_casts(job, lay, shape, layer), saved
     kept -= h.shape[-1] * 4  # the block's fp32 input, which AC keeps but the block did not make
     return kept * B * T, kept_by_checkpoint(block, (h, None, mask), bf16=bf16)
 

@@ -7,11 +7,8 @@ than keys send CPU SDPA down its math path, which keeps the fp32 scores; a GPU's
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend
 
 from forja.models import model_args
@@ -20,7 +17,7 @@ from forja.plan.layout import Layout
 from forja.plan.memory import block_activations, weight_casts
 from forja.plan.shape import model_shape
 from forja.train.rehearse.kernels import gpu_attention
-from tests.unit.plan.kept import block_under_op_level_ac
+from tests.unit.plan.kept import block_under_op_level_ac, saved_through_aliases
 from tests.unit.plan.test_shape_activations import block_inputs, built, predicted_and_saved, saved_bytes
 
 # (family, flavor, layer, overrides): V3 dense and MoE; V3.2's selection (top-k 8 of 64 keys);
@@ -110,29 +107,6 @@ def test_only_a_cpu_keeps_latent_attentions_scores():
     assert per_token[False, 4096] - per_token[True, 4096] > args.n_heads * 4096 * 4
 
 
-def _saved_on_the_gpus_kernel(block: torch.nn.Module, h: torch.Tensor, rope, mask, bf16: bool) -> int:
-    """Bytes of the storages autograd saves in the block's forward, on fake tensors with the
-    memory-efficient kernel a GPU takes for latent attention (the rehearsal's stand-in,
-    forja/train/rehearse/kernels.py: the kernel's own op, its fake shapes and derivative)."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    params = [mode.from_tensor(p) for p in block.parameters()]  # held: their storages stay theirs
-    skip = {p.untyped_storage()._cdata for p in params}
-    packed: list[weakref.ref] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        alias = t.detach()
-        packed.append(weakref.ref(alias))
-        return alias
-
-    with mode, gpu_attention(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = block(mode.from_tensor(h), rope, mask)  # held: its graph holds what backward would read
-        storages = [t.untyped_storage() for ref in packed if (t := ref()) is not None]
-        kept = {s._cdata: s.nbytes() for s in storages if s._cdata not in skip}
-    del out
-    return sum(kept.values())
-
-
 # Measured predicted / saved (fp32, bf16): 0.995, 0.994 with a query latent, 0.994, 0.994
 # without; before (the latents' norms priced as 3 (r_kv + d_r + 2 r_q) a token, v as wide as
 # itself): 1.022, 1.018 and 0.964, 0.997.
@@ -144,7 +118,7 @@ def test_a_latent_block_on_a_gpus_kernel_saves_what_the_planner_counts(q_lora_ra
     model = built("deepseek_v3", "debug", (("q_lora_rank", q_lora_rank),))
     B, T = 2, 64
     h, rope, mask = block_inputs(model, "0", B, T)
-    actual = _saved_on_the_gpus_kernel(model.layers["0"], h, rope, mask, bf16)
+    actual = saved_through_aliases(model.layers["0"], h, rope, mask, fake=True, bf16=bf16, within=gpu_attention)
     job = Job(shape=model_shape(model.args, T), seq_len=T, global_batch_size=B, gpu=True, bf16=bf16)
     lay, shape = Layout(micro_batch_size=B), job.shape.blocks[0]
     predicted = block_activations(job, lay, shape, 0)[0] * B * T + weight_casts(job, lay, shape, 0)
