@@ -2,7 +2,7 @@
 "Rehearsal"): each case runs forja's build and one step on fake devices in this process.
 
     python bench/rehearse.py                 # every case (minutes on a 2-core CPU)
-    python bench/rehearse.py --only 8B       # the cases whose name holds "8B"
+    python bench/rehearse.py --only 8B       # the cases whose name holds "8B" (or any of "8B,70B")
     python bench/rehearse.py --families      # every family's published flavors at one layout
 
 Columns: the planner's per-rank peak for the rehearsed program (eager, no fused kernels:
@@ -126,7 +126,7 @@ def run(case: Case) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="", help="run the cases whose name holds this")
+    p.add_argument("--only", default="", help="run the cases whose name holds this (or one of these, comma-separated)")
     p.add_argument("--families", action="store_true",
                    help="every published flavor of every family at one layout, instead of the cases above")
     args = p.parse_args()
@@ -134,7 +134,7 @@ def main() -> int:
           "| published GiB | rehearsal s |")
     print("|---|---:|---|---:|---:|---:|---|---:|---:|---:|")
     for case in family_cases() if args.families else CASES:
-        if args.only not in case.name:
+        if not any(name.strip() in case.name for name in args.only.split(",")):
             continue
         try:
             row = run(case)

@@ -4,8 +4,9 @@
 - selective, every k-th block (`parallel.ac_every = k`): full checkpointing of blocks
   0, k, 2k, ...; the others keep everything.
 - selective, op-level (`ac_every = 0`): every block keeps the outputs of its matmuls and
-  attention (expensive to recompute) and recomputes the cheap elementwise ops (norms,
-  activations, RoPE), which hold much of the memory (Korthikanti et al. 2022). With
+  attention (expensive to recompute), of expert parallelism's all-to-alls (communication) and
+  of the router's top-k (the experts those rows went to), and recomputes the cheap elementwise
+  ops (norms, activations, RoPE), which hold much of the memory (Korthikanti et al. 2022). With
   `ac_matmuls = "alternate"` it keeps only every second `mm` of a block's (the 1st, 3rd, ...;
   torchtitan's op-level policy), recomputing the others: less memory for more FLOPs.
 
@@ -41,13 +42,25 @@ _SAVED_OPS = {
     # (forja/plan/activations.py), and recomputing them would run attention's forward twice.
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.higher_order.flex_attention,
+    # The router's picks: a recomputed block then routes its tokens as the forward did, to the
+    # experts whose kept rows and matmul outputs backward reads (a recomputed top-k that broke a
+    # tie the other way would pair them with other tokens' weights). Run without gradients (an
+    # indexer's selection) it is recomputed like the rest.
+    torch.ops.aten.topk.default,
 }
+
+
+# Collectives whose outputs op-level selective checkpointing keeps, whatever the grad mode (an
+# autograd Function's forward runs without it): recomputing the block replays what they
+# received instead of communicating again. Expert parallelism's exchanges, counts and rows,
+# there and back (forja/parallel/ep.py), as torchtitan's policy keeps them.
+_SAVED_COLLECTIVES = {torch.ops._c10d_functional.all_to_all_single.default}
 
 
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     # Only what backward reads: a matmul run without gradients (DeepSeek Sparse Attention's
     # indexer scores, (B, T, H_I, T) a block) is recomputed with the block, not kept.
-    saved = op in _SAVED_OPS and torch.is_grad_enabled()
+    saved = (op in _SAVED_OPS and torch.is_grad_enabled()) or op in _SAVED_COLLECTIVES
     return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 

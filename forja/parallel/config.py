@@ -61,7 +61,8 @@ class ParallelConfig:
     ac: Literal["none", "full", "selective"] = "none"
     """Activation checkpointing: none, every block (full), or selective (see ac_every)."""
     ac_every: int = 0
-    """selective: checkpoint every k-th block; 0 means op-level (keep matmul outputs, recompute the rest)."""
+    """selective: checkpoint every k-th block; 0 means op-level (keep the outputs of matmuls, attention,
+    the experts' exchanges and the router's top-k; recompute the rest)."""
     ac_matmuls: Literal["all", "alternate"] = "all"
     """Op-level selective AC's matmuls: keep every one's output ("all"), or every second `mm` of a
     block's, recomputing the others ("alternate", torchtitan's op-level policy: a Llama block's

@@ -10,8 +10,12 @@ every MoE layer moves each routed token-slot to the rank holding its expert and 
       -> regroup by local expert, grouped matmuls, ungroup
       -> all_to_all back                  the results return to the tokens' ranks
 
-`torch.distributed.all_to_all_single` with split sizes runs on NCCL and on Gloo, so EP is
-tested on CPU. The router, the shared experts and attention stay data-parallel.
+`all_to_all_single` with split sizes runs on NCCL and on Gloo, so EP is tested on CPU. The
+router, the shared experts and attention stay data-parallel. EP's exchanges are torch's
+functional collective (`_c10d_functional.all_to_all_single`: a new tensor out of one op), whose
+outputs op-level activation checkpointing keeps (forja/parallel/ac.py): recomputing a block
+replays its exchanges from what the forward received instead of communicating again (the
+process group's own op writes into a buffer the checkpoint cannot keep, and ran them again).
 
 Under tensor parallelism the TP ranks split each MoE layer's tokens between them
 (`SplitTokens` in forja/models/common/tp_plan.py): for the experts they are data-parallel
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard, distribute_tensor
@@ -40,27 +45,43 @@ from forja.models.common.moe import GroupedExperts, moe_layers
 from forja.parallel.dims import ParallelDims
 
 
+def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows x[in_splits[r] block] go to rank r; returns the rows received, by source rank (no
+    gradient). One functional all_to_all_single: op-level AC keeps its output (the module docstring).
+    The wait is torch.distributed's own function: a rank blocked in it shows the hang watchdog
+    (forja/train/resilience/watchdog.py) a collective's frame, as the process group's op did."""
+    out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name)
+    return funcol.wait_tensor(out)
+
+
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; backward sends the gradients back the other way."""
+    """all_to_all_single with uneven splits; backward sends the gradients back the other way.
+    `kept`: through `exchange` (EP's rows), whose output op-level AC keeps; otherwise the process
+    group's own op, which a recomputed block runs again (context parallelism's, forja/parallel/cp/comm.py)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, kept: bool) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.kept = (out_splits, in_splits), group, kept
+        return _all_to_all(x, out_splits, in_splits, group, kept)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
+        return _all_to_all(grad, in_splits, out_splits, ctx.group, ctx.kept), None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """Rows x[in_splits[r] block] go to rank r; returns the rows received, by source rank."""
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, kept: bool) -> torch.Tensor:
+    if kept:
+        return exchange(x, out_splits, in_splits, group)
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, kept: bool = False) -> torch.Tensor:
+    """Rows x[in_splits[r] block] go to rank r; returns the rows received, by source rank
+    (differentiable). `kept`: op-level AC keeps the result rather than exchanging it again."""
+    return _AllToAll.apply(x, out_splits, in_splits, group, kept)
 
 
 class ExpertDispatch:
@@ -83,11 +104,11 @@ class ExpertDispatch:
             # gradients come back in that dtype too, as the matmul makes them).
             x = x.to(torch.get_autocast_dtype(device))
         local = counts.numel() // self.ep
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)  # (ep * local,): rows from each source
+        even = [local] * self.ep
+        received = exchange(counts, even, even, self.group)  # (ep * local,): rows from each source
         received = received.view(self.ep, local)  # (source rank, local expert)
         send, recv = self.split_sizes(counts.view(self.ep, local), received, x.shape[0])
-        rows = all_to_all(x, recv, send, self.group)  # (R, D): by source rank, then by expert
+        rows = all_to_all(x, recv, send, self.group, kept=True)  # (R, D): by source rank, then by expert
         order = _by_expert(received, sum(recv))  # rows regrouped by local expert, then by source
         self._pending.append((order, send, recv))
         return rows[order], received.sum(0)
@@ -103,7 +124,7 @@ class ExpertDispatch:
     def combine(self, module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
         order, send, recv = self._pending.pop()
         back = torch.empty_like(out).index_copy(0, order, out)  # undo the regrouping
-        return all_to_all(back, send, recv, self.group)
+        return all_to_all(back, send, recv, self.group, kept=True)
 
 
 def _by_expert(received: torch.Tensor, total: int) -> torch.Tensor:

@@ -37,11 +37,13 @@ from forja.plan.layout import Layout
 from forja.plan.saved_parts import (  # noqa: F401  (FP32, Widths, widths: read from here by memory.py and tests)
     FP32,
     Widths,
+    exchanged_rows,
     input_copies,
     mask_saved,
     norm_saved,
     post_norm_saved,
     regathered,
+    routing_picks,
     sp_share,
     sublayer_input,
     widths,
@@ -274,7 +276,9 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
     matmuls = (cf * k * (ups * h + L) + latent * (L + a.dim)) * w.lin + a.n_experts * FP32
     if a.shared_width:
         matmuls += (ups * a.shared_width + a.dim + block.shared_expert_gate) * w.lin
+    matmuls += routing_picks(a) + exchanged_rows(lay, cf * k, L, w.lin)
     return norm + (routed + shared + router) / t, matmuls / t
+
 
 
 def mtp_saved(job: Job, lay: Layout, w: Widths) -> float:

@@ -110,6 +110,7 @@ def _experts(job: Job, lay: Layout, w: base.Widths) -> tuple[float, float]:
     slots = k * ((casts + 4 * h / D + 1) * D * lin + D * FP32)  # rows, GeGLU, output; it times the weight
     kept = router + routing + D * res + slots  # D * res: the experts' norm's normalized x
     matmuls = E * FP32 + k * (2 * h + D) * lin  # the gate's fp32 logits; w1, w3, w2 per slot
+    matmuls += base.routing_picks(a) + base.exchanged_rows(lay, k, D, lin)  # kept by op-level AC too
     return kept / lay.tp, matmuls / lay.tp
 
 

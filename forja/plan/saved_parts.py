@@ -92,3 +92,21 @@ def mask_saved(job: Job, lay: Layout, block: BlockShape) -> float:
         return 0.0
     rows = 1.0 if job.document_mask else 1 / lay.sequences_per_microbatch(job.global_batch_size)
     return rows * job.seq_len * (2 if job.gpu and job.bf16 else FP32)
+
+
+def routing_picks(a) -> float:
+    """Bytes per token of a router's top-k picks (fp32 values, int64 indices), which op-level AC
+    keeps so that a recomputed block routes as its forward did (forja/parallel/ac.py): each
+    token's k experts, and with grouped routing its groups' top-2 scores and its best groups."""
+    groups = getattr(a, "n_expert_groups", 1)
+    groups = groups if groups > 1 else 0
+    top2 = 2 if getattr(a, "group_score", "") == "top2_sum" else 0
+    return (FP32 + 8) * (a.top_k + groups * top2 + (a.topk_groups if groups else 0))
+
+
+def exchanged_rows(lay: Layout, slots: float, width: int, lin: int) -> float:
+    """Bytes per token of what the experts' exchanges received, there and back, which op-level
+    AC keeps so that backward's recompute replays them instead of communicating again
+    (forja/parallel/ep.py): `slots` rows `width` wide each way, in the matmuls' dtype, when the
+    experts are spread over ranks (EP, or TP's ranks as the experts' own)."""
+    return 2 * slots * width * lin if lay.ep > 1 or lay.tp > 1 else 0.0

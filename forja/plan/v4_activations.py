@@ -34,6 +34,7 @@ from __future__ import annotations
 from forja.models.deepseek_v4.model import DeepSeekV4Args
 from forja.plan.job import Job
 from forja.plan.layout import Layout
+from forja.plan.saved_parts import exchanged_rows, routing_picks
 from forja.plan.shape import BlockShape
 
 FP32 = 4
@@ -109,4 +110,5 @@ def v4_block_saved(job: Job, lay: Layout, block: BlockShape, lin: int, res: int,
     matmuls += (projections + H * keys + H * hd + a.o_groups / t * a.o_lora_rank + D) * lin  # scores .. wo_b
     k, W, S = a.top_k, a.moe_ffn_dim, a.shared_width
     matmuls += (a.n_experts * FP32 + (k * (2 * W + D) + (2 * S + D if S else 0)) * lin) / t
+    matmuls += (routing_picks(a) + exchanged_rows(lay, k, D, lin)) / t  # the router's picks, the exchanges
     return full, matmuls

@@ -85,3 +85,42 @@ def test_ep2_layer_matches_one_process(case, ep_results):
         if not name.startswith("experts."):
             total = sum(grads[name] for _, _, grads in results)
             torch.testing.assert_close(total, p.grad, atol=1e-5, rtol=1e-5)
+
+
+def _wait_seen(rank: int, world: int, flag: str):
+    """Rank 0 enters an exchange while rank 1 holds back until a thread of rank 0's has read
+    the collective the hang watchdog would report it waiting in (None after 20 s)."""
+    import os
+    import sys
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from forja.parallel.ep import all_to_all
+    from forja.train.resilience.watchdog import locate
+
+    seen = []
+    if rank == 0:
+        main = threading.get_ident()
+
+        def sample() -> None:
+            deadline = time.monotonic() + 20
+            while not seen and time.monotonic() < deadline:
+                collective = locate(sys._current_frames().get(main))[0]
+                seen.extend([collective] if collective is not None else [])
+                time.sleep(0.005)
+            open(flag, "w").close()
+
+        threading.Thread(target=sample, daemon=True).start()
+    else:
+        while not os.path.exists(flag):
+            time.sleep(0.01)
+    all_to_all(torch.ones(4, DIM), [2, 2], [2, 2], dist.group.WORLD, kept=True)
+    return seen
+
+
+def test_a_rank_waiting_in_an_exchange_is_seen_in_a_collective(tmp_path):
+    """EP's exchanges are functional collectives: a rank blocked in one still shows the hang
+    watchdog a torch.distributed frame (forja/train/resilience/watchdog.py), not 'not in a collective'."""
+    assert run_distributed(_wait_seen, 2, str(tmp_path / "sampled"))[0] == ["wait_tensor"]

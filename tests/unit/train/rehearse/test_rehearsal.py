@@ -132,7 +132,7 @@ def test_experts_move_their_rows_over_the_ep_group_as_routed():
     rows = {(c["kind"], c["group"]): c for c in rank.collectives}
     # Each MoE layer, each micro-batch: the counts, the rows there and back in forward, the
     # rows' gradients both ways in backward.
-    assert rows[("alltoall_base", "ep")]["count"] == 5 * moe * rank.microbatches_rehearsed
+    assert rows[("all_to_all_single", "ep")]["count"] == 5 * moe * rank.microbatches_rehearsed
     assert any("balanced router" in note for note in r.notes)
 
 
