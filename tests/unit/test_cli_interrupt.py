@@ -4,6 +4,7 @@ process by SIGINT (-2) instead of its exit code. forja's own Interrupted is not 
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -30,8 +31,10 @@ PROGRAM = textwrap.dedent("""
 @pytest.mark.parametrize(("handler", "code"), [("python", -2), ("forja", 3)])
 def test_a_caught_ctrl_c_keeps_the_exit_code_under_python_m(tmp_path, handler, code):
     (tmp_path / "ctrl_c_program.py").write_text(PROGRAM)
+    # SIGINT as a terminal's program has it: a suite started in the background (a CI job, `make
+    # test &`) runs with it ignored, which its children inherit, and no Ctrl-C would reach them.
     done = subprocess.run([sys.executable, "-m", "ctrl_c_program", handler], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # Python's own handler: the CPython behaviour forja works around (it shows the test can fail).
     assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
     assert done.stdout.strip() == ("Interrupted" if handler == "forja" else "KeyboardInterrupt"), done.stdout
