@@ -48,7 +48,7 @@ train: $(VENV)/.installed-train
 # stay in one process). The serial tests (process groups of 2-4 ranks, one thread a rank, idle
 # while ranks start and meet) then run two files at a time. Last, alone, the drills timed by
 # sleeps, deadlines and signals (marked `alone`). One file at a time these two passes took
-# 10 min 15 s here; split so, 6 min 18 s and 3 min 4 s in a clean clone's .ci/run (2026-12-07).
+# 10 min 15 s here; split so, 6 min 53 s and 3 min 32 s in a clean clone's .ci/run (2026-12-07, evening).
 # 3 on 2 cores: with 2 the pass kept 1.78 cores busy (subprocesses starting, a worker waiting on one).
 TEST_WORKERS ?= 3
 # Three workers' OpenMP teams (torch's intra-op threads, one per core each) share 2 cores. By
