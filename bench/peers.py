@@ -158,6 +158,19 @@ def shape_and_tokens(size: dict, sets: list[str], out: Path, rows: int) -> tuple
     return model_shape(args, size["seq_len"]), config_from_args(args), flops, paths
 
 
+def run_spec(size: dict, sets: list[str], out: Path, *, device: str, host: str, warmup: int,
+             per_document: bool) -> tuple[dict, int]:
+    """What every contender's worker is started with (the shape, the token rows' paths, the
+    precision, the host settings, the optimizer, the recipe and its overrides), and the model's
+    FLOPs per token."""
+    shape, hf_config, flops, paths = shape_and_tokens(size, sets, out, rows=size["batch"] * 8)
+    spec = {"shape": shape, "hf_config": hf_config, "batch": size["batch"], "seq_len": size["seq_len"],
+            **paths, "precision": size["precision"], "device": device, "ac": "none", "warmup": warmup,
+            "threads": torch.get_num_threads(), "host": host, "optim": OPTIM, "seed": 0,
+            "recipe": size["recipe"], "per_document": per_document, "forja_sets": [*size["sets"], *sets]}
+    return spec, flops
+
+
 def same_attention(entries: list[Entry]) -> None:
     """Stop, naming each contender's count, when the attention masks the started contenders
     built for the first batch let different (query, key) pairs through (their digests differ):
@@ -326,13 +339,9 @@ def main(argv: list[str] | None = None) -> dict:
         titan = str(ensure_env(wheels=args.wheels))
     only = {n.strip() for n in args.only.split(",") if n.strip()} or None
     entries = contenders(titan, only)
-    shape, hf_config, flops, paths = shape_and_tokens(size, args.sets, out, rows=size["batch"] * 8)
-    spec = {"shape": shape, "hf_config": hf_config, "batch": size["batch"], "seq_len": size["seq_len"],
-            **paths, "precision": size["precision"], "device": args.device, "ac": "none", "warmup": args.warmup,
-            "threads": torch.get_num_threads(), "host": HOSTS[args.host], "optim": OPTIM, "seed": 0,
-            "recipe": size["recipe"], "per_document": (args.attention or size["attention"]) == "documents",
-            "forja_sets": [*size["sets"], *args.sets]}
-    print(f"peers: {args.size} on {args.device}, shape {shape}, batch {size['batch']} x {size['seq_len']}, "
+    spec, flops = run_spec(size, args.sets, out, device=args.device, host=HOSTS[args.host], warmup=args.warmup,
+                           per_document=(args.attention or size["attention"]) == "documents")
+    print(f"peers: {args.size} on {args.device}, shape {spec['shape']}, batch {size['batch']} x {size['seq_len']}, "
           f"attention {args.attention or size['attention']}", flush=True)
     if args.check_attention:
         return attention_check(entries, spec, out, args.timeout)

@@ -34,15 +34,11 @@ import peers_forja  # noqa: E402
 
 
 def spec_for(size: str, sets: list[str], out: Path) -> dict:
-    """bench/peers.py's spec for `size`, forja's compile switch read from `sets`."""
-    shape = peers.SIZES[size]
-    model_shape, hf_config, _, paths = peers.shape_and_tokens(shape, sets, out, rows=shape["batch"] * 8)
-    compiled = any(s.replace(" ", "") == "parallel.compile=true" for s in sets)
-    return {"shape": model_shape, "hf_config": hf_config, "batch": shape["batch"], "seq_len": shape["seq_len"],
-            **paths, "precision": shape["precision"], "device": "cpu", "ac": "none", "warmup": 0,
-            "threads": torch.get_num_threads(), "host": peers.HOSTS["forja"], "optim": peers.OPTIM, "seed": 0,
-            "recipe": shape["recipe"], "per_document": False, "forja_sets": [*shape["sets"], *sets],
-            "compile": compiled}
+    """bench/peers.py's spec for `size` (causal attention, forja's host settings), forja's
+    compile switch read from `sets`."""
+    spec, _ = peers.run_spec(peers.SIZES[size], sets, out, device="cpu", host=peers.HOSTS["forja"], warmup=0,
+                             per_document=False)
+    return {**spec, "compile": any(s.replace(" ", "") == "parallel.compile=true" for s in sets)}
 
 
 def timed(steps: dict, rounds: int) -> dict[str, list[float]]:

@@ -280,7 +280,6 @@ def ffn_saved(job: Job, lay: Layout, block: BlockShape, w: Widths) -> tuple[floa
     return norm + (routed + shared + router) / t, matmuls / t
 
 
-
 def mtp_saved(job: Job, lay: Layout, w: Widths) -> float:
     """Bytes per token a multi-token prediction module keeps beyond its block: the embedding's
     and the previous depth's norms and its own final norm (input and normalized x each), and

@@ -34,10 +34,8 @@ from __future__ import annotations
 from forja.models.deepseek_v4.model import DeepSeekV4Args
 from forja.plan.job import Job
 from forja.plan.layout import Layout
-from forja.plan.saved_parts import exchanged_rows, routing_picks
+from forja.plan.saved_parts import FP32, exchanged_rows, routing_picks
 from forja.plan.shape import BlockShape
-
-FP32 = 4
 
 
 def _hyper_connections(a: DeepSeekV4Args, lin: int, res: int) -> float:
